@@ -1,0 +1,583 @@
+"""Conversation history: chats and their messages in one SQLite file, saved as they go.
+
+Contract:
+- The file is ``<data dir>/history.sqlite3`` unless a path is given; the data dir is
+  ``specchat.backend.paths.data_dir()`` (which honours ``SPECCHAT_DATA_DIR``). The file is created owner-only
+  (0600; SQLite gives its -wal/-shm files the same mode) and a missing folder is created 0700.
+- WAL journal and a 10 s ``busy_timeout``: several specchat processes read and write the same history at once.
+  Every write is one ``BEGIN IMMEDIATE`` transaction, so a second writer waits for the lock instead of failing.
+  ``synchronous=NORMAL``: a committed write survives the process being killed (``kill -9``); a power cut may
+  lose the last few commits but leaves the file consistent.
+- The schema is versioned with ``PRAGMA user_version``: ``MIGRATIONS[i]`` takes version i to i + 1; pending
+  ones run in order inside one transaction together with the version bump (all or nothing).
+- A file that is not a database, or fails ``PRAGMA quick_check``, is renamed to
+  ``history.sqlite3.corrupt-<timestamp>`` (never deleted) and a new empty history is started;
+  ``recovered_from`` / ``recovery_message`` tell the UI, which shows the message. Nothing is raised for that.
+- Threads: one connection opened with ``check_same_thread=False`` and serialised by a lock, so the UI thread and
+  a :class:`StreamingSaver`'s flusher thread share one store safely.
+- Times (``created_at``, ``updated_at``) are Unix seconds (float). Message roles: system, user, assistant.
+
+User-facing failures (unwritable folder, database locked too long, newer schema) raise :class:`StoreError`.
+:class:`StreamingSaver` saves a streaming reply from a background thread, never more than ``interval_s`` behind
+what was appended, so a crash or kill loses at most the last ``interval_s`` of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specchat.backend.errors import SpecchatError
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "history.sqlite3"
+BUSY_TIMEOUT_MS = 10_000
+ROLES = ("system", "user", "assistant")
+
+# MIGRATIONS[i] upgrades a version-i database to version i + 1. Append only; never edit a released entry.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (  # 0 -> 1: chats and their messages
+        """CREATE TABLE chats (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            title TEXT NOT NULL,
+            pair TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL)""",
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,
+            chat_id INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            created_at REAL NOT NULL)""",
+    ),
+    (  # 1 -> 2: per-reply statistics, and whether a reply finished (a streaming reply is saved incomplete)
+        "ALTER TABLE messages ADD COLUMN stats TEXT",
+        "ALTER TABLE messages ADD COLUMN complete INTEGER NOT NULL DEFAULT 1",
+        "CREATE INDEX messages_by_chat ON messages(chat_id, id)",
+        "CREATE INDEX chats_by_update ON chats(updated_at)",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+_CORRUPTION_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
+
+
+class StoreError(SpecchatError):
+    """The history could not be read or written; the message names the file and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatSummary:
+    id: int
+    title: str
+    pair: str
+    created_at: float  # Unix seconds
+    updated_at: float  # Unix seconds: last message added or changed
+    message_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    id: int
+    role: str  # "system" | "user" | "assistant"
+    content: str
+    stats: dict | None  # the reply's SpecStats.to_dict(), or None
+    created_at: float  # Unix seconds
+    complete: bool  # False: a reply saved while streaming, or stopped / killed before it finished
+
+
+def default_data_dir() -> Path:
+    """specchat's data folder: backend/paths.data_dir() when present, else platformdirs (+ SPECCHAT_DATA_DIR)."""
+    try:
+        from specchat.backend.paths import data_dir
+    except ModuleNotFoundError as exc:
+        if exc.name != "specchat.backend.paths":
+            raise
+        env = os.environ.get("SPECCHAT_DATA_DIR")
+        if env:
+            return Path(env).expanduser()
+        import platformdirs
+
+        return Path(platformdirs.user_data_dir("specchat", appauthor=False))
+    return Path(data_dir())
+
+
+def _is_corruption(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in _CORRUPTION_CODES
+    text = str(exc).lower()
+    return "not a database" in text or "malformed" in text
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class ChatStore:
+    """The chat history. Safe to share between threads; several processes may open the same file."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        in_data_dir = path is None
+        self.path = (default_data_dir() / DB_NAME) if path is None else Path(path).expanduser()
+        self.recovered_from: Path | None = None  # where a damaged database was moved, if it was
+        self.recovery_message: str | None = None  # the message to show the user about it
+        self._lock = threading.RLock()
+        self._prepare_dir(tighten=in_data_dir)
+        try:
+            self._conn: sqlite3.Connection | None = self._open()
+        except _Corrupt as exc:
+            self._move_aside(str(exc))
+            self._conn = self._open()
+
+    # -- opening ---------------------------------------------------------------------------------------------
+    def _prepare_dir(self, *, tighten: bool) -> None:
+        folder = self.path.parent
+        try:
+            if not folder.exists():
+                folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                os.chmod(folder, 0o700)
+            elif tighten and folder.stat().st_uid == os.geteuid() and folder.stat().st_mode & 0o077:
+                os.chmod(folder, 0o700)  # specchat's own data folder: owner only
+        except OSError as exc:
+            raise StoreError(
+                f"cannot create the history folder {folder}: {exc.strerror or exc}. Make it writable, or set "
+                "SPECCHAT_DATA_DIR to a folder you can write."
+            ) from exc
+
+    def _create_private(self) -> None:
+        """Create the database file 0600 before SQLite does (SQLite would use the umask: often 0644)."""
+        try:
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise StoreError(
+                f"cannot create the history file {self.path}: {exc.strerror or exc}. Make its folder writable, "
+                "or set SPECCHAT_DATA_DIR to a folder you can write."
+            ) from exc
+        for suffix in ("", "-wal", "-shm"):
+            file = Path(f"{self.path}{suffix}")
+            try:
+                st = file.stat()
+                if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+                    os.chmod(file, 0o600)
+            except OSError:
+                pass  # absent side file, or not ours: SQLite reports real access problems below
+
+    def _open(self) -> sqlite3.Connection:
+        self._create_private()
+        try:
+            conn = sqlite3.connect(
+                self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the history file {self.path}: {exc}. Check its permissions.") from exc
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            if conn.execute("PRAGMA journal_mode = WAL").fetchone()[0] != "wal":
+                log.warning("%s: this file system does not support WAL; concurrent writers will wait longer", self.path)
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            check = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
+            if check != ["ok"]:
+                raise _Corrupt("; ".join(str(c) for c in check[:3]))
+            self._migrate(conn)
+        except sqlite3.Error as exc:
+            conn.close()
+            if _is_corruption(exc):
+                raise _Corrupt(str(exc)) from exc
+            raise StoreError(
+                f"cannot open the history file {self.path}: {exc}. If another specchat is busy with it, wait and "
+                "retry; otherwise check the file's permissions."
+            ) from exc
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _migrate(self, conn: sqlite3.Connection) -> None:
+        if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process may have migrated
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"the history file {self.path} was written by a newer specchat (schema {version}; this one "
+                    f"knows up to {SCHEMA_VERSION}). Upgrade specchat, or set SPECCHAT_DATA_DIR to another folder."
+                )
+            for step in MIGRATIONS[version:]:
+                for statement in step:
+                    conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _move_aside(self, reason: str) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        try:
+            os.replace(self.path, dest)
+            for suffix in ("-wal", "-shm"):  # the journal belongs to the damaged file: keep them together
+                side = Path(f"{self.path}{suffix}")
+                if side.exists():
+                    os.replace(side, Path(f"{dest}{suffix}"))
+        except FileNotFoundError:
+            return  # another specchat moved it aside first (and tells its user)
+        except OSError as exc:
+            raise StoreError(
+                f"the history file {self.path} is damaged ({reason}) and could not be moved aside: "
+                f"{exc.strerror or exc}. Move it away yourself (nothing was deleted) and start specchat again."
+            ) from exc
+        self.recovered_from = dest
+        self.recovery_message = (
+            f"The chat history {self.path} was damaged ({reason}). It was moved to {dest} — nothing was "
+            "deleted — and a new, empty history was started. Older chats may be recoverable from that file "
+            "with the sqlite3 shell's .recover command."
+        )
+        log.warning("%s", self.recovery_message)
+
+    # -- transactions ------------------------------------------------------------------------------------------
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StoreError(f"the history {self.path} is closed; reopen it with ChatStore().")
+        return self._conn
+
+    @contextmanager
+    def _read(self, what: str) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                yield self._connection()
+            except sqlite3.Error as exc:
+                raise StoreError(f"could not {what} from the history {self.path}: {exc}.") from exc
+
+    @contextmanager
+    def _write(self, what: str) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._connection()
+            try:
+                conn.execute("BEGIN IMMEDIATE")  # take the write lock now: the busy timeout applies
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                raise StoreError(
+                    f"could not {what} in the history {self.path}: {exc}. If the disk is full or another program "
+                    "holds the file, free space or close it and retry."
+                ) from exc
+
+    @staticmethod
+    def _touch(conn: sqlite3.Connection, chat_id: int, now: float) -> None:
+        conn.execute("UPDATE chats SET updated_at = ? WHERE id = ?", (now, chat_id))
+
+    def _require_chat(self, conn: sqlite3.Connection, chat_id: int) -> None:
+        if conn.execute("SELECT 1 FROM chats WHERE id = ?", (chat_id,)).fetchone() is None:
+            raise StoreError(
+                f"chat {chat_id} is not in the history {self.path}; it may have been deleted in another specchat "
+                "window. Start a new chat."
+            )
+
+    # -- chats -----------------------------------------------------------------------------------------------
+    def create_chat(self, title: str, pair: str) -> int:
+        now = time.time()
+        with self._write("create a chat") as conn:
+            cur = conn.execute(
+                "INSERT INTO chats (title, pair, created_at, updated_at) VALUES (?, ?, ?, ?)",
+                (title.strip() or "New chat", pair, now, now),
+            )
+            return int(cur.lastrowid)
+
+    def list_chats(self) -> list[ChatSummary]:
+        """All chats, the most recently active first."""
+        with self._read("list chats") as conn:
+            rows = conn.execute(
+                "SELECT c.id, c.title, c.pair, c.created_at, c.updated_at,"
+                " (SELECT COUNT(*) FROM messages m WHERE m.chat_id = c.id)"
+                " FROM chats c ORDER BY c.updated_at DESC, c.id DESC"
+            ).fetchall()
+        return [ChatSummary(*row) for row in rows]
+
+    def chat(self, chat_id: int) -> ChatSummary:
+        with self._read("read a chat") as conn:
+            self._require_chat(conn, chat_id)
+            row = conn.execute(
+                "SELECT id, title, pair, created_at, updated_at,"
+                " (SELECT COUNT(*) FROM messages WHERE chat_id = chats.id) FROM chats WHERE id = ?",
+                (chat_id,),
+            ).fetchone()
+        return ChatSummary(*row)
+
+    def last_chat_id(self) -> int | None:
+        with self._read("find the last chat") as conn:
+            row = conn.execute("SELECT id FROM chats ORDER BY updated_at DESC, id DESC LIMIT 1").fetchone()
+        return None if row is None else int(row[0])
+
+    def rename_chat(self, chat_id: int, title: str) -> None:
+        if not title.strip():
+            raise StoreError(f"a chat title cannot be empty (chat {chat_id}); type a name.")
+        with self._write("rename a chat") as conn:
+            self._require_chat(conn, chat_id)
+            conn.execute("UPDATE chats SET title = ? WHERE id = ?", (title.strip(), chat_id))
+
+    def set_pair(self, chat_id: int, pair: str) -> None:
+        """Record the model pair a chat continues with (after a switch in the picker)."""
+        with self._write("change a chat's pair") as conn:
+            self._require_chat(conn, chat_id)
+            conn.execute("UPDATE chats SET pair = ? WHERE id = ?", (pair, chat_id))
+
+    def delete_chat(self, chat_id: int) -> bool:
+        """Delete a chat and its messages; False if it was already gone."""
+        with self._write("delete a chat") as conn:
+            return conn.execute("DELETE FROM chats WHERE id = ?", (chat_id,)).rowcount > 0
+
+    # -- messages --------------------------------------------------------------------------------------------
+    def messages(self, chat_id: int) -> list[StoredMessage]:
+        with self._read("read messages") as conn:
+            self._require_chat(conn, chat_id)
+            rows = conn.execute(
+                "SELECT id, role, content, stats, created_at, complete FROM messages WHERE chat_id = ? ORDER BY id",
+                (chat_id,),
+            ).fetchall()
+        return [StoredMessage(r[0], r[1], r[2], _load_stats(r[3]), r[4], bool(r[5])) for r in rows]
+
+    def add_message(
+        self, chat_id: int, role: str, content: str, stats: dict | None = None, complete: bool = True
+    ) -> int:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        now = time.time()
+        with self._write("save a message") as conn:
+            self._require_chat(conn, chat_id)
+            cur = conn.execute(
+                "INSERT INTO messages (chat_id, role, content, stats, created_at, complete) VALUES (?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, _dump_stats(stats), now, int(complete)),
+            )
+            self._touch(conn, chat_id, now)
+            return int(cur.lastrowid)
+
+    def update_message(
+        self, message_id: int, content: str, stats: dict | None = None, complete: bool | None = None
+    ) -> None:
+        """Replace a message's content; ``stats`` / ``complete`` left as they are when None."""
+        with self._write("save a reply") as conn:
+            row = conn.execute("SELECT chat_id FROM messages WHERE id = ?", (message_id,)).fetchone()
+            if row is None:
+                raise StoreError(
+                    f"message {message_id} is not in the history {self.path}; its chat may have been deleted in "
+                    "another specchat window."
+                )
+            conn.execute(
+                "UPDATE messages SET content = ?, stats = COALESCE(?, stats), complete = COALESCE(?, complete)"
+                " WHERE id = ?",
+                (content, _dump_stats(stats), None if complete is None else int(complete), message_id),
+            )
+            self._touch(conn, row[0], time.time())
+
+    def delete_last_assistant(self, chat_id: int) -> int | None:
+        """Delete the chat's last message if it is an assistant reply (regenerate); returns its id or None."""
+        with self._write("remove the last reply") as conn:
+            row = conn.execute(
+                "SELECT id, role FROM messages WHERE chat_id = ? ORDER BY id DESC LIMIT 1", (chat_id,)
+            ).fetchone()
+            if row is None or row[1] != "assistant":
+                return None
+            conn.execute("DELETE FROM messages WHERE id = ?", (row[0],))
+            self._touch(conn, chat_id, time.time())
+            return int(row[0])
+
+    def export_markdown(self, chat_id: int, path: Path | str) -> Path:
+        """Write the chat as Markdown to ``path`` (a folder: ``<folder>/<title>.md``); returns the file written."""
+        summary = self.chat(chat_id)
+        text = render_markdown(summary, self.messages(chat_id))
+        return write_text_atomic(Path(path).expanduser(), text, default_stem=summary.title)
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __enter__(self) -> ChatStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _dump_stats(stats: dict | None) -> str | None:
+    return None if stats is None else json.dumps(stats, default=str)
+
+
+def _load_stats(raw: str | None) -> dict | None:
+    if raw is None:
+        return None
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        return None  # unreadable stats never hide the message itself
+    return value if isinstance(value, dict) else None
+
+
+# -- Markdown export ---------------------------------------------------------------------------------------------
+_ROLE_HEADINGS = {"system": "System", "user": "You", "assistant": "Assistant"}
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+def _stats_line(stats: dict) -> str:
+    parts = []
+    for key, value in stats.items():
+        if isinstance(value, bool) or isinstance(value, (int, str)):
+            parts.append(f"{key}: {value}")
+        elif isinstance(value, float):
+            parts.append(f"{key}: {value:.3g}")
+    return " · ".join(parts)
+
+
+def render_markdown(chat: ChatSummary, messages: list[StoredMessage]) -> str:
+    """The chat as a Markdown document: title, pair and dates, then one section per message."""
+    lines = [f"# {chat.title}", "", f"*Model pair `{chat.pair}` · started {_when(chat.created_at)} · "
+             f"{len(messages)} messages · exported from specchat*", ""]
+    for message in messages:
+        lines += [f"## {_ROLE_HEADINGS.get(message.role, message.role)} · {_when(message.created_at)}", ""]
+        lines += [message.content.rstrip("\n"), ""]
+        if not message.complete:
+            lines += ["*(reply interrupted: partial text)*", ""]
+        if message.stats:
+            summary = _stats_line(message.stats)
+            if summary:
+                lines += [f"*{summary}*", ""]
+    return "\n".join(lines)
+
+
+def write_text_atomic(path: Path, text: str, *, default_stem: str) -> Path:
+    """Write ``text`` to ``path`` (or ``<path>/<default_stem>.md`` for a folder) via a temp file + rename."""
+    if path.is_dir():
+        stem = re.sub(r"[^\w.-]+", "-", default_stem).strip("-.")[:60] or "chat"
+        path = path / f"{stem}.md"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise StoreError(
+            f"could not export the chat to {path}: {exc.strerror or exc}. Choose a folder you can write to."
+        ) from exc
+    return path
+
+
+# -- saving a reply while it streams -----------------------------------------------------------------------------
+class StreamingSaver:
+    """Saves one reply (an existing message) while its tokens stream in.
+
+    ``append`` only buffers: it never touches SQLite, so decoding never waits on the disk or on another
+    process's lock. A daemon flusher thread writes the whole text so far whenever part of it is unsaved, at most
+    once per ``0.8 * interval_s`` (the remaining fifth of ``interval_s`` is the margin for the write itself), so
+    the text on disk is never more than ``interval_s`` behind what was appended — also when the stream pauses:
+    the flusher does not wait for another token. ``finish`` stops the thread and writes the final text with its
+    stats and ``complete`` flag. A failed background write is retried at the next tick, kept in ``error``, and
+    the final write in ``finish`` raises :class:`StoreError` if it fails too.
+    """
+
+    def __init__(
+        self, store: ChatStore, message_id: int, interval_s: float = 0.5, *, initial_text: str = ""
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, not {interval_s!r}")
+        self.store = store
+        self.message_id = message_id
+        self.interval_s = interval_s
+        self.error: StoreError | None = None
+        self._period = 0.8 * interval_s
+        self._parts = [initial_text]
+        self._dirty = False
+        self._stopping = False
+        self._last_snapshot = float("-inf")  # time.monotonic() of the last snapshot written
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"specchat-saver-{message_id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def text(self) -> str:
+        with self._cond:
+            return "".join(self._parts)
+
+    def append(self, text: str) -> None:
+        if not text:
+            return
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError(f"StreamingSaver for message {self.message_id} was already finished")
+            self._parts.append(text)
+            if not self._dirty:
+                self._dirty = True
+                self._cond.notify()
+
+    def _snapshot(self) -> str:  # called with the condition held
+        text = "".join(self._parts)
+        self._parts = [text]
+        self._dirty = False
+        self._last_snapshot = time.monotonic()
+        return text
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._dirty or self._stopping):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                delay = self._last_snapshot + self._period - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(delay)  # finish() may wake us early; re-evaluate either way
+                    continue
+                text = self._snapshot()
+            try:
+                self.store.update_message(self.message_id, text, complete=False)
+            except SpecchatError as exc:
+                if self.error is None:
+                    log.warning("could not save the streaming reply: %s", exc)
+                self.error = exc if isinstance(exc, StoreError) else StoreError(str(exc))
+                with self._cond:
+                    self._dirty = True  # retry at the next tick
+
+    def finish(self, stats: dict | None = None, complete: bool = True, text: str | None = None) -> str:
+        """Stop the flusher and write the final text (``text`` when given, else all that was appended) with
+        ``stats`` and ``complete``; returns the text written. Calling it again writes again."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join()
+        with self._cond:
+            if text is not None:
+                self._parts = [text]
+            final = "".join(self._parts)
+        self.store.update_message(self.message_id, final, stats=stats, complete=complete)
+        return final
