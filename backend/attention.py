@@ -16,6 +16,10 @@ Contract:
   early), whereas a registered one, even returning None, first runs packed-sequence detection, a host sync
   that costs time per forward and breaks CUDA-graph capture. Masks are built here, once per forward and
   window size, and only when SDPA cannot do without (q > 1 after a prefix, or a window cutting the query).
+- Static mode (backend/cuda_graphs.py): when a ``GraphRunner`` is attached to the model, ``forward_paged``
+  first offers it the step (fixed-shape buffers, replayed as a CUDA graph on GPU) and runs the path below
+  only when it declines; the runner passes a ``StaticContext`` instead of a :class:`PagedContext`, and the
+  attention function hands such a context each layer (``ctx.attend``).
 - :func:`check_supported` raises :class:`ModelLoadError` for architectures or attention features this
   adapter does not honour (bidirectional attention, chunked/linear layers, attention sinks).
 """
@@ -162,6 +166,10 @@ def paged_attention_forward(
         raise ModelLoadError("this model uses attention sinks (s_aux), which specchat's paged attention lacks")
     if query.shape[0] != 1:
         raise KVCacheUsageError(f"paged attention runs one sequence at a time, got batch {query.shape[0]}")
+    if type(ctx) is not PagedContext:  # static mode (cuda_graphs.StaticContext): fixed shapes, graph-safe
+        scale = scaling if scaling is not None else module.head_dim**-0.5
+        return ctx.attend(module.layer_idx, query, key, value, scale, kwargs.get("sliding_window"),
+                          kwargs.get("softcap")), None
     layer = module.layer_idx
     cache, plan = ctx.cache, ctx.plan
     cache.write(layer, plan, key, value)
@@ -214,6 +222,13 @@ def forward_paged(
             f"forward_paged needs a model with attn_implementation={ATTN_IMPLEMENTATION!r}, this one uses "
             f"{impl!r}: load it with that name after attention.register(), or call use_paged_attention(model)"
         )
+    runner = getattr(model, "_specchat_graph_runner", None)  # cuda_graphs.attach: static shapes / CUDA graphs
+    if runner is not None and isinstance(logits_to_keep, int):  # invalid arguments fail below, as before
+        n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
+        if 1 <= logits_to_keep <= n:
+            logits = runner.try_forward(seq, input_ids, logits_to_keep)
+            if logits is not None:
+                return logits
     device = seq.cache.device
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids.reshape(-1).to(device=device, dtype=torch.long)
