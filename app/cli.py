@@ -8,6 +8,7 @@ printed as one line on stderr with exit code 2 and no traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -141,6 +142,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specchat: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `specchat generate ... | head`: the reader left; not an error worth a traceback
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes stdout at exit; keep it quiet
+        except OSError:
+            pass
+        return 141
+    except OSError as error:  # a file or folder specchat needed (cache, data, output) could not be used
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"specchat: error: {where}{error.strerror or error}; check the path, its permissions and the free "
+              "disk space", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

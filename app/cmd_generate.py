@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from specchat.backend.errors import RequestError
+from specchat.backend.errors import RequestError, SpecchatError
 
 STATS_KEYS = ("new_tokens", "wall_s", "prefill_s", "ttft_s", "prefill_tokens", "tok_s", "steps",
               "spec_paused_steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
@@ -20,25 +20,40 @@ STATS_KEYS = ("new_tokens", "wall_s", "prefill_s", "ttft_s", "prefill_tokens", "
 
 def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
     """Parse a --prompts file; errors name the file, the line and what is wrong."""
+    from specchat.backend.prompting import validate_messages
+
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        raw_lines = Path(path).read_bytes().splitlines()
     except FileNotFoundError:
         raise RequestError(f"--prompts file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise RequestError(f"cannot read --prompts file {path}: {error}") from None
+    except OSError as error:
+        raise RequestError(f"cannot read --prompts file {path}: {error.strerror or error}; check the path and "
+                           "its permissions") from None
     prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for number, raw in enumerate(raw_lines, 1):
         where = f"{path}:{number}"
         try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise RequestError(f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column {error.start + 1}); "
+                               "save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
             item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise RequestError(f"{where}: not valid JSON ({error.msg}); each line must be "
+        except (json.JSONDecodeError, RecursionError) as error:
+            reason = error.msg if isinstance(error, json.JSONDecodeError) else "nested too deeply"
+            raise RequestError(f"{where}: not valid JSON ({reason}); each line must be "
                                '{"id": ..., "messages": [{"role": ..., "content": ...}]}') from None
         if not isinstance(item, dict) or not isinstance(item.get("messages"), list) or not item["messages"]:
             raise RequestError(f'{where}: needs a non-empty "messages" list of {{"role", "content"}} objects')
-        prompts.append((str(item.get("id", number)), item["messages"]))
+        try:
+            messages = validate_messages(item["messages"])
+        except RequestError as error:
+            raise RequestError(f"{where}: {error}") from None
+        # Lone surrogates (JSON "\ud800") cannot be printed as UTF-8: the id is echoed in the output.
+        pid = str(item.get("id", number)).encode("utf-8", "replace").decode("utf-8")
+        prompts.append((pid, messages))
     if not prompts:
         raise RequestError(f"--prompts file {path} has no prompts")
     return prompts
@@ -81,7 +96,12 @@ def run(args: argparse.Namespace) -> int:
                                           max_new_tokens=args.max_new_tokens)
                 request = GenerationRequest(messages=messages, sampling=sampling, drafter=args.drafter,
                                             gamma=args.gamma, conversation=f"generate:{pid}")
-                _one(engine, request, pid, sample, args.json)
+                try:
+                    _one(engine, request, pid, sample, args.json)
+                except SpecchatError as error:  # name the prompt that failed (a file may hold thousands)
+                    if not args.prompts:
+                        raise
+                    raise type(error)(f"{args.prompts}: prompt {pid!r}: {error}") from None
             engine.forget(f"generate:{pid}")
     finally:
         engine.close()

@@ -16,7 +16,7 @@ import torch
 
 from .attention import forward_paged
 from .detokenize import IncrementalDetokenizer
-from .errors import KVCacheFullError, RequestError
+from .errors import InsufficientMemoryError, KVCacheFullError, RequestError
 from .events import PolicyState, SamplingParams, StepEvent, TokenSource
 from .metrics import SpecStats
 from .policy import GammaPolicy
@@ -27,6 +27,18 @@ if TYPE_CHECKING:
     from .engine import Engine, _Conversation
 
 PREFILL_CHUNK = 512
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA/host allocation failures (torch raises OutOfMemoryError, or RuntimeError on some paths)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def _describe(error: BaseException) -> str:
+    detail = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +80,8 @@ def resolve_sampling(params: SamplingParams, pair, generation_config: dict) -> S
         ("repetition_penalty", penalty, penalty is None or (isinstance(penalty, (int, float)) and 0 < penalty <= 10),
          "a number in (0, 10]"),
         ("max_new_tokens", max_new, isinstance(max_new, int) and 1 <= max_new <= 1_000_000, "a whole number >= 1"),
+        ("seed", params.seed, params.seed is None or (isinstance(params.seed, int) and -(2**63) <= params.seed < 2**64),
+         "a whole number between -2**63 and 2**64 - 1"),
     ]
     for name, value, ok, what in checks:
         if not ok:
@@ -106,6 +120,11 @@ class RequestState:
                 drafter_obj.configure(temperature=sampling.temperature, top_k=sampling.top_k,
                                       top_p=sampling.top_p, generator=self.generator)
         self.steps_by_drafter: dict[str, int] = {}  # under auto: which drafter did the work
+        self.notices: list[str] = []
+        for name in [n for n in self.candidates if n in engine.disabled_drafters]:
+            self.candidates.remove(name)  # switched off by an earlier failure (out of memory): say so each time
+            self.notices.append(f"The {name} drafter is off since {engine.disabled_drafters[name]}; "
+                                "decoding without it.")
         self.drafter_used = self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates
                                                                                     else "auto")
 
@@ -113,7 +132,20 @@ class RequestState:
 
     def _target_logits(self, ids: list[int]) -> torch.Tensor:
         eng = self.engine
-        logits = forward_paged(eng.target.model, self.conv.seq, ids, logits_to_keep=len(ids))
+        try:
+            logits = forward_paged(eng.target.model, self.conv.seq, ids, logits_to_keep=len(ids))
+        except BaseException as error:
+            # Nothing of this pass was committed: give back the blocks it reserved, keep the history intact.
+            self.conv.seq.truncate(self.conv.seq.length)
+            if not is_out_of_memory(error):
+                raise
+            if eng.target.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise InsufficientMemoryError(
+                f"the target model {eng.target.spec.source} ran out of memory on {eng.target.device} while "
+                f"generating ({_describe(error)}); the reply was stopped. Retry with a lower max_new_tokens or a "
+                "new conversation, or choose a smaller context_length, a quantized or smaller pair "
+                "(`specchat models`)") from error
         logits = logits[:, : eng.vocab_limit].float()  # [n, V] over the tokenizer's ids only
         if self.s.repetition_penalty:
             logits = apply_repetition_penalty(logits, self.context[: len(self.context) - len(ids) + 1],
@@ -190,7 +222,8 @@ class RequestState:
         policy_state = PolicyState.SPECULATING if self.candidates else PolicyState.OFF
         event = self._event([pending], [TokenSource.TARGET], gamma=0, accepted=0, draft_s=0.0, verify_s=prefill_s,
                             t_step=t0, policy=policy_state, drafter=self.drafter_used, is_prefill=True,
-                            prefill_tokens=len(todo), message=notice)
+                            prefill_tokens=len(todo),
+                            message=" ".join(m for m in (notice, *self.notices) if m) or None)
         while (reason := self._finish_reason(pending)) is None:
             yield event
             if self.cancel.is_set():  # the consumer may have cancelled while handling the event
@@ -215,13 +248,19 @@ class RequestState:
             try:
                 draft = eng.drafters[name].propose(self.context, gamma)
             except Exception as error:  # a failing drafter must not end the reply: continue without it
-                self.candidates.remove(name)
-                message = f"The {name} drafter failed ({type(error).__name__}: {error}); continuing without it."
-                draft = None
+                message = self._drop_drafter(name, error)
+                name, draft = None, None
         draft_s = time.perf_counter() - t_step
         draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
         t_verify = time.perf_counter()
-        logits = self._target_logits([pending] + draft_ids)  # [1 + k, V]
+        try:
+            logits = self._target_logits([pending] + draft_ids)  # [1 + k, V]
+        except KVCacheFullError:
+            if not draft_ids:
+                raise
+            # No room for the draft: the last few positions are still worth a plain step each.
+            name, draft, draft_ids = None, None, []
+            logits = self._target_logits([pending])
         verify_s = time.perf_counter() - t_verify
         if draft_ids:
             result = self._verify(logits, draft)
@@ -255,6 +294,23 @@ class RequestState:
         self.stats.observe_step(gamma=len(draft_ids), accepted=result.accepted, emitted=len(tokens),
                                 paused=paused, draft_s=draft_s, verify_s=verify_s, overhead_s=event.overhead_s)
         return tokens[-1], event
+
+    def _drop_drafter(self, name: str, error: Exception) -> str:
+        """Take a failed drafter out of this request (out of memory: out of the engine's life); the message."""
+        eng = self.engine
+        self.candidates.remove(name)
+        try:
+            eng.drafters[name].reset()  # its cache state is unknown after a failure: drop it (frees its blocks)
+        except Exception:  # noqa: BLE001 - best effort; the drafter is not used again in this request
+            pass
+        rest = f"with {', '.join(self.candidates)}" if self.candidates else "with plain decoding"
+        if is_out_of_memory(error):
+            eng.disabled_drafters[name] = f"it ran out of memory ({_describe(error)})"
+            if eng.target.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return (f"The {name} drafter ran out of memory ({_describe(error)}); it is switched off until the pair "
+                    f"is loaded again, continuing {rest}.")
+        return f"The {name} drafter failed ({_describe(error)}); continuing without it ({rest})."
 
     def _final(self, event: StepEvent | None, reason: str, message: str | None) -> StepEvent:
         """Close the request: ``event`` (the last step's, or None for an empty closing event) gets the finish

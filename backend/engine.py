@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import attention
+from . import attention, cuda_graphs
 from .config import PairConfig
 from .decoding import RequestState, resolve_sampling
 from .drafters.draft_model import DraftModelDrafter
@@ -82,6 +82,7 @@ class Engine:
                 draft.model, self.draft_cache, vocab_limit=self.vocab_limit, eos_token_ids=self.eos_ids)
         # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
+        self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
 
     @staticmethod
     def _prepare(loaded: LoadedModel, attn_name: str, tokens: int) -> PagedKVCache:
@@ -89,7 +90,14 @@ class Engine:
         attention.check_supported(config)
         loaded.model.set_attn_implementation(attn_name)
         loaded.model.eval()
-        return PagedKVCache.for_model(config, max_tokens=tokens, dtype=loaded.dtype, device=loaded.device)
+        # On CUDA, steps replay CUDA graphs (cuda_graphs.py); their runner keeps one block for padded tokens.
+        graphs = cuda_graphs.graphs_wanted(loaded.device)
+        block_size = 16
+        cache = PagedKVCache.for_model(config, max_tokens=tokens + (block_size if graphs else 0),
+                                       block_size=block_size, dtype=loaded.dtype, device=loaded.device)
+        if graphs:
+            cuda_graphs.attach(loaded.model, cache, max_kv=tokens)
+        return cache
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -109,6 +117,10 @@ class Engine:
             for conv in self._conversations.values():
                 conv.seq.free()
             self._conversations.clear()
+            for drafter in self.drafters.values():
+                drafter.reset()  # the draft model's cache blocks go back too
+            for loaded in filter(None, (self.target, self.draft)):
+                cuda_graphs.detach(loaded.model)  # frees the graphs' memory pool with the runner
 
     def blocks_in_use(self) -> int:
         """Blocks held in the target pool (conversations kept for reuse included)."""

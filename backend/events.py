@@ -76,7 +76,7 @@ class GenerationRequest:
 class StepEvent:
     """What one decoding step produced. The first event follows prefill (``is_prefill`` True, one token).
 
-    ``token_ids`` and ``sources`` have the same length; ``text`` is the detokenised text those tokens
+    ``token_ids``, ``sources`` and ``token_texts`` have the same length; ``text`` is the detokenised text those tokens
     completed (never a split UTF-8 character; may be "" when a token is held back for a stop string or an
     incomplete character). Times are seconds of this step. The last event of a request has ``finish_reason``
     set and ``stats`` filled (the request's totals, the `specchat generate --json` "stats" object).
@@ -84,6 +84,7 @@ class StepEvent:
 
     token_ids: list[int]
     sources: list[TokenSource]
+    token_texts: list[str]  # per token, the text it completed ("" when held back); "".join == text
     text: str
     gamma: int  # tokens drafted in this step (0 when not speculating)
     accepted: int  # of those, how many the target accepted

@@ -35,6 +35,8 @@ def validate_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
         clean.append({"role": role, "content": content})
     if not any(m["role"] == "user" for m in clean):
         raise RequestError("the conversation has no user message: type something to send")
+    if clean[-1]["role"] == "user" and not clean[-1]["content"].strip():
+        raise RequestError(f"message {len(clean) - 1} (the last user message) is empty: type something to send")
     return clean
 
 
