@@ -1,0 +1,53 @@
+"""Where specchat keeps its files: one function per kind of folder, each overridable by an environment variable.
+
+| function       | environment override   | default (platformdirs, app name "specchat")           | holds                        |
+|----------------|------------------------|--------------------------------------------------------|------------------------------|
+| ``cache_dir``  | ``SPECCHAT_CACHE_DIR`` | ``user_cache_dir``  (~/.cache/specchat on Linux)       | converted GGUF models, hashes |
+| ``config_dir`` | ``SPECCHAT_CONFIG_DIR``| ``user_config_dir`` (~/.config/specchat)               | the user's models.yaml       |
+| ``data_dir``   | ``SPECCHAT_DATA_DIR``  | ``user_data_dir``   (~/.local/share/specchat)          | conversation history         |
+| ``log_dir``    | ``SPECCHAT_LOG_DIR``   | ``data_dir()/logs`` when SPECCHAT_DATA_DIR is set, else ``user_log_dir`` | log files |
+
+The functions only compute paths; they never create folders (callers ``mkdir(parents=True, exist_ok=True)``
+when they write). Tests point all of them at a temporary folder through the environment variables, so no
+test touches the real user folders.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "specchat"
+
+
+def _override(variable: str) -> Path | None:
+    value = os.environ.get(variable, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+def cache_dir() -> Path:
+    """Folder for re-creatable data (converted models, file hashes)."""
+    return _override("SPECCHAT_CACHE_DIR") or Path(platformdirs.user_cache_dir(APP_NAME))
+
+
+def config_dir() -> Path:
+    """Folder of the user's configuration (``models.yaml`` adding or overriding pairs)."""
+    return _override("SPECCHAT_CONFIG_DIR") or Path(platformdirs.user_config_dir(APP_NAME))
+
+
+def data_dir() -> Path:
+    """Folder of data the user would miss (conversation history)."""
+    return _override("SPECCHAT_DATA_DIR") or Path(platformdirs.user_data_dir(APP_NAME))
+
+
+def log_dir() -> Path:
+    """Folder of log files (library output captured during loading, UI tracebacks)."""
+    explicit = _override("SPECCHAT_LOG_DIR")
+    if explicit is not None:
+        return explicit
+    # A test or a portable setup that moved the data folder expects the logs to follow it.
+    if _override("SPECCHAT_DATA_DIR") is not None:
+        return data_dir() / "logs"
+    return Path(platformdirs.user_log_dir(APP_NAME))
