@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)
+    models.add_argument("--pair", metavar="NAME", default=argparse.SUPPRESS, help="show only this pair")
     return parser
 
 
