@@ -1,0 +1,68 @@
+"""The help screen (F1 / ?): key bindings, commands, and what each statistic means."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from rich.markdown import Markdown as RichMarkdown
+from textual.widgets import Label, Static
+
+HELP = """\
+## Keys
+
+| Key | Action |
+|---|---|
+| **Enter** | send the message |
+| **Shift+Enter**, **Alt+Enter**, **Ctrl+J** | new line in the message (Ctrl+J works in every terminal) |
+| **Esc** | stop the reply (the partial reply is kept) |
+| **Ctrl+R** | regenerate the last reply (or answer the last message) |
+| **Ctrl+N** | new chat |
+| **F2** | choose the model pair |
+| **F3** | settings (sampling, drafter, γ, system prompt) |
+| **F4** | chat history: open, rename, delete, export |
+| **Ctrl+T** | accepted-token view: colour the reply by where each token came from |
+| **Ctrl+G** | details panel: per-position acceptance, expected vs measured speedup |
+| **Ctrl+O** / **Ctrl+B** | copy the last reply / its last code block |
+| **Tab**, **Shift+Tab** | move between the messages and the input; on a message: **c** copy it, **b** copy its code |
+| click a code block | copy it |
+| **Ctrl+P** | command palette (every command, and the theme picker) |
+| **F1**, **?** | this help |
+| **Ctrl+Q** | quit |
+
+## Commands (type them in the input)
+
+- `/edit PATH` — attach a file to edit; then describe the change (or put the request on the next lines).
+  The reply's code block is shown as a diff; **Apply** writes the file and keeps a backup next to it.
+- `/file PATH` — attach a file as read-only context to your next message.
+- `/drop` — detach pending attachments. `/new` — new chat. `//text` sends `/text` literally.
+
+## Statistics
+
+- **tok/s** — tokens generated per second (live: over the last second; under a reply: the whole reply,
+  prefill included).
+- **acc** (acceptance rate) — drafted tokens the target model accepted ÷ tokens drafted.
+- **τ** (mean accepted length) — tokens emitted per target forward pass (accepted drafts plus the one
+  recovered or bonus token). Plain decoding is 1.0; higher is faster.
+- **γ** — tokens drafted in the latest step (the policy adapts it unless fixed in the settings).
+- **speculating / paused / plain decoding** — whether the drafter ran this step, the policy switched it off
+  because it did not pay, or no drafter is in use.
+- **Sparkline** — tokens/s over the last seconds of the reply.
+- **Per-position acceptance** — how often draft position *i* is accepted when all earlier ones were.
+- **Expected speedup** — the policy's formula with measured acceptance and timings;
+  **measured speedup** — speculative vs plain steps in the same reply.
+- **Accepted-token view colours** — green: accepted draft; yellow: recovered at a rejection;
+  magenta: bonus token (all drafts accepted); plain: target token without speculation.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,f1,q,question_mark", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog wide", id="help"):
+            yield Label("specchat help  (Esc closes)", classes="dialog-title")
+            with VerticalScroll(id="help-scroll"):
+                # Rich's Markdown renders in one Static: far cheaper to open than a Markdown widget tree
+                yield Static(RichMarkdown(HELP), id="help-text")
