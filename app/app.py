@@ -7,6 +7,8 @@ Contract:
   fraction)`` is throttled to ~10 messages a second. The engine is closed (in that thread) before the next
   pair loads, after the chat screen has stopped any reply. A failed switch reloads the previous pair; the
   conversation is kept.
+- A factory that takes a ``confirm_download`` keyword gets ``confirm_download(total_bytes) -> bool``: it
+  asks the user in a dialog (the loader thread waits for the answer) unless the picker already asked.
 - Settings (and the theme) are saved to the config dir on change; the last loaded pair is remembered.
 - :func:`run` is the CLI entry (``args.models``, ``args.device``, ``args.pair``); importing this module does
   not import torch.
@@ -14,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -32,9 +35,10 @@ from textual.screen import Screen
 from specchat.backend.errors import InsufficientMemoryError, SpecchatError
 from specchat.app.messages import EngineLoaded, EngineLoadFailed, EngineLoadProgress
 from specchat.app.screens.chat import ChatScreen
+from specchat.app.screens.dialogs import ConfirmScreen
 from specchat.app.screens.help import HelpScreen
 from specchat.app.screens.history import HistoryResult, HistoryScreen
-from specchat.app.screens.picker import PairPickerScreen
+from specchat.app.screens.picker import PairPickerScreen, human_bytes
 from specchat.app.screens.settings_screen import SettingsScreen
 from specchat.app.settings import Settings, SettingsError, load_settings, save_settings
 from specchat.app.worker import ThrottledProgress
@@ -70,6 +74,7 @@ class SpecchatApp(App[int]):
         self.current_pair_name: str | None = None
         self.loading_pair: str | None = None
         self._previous_pair: str | None = None
+        self._download_ok: set[str] = set()  # pairs whose download the user accepted in the picker
         self._load_started = 0.0
         self.initial_pair = self._initial_pair(initial_pair)
         self.chat = ChatScreen()
@@ -150,11 +155,39 @@ class SpecchatApp(App[int]):
         progress = ThrottledProgress(lambda text, fraction: self.post_message(
             EngineLoadProgress(pair.name, text, fraction)))
         try:
-            engine = self.engine_factory(pair, progress)
+            if self._factory_confirms:
+                engine = self.engine_factory(pair, progress,
+                                             confirm_download=lambda total: self._confirm_download(pair.name, total))
+            else:
+                engine = self.engine_factory(pair, progress)
         except BaseException as error:  # noqa: BLE001 - reported to the UI thread, which decides
             self.post_message(EngineLoadFailed(pair.name, error))
             return
         self.post_message(EngineLoaded(pair.name, engine, time.monotonic() - self._load_started))
+
+    @property
+    def _factory_confirms(self) -> bool:
+        try:
+            params = inspect.signature(self.engine_factory).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        return any(p.name == "confirm_download" or p.kind is p.VAR_KEYWORD for p in params)
+
+    def _confirm_download(self, pair_name: str, total_bytes: int) -> bool:
+        """Called in the loader thread: ask in a dialog (unless the picker already did) and wait for the answer."""
+        if pair_name in self._download_ok:
+            return True
+        answered, result = threading.Event(), [False]
+
+        def done(ok: bool | None) -> None:
+            result[0] = bool(ok)
+            answered.set()
+
+        self.call_from_thread(self.push_screen, ConfirmScreen(
+            "Download needed", f"{pair_name} needs a download of {human_bytes(total_bytes)} from the Hugging Face "
+            "hub. Download it now?", yes="Download"), done)
+        answered.wait()
+        return result[0]
 
     def on_engine_load_progress(self, message: EngineLoadProgress) -> None:
         if message.pair_name == self.loading_pair:
@@ -208,11 +241,15 @@ class SpecchatApp(App[int]):
             self.push_screen(HelpScreen())
 
     def action_pick_pair(self) -> None:
+        picker = PairPickerScreen(self.pairs, self.current_pair_name, self.pair_info)
+
         async def chosen(name: str | None) -> None:
             if name is not None:
+                if picker.download_confirmed:
+                    self._download_ok.add(name)
                 await self.switch_pair(name)
 
-        self.push_screen(PairPickerScreen(self.pairs, self.current_pair_name, self.pair_info), chosen)
+        self.push_screen(picker, chosen)
 
     def action_settings(self) -> None:
         def chosen(settings: Settings | None) -> None:

@@ -1,9 +1,10 @@
 """The app's default connections to the real backend, imported lazily, and the routing of library output.
 
 Contract:
-- :func:`default_engine_factory` returns ``factory(pair, progress) -> Engine``; it imports
-  ``specchat.backend.engine`` inside the call, i.e. in the app's loading worker thread, so the UI never pays
-  for importing torch. Downloads were confirmed in the picker, so ``confirm_download`` answers yes.
+- :func:`default_engine_factory` returns ``factory(pair, progress, confirm_download) -> Engine``; it imports
+  ``specchat.backend.engine`` inside the call, i.e. in the app's loader thread, so the UI never pays for
+  importing torch. ``confirm_download(total_bytes) -> bool`` comes from the app (a dialog, or the picker's
+  earlier yes).
 - :func:`default_pair_info` returns ``pair_info(pair) -> dict`` for the picker (keys documented in
   screens/picker.py), from ``specchat.backend.memory`` and the local HF cache (run in a thread worker: it
   imports torch; it never touches the network).
@@ -39,15 +40,16 @@ def log_dir() -> Path:
     return Path(backend_log_dir())
 
 
-def default_engine_factory(device: str | None) -> Callable[[Any, Callable[[str, float | None], None]], Any]:
-    def factory(pair: Any, progress: Callable[[str, float | None], None]) -> Any:
+def default_engine_factory(device: str | None) -> Callable[..., Any]:
+    def factory(pair: Any, progress: Callable[[str, float | None], None],
+                confirm_download: Callable[[int], bool] | None = None) -> Any:
         from specchat.backend.capture import capture_library_output
 
         # The import itself (torch, transformers) may warn: capture it too; load_pair captures the loading.
         with capture_library_output():
             from specchat.backend.engine import load_engine
 
-            return load_engine(pair, device=device, progress=progress, confirm_download=lambda total: True)
+            return load_engine(pair, device=device, progress=progress, confirm_download=confirm_download)
 
     return factory
 

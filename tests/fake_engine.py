@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specchat.backend.errors import SpecchatError
+from specchat.backend.errors import ModelLoadError, SpecchatError
 from specchat.backend.events import GenerationRequest, PolicyState, StepEvent, TokenSource
 
 CANNED_REPLY = """Here is a function that reverses a string:
@@ -206,15 +206,23 @@ class FakeEngineFactory:
     """``factory(pair, progress) -> FakeEngine``; records calls, can fail per pair or be slow."""
 
     def __init__(self, *, load_delay_s: float = 0.0, fail: dict[str, BaseException] | None = None,
-                 **engine_kwargs: Any) -> None:
+                 downloads: dict[str, int] | None = None, **engine_kwargs: Any) -> None:
         self.load_delay_s, self.fail, self.engine_kwargs = load_delay_s, dict(fail or {}), engine_kwargs
+        self.downloads = dict(downloads or {})  # pair -> bytes still to download (asks confirm_download)
+        self.confirmations: list[tuple[str, bool]] = []
         self.calls: list[str] = []
         self.engines: list[FakeEngine] = []
         self.release = threading.Event()  # set to let a load with load_delay_s < 0 finish
         self.release.set()
 
-    def __call__(self, pair: Any, progress: Callable[[str, float | None], None]) -> FakeEngine:
+    def __call__(self, pair: Any, progress: Callable[[str, float | None], None],
+                 confirm_download: Callable[[int], bool] | None = None) -> FakeEngine:
         self.calls.append(pair.name)
+        if pair.name in self.downloads:  # as backend/loading.py: ask once for the total, refuse when declined
+            ok = confirm_download is not None and confirm_download(self.downloads[pair.name])
+            self.confirmations.append((pair.name, ok))
+            if not ok:
+                raise ModelLoadError(f"pair '{pair.name}': the download was declined; nothing was downloaded")
         progress(f"loading {pair.name}", None)
         for i in range(3):
             time.sleep(self.load_delay_s / 3)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 from fake_engine import CANNED_REPLY, FakeEngineFactory
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
 from textual.widgets import Static
@@ -87,7 +86,9 @@ async def test_stop_keeps_the_partial_reply(tmp_path):
         await pilot.press("escape")  # nothing to stop: harmless
 
 
-async def test_regenerate_replaces_the_last_reply(tmp_path):
+async def test_regenerate_and_send_during_a_reply(tmp_path):
+    """Regenerate replaces the last reply; a send during a reply stops it first (the engine has one owner:
+    the fake raises if a second generate() starts before the first ended)."""
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
@@ -99,23 +100,17 @@ async def test_regenerate_replaces_the_last_reply(tmp_path):
         assert len(app.chat.query(AssistantMessage)) == 1
         assert app.engine.requests[1].messages == [{"role": "user", "content": "hi"}]
         assert [m.role for m in app.store.messages(app.chat.conv.chat_id)] == ["user", "assistant"]
-
-
-async def test_send_during_a_reply_stops_it_first(tmp_path):
-    """The engine has one owner: the fake raises if a second generate() starts before the first ended."""
-    app = make_app(tmp_path, factory=FakeEngineFactory(step_delay_s=0.05))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
-        await send(pilot, "first")
-        await wait_for(pilot, lambda: app.engine.started.is_set())
+        app.engine.step_delay_s = 0.05
         await send(pilot, "second")
-        await wait_for(pilot, lambda: len(app.engine.requests) == 2)
+        await wait_for(pilot, lambda: app.engine.active.is_set() and app.chat.generating)
+        await send(pilot, "third")
+        await wait_for(pilot, lambda: len(app.engine.requests) == 4)
         await pilot.press("escape")
         await reply_done(pilot)
-        roles = [t.role for t in app.chat.conv.turns]
-        assert roles == ["user", "assistant", "user", "assistant"]
+        assert [t.role for t in app.chat.conv.turns] == ["user", "assistant"] * 3
         assert not any("Reply failed" in n for n in notifications(app))
-        assert app.engine.requests[1].messages[-1] == {"role": "user", "content": "second"}
+        assert app.engine.requests[3].messages[-1] == {"role": "user", "content": "third"}
+        assert app.engine.requests[3].messages[-2]["role"] == "assistant"  # the stopped partial reply
 
 
 async def test_stats_bar_totals_and_details_panel(tmp_path):
@@ -144,10 +139,12 @@ async def test_stats_bar_totals_and_details_panel(tmp_path):
         assert not panel.display
 
 
-async def test_accepted_token_view_colours_by_source(tmp_path):
+async def test_accepted_token_view_and_copying(tmp_path):
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
+        await pilot.press("ctrl+o")
+        assert "no reply" in notifications(app)[-1]
         await send(pilot, "hi")
         await reply_done(pilot)
         view = app.chat.query_one(AssistantMessage)
@@ -164,23 +161,12 @@ async def test_accepted_token_view_colours_by_source(tmp_path):
         assert "green" in styles and "yellow" in styles and "magenta" in styles
         await pilot.press("ctrl+t")
         assert view.query_one("#body").display
-
-
-async def test_copy_reply_and_code_block(tmp_path):
-    app = make_app(tmp_path)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
-        await pilot.press("ctrl+o")
-        assert "no reply" in notifications(app)[-1]
-        await send(pilot, "hi")
-        await reply_done(pilot)
         await pilot.press("ctrl+o")
         assert app.clipboard == CANNED_REPLY
         await pilot.press("ctrl+b")
         assert app.clipboard == "def reverse(text: str) -> str:\n    return text[::-1]"
         app.copy_to_clipboard("")
-        fence = app.chat.query_one("CopyableFence")
-        await pilot.click(fence)
+        await pilot.click(app.chat.query_one("CopyableFence"))
         assert app.clipboard.startswith("def reverse")
 
 
@@ -202,8 +188,7 @@ async def test_prompt_keys_newline_and_unknown_command(tmp_path):
         assert app.engine.requests[0].messages[-1]["content"] == "/frobnicate"
 
 
-@pytest.mark.parametrize("drafter", ["none"])
-async def test_plain_pair_shows_plain_decoding(tmp_path, drafter):
+async def test_plain_pair_shows_plain_decoding(tmp_path):
     app = make_app(tmp_path, initial_pair="plain")
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)

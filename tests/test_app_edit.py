@@ -6,6 +6,7 @@ from fake_engine import FakeEngineFactory
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
 from textual.widgets import Static
 
+from specchat.app.screens.chat_actions import split_path_argument
 from specchat.app.screens.dialogs import DiffScreen
 from specchat.app.widgets.message_view import UserMessage
 
@@ -49,7 +50,7 @@ async def test_edit_cancelled_leaves_the_file_and_can_be_reviewed_again(tmp_path
     app = edit_app(tmp_path)
     async with app.run_test(size=(120, 45)) as pilot:
         await ready(pilot)
-        await send(pilot, "/edit answer.py\nreturn 42 instead")  # request on the next line: sent at once
+        await send(pilot, "/edit answer.py return 42 instead")  # the request after the path: sent at once
         await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen))
         await pilot.press("escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, DiffScreen))
@@ -60,28 +61,25 @@ async def test_edit_cancelled_leaves_the_file_and_can_be_reviewed_again(tmp_path
         await wait_for(pilot, lambda: (tmp_path / "answer.py").read_text() != ORIGINAL)
 
 
-async def test_edit_errors_are_clear_and_keep_the_input(tmp_path, monkeypatch):
+async def test_file_context_and_attachment_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("the secret word is banana\n")
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01binary")
-    app = edit_app(tmp_path)
+    app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
         await send(pilot, "/edit missing.py")
         assert "no such file" in notifications(app)[-1]
-        assert app.chat.query_one("#prompt").text == "/edit missing.py"
+        assert app.chat.query_one("#prompt").text == "/edit missing.py"  # kept, to fix the path
         await send(pilot, "/file blob.bin")
         assert "binary" in notifications(app)[-1]
         await send(pilot, "/edit")
         assert "needs a file path" in notifications(app)[-1]
         assert not app.engine.requests
-
-
-async def test_file_attaches_read_only_context(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "notes.txt").write_text("the secret word is banana\n")
-    app = make_app(tmp_path)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await ready(pilot)
+        assert split_path_argument('"my notes.txt" what is it?') == ("my notes.txt", "what is it?")
+        assert split_path_argument("notes.txt what is it?") == ("notes.txt", "what is it?")
+        (tmp_path / "with space.txt").write_text("x\n")
+        assert split_path_argument("with space.txt") == ("with space.txt", "")
         await send(pilot, "/file notes.txt")
         assert "📎 notes.txt" in str(app.chat.query_one("#attachments", Static).render())
         await send(pilot, "what is the secret word?")

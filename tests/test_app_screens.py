@@ -108,26 +108,21 @@ async def test_settings_are_validated_persisted_and_used(tmp_path):
     assert again.settings.last_pair == "smollm2-135m"
 
 
-async def test_theme_and_last_pair_are_remembered(tmp_path):
-    app = make_app(tmp_path)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await ready(pilot)
-        app.theme = "nord"
-        await pilot.pause()
-    assert json.loads((tmp_path / "settings.json").read_text())["theme"] == "nord"
-    again = make_app(tmp_path)
-    async with again.run_test(size=(100, 30)) as pilot:
-        await ready(pilot)
-        assert again.theme == "nord"
-
-
-async def test_corrupt_settings_file_falls_back_to_defaults_with_a_warning(tmp_path):
+async def test_corrupt_settings_fall_back_to_defaults_and_the_theme_is_remembered(tmp_path):
     (tmp_path / "settings.json").write_text("{not json")
     app = make_app(tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
         assert any("could not be read" in n and "using the defaults" in n for n in notifications(app))
         assert app.settings.max_new_tokens == 1024
+        app.theme = "nord"
+        await pilot.pause()
+    saved = json.loads((tmp_path / "settings.json").read_text())  # rewritten whole and valid
+    assert saved["theme"] == "nord" and saved["last_pair"] == "smollm2-135m"
+    again = make_app(tmp_path)
+    async with again.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        assert again.theme == "nord" and not notifications(again)
 
 
 async def test_help_and_command_palette(tmp_path):
@@ -151,9 +146,9 @@ async def test_help_and_command_palette(tmp_path):
                 "Details panel", "Copy last reply", "Export chat", "Theme"} <= titles
         await send(pilot, "hi")
         await reply_done(pilot)
-        await pilot.press("ctrl+p")
-        await pilot.press(*"Regenerate")
-        await pilot.pause(0.3)
+        await pilot.press("ctrl+p", *"Regen")
+        first_match = lambda: str(app.screen.query_one("CommandList").get_option_at_index(0).prompt)  # noqa: E731
+        await wait_for(pilot, lambda: "Regenerate" in first_match(), what="the palette to find Regenerate")
         await pilot.press("enter")  # an async action run from the palette
         await wait_for(pilot, lambda: len(app.engine.requests) == 2, what="regenerate from the palette")
         await reply_done(pilot)

@@ -1,9 +1,9 @@
 """The chat screen's user actions and slash commands (a mixin of :class:`ChatScreen`, split out for size).
 
-Commands typed in the prompt: ``/edit PATH`` (then the request, on the next lines or in the next message),
-``/file PATH`` (read-only context for the next message), ``/drop``, ``/new``, ``/help``; ``//text`` sends
-``/text``. The reply to an ``/edit`` request is shown as a diff against the file and written only after the
-user confirms (:func:`apply_edit` keeps a backup).
+Commands typed in the prompt: ``/edit PATH [request]`` (the request after the path, on the next lines, or
+in the next message), ``/file PATH [question]`` (read-only context for the message), ``/drop``, ``/new``,
+``/help``; ``//text`` sends ``/text``. Quote a path that holds spaces. The reply to an ``/edit`` request is
+shown as a diff against the file and written only after the user confirms (:func:`apply_edit` keeps a backup).
 """
 
 from __future__ import annotations
@@ -28,11 +28,18 @@ WELCOME = ("[b]specchat[/b] — chat with a local model, sped up by speculative 
 COMMANDS_HELP = "/edit PATH, /file PATH, /drop, /new, /help (start with // to send a message that begins with /)"
 
 
-def _path_argument(text: str) -> str:
+def split_path_argument(text: str) -> tuple[str, str]:
+    """``PATH [request]`` -> (path, request). A quoted path may hold spaces; an unquoted argument that names
+    an existing file is taken whole (spaces included); otherwise the path ends at the first space."""
     text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        text = text[1:-1]
-    return text
+    if text[:1] in ("'", '"'):
+        end = text.find(text[0], 1)
+        if end > 0:
+            return text[1:end], text[end + 1:].strip()
+    if not text or Path(text).expanduser().exists():
+        return text, ""
+    path, _, request = text.partition(" ")
+    return path, request.strip()
 
 
 class ChatActionsMixin:
@@ -43,7 +50,8 @@ class ChatActionsMixin:
 
         first, _, rest = text.partition("\n")
         command, _, argument = first.strip().partition(" ")
-        path, request = _path_argument(argument), rest.strip()
+        path, inline = split_path_argument(argument)
+        request = "\n".join(part for part in (inline, rest.strip()) if part)
         if command in ("/edit", "/file") and not path:
             self.notify(f"{command} needs a file path, e.g. {command} src/main.py", title=command,
                         severity="error", timeout=6)

@@ -33,9 +33,10 @@ HELP = """\
 
 ## Commands (type them in the input)
 
-- `/edit PATH` — attach a file to edit; then describe the change (or put the request on the next lines).
-  The reply's code block is shown as a diff; **Apply** writes the file and keeps a backup next to it.
-- `/file PATH` — attach a file as read-only context to your next message.
+- `/edit PATH [request]` — attach a file to edit and say what to change (after the path, on the next lines,
+  or in your next message). The reply's code block is shown as a diff; **Apply** writes the file and keeps a
+  backup next to it. Quote a path with spaces: `/edit "my file.py" add type hints`.
+- `/file PATH [question]` — attach a file as read-only context to your (next) message.
 - `/drop` — detach pending attachments. `/new` — new chat. `//text` sends `/text` literally.
 
 ## Statistics

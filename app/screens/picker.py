@@ -53,6 +53,7 @@ class PairPickerScreen(ModalScreen[str | None]):
         super().__init__(classes="dialog-screen")
         self.pairs, self.current, self.pair_info = pairs, current, pair_info
         self.info: dict[str, dict[str, Any]] = {}
+        self.download_confirmed = False  # the user said yes to the chosen pair's download here
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide", id="picker"):
@@ -135,4 +136,5 @@ class PairPickerScreen(ModalScreen[str | None]):
         for title, body, yes in checks:
             if not await self.app.push_screen_wait(ConfirmScreen(title, body, yes=yes)):
                 return
+        self.download_confirmed = bool(info.get("download_bytes"))
         self.dismiss(name)
