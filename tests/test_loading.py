@@ -213,6 +213,10 @@ def test_hub_errors_become_actionable_messages():
 def test_library_output_is_captured_and_progress_routed(tmp_path, capsys):
     from transformers.utils import logging as tf_logging
 
+    # Another test in the same process may have silenced transformers (the bench does, for generate()'s
+    # per-call warnings): this test is about routing what is emitted, so emit at the default level.
+    verbosity = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_warning()
     log_file = tmp_path / "logs" / "load.log"
     file_handler = logging.FileHandler(tmp_path / "app.log")
     logging.getLogger().addHandler(file_handler)
@@ -231,6 +235,7 @@ def test_library_output_is_captured_and_progress_routed(tmp_path, capsys):
     finally:
         logging.getLogger().removeHandler(file_handler)
         file_handler.close()
+        tf_logging.set_verbosity(verbosity)
     out, err = capsys.readouterr()
     assert out == "" and err == ""
     text = "\n".join(captured.lines)

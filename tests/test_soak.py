@@ -17,6 +17,7 @@ import threading
 import pytest
 
 from specchat.backend.drafters.base import Draft
+from specchat.backend.drafters.prompt_lookup import PromptLookupDrafter
 from specchat.backend.events import GenerationRequest, SamplingParams
 
 from engine_fixtures import tiny_engine
@@ -32,7 +33,9 @@ def rss_bytes() -> int:
 
 
 class RandomDrafter:
-    """Proposes a mix of random ids and copies of recent context (so some drafts are accepted); fails now and then."""
+    """Proposes random ids, random copies of the context, or real prompt-lookup drafts (the tiny models loop, so
+    those get accepted: random drafts alone are accepted ~1% of the time, too rarely to count on); fails now
+    and then."""
 
     name = "prompt-lookup"
 
@@ -40,9 +43,10 @@ class RandomDrafter:
         self.rng = random.Random(seed)
         self.fail_rate = fail_rate
         self.failures = 0
+        self.lookup = PromptLookupDrafter(max_ngram=2)
 
     def reset(self) -> None:
-        pass
+        self.lookup.reset()
 
     def observe(self, num_accepted: int) -> None:
         pass
@@ -51,6 +55,8 @@ class RandomDrafter:
         if self.rng.random() < self.fail_rate:
             self.failures += 1
             raise RuntimeError("random drafter failure (injected)")
+        if self.rng.random() < 0.4:
+            return self.lookup.propose(context, max_tokens)
         n = self.rng.randint(0, max_tokens)
         if self.rng.random() < 0.5 and len(context) > n:
             start = self.rng.randrange(0, len(context) - n)
