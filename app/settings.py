@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specchat.backend.errors import SpecchatError
+from specchat.backend.paths import config_dir
 from specchat.backend.events import DrafterName, SamplingParams
 
 SETTINGS_FILE = "settings.json"
@@ -50,20 +51,6 @@ class Settings:
     def request_drafter(self) -> DrafterName | None:
         """``GenerationRequest.drafter``: None keeps the pair's drafter."""
         return None if self.drafter == "pair" else self.drafter
-
-
-def config_dir() -> Path:
-    """The config dir: ``specchat.backend.paths.config_dir()`` when present (honours SPECCHAT_CONFIG_DIR)."""
-    try:
-        from specchat.backend.paths import config_dir as backend_config_dir
-    except ImportError:
-        env = os.environ.get("SPECCHAT_CONFIG_DIR")
-        if env:
-            return Path(env)
-        import platformdirs
-
-        return Path(platformdirs.user_config_dir("specchat", appauthor=False))
-    return Path(backend_config_dir())
 
 
 def settings_path() -> Path:

@@ -24,20 +24,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from specchat.backend.paths import log_dir
+
 LOG_FILE = "specchat.log"
-
-
-def log_dir() -> Path:
-    try:
-        from specchat.backend.paths import log_dir as backend_log_dir
-    except ImportError:
-        env = os.environ.get("SPECCHAT_LOG_DIR")
-        if env:
-            return Path(env)
-        import platformdirs
-
-        return Path(platformdirs.user_log_dir("specchat", appauthor=False))
-    return Path(backend_log_dir())
 
 
 def default_engine_factory(device: str | None) -> Callable[..., Any]:
