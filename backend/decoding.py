@@ -279,15 +279,14 @@ class RequestState:
             self.steps_by_drafter[name] = self.steps_by_drafter.get(name, 0) + 1
             self.policies[name].observe(gamma=gamma, proposed=len(draft_ids), accepted=result.accepted,
                                         draft_s=draft_s, verify_s=verify_s)
-            eng.drafters[name].observe(result.accepted) if name in self.candidates else None
+            if name in self.candidates:
+                eng.drafters[name].observe(result.accepted)
         elif self.candidates:  # a paused step measures T_target(1) for every candidate's policy
             for policy in self.policies.values():
                 policy.observe(gamma=0, proposed=0, accepted=0, draft_s=0.0, verify_s=verify_s)
         paused = bool(self.candidates) and name is None
-        state = (PolicyState.OFF if not self.candidates and name is None and not message
-                 else PolicyState.PAUSED if paused else PolicyState.SPECULATING)
-        if message:
-            state = PolicyState.PAUSED if self.candidates else PolicyState.OFF
+        state = (PolicyState.SPECULATING if name is not None
+                 else PolicyState.PAUSED if paused else PolicyState.OFF)
         event = self._event(tokens, sources, gamma=len(draft_ids), accepted=result.accepted, draft_s=draft_s,
                             verify_s=verify_s, t_step=t_step, policy=state, drafter=name or self.drafter_used,
                             message=message)
