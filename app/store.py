@@ -125,6 +125,20 @@ class _Corrupt(Exception):
     pass
 
 
+def _set_wal(conn: sqlite3.Connection) -> str:
+    """Switch to WAL; returns the journal mode in force. Switching needs an exclusive lock and SQLite may answer
+    "database is locked" at once, without calling the busy handler, while another process is creating the same
+    file: retry for up to the busy timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 class ChatStore:
     """The chat history. Safe to share between threads; several processes may open the same file."""
 
@@ -186,7 +200,7 @@ class ChatStore:
             raise StoreError(f"cannot open the history file {self.path}: {exc}. Check its permissions.") from exc
         try:
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            if conn.execute("PRAGMA journal_mode = WAL").fetchone()[0] != "wal":
+            if _set_wal(conn) != "wal":
                 log.warning("%s: this file system does not support WAL; concurrent writers will wait longer", self.path)
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
