@@ -140,8 +140,6 @@ class BenchRunner:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
         needs_hf = any(m.runner == "hf" for m in modes)
-        if needs_hf:
-            quiet_transformers()
         self.hf_target = sdpa_twin(engine.target.model) if needs_hf else None
         needs_assistant = any(m.runner == "hf" and m.drafter == "assisted" for m in modes)
         self.hf_draft = sdpa_twin(engine.draft.model) if needs_assistant else None
@@ -182,9 +180,10 @@ class BenchRunner:
         return tokens, wall, ttft, reason, tally, (last.stats if last is not None else None)
 
     def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int):
-        result = hf_generate(self.hf_target, ids, method=mode.drafter, max_new_tokens=max_new,
-                             temperature=self.temperature, seed=seed, eos_token_ids=self.eos_ids,
-                             pad_token_id=self.pad_id, assistant=self.hf_draft)
+        with quiet_transformers():
+            result = hf_generate(self.hf_target, ids, method=mode.drafter, max_new_tokens=max_new,
+                                 temperature=self.temperature, seed=seed, eos_token_ids=self.eos_ids,
+                                 pad_token_id=self.pad_id, assistant=self.hf_draft)
         tokens = result.token_ids
         reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
         return tokens, result.wall_s, result.ttft_s, reason, None, None

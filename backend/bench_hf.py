@@ -12,9 +12,11 @@ penalty from a model's generation_config), so "greedy" means plain argmax everyw
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +34,18 @@ class HFResult:
     ttft_s: float | None  # until the first generated token reached the streamer
 
 
-def quiet_transformers() -> None:
-    """Silence generate()'s warnings (assisted generation logs a deprecation per call; it breaks the
-    progress bar and says nothing about speed)."""
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence generate()'s warnings while a baseline runs (assisted generation logs a deprecation per call;
+    it breaks the progress bar and says nothing about speed); the previous verbosity comes back after."""
     import transformers
 
+    previous = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
 
 
 def sdpa_twin(model: torch.nn.Module) -> torch.nn.Module:
