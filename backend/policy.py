@@ -9,9 +9,21 @@ The expected speed-up of drafting γ tokens over plain decoding, with measured i
   effective window of ~1/(1−decay) steps) so α̂ follows the conversation; they start from a prior
   (``alpha_prior`` with ``prior_weight`` pseudo-counts) and only what was really drafted counts
   (``proposed``, which may be below γ: prompt lookup without a match proposes nothing).
+- E[N] uses the same estimator *at each draft position k*: α̂_k = accepted at k / (accepted at k + rejected
+  at k), over the steps that reached k (the same decayed counts). A constant α̂_k gives back the geometric
+  E[N] above; real drafts are not geometric. Prompt lookup copying a passage is bimodal: a draft is either
+  wrong from its first token or right for a long run, so α̂_k rises with k, and the geometric formula with
+  the pooled α̂ would undervalue long drafts exactly where they pay most (code edits). Each α̂_k is shrunk
+  towards α̂_{k−1} (α̂_0 towards the pooled α̂) with ``position_weight`` pseudo-counts, so a position with
+  little evidence, or none yet (beyond every γ tried), takes its neighbour's value:
+  E[N](γ) = 1 + Σ_{k<γ} Π_{j≤k} α̂_j.
 - T_t(n), the target's pass over n tokens, is *measured*: a running median of the recent passes at each n
   (robust to one slow first call), and for n never tried a weighted linear fit a + b·n over the measured n
   (b >= 0). With one measured n only, or none, the prior shape T_t(n) = T_t(1)·(1 + 0.08·(n − 1)) fills in.
+  Between two measured n the estimate interpolates linearly, and past the largest measured n it grows by the
+  fit's slope over the measured n >= 2 only: on a CPU a pass over 2 tokens costs ~1.7x one over 1 (matrix-
+  vector vs matrix-matrix kernels) while 2..24 tokens cost about the same, so a line through n = 1 would
+  make long drafts look far dearer than they are.
   T_t(1) comes from plain steps: those with nothing proposed, those while paused, and a *calibration* step
   (``choose()`` returns 0 while SPECULATING) once ``warmup_steps`` drafted steps passed without any plain
   step, and again after every ``calibrate_every`` drafted steps without one.
@@ -79,6 +91,7 @@ class GammaPolicy:
         probe_steps: int = 4,
         probe_gamma: int = 3,
         calibrate_every: int = 64,
+        position_weight: float = 1.0,
     ) -> None:
         if fixed_gamma is not None and not (isinstance(fixed_gamma, int) and fixed_gamma >= 1):
             raise ValueError(f"GammaPolicy: fixed_gamma must be an integer >= 1, got {fixed_gamma!r}")
@@ -99,6 +112,7 @@ class GammaPolicy:
         self.probe_steps = probe_steps
         self.probe_gamma = probe_gamma
         self.calibrate_every = calibrate_every
+        self.position_weight = position_weight
         self._target: dict[int, _Median] = {}  # n -> recent target pass times over n tokens (seconds)
         self._fit: tuple[float, float] | None = None  # (a, b) of T_t(n) ≈ a + b·n over the measured n
         self._best_cache: tuple[int, float] | None = None
@@ -111,6 +125,8 @@ class GammaPolicy:
         self._best_cache = None
         self._succ = self.alpha_prior * self.prior_weight
         self._fail = (1.0 - self.alpha_prior) * self.prior_weight
+        self._pos_succ = [0.0] * self.max_gamma  # per draft position k: decayed accepts at k
+        self._pos_fail = [0.0] * self.max_gamma  # per draft position k: decayed rejections at k
         self._drafted_steps = 0  # drafted steps ever observed (alpha_hat is None before the first)
         self._since_start = 0  # drafted steps since speculation (re)started
         self._probing = 0  # drafted steps left in the current probe
@@ -129,6 +145,26 @@ class GammaPolicy:
     def _alpha(self) -> float:
         return min(self._succ / (self._succ + self._fail), 1.0 - 1e-9)
 
+    def position_alphas(self) -> list[float]:
+        """α̂_k for draft positions k = 0 .. max_gamma − 1 (see the module docstring)."""
+        out, prev, w = [], self._alpha(), self.position_weight
+        for succ, fail in zip(self._pos_succ, self._pos_fail):
+            prev = min((succ + w * prev) / (succ + fail + w), 1.0 - 1e-9)
+            out.append(prev)
+        return out
+
+    def expected_tokens(self, gamma: int) -> float:
+        """E[N](γ) from the per-position estimates: tokens a step drafting γ yields, the target's own included."""
+        return self._expected_table()[min(gamma, self.max_gamma)]
+
+    def _expected_table(self) -> list[float]:
+        table, run, total = [1.0], 1.0, 1.0
+        for alpha in self.position_alphas():
+            run *= alpha
+            total += run
+            table.append(total)
+        return table
+
     def _prior_ratio(self, n: int) -> float:
         return 1.0 + self.cost_slope_prior * (n - 1)
 
@@ -137,6 +173,15 @@ class GammaPolicy:
         measured = self._target.get(n)
         if measured is not None:
             return measured.value
+        below = [m for m in self._target if m < n]
+        above = [m for m in self._target if m > n]
+        if below and above:  # interpolate between the nearest measured neighbours
+            lo, hi = max(below), min(above)
+            t_lo, t_hi = self._target[lo].value, self._target[hi].value
+            return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
+        if below and self._fit is not None:  # past the largest measured n: grow by the fitted slope
+            top = max(below)
+            return self._target[top].value + self._fit[1] * (n - top)
         if self._fit is not None:
             intercept, slope = self._fit
             estimate = intercept + slope * n
@@ -148,9 +193,12 @@ class GammaPolicy:
         return self._prior_ratio(n)
 
     def _refit(self) -> None:
-        # Weighted least squares T ≈ a + b·n over the measured n (weight: samples held), b clamped at >= 0.
+        # Weighted least squares T ≈ a + b·n over the measured n (weight: samples held), b clamped at >= 0;
+        # over n >= 2 only once two such n are measured (n = 1 runs other kernels, see the module docstring).
         self._fit = None
         points = [(m, med.value, len(med.samples)) for m, med in self._target.items()]
+        if sum(m >= 2 for m, _, _ in points) >= 2:
+            points = [p for p in points if p[0] >= 2]
         if len(points) < 2:
             return
         w_sum = sum(w for _, _, w in points)
@@ -166,17 +214,17 @@ class GammaPolicy:
             return self._draft.value
         return self.draft_cost_prior * self.target_time(1)
 
-    def _speedup(self, gamma: int, alpha: float) -> float:
+    def _speedup(self, gamma: int) -> float:
         cost = gamma * self.draft_time() + self.target_time(gamma + 1)
-        return expected_tokens(alpha, gamma) * self.target_time(1) / cost
+        return self.expected_tokens(gamma) * self.target_time(1) / cost
 
     def _best(self) -> tuple[int, float]:
         # Cached until the next observe(): choose() and the display read it between steps.
         if self._best_cache is None:
-            alpha = self._alpha()
+            table = self._expected_table()
             t1, td = self.target_time(1), self.draft_time()
             scores = [
-                (expected_tokens(alpha, g) * t1 / (g * td + self.target_time(g + 1)), -g)
+                (table[g] * t1 / (g * td + self.target_time(g + 1)), -g)
                 for g in range(1, self.max_gamma + 1)
             ]
             score, neg_gamma = max(scores)
@@ -189,7 +237,7 @@ class GammaPolicy:
             return None
         if gamma is None:
             gamma = self.fixed_gamma if self.fixed_gamma is not None else self._best()[0]
-        return self._speedup(gamma, self._alpha()) if gamma > 0 else 1.0
+        return self._speedup(gamma) if gamma > 0 else 1.0
 
     def estimates(self) -> dict[str, float | int | str | None]:
         """The inputs and outputs of the formula, for the live display and --json diagnostics."""
@@ -234,6 +282,8 @@ class GammaPolicy:
             scale = self.prior_weight / total
             self._succ *= scale
             self._fail *= scale
+            self._pos_succ = [x * scale for x in self._pos_succ]
+            self._pos_fail = [x * scale for x in self._pos_fail]
         self.state = PolicyState.SPECULATING
         self._probing = self.probe_steps
         self._since_start = 0
@@ -260,6 +310,14 @@ class GammaPolicy:
                 self._draft.add(draft_s / proposed)
             self._succ = self._succ * self.decay + accepted
             self._fail = self._fail * self.decay + (1.0 if accepted < proposed else 0.0)
+            pos_succ, pos_fail, decay = self._pos_succ, self._pos_fail, self.decay
+            for k in range(len(pos_succ)):
+                pos_succ[k] *= decay
+                pos_fail[k] *= decay
+                if k < accepted:
+                    pos_succ[k] += 1.0
+                elif k == accepted and k < proposed:
+                    pos_fail[k] += 1.0
             self._drafted_steps += 1
             self._drafted_since_plain += 1
         if self.fixed_gamma is not None:

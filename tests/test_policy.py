@@ -158,7 +158,8 @@ def test_target_time_estimates() -> None:
     assert policy.target_time(6) == pytest.approx(0.010 * (1 + 0.08 * 5))  # one n measured: prior shape
     for _ in range(3):
         policy.observe(gamma=2, accepted=1, draft_s=0.0, verify_s=0.012, proposed=2)
-    assert policy.target_time(5) == pytest.approx(0.014)  # linear fit through n = 1 and n = 3
+    assert policy.target_time(2) == pytest.approx(0.011)  # between n = 1 and n = 3: interpolated
+    assert policy.target_time(5) == pytest.approx(0.014)  # past n = 3: the fit's slope (n = 1 and n = 3)
     assert policy.target_time(3) == pytest.approx(0.012)  # measured n: its own median
     policy.observe(gamma=2, accepted=1, draft_s=0.0, verify_s=1.0, proposed=2)  # one very slow pass
     assert policy.target_time(3) == pytest.approx(0.012)
@@ -171,9 +172,88 @@ def test_speedup_formula() -> None:
     for _ in range(5):
         policy.observe(gamma=0, accepted=0, draft_s=0.0, verify_s=0.010, proposed=0)
         policy.observe(gamma=3, accepted=3, draft_s=0.003, verify_s=0.013, proposed=3)
-    alpha = policy.alpha_hat()
-    expected = expected_tokens(alpha, 3) * 0.010 / (3 * 0.001 + 0.013)
-    assert policy.expected_speedup(3) == pytest.approx(expected)
+    a = policy.position_alphas()
+    tokens = 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]
+    assert policy.expected_tokens(3) == pytest.approx(tokens)
+    assert policy.expected_speedup(3) == pytest.approx(tokens * 0.010 / (3 * 0.001 + 0.013))
+
+
+def test_constant_acceptance_gives_the_geometric_formula() -> None:
+    """When every position is accepted at the same rate, E[N] from per-position estimates is the geometric
+    (1 − α^(γ+1)) / (1 − α) of the pooled α̂."""
+    # decay=1: nothing forgotten, so even position 6 (reached by 0.7^5 of the steps) converges
+    policy, world = GammaPolicy(max_gamma=6, fixed_gamma=6, decay=1.0), World(alpha=0.7, slope=0.05, seed=3)
+    world.run(policy, 3000)
+    assert policy.alpha_hat() == pytest.approx(0.7, abs=0.06)
+    assert all(a == pytest.approx(0.7, abs=0.1) for a in policy.position_alphas())
+    assert policy.expected_tokens(6) == pytest.approx(expected_tokens(policy.alpha_hat(), 6), rel=0.03)
+
+
+def test_per_position_acceptance_follows_a_bimodal_drafter() -> None:
+    """Prompt lookup copying a passage: a draft is wrong at its first token (60%) or right all along. A step
+    drafting γ yields 1 + 0.4·γ tokens. The pooled α̂ (≈ 0.91 at γ = 16) fed to the geometric formula would
+    promise ~4.2 tokens from a 4-token draft that yields 2.6, and ~8.7 from a 16-token one that yields 7.4:
+    E[N] must follow the positions, not the pooled α̂."""
+    policy = GammaPolicy(max_gamma=16, fixed_gamma=16)
+    rng = random.Random(5)
+    for _ in range(400):
+        right = 0 if rng.random() < 0.6 else 100
+        policy.observe(gamma=16, accepted=min(16, right), draft_s=0.0, verify_s=0.01, proposed=16)
+    alphas = policy.position_alphas()
+    assert alphas[0] == pytest.approx(0.4, abs=0.15) and min(alphas[1:]) > 0.9
+    assert policy.alpha_hat() > 0.85
+    for gamma in (4, 16):
+        truth = 1 + 0.4 * gamma
+        assert policy.expected_tokens(gamma) == pytest.approx(truth, rel=0.3)
+        assert expected_tokens(policy.alpha_hat(), gamma) > truth + 1.0  # what the pooled α̂ would claim
+
+
+def test_long_runs_and_a_cpu_cost_curve_choose_long_drafts() -> None:
+    """On a CPU a pass over 2..24 tokens costs about the same (~1.7x a 1-token pass), and 25+ more. A drafter
+    right in long runs (mean 25) 60% of the time, wrong at once otherwise: the adaptive policy, starting from
+    its prior and learning costs as it goes, gets within 10% of the best fixed γ's throughput, with γ well
+    past the 10 a fixed prompt-lookup setting would use."""
+
+    def cost(n: int) -> float:
+        return 0.097 if n == 1 else 0.165 + 0.0025 * (n - 2) + (0.03 if n > 24 else 0.0)
+
+    def runs(seed: int) -> list[int]:
+        rng = random.Random(seed)
+        return [0 if rng.random() < 0.4 else 1 + int(rng.expovariate(1 / 25)) for _ in range(600)]
+
+    def throughput(choose, observe) -> float:
+        tokens = seconds = 0.0
+        for right in runs(11):
+            gamma = choose()
+            observe(gamma, min(gamma, right))
+            tokens += min(gamma, right) + 1
+            seconds += cost(gamma + 1)
+        return tokens / seconds
+
+    best_fixed = max(throughput(lambda g=g: g, lambda *_: None) for g in range(1, 32))
+    policy, chosen = GammaPolicy(max_gamma=31), []
+
+    def observe(gamma: int, accepted: int) -> None:
+        chosen.append(gamma)
+        policy.observe(gamma=gamma, accepted=accepted, draft_s=1e-5 * gamma, verify_s=cost(gamma + 1),
+                       proposed=gamma)
+
+    adaptive = throughput(policy.choose, observe)
+    assert adaptive >= 0.9 * best_fixed
+    assert sorted(chosen[-200:])[100] >= 14
+    assert policy.state is PolicyState.SPECULATING
+
+
+def test_cost_between_and_past_measured_lengths() -> None:
+    """T_t(n) interpolates between measured n, and past the largest grows by the slope fitted over n >= 2
+    (not through n = 1, which on a CPU is far cheaper than any longer pass)."""
+    policy = GammaPolicy()
+    for _ in range(3):
+        policy.observe(gamma=0, accepted=0, draft_s=0.0, verify_s=0.100, proposed=0)
+        policy.observe(gamma=3, accepted=1, draft_s=0.0, verify_s=0.170, proposed=3)
+        policy.observe(gamma=9, accepted=2, draft_s=0.0, verify_s=0.182, proposed=9)
+    assert policy.target_time(7) == pytest.approx(0.170 + 0.012 * 3 / 6)
+    assert policy.target_time(20) == pytest.approx(0.182 + 0.002 * 10)
 
 
 def test_invalid_use() -> None:
