@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from specchat.backend.kv_cache import PagedKVCache, Sequence
 
-DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16)
+DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_KV_STEP = 256
 _RUNNER_ATTR = "_specchat_graph_runner"
 

@@ -32,7 +32,7 @@ from .policy import GammaPolicy
 from .prompting import common_prefix_len, fit_to_context, render, validate_messages
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the attention scratch of long prompts
-MAX_GAMMA = 10
+MAX_GAMMA = 31  # n = γ + 1 <= 32: the largest CUDA graph bucket; the policy picks γ by measured cost
 
 
 @dataclass

@@ -73,7 +73,7 @@ def test_buckets() -> None:
     model = build_tiny("llama")
     use_paged_attention(model)
     runner = cuda_graphs.GraphRunner(model, _cache(model, fragmented=False, max_tokens=200), kv_step=64)
-    assert [runner.token_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17)] == [1, 2, 4, 8, 8, 16, 16, None]
+    assert [runner.token_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 32, 33)] == [1, 2, 4, 8, 8, 16, 16, 32, 32, None]
     assert runner.max_kv == 256  # 200 slots rounded up to the kv step
     assert [runner.kv_bucket(k) for k in (1, 64, 65, 256, 257)] == [64, 64, 128, 256, None]
     custom = cuda_graphs.GraphRunner(model, runner.cache, token_buckets=(3, 1, 11), kv_step=8, max_kv=20)
@@ -114,7 +114,7 @@ def test_fallback_rules_and_trash_block() -> None:
     other = cache.new_sequence()  # another conversation: padded writes must never touch its slots
     other.reserve(8)
     other.commit(8)
-    runner = cuda_graphs.attach(model, cache, kv_step=16, max_kv=32)
+    runner = cuda_graphs.attach(model, cache, kv_step=16, max_kv=32, token_buckets=(1, 2, 4, 8, 16))
     assert cache.pool.num_free == free_before - 3  # two blocks for `other`, one trash block
     snapshot = cache.k[:, :, other.slot(0) : other.slot(7) + 1].clone()
     seq = cache.new_sequence()
