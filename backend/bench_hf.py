@@ -23,6 +23,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
+from . import cpu_linear
+
 # transformers' own prompt-lookup setting that people use (issue 4 compares against this value).
 HF_PROMPT_LOOKUP_TOKENS = 10
 
@@ -53,10 +55,12 @@ def sdpa_twin(model: torch.nn.Module) -> torch.nn.Module:
 
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to itself copies only the module tree
     and the config; quantised parameter classes (bitsandbytes Params4bit, with their quant state) are shared
-    as they are. The twin gets a neutral generation_config so that generate() applies only what we pass.
+    as they are. Layers the engine packed for oneDNN on CPU (cpu_linear.py) are stock ``nn.Linear`` again in
+    the twin: the baseline runs transformers' own kernels. The twin gets a neutral generation_config so that generate() applies only what we pass.
     """
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     twin = copy.deepcopy(model, memo)
+    cpu_linear.unpack_linears(twin)  # stock nn.Linear kernels, as transformers runs them
     twin.set_attn_implementation("sdpa")
     twin.generation_config = GenerationConfig()
     twin.eval()

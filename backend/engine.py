@@ -13,13 +13,16 @@ moving the sequence's length pointer (whole blocks past it go back to the pool, 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from . import attention, cuda_graphs
+import torch
+
+from . import attention, cpu_linear, cuda_graphs
 from .config import PairConfig
 from .decoding import RequestState, resolve_sampling
 from .drafters.draft_model import DraftModelDrafter
@@ -28,11 +31,15 @@ from .errors import RequestError
 from .events import GenerationRequest, StepEvent
 from .kv_cache import PagedKVCache, Sequence
 from .loading import LoadedModel
+from .memory import format_bytes, free_memory
 from .policy import GammaPolicy
 from .prompting import common_prefix_len, fit_to_context, render, validate_messages
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the attention scratch of long prompts
 MAX_GAMMA = 31  # n = γ + 1 <= 32: the largest CUDA graph bucket; the policy picks γ by measured cost
+PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,6 +104,8 @@ class Engine:
                                        block_size=block_size, dtype=loaded.dtype, device=loaded.device)
         if graphs:
             cuda_graphs.attach(loaded.model, cache, max_kv=tokens)
+        elif loaded.device.type == "cpu":
+            _pack_if_it_fits(loaded)
         return cache
 
     # -- public API -------------------------------------------------------------------------------------
@@ -191,6 +200,22 @@ class Engine:
         finally:
             if request.conversation is None:
                 conv.seq.free()
+
+
+def _pack_if_it_fits(loaded: LoadedModel) -> None:
+    """On CPU, pack the linear layers for oneDNN (cpu_linear.py) when their second copy fits in free memory
+    with room to spare for a prefill's activations; otherwise decode with the default kernels, and say so."""
+    need = cpu_linear.packed_bytes(loaded.model)
+    if not need:
+        return
+    free = free_memory(torch.device("cpu"))
+    if need + PACKING_SPARE_BYTES > free:
+        log.info("not packing %s's linear layers for oneDNN: %s needed, %s free", loaded.spec.source,
+                 format_bytes(need), format_bytes(free))
+        return
+    count = cpu_linear.pack_linears(loaded.model)
+    if count:
+        log.info("packed %d linear layers of %s for oneDNN (%s)", count, loaded.spec.source, format_bytes(need))
 
 
 def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, confirm_download=None) -> Engine:

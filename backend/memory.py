@@ -13,6 +13,10 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   logits + probabilities of the :data:`SCRATCH_LOGIT_ROWS` positions a verification keeps;
 - headroom: 8 % of the sum.
 
+On CPU the engine also keeps a oneDNN-packed copy of the float32 linear weights when that copy fits in the
+memory still free after loading (``cpu_linear.py``; ~1.6x faster verification passes). It is optional, so it
+is not part of the estimate that decides whether a pair fits.
+
 ``dtype: auto`` counts float32 on CPU and 2 bytes on CUDA, as loading does. The scratch term assumes the
 engine prefills long prompts in chunks of at most PREFILL_CHUNK_TOKENS tokens (engine.PREFILL_CHUNK).
 """
