@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from specchat import __version__
+from specchat.backend.bench_suites import SUITES
 
 EPILOG = """\
 commands:
@@ -97,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_global_options(bench, suppress_defaults=True)
     bench.add_argument("--pair", metavar="NAME", action="append", default=argparse.SUPPRESS,
                        help="pair to measure (repeatable; default: smollm2-135m)")
-    bench.add_argument("--suite", choices=["spec-bench", "edit", "all"], default="all")
+    bench.add_argument("--suite", choices=list(SUITES), default="all",
+                       help="prompt set: spec-bench, edit (code edits), all, or one family such as mt-bench")
     bench.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="prompts per family")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N")
     bench.add_argument("--modes", nargs="+", default=None, metavar="MODE",

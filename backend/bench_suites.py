@@ -7,7 +7,8 @@ Suites:
   mode sees the same input), ``translation``, ``summarization``, ``qa``, ``math-reasoning``, ``rag``;
 - ``edit``: the fixed code-edit set ``data/code_edit.jsonl`` (one family, ``code-edit``; categories rename,
   type-hints, docstring) — functions with a request to edit them and return them whole;
-- ``all``: both.
+- ``all``: both;
+- a family name (``mt-bench``, ``code-edit``, ...): that family alone.
 
 ``limit`` is per family and spread over the family's categories: categories are taken round-robin (in file
 order) and, within a category, prompts evenly spaced over the category rather than its first N. The choice
@@ -26,7 +27,6 @@ DATA_DIR = Path(__file__).with_name("data")
 SPEC_BENCH_FILE = DATA_DIR / "spec_bench.jsonl"
 CODE_EDIT_FILE = DATA_DIR / "code_edit.jsonl"
 
-SUITES = ("spec-bench", "edit", "all")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 # Spec-Bench category -> family name used in tables (MT-bench's eight categories form one family).
 _SPEC_BENCH_FAMILY = {c: "mt-bench" for c in MT_BENCH_CATEGORIES} | {
@@ -38,6 +38,7 @@ _SPEC_BENCH_FAMILY = {c: "mt-bench" for c in MT_BENCH_CATEGORIES} | {
 }
 SPEC_BENCH_FAMILIES = ("mt-bench", "translation", "summarization", "qa", "math-reasoning", "rag")
 CODE_EDIT_FAMILY = "code-edit"
+SUITES = ("spec-bench", "edit", "all") + SPEC_BENCH_FAMILIES + (CODE_EDIT_FAMILY,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +148,14 @@ def select(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
 
 
 def load_suite(suite: str, limit: int | None) -> list[BenchPrompt]:
-    """The prompts of ``suite`` ("spec-bench" | "edit" | "all"), ``limit`` per family."""
+    """The prompts of ``suite`` (one of SUITES), ``limit`` per family."""
     if suite not in SUITES:
         raise ConfigError(f"unknown suite {suite!r}; use one of {', '.join(SUITES)}")
     prompts: list[BenchPrompt] = []
-    if suite in ("spec-bench", "all"):
+    if suite in ("spec-bench", "all") or suite in SPEC_BENCH_FAMILIES:
         prompts += load_spec_bench()
-    if suite in ("edit", "all"):
+    if suite in ("edit", "all", CODE_EDIT_FAMILY):
         prompts += load_code_edit()
+    if suite in SPEC_BENCH_FAMILIES or suite == CODE_EDIT_FAMILY:
+        prompts = [p for p in prompts if p.family == suite]
     return select(prompts, limit)

@@ -82,6 +82,9 @@ def test_suite_all_has_seven_families_and_unknown_suite_is_an_error():
     assert len(prompts) == 14
     assert {p.family for p in prompts} == set(SPEC_BENCH_FAMILIES) | {CODE_EDIT_FAMILY}
     assert {p.family for p in load_suite("edit", None)} == {CODE_EDIT_FAMILY}
+    mt_bench = load_suite("mt-bench", 8)
+    assert len(mt_bench) == 8 and {p.family for p in mt_bench} == {"mt-bench"}
+    assert len({p.category for p in mt_bench}) == 8  # one per MT-bench category, round-robin
     with pytest.raises(ConfigError, match="unknown suite 'nope'"):
         load_suite("nope", 1)
 
