@@ -1,0 +1,115 @@
+"""Tokens/s of a reply in the chat UI against `specchat generate` on the same prompt (issue 5's check).
+
+Each round runs both, in a fresh process each (so each reply is its process's first, model cache warm):
+
+- ``specchat generate --json`` with the prompt, greedy, ``--max-new-tokens N``: its ``stats.tok_s``;
+- ``specchat`` in a real terminal (a detached tmux session, 120x40), the same settings written to its
+  settings file, the prompt typed and sent with Enter; the reply's ``tok_s`` is read back from the history
+  database once the reply is saved (the same engine statistic the reply's totals line shows).
+
+The order alternates per round so drift in machine speed hits both. Both use a temporary config/data dir
+(``SPECCHAT_CONFIG_DIR`` / ``SPECCHAT_DATA_DIR``) and the user's model cache. Prints one line per run and the
+medians; exits 1 when the UI's median is more than ``--tolerance`` below generate's.
+
+    python packaging/ui_vs_generate.py --rounds 5 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
+
+
+def run_generate(prompt: str, max_new: int, env: dict[str, str]) -> tuple[float, int]:
+    out = subprocess.run(["specchat", "generate", "--prompt", prompt, "--max-new-tokens", str(max_new),
+                          "--temperature", "0", "--json"], env=env, capture_output=True, text=True, check=True)
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(record["stats"]["tok_s"]), int(record["stats"]["new_tokens"])
+
+
+def _pane(session: str) -> str:
+    return subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+
+
+def _reply_stats(db: Path) -> dict | None:
+    if not db.exists():
+        return None
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as conn:
+            rows = conn.execute("SELECT stats FROM messages WHERE role = 'assistant' AND complete = 1 "
+                                "AND stats IS NOT NULL ORDER BY id DESC LIMIT 1").fetchall()
+    except sqlite3.Error:
+        return None
+    if not rows or not rows[0][0]:
+        return None
+    stats = json.loads(rows[0][0])
+    return stats if stats.get("finish_reason") else None
+
+
+def run_ui(prompt: str, max_new: int, env: dict[str, str], home: Path, timeout: float = 600) -> tuple[float, int]:
+    session = f"specchat-speed-{os.getpid()}"
+    db = home / "data" / "history.sqlite3"
+    for old in home.joinpath("data").glob("history.sqlite3*"):
+        old.unlink()
+    command = " ".join(f"{k}={v}" for k, v in env.items() if k.startswith("SPECCHAT_")) + " specchat"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command], env=env,
+                   check=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while "ready (" not in _pane(session):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the UI did not get ready:\n" + _pane(session))
+            time.sleep(0.2)
+        subprocess.run(["tmux", "send-keys", "-t", session, "-l", prompt], check=True)
+        subprocess.run(["tmux", "send-keys", "-t", session, "Enter"], check=True)
+        # Poll the database only, once a second: a tmux capture-pane per poll costs CPU the reply would lose.
+        while (stats := _reply_stats(db)) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the reply did not finish:\n" + _pane(session))
+            time.sleep(1.0)
+        return float(stats["tok_s"]), int(stats["new_tokens"])
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tolerance", type=float, default=0.05)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="specchat-speed-") as tmp:
+        home = Path(tmp)
+        (home / "config").mkdir()
+        (home / "data").mkdir()
+        settings = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens}
+        (home / "config" / "settings.json").write_text(json.dumps(settings))
+        env = dict(os.environ, SPECCHAT_CONFIG_DIR=str(home / "config"), SPECCHAT_DATA_DIR=str(home / "data"))
+        results: dict[str, list[float]] = {"generate": [], "ui": []}
+        for round_ in range(args.rounds):
+            order = ("generate", "ui") if round_ % 2 == 0 else ("ui", "generate")
+            for which in order:
+                if which == "generate":
+                    tok_s, tokens = run_generate(args.prompt, args.max_new_tokens, env)
+                else:
+                    tok_s, tokens = run_ui(args.prompt, args.max_new_tokens, env, home)
+                results[which].append(tok_s)
+                print(f"round {round_ + 1} {which:>8}: {tok_s:6.2f} tok/s ({tokens} tokens)", flush=True)
+    gen, ui = statistics.median(results["generate"]), statistics.median(results["ui"])
+    print(f"median: generate {gen:.2f} tok/s, UI {ui:.2f} tok/s, UI/generate {ui / gen:.3f}")
+    return 0 if ui >= (1 - args.tolerance) * gen else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
