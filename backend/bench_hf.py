@@ -56,7 +56,8 @@ def sdpa_twin(model: torch.nn.Module) -> torch.nn.Module:
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to itself copies only the module tree
     and the config; quantised parameter classes (bitsandbytes Params4bit, with their quant state) are shared
     as they are. Layers the engine packed for oneDNN on CPU (cpu_linear.py) are stock ``nn.Linear`` again in
-    the twin: the baseline runs transformers' own kernels. The twin gets a neutral generation_config so that generate() applies only what we pass.
+    the twin: the baseline runs transformers' own kernels. The twin gets a neutral generation_config so that
+    generate() applies only what we pass.
     """
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     twin = copy.deepcopy(model, memo)

@@ -15,9 +15,10 @@ to :class:`PackedLinear`, whose forward calls ``torch.ops.mkldnn._linear_pointwi
 (bitsandbytes ``Linear4bit`` / ``Linear8bitLt`` are subclasses, not plain ``nn.Linear``) and other dtypes
 are left alone (bfloat16 needs AVX-512 or AVX-NE-CONVERT in oneDNN). The dense weight stays where it was
 (a tied output head shares it with the input embedding, and transformers' baselines in ``specchat bench``
-run on it): packing costs a second copy of the linear weights, which :mod:`memory` counts, and the engine
-packs only when that copy fits too. :func:`unpack_linears` restores stock modules (the bench's
-transformers twin, which must run what transformers runs).
+run on it): packing costs a second copy of the linear weights, so the engine packs only when that copy fits
+in the memory still free after loading (it is optional, so :mod:`memory`'s fit estimate leaves it out).
+:func:`unpack_linears` restores stock modules (the bench's transformers twin, which must run what
+transformers runs).
 
 Exactness: the packed product differs from PyTorch's only in float32 rounding (accumulation order), like
 any other kernel choice; the first layer is checked against ``F.linear`` when packing, and packing is
