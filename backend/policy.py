@@ -115,14 +115,14 @@ class GammaPolicy:
         self.position_weight = position_weight
         self._target: dict[int, _Median] = {}  # n -> recent target pass times over n tokens (seconds)
         self._fit: tuple[float, float] | None = None  # (a, b) of T_t(n) ≈ a + b·n over the measured n
-        self._best_cache: tuple[int, float] | None = None
+        self._speedup_cache: list[float] | None = None
         self._draft = _Median()  # recent draft times per proposed token (seconds)
         self.reset()
 
     # ----------------------------------------------------------------------------------------------- state
     def reset(self) -> None:
         """A new conversation: acceptance back to the prior and speculation on; measured costs are kept."""
-        self._best_cache = None
+        self._speedup_cache = None
         self._succ = self.alpha_prior * self.prior_weight
         self._fail = (1.0 - self.alpha_prior) * self.prior_weight
         self._pos_succ = [0.0] * self.max_gamma  # per draft position k: decayed accepts at k
@@ -215,21 +215,26 @@ class GammaPolicy:
         return self.draft_cost_prior * self.target_time(1)
 
     def _speedup(self, gamma: int) -> float:
-        cost = gamma * self.draft_time() + self.target_time(gamma + 1)
-        return self.expected_tokens(gamma) * self.target_time(1) / cost
+        speedups = self._speedups()
+        if gamma < len(speedups):
+            return speedups[gamma]
+        return self._formula(gamma, self._expected_table(), self.target_time(1), self.draft_time())
+
+    def _formula(self, gamma: int, table: list[float], t1: float, td: float) -> float:
+        return table[min(gamma, self.max_gamma)] * t1 / (gamma * td + self.target_time(gamma + 1))
+
+    def _speedups(self) -> list[float]:
+        """S(γ) for γ = 0 .. max_gamma (index γ; S(0) = 1, a plain step). Cached until the next observe():
+        choose(), the engine's comparison of drafters and the display all read it between steps."""
+        if self._speedup_cache is None:
+            table, t1, td = self._expected_table(), self.target_time(1), self.draft_time()
+            self._speedup_cache = [1.0] + [self._formula(g, table, t1, td) for g in range(1, self.max_gamma + 1)]
+        return self._speedup_cache
 
     def _best(self) -> tuple[int, float]:
-        # Cached until the next observe(): choose() and the display read it between steps.
-        if self._best_cache is None:
-            table = self._expected_table()
-            t1, td = self.target_time(1), self.draft_time()
-            scores = [
-                (table[g] * t1 / (g * td + self.target_time(g + 1)), -g)
-                for g in range(1, self.max_gamma + 1)
-            ]
-            score, neg_gamma = max(scores)
-            self._best_cache = (-neg_gamma, score)
-        return self._best_cache
+        speedups = self._speedups()
+        score, neg_gamma = max((speedups[g], -g) for g in range(1, self.max_gamma + 1))
+        return -neg_gamma, score
 
     def expected_speedup(self, gamma: int | None = None) -> float | None:
         """S(γ) from the current estimates (γ None: the best γ, or the fixed one); None before any draft."""
@@ -276,7 +281,7 @@ class GammaPolicy:
 
     def _start_probe(self) -> None:
         # Shrink the stale evidence to a couple of pseudo-counts (same ratio): the probe's own steps decide.
-        self._best_cache = None
+        self._speedup_cache = None
         total = self._succ + self._fail
         if total > self.prior_weight:
             scale = self.prior_weight / total
@@ -299,7 +304,7 @@ class GammaPolicy:
         if not 0 <= accepted <= proposed:
             raise ValueError(f"GammaPolicy.observe: need 0 <= accepted <= proposed, got {accepted}, {proposed}")
         n = proposed + 1
-        self._best_cache = None
+        self._speedup_cache = None
         if verify_s > 0.0:
             self._target.setdefault(n, _Median()).add(verify_s)
             self._refit()
