@@ -41,6 +41,7 @@ from specchat.app.screens.history import HistoryResult, HistoryScreen
 from specchat.app.screens.picker import PairPickerScreen, human_bytes
 from specchat.app.screens.settings_screen import SettingsScreen
 from specchat.app.settings import Settings, SettingsError, load_settings, save_settings
+from specchat.app.widgets.message_view import warm_highlighting
 from specchat.app.worker import ThrottledProgress
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class SpecchatApp(App[int]):
         except BaseException as error:  # noqa: BLE001 - reported to the UI thread, which decides
             self.post_message(EngineLoadFailed(pair.name, error))
             return
+        warm_highlighting()  # here, not in the first reply: it would compete with that reply's decoding
         self.post_message(EngineLoaded(pair.name, engine, time.monotonic() - self._load_started))
 
     @property

@@ -30,11 +30,11 @@ from pathlib import Path
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
 
 
-def run_generate(prompt: str, max_new: int, env: dict[str, str]) -> tuple[float, int]:
+def run_generate(prompt: str, max_new: int, env: dict[str, str]) -> dict:
     out = subprocess.run(["specchat", "generate", "--prompt", prompt, "--max-new-tokens", str(max_new),
                           "--temperature", "0", "--json"], env=env, capture_output=True, text=True, check=True)
     record = json.loads(out.stdout.strip().splitlines()[-1])
-    return float(record["stats"]["tok_s"]), int(record["stats"]["new_tokens"])
+    return record["stats"]
 
 
 def _pane(session: str) -> str:
@@ -56,7 +56,7 @@ def _reply_stats(db: Path) -> dict | None:
     return stats if stats.get("finish_reason") else None
 
 
-def run_ui(prompt: str, max_new: int, env: dict[str, str], home: Path, timeout: float = 600) -> tuple[float, int]:
+def run_ui(prompt: str, max_new: int, env: dict[str, str], home: Path, timeout: float = 600) -> dict:
     session = f"specchat-speed-{os.getpid()}"
     db = home / "data" / "history.sqlite3"
     for old in home.joinpath("data").glob("history.sqlite3*"):
@@ -77,9 +77,17 @@ def run_ui(prompt: str, max_new: int, env: dict[str, str], home: Path, timeout: 
             if time.monotonic() > deadline:
                 raise RuntimeError("the reply did not finish:\n" + _pane(session))
             time.sleep(1.0)
-        return float(stats["tok_s"]), int(stats["new_tokens"])
+        return stats
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def describe(stats: dict) -> str:
+    """tok/s and what explains it: first-token time, decoding rate after it, target passes, tokens per pass."""
+    tokens, wall, ttft = int(stats["new_tokens"]), float(stats["wall_s"]), float(stats.get("ttft_s") or 0.0)
+    decode = (tokens - 1) / (wall - ttft) if wall > ttft else float("nan")
+    return (f"{float(stats['tok_s']):6.2f} tok/s ({tokens} tokens; first token {ttft:.2f} s, then {decode:.2f} tok/s; "
+            f"{stats.get('steps')} passes, τ {stats.get('mean_accepted_length') or 1:.2f})")
 
 
 def main() -> int:
@@ -101,11 +109,11 @@ def main() -> int:
             order = ("generate", "ui") if round_ % 2 == 0 else ("ui", "generate")
             for which in order:
                 if which == "generate":
-                    tok_s, tokens = run_generate(args.prompt, args.max_new_tokens, env)
+                    stats = run_generate(args.prompt, args.max_new_tokens, env)
                 else:
-                    tok_s, tokens = run_ui(args.prompt, args.max_new_tokens, env, home)
-                results[which].append(tok_s)
-                print(f"round {round_ + 1} {which:>8}: {tok_s:6.2f} tok/s ({tokens} tokens)", flush=True)
+                    stats = run_ui(args.prompt, args.max_new_tokens, env, home)
+                results[which].append(float(stats["tok_s"]))
+                print(f"round {round_ + 1} {which:>8}: {describe(stats)}", flush=True)
     gen, ui = statistics.median(results["generate"]), statistics.median(results["ui"])
     print(f"median: generate {gen:.2f} tok/s, UI {ui:.2f} tok/s, UI/generate {ui / gen:.3f}")
     return 0 if ui >= (1 - args.tolerance) * gen else 1

@@ -10,6 +10,8 @@ from app_harness import make_app, notifications, ready, reply_done, send, wait_f
 from textual.widgets import Static
 
 from specchat.app.messages import ReplyProgress
+from specchat.app.screens import chat as chat_module
+from specchat.app.widgets.stats_bar import StatsBar
 from specchat.app.widgets.details_panel import DetailsPanel
 from specchat.app.widgets.message_view import AssistantMessage, UserMessage
 from specchat.backend.events import TokenSource
@@ -66,6 +68,41 @@ async def test_stream_is_incremental_and_coalesced(tmp_path):
         # 27 events over >= 1 s of decoding: at most ~10 nudges a second (+ the first and the last), so fewer
         # nudges than events; how many depends on how long the (loaded) machine took
         assert 3 <= len(nudges) <= min(26, 10 * elapsed + 2)
+
+
+async def test_text_redraws_are_paced_apart_from_the_statistics(tmp_path, monkeypatch):
+    """Redrawing the reply's text is a layout pass of the screen, so it happens at most every text interval;
+    the one-line stats bar redraws at every nudge; the finished reply shows all of its text."""
+    monkeypatch.setattr(chat_module, "TEXT_INTERVAL_S", (0.5, 0.5))
+    monkeypatch.setattr(chat_module, "UI_CPU_BUDGET", 1.0)  # keep the intervals where they start
+    draws: list[float] = []
+    stats: list[float] = []
+    show_pending, show_live = AssistantMessage.show_pending, StatsBar.show_live
+
+    async def counted_show_pending(self) -> None:
+        if self._unshown and self._stream is not None:
+            draws.append(time.monotonic())
+        await show_pending(self)
+
+    def counted_show_live(self, live, *, streaming: bool) -> None:
+        if streaming:
+            stats.append(time.monotonic())
+        show_live(self, live, streaming=streaming)
+
+    monkeypatch.setattr(AssistantMessage, "show_pending", counted_show_pending)
+    monkeypatch.setattr(StatsBar, "show_live", counted_show_live)
+    app = make_app(tmp_path, factory=FakeEngineFactory(step_delay_s=0.06))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await send(pilot, "hi")
+        await wait_for(pilot, lambda: len(draws) >= 2, what="a second text redraw")
+        view = app.chat.query_one(AssistantMessage)
+        assert app.chat.generating and len(view.text) < len(CANNED_REPLY)
+        await reply_done(pilot)
+        assert view.text == CANNED_REPLY and view.code_blocks()  # all of it drawn, as Markdown
+    paced = [later - earlier for earlier, later in zip(draws, draws[1:-1])]  # the last draw is the finish's
+    assert paced and min(paced) >= 0.45
+    assert len(stats) >= 2 * (len(draws) - 1)
 
 
 async def test_stop_keeps_the_partial_reply(tmp_path):
@@ -198,9 +235,11 @@ async def test_plain_pair_shows_plain_decoding(tmp_path):
         assert "acceptance" not in app.chat.query_one(AssistantMessage).totals
 
 
-async def test_view_follows_the_reply_unless_scrolled_up(tmp_path):
+async def test_view_follows_the_reply_unless_scrolled_up(tmp_path, monkeypatch):
     # one long code block: a single widget that grows (cheaper to render than many paragraphs). Actions are
     # called directly while text streams: pilot.press waits for an idle app, which a stream never is.
+    # Text is redrawn every 0.25 s here (on a busy test machine the UI would pace it down to once a second).
+    monkeypatch.setattr(chat_module, "UI_CPU_BUDGET", 1.0)
     long_reply = "```\n" + "".join(f"line {i}\n" for i in range(80)) + "```\n"
     app = make_app(tmp_path, factory=FakeEngineFactory(reply=long_reply, step_delay_s=0.03))
     async with app.run_test(size=(100, 24)) as pilot:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from fake_engine import FakeEngineFactory
 from app_harness import make_app, ready, reply_done, send, wait_for
-from textual.widgets import Sparkline
 
 SIZE = (110, 34)
 SPARK = [0, 30, 55, 70, 76, 79, 81, 80, 79, 78, 80, 79]  # the sparkline is timing-dependent: pinned here
@@ -22,7 +21,7 @@ async def chat_with_reply(pilot) -> None:
     await ready(pilot)
     await send(pilot, "Reverse a string in Python")
     await reply_done(pilot)
-    pilot.app.chat.stats_bar.query_one(Sparkline).data = SPARK
+    pilot.app.chat.stats_bar.set_samples(SPARK)
     pilot.app.chat.query_one("#prompt").cursor_blink = False  # a blinking cursor would make pictures differ
     await pilot.pause()
 

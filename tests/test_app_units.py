@@ -11,7 +11,9 @@ from fake_engine import CANNED_REPLY, FakeEngine, fake_pairs
 from specchat.app.conversation import Conversation, Turn, title_for
 from specchat.app.settings import Settings, SettingsError, load_settings, save_settings, validate_settings
 from specchat.app.widgets.details_panel import measured_speedup
-from specchat.app.widgets.stats_bar import reply_totals, stored_totals
+from specchat.app.screens.chat import STATS_INTERVAL_S, TEXT_INTERVAL_S, UI_CPU_BUDGET, adapt_intervals
+from specchat.app.widgets.message_view import CopyableFence, warm_highlighting
+from specchat.app.widgets.stats_bar import SPARK_BARS, reply_totals, sparkline, stored_totals
 from specchat.app.worker import (LiveStats, ReplyBuffer, StatsTracker, ThrottledProgress, run_generation,
                                  with_final_stats)
 from specchat.backend.errors import SpecchatError
@@ -175,3 +177,43 @@ def test_conversation_without_history_builds_requests():
     assert title_for("\n  Fix the bug  \nmore") == "Fix the bug" and len(title_for("y" * 200)) == 60
     turn = Turn("user", "FILE + request", {"request": "fix it", "attachments": ["a.py"], "edit": "/x/a.py"})
     assert turn.display == "*✎ edit a.py*\n\nfix it"
+
+
+def test_sparkline_scales_to_the_highest_sample_and_keeps_its_width():
+    assert str(sparkline([0.0] * 60)) == " " * 30  # nothing measured yet: blank, same width
+    line = str(sparkline([0.0] * 56 + [5.0, 10.0, 20.0, 40.0]))
+    assert len(line) == 30 and line[:28] == " " * 28
+    assert line[-1] == SPARK_BARS[-1] and line[-2] == SPARK_BARS[round(10 / 40 * 7)]  # max of each 2 samples
+    assert str(sparkline([1.0, 2.0, 3.0], width=30)) == SPARK_BARS[2] + SPARK_BARS[5] + SPARK_BARS[7]
+
+
+def test_adapt_intervals_slows_text_first_then_statistics_and_recovers_in_reverse():
+    (stats_low, stats_high), (text_low, text_high) = STATS_INTERVAL_S, TEXT_INTERVAL_S
+    over, under, within = UI_CPU_BUDGET * 2, UI_CPU_BUDGET / 4, UI_CPU_BUDGET * 0.75
+    intervals = (stats_low, text_low)
+    seen = [intervals]
+    for _ in range(12):
+        intervals = adapt_intervals(over, *intervals)
+        seen.append(intervals)
+    assert intervals == (stats_high, text_high)
+    # the text interval reached its bound before the statistics' interval moved at all
+    first_stats_change = next(i for i, (stats, _) in enumerate(seen) if stats > stats_low)
+    assert seen[first_stats_change - 1][1] == text_high
+    assert adapt_intervals(within, *intervals) == intervals  # inside the band: no change
+    back = [intervals]
+    for _ in range(12):
+        intervals = adapt_intervals(under, *intervals)
+        back.append(intervals)
+    assert intervals == (stats_low, text_low)
+    first_text_change = next(i for i, (_, text) in enumerate(back) if text < text_high)
+    assert back[first_text_change - 1][0] == stats_low
+
+
+def test_warm_highlighting_builds_the_python_lexer_before_the_first_reply():
+    from pygments.lexers.python import PythonLexer
+
+    if "_tokens" in PythonLexer.__dict__:
+        del PythonLexer._tokens  # as in a fresh process (an earlier test may have highlighted Python)
+    warm_highlighting()
+    assert "_tokens" in PythonLexer.__dict__  # compiled once per process; a fence now highlights at once
+    assert "def" in str(CopyableFence.highlight("def f():\n    pass\n", "python"))

@@ -5,10 +5,12 @@ Contract:
   fills a :class:`ReplyBuffer` and posts :class:`ReplyProgress` nudges (≤ ~10 a second). Every widget
   update happens here, on the UI thread, when a nudge is drained.
 - The UI must not slow decoding: the engine competes for the same cores (a parallel torch op waits for its
-  slowest thread, so a busy UI thread costs decoding more than its own share) and for the GIL. The worker
-  nudges (and the UI redraws text and statistics) every ``render_interval`` seconds: 0.1 s (10 Hz) while
-  drawing is cheap, growing up to 1 s whenever the UI thread used more than ``UI_CPU_BUDGET`` of a core since
-  the last check, and shrinking back when it is cheap again.
+  slowest thread, so a busy UI thread costs decoding more than its own share) and for the GIL. So each nudge
+  redraws only the stats bar (one line, no layout pass); the reply's text, whose redraw is a layout pass of
+  the whole screen (~10-40 ms), is drawn at most every ``text_interval`` (0.25 s, up to 1 s). Every second
+  the UI thread's CPU share is checked: above ``UI_CPU_BUDGET`` of a core the text interval grows, then the
+  nudge interval (0.1 s, up to 0.25 s); below half of it they shrink back, in the reverse order. New text is
+  handed to the StreamingSaver at every nudge, however rarely it is drawn.
 - Stop (Esc), regenerate, send, new/open chat and pair switches call :meth:`stop_generation` first: it sets
   the cancel event, waits for the worker thread to end, drains what is left and finishes the reply (the
   partial text is kept, shown and saved) before anything else starts.
@@ -47,8 +49,25 @@ from specchat.app.worker import LiveStats, ReplyBuffer, ReplyOutcome, run_genera
 
 log = logging.getLogger(__name__)
 COMPLETE_REASONS = frozenset({"eos", "stop", "length", "context"})
-UI_CPU_BUDGET = 0.10  # fraction of one core the UI thread may use while a reply streams
-RENDER_INTERVAL_S = (0.1, 1.0)  # redraw interval bounds while streaming
+UI_CPU_BUDGET = 0.03  # share of one core the UI thread may use while a reply streams
+STATS_INTERVAL_S = (0.1, 0.25)  # the worker's nudges; each redraws the stats bar (one line, no layout pass)
+TEXT_INTERVAL_S = (0.25, 1.0)  # how often the growing reply is redrawn (a layout pass of the screen)
+
+
+def adapt_intervals(share: float, stats_interval: float, text_interval: float) -> tuple[float, float]:
+    """The next (stats, text) redraw intervals given the UI thread's CPU ``share`` of a core: over
+    ``UI_CPU_BUDGET``, the text's grows 1.5x and, once that is at its bound, the statistics'; under half the
+    budget they shrink 1.5x in the reverse order (statistics first); both stay within their bounds."""
+    (stats_low, stats_high), (text_low, text_high) = STATS_INTERVAL_S, TEXT_INTERVAL_S
+    if share > UI_CPU_BUDGET:
+        if text_interval < text_high:
+            return stats_interval, min(text_high, text_interval * 1.5)
+        return min(stats_high, stats_interval * 1.5), text_interval
+    if share < UI_CPU_BUDGET / 2:
+        if stats_interval > stats_low:
+            return max(stats_low, stats_interval / 1.5), text_interval
+        return stats_interval, max(text_low, text_interval / 1.5)
+    return stats_interval, text_interval
 
 
 @dataclass(eq=False)
@@ -63,6 +82,7 @@ class ActiveReply:
     worker: Worker | None = None
     live: LiveStats = field(default_factory=LiveStats)
     finished: bool = False
+    shown_at: float = float("-inf")  # time.monotonic() of the last redraw of its text
 
 
 class ChatScreen(ChatActionsMixin, Screen):
@@ -89,7 +109,7 @@ class ChatScreen(ChatActionsMixin, Screen):
         self._waiting_reply = False  # a reply to start once the model has loaded
         self._waiting_edit: Any | None = None  # the /edit target of that reply
         self._last: tuple[LiveStats, dict | None] = (LiveStats(), None)
-        self.render_interval = RENDER_INTERVAL_S[0]
+        self.stats_interval, self.text_interval = STATS_INTERVAL_S[0], TEXT_INTERVAL_S[0]
         self._cpu_mark = (time.thread_time(), time.monotonic())
         self._history_warned = False
 
@@ -203,6 +223,7 @@ class ChatScreen(ChatActionsMixin, Screen):
         self._replies[reply.reply_id] = reply
         self._active = reply
         self._cpu_mark = (time.thread_time(), time.monotonic())
+        self.query_one(PromptInput).cursor_blink = False  # a blink repaints the input twice a second
         reply.worker = self._generate(engine, request, reply)
         self.refresh_bindings()
 
@@ -210,7 +231,7 @@ class ChatScreen(ChatActionsMixin, Screen):
     def _generate(self, engine: Any, request: GenerationRequest, reply: ActiveReply) -> None:
         run_generation(engine, request, reply.cancel, reply.buffer,
                        lambda: self.post_message(ReplyProgress(reply.reply_id)),
-                       interval_s=lambda: self.render_interval)  # read each time: the UI adapts it
+                       interval_s=lambda: self.stats_interval)  # read at each step: the UI adapts it
 
     async def engine_ready(self) -> None:
         """Called by the app when a model finished loading: start a reply that was waiting for it."""
@@ -235,11 +256,15 @@ class ChatScreen(ChatActionsMixin, Screen):
                 return
             delta = reply.buffer.drain()
             reply.live = delta.live
-            self._adapt_render_interval(time.monotonic())
             if delta.text or delta.tokens:
-                await reply.view.append(delta.text, delta.tokens)
+                reply.view.append(delta.text, delta.tokens)
                 if delta.text and reply.saver is not None:
-                    reply.saver.append(delta.text)
+                    reply.saver.append(delta.text)  # saved ≤ 0.5 s behind, however rarely it is drawn
+            now = time.monotonic()
+            if delta.outcome is None and now - reply.shown_at >= self.text_interval:
+                reply.shown_at = now
+                self._adapt_intervals(now)
+                await reply.view.show_pending()
             self.stats_bar.show_live(delta.live, streaming=delta.outcome is None)
             details = self.query_one(DetailsPanel)
             if details.display:
@@ -249,25 +274,22 @@ class ChatScreen(ChatActionsMixin, Screen):
             if delta.outcome is not None:
                 await self._finish(reply, delta.outcome)
 
-    def _adapt_render_interval(self, now: float) -> None:
-        """Redraw less often while the UI thread's CPU use exceeds its budget (see the module docstring)."""
+    def _adapt_intervals(self, now: float) -> None:
+        """Every second: pace the redraws to the UI thread's CPU share since the last check."""
         cpu_then, wall_then = self._cpu_mark
-        if now - wall_then < 0.5:
+        if now - wall_then < 1.0:
             return
         cpu = time.thread_time()
         share = (cpu - cpu_then) / (now - wall_then)
         self._cpu_mark = (cpu, now)
-        low, high = RENDER_INTERVAL_S
-        if share > UI_CPU_BUDGET:
-            self.render_interval = min(high, self.render_interval * 1.5)
-        elif share < UI_CPU_BUDGET / 2:
-            self.render_interval = max(low, self.render_interval / 1.5)
+        self.stats_interval, self.text_interval = adapt_intervals(share, self.stats_interval, self.text_interval)
 
     async def _finish(self, reply: ActiveReply, outcome: ReplyOutcome) -> None:
         reply.finished = True
         self._replies.pop(reply.reply_id, None)
         if self._active is reply:
             self._active = None
+            self.query_one(PromptInput).cursor_blink = True
         live = reply.live = with_final_stats(reply.live, outcome.stats)
         stats = dict(outcome.stats or {})
         stats.setdefault("drafter", live.drafter)

@@ -16,12 +16,14 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widget import Widget
-from textual.widgets import ProgressBar, Sparkline
+from textual.widgets import ProgressBar
 
 from specchat.backend.events import PolicyState
 from specchat.app.worker import LiveStats
 
 SPARK_SAMPLES = 60
+SPARK_WIDTH = 30  # columns; each shows the highest of SPARK_SAMPLES // SPARK_WIDTH samples
+SPARK_BARS = "▁▂▃▄▅▆▇█"
 FINISH_NOTES = {"cancelled": "stopped", "length": "max tokens reached", "context": "context full",
                 "error": "error", "stop": "stop string", "eos": ""}
 
@@ -71,20 +73,42 @@ def stored_totals(stats: dict[str, Any] | None) -> str:
     return reply_totals(stats, LiveStats(), str(stats.get("finish_reason", "")))
 
 
+def sparkline(samples: list[float], width: int = SPARK_WIDTH) -> Text:
+    """Bars scaled to the highest sample; ``width`` columns, each the highest of its share of ``samples``."""
+    step = max(1, len(samples) // width)
+    columns = [max(samples[i:i + step]) for i in range(0, len(samples), step)][-width:]
+    top = max(columns, default=0.0)
+    if top <= 0:
+        return Text(" " * len(columns))
+    last = len(SPARK_BARS) - 1
+    return Text("".join(SPARK_BARS[min(last, round(value / top * last))] if value > 0 else " " for value in columns))
+
+
 class StatsLine(Widget):
-    """One line of text of a fixed size: an update repaints it without a layout pass of the whole screen
-    (``Static.update`` re-lays out the screen, too costly ten times a second while the engine decodes)."""
+    """One line of a fixed size: the statistics on the left, the tokens/s sparkline on the right. An update
+    repaints this line only, without a layout pass of the whole screen (``Static.update`` re-lays out the
+    screen, and Textual's Sparkline widget is a second region to repaint: too costly ten times a second
+    while the engine decodes on the same cores)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.text = Text()
+        self.spark = Text()
 
-    def set(self, text: Text | str) -> None:
+    def set(self, text: Text | str, spark: Text | None = None) -> None:
         self.text = Text(text) if isinstance(text, str) else text
+        if spark is not None:
+            self.spark = spark
         self.refresh()
 
     def render(self) -> Text:
-        return self.text
+        width = self.size.width
+        gap = width - self.text.cell_len - self.spark.cell_len
+        if not self.spark.cell_len or gap < 2:
+            return self.text
+        spark = self.spark.copy()
+        spark.stylize("green")
+        return Text.assemble(self.text, " " * gap, spark)
 
 
 class StatsBar(Horizontal):
@@ -98,13 +122,19 @@ class StatsBar(Horizontal):
     def compose(self) -> ComposeResult:
         yield StatsLine(id="stats-text")
         yield ProgressBar(total=1.0, show_eta=False, show_percentage=True, id="load-progress")
-        yield Sparkline(list(self._samples), summary_function=max, id="rate-spark")
 
     def on_mount(self) -> None:
         self.query_one("#load-progress").display = False
 
-    def _set(self, text: Text | str) -> None:
-        self.query_one("#stats-text", StatsLine).set(text)
+    def _set(self, text: Text | str, spark: Text | None = None) -> None:
+        self.query_one("#stats-text", StatsLine).set(text, spark)
+
+    def set_samples(self, samples: list[float]) -> None:
+        """Replace the sparkline's samples (tokens/s, oldest first) and redraw it."""
+        self._samples.clear()
+        self._samples.extend(samples[-SPARK_SAMPLES:])
+        line = self.query_one("#stats-text", StatsLine)
+        line.set(line.text, sparkline(list(self._samples)))
 
     def show_loading(self, pair_name: str, text: str, fraction: float | None) -> None:
         self.pair_name = pair_name
@@ -123,9 +153,10 @@ class StatsBar(Horizontal):
         self._set(Text.assemble(("○ ", "bold red"), note))
 
     def show_live(self, live: LiveStats, *, streaming: bool) -> None:
+        spark = None
         if streaming:
             self._samples.append(live.tok_s or 0.0)
-            self.query_one("#rate-spark", Sparkline).data = list(self._samples)
+            spark = sparkline(list(self._samples))
         text = Text()
         text.append("● " if streaming else "○ ", style="bold green" if streaming else "dim")
         text.append(self.pair_name, style="bold")
@@ -138,4 +169,4 @@ class StatsBar(Horizontal):
         if label:
             style = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}.get(live.policy, "dim")
             text.append(f"  {label}", style=style)
-        self._set(text)
+        self._set(text, spark)
