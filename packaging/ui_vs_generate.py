@@ -30,9 +30,11 @@ from pathlib import Path
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
 
 
-def run_generate(prompt: str, max_new: int, env: dict[str, str]) -> dict:
+def run_generate(prompt: str, max_new: int, env: dict[str, str], drafter: str | None = None) -> dict:
+    extra = ["--drafter", drafter] if drafter else []
     out = subprocess.run(["specchat", "generate", "--prompt", prompt, "--max-new-tokens", str(max_new),
-                          "--temperature", "0", "--json"], env=env, capture_output=True, text=True, check=True)
+                          "--temperature", "0", "--json", *extra], env=env, capture_output=True, text=True,
+                         check=True)
     record = json.loads(out.stdout.strip().splitlines()[-1])
     return record["stats"]
 
@@ -62,8 +64,14 @@ def run_ui(prompt: str, max_new: int, env: dict[str, str], home: Path, timeout: 
     for old in home.joinpath("data").glob("history.sqlite3*"):
         old.unlink()
     command = " ".join(f"{k}={v}" for k, v in env.items() if k.startswith("SPECCHAT_")) + " specchat"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command], env=env,
-                   check=True)
+    for attempt in range(3):  # a tmux server still exiting from the last run can refuse the new session
+        started = subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command],
+                                 env=env, capture_output=True, text=True)
+        if started.returncode == 0:
+            break
+        time.sleep(1.0)
+    else:
+        raise RuntimeError(f"tmux could not start the UI: {started.stderr.strip()}")
     try:
         deadline = time.monotonic() + timeout
         while "ready (" not in _pane(session):
@@ -96,12 +104,16 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tolerance", type=float, default=0.05)
+    parser.add_argument("--drafter", choices=["none", "prompt-lookup"], default=None,
+                        help="the drafter in both (default: the pair's); none gives both the same 128 passes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="specchat-speed-") as tmp:
         home = Path(tmp)
         (home / "config").mkdir()
         (home / "data").mkdir()
         settings = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens}
+        if args.drafter:
+            settings["drafter"] = args.drafter
         (home / "config" / "settings.json").write_text(json.dumps(settings))
         env = dict(os.environ, SPECCHAT_CONFIG_DIR=str(home / "config"), SPECCHAT_DATA_DIR=str(home / "data"))
         results: dict[str, list[float]] = {"generate": [], "ui": []}
@@ -109,7 +121,7 @@ def main() -> int:
             order = ("generate", "ui") if round_ % 2 == 0 else ("ui", "generate")
             for which in order:
                 if which == "generate":
-                    stats = run_generate(args.prompt, args.max_new_tokens, env)
+                    stats = run_generate(args.prompt, args.max_new_tokens, env, args.drafter)
                 else:
                     stats = run_ui(args.prompt, args.max_new_tokens, env, home)
                 results[which].append(float(stats["tok_s"]))

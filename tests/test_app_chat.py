@@ -162,6 +162,10 @@ async def test_stats_bar_totals_and_details_panel(tmp_path):
         bar = stats_text(app)
         assert f"acc {acc}" in bar and f"τ {tau}" in bar and "γ 4" in bar and "prompt-lookup" in bar
         assert f"{stats['tok_s']:.1f} tok/s" in bar  # the finished reply shows the engine's own tok/s
+        line = app.chat.query_one("#stats-text")
+        drawn = line.render_line(0)  # drawn from Rich segments: one line, exactly as wide, the same text
+        assert drawn.cell_length == line.size.width and "\n" not in drawn.text
+        assert drawn.text.rstrip() == bar.rstrip()
         totals = app.chat.query_one(AssistantMessage).totals
         assert totals.startswith("79 tokens") and f"acceptance {acc}" in totals and f"τ {tau}" in totals
         panel = app.chat.query_one(DetailsPanel)
