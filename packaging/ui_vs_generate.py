@@ -64,7 +64,7 @@ def run_ui(prompt: str, max_new: int, env: dict[str, str], home: Path, timeout: 
     for old in home.joinpath("data").glob("history.sqlite3*"):
         old.unlink()
     command = " ".join(f"{k}={v}" for k, v in env.items() if k.startswith("SPECCHAT_")) + " specchat"
-    for attempt in range(3):  # a tmux server still exiting from the last run can refuse the new session
+    for _ in range(3):  # a tmux server still exiting from the last run can refuse the new session
         started = subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command],
                                  env=env, capture_output=True, text=True)
         if started.returncode == 0:
@@ -105,7 +105,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tolerance", type=float, default=0.05)
     parser.add_argument("--drafter", choices=["none", "prompt-lookup"], default=None,
-                        help="the drafter in both (default: the pair's); none gives both the same 128 passes")
+                        help="the drafter in both (default: the pair's); none gives both the same target passes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="specchat-speed-") as tmp:
         home = Path(tmp)
