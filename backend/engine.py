@@ -13,6 +13,7 @@ moving the sequence's length pointer (whole blocks past it go back to the pool, 
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -225,7 +226,22 @@ def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, c
 
     dev = resolve_device(device)
     check_fits(pair, dev)
+    gc.unfreeze()  # what the last load froze (a previous engine among it) can be collected again
     target, draft = load_pair(pair, dev, attn_implementation=attention.register(), progress=progress,
                               confirm_download=confirm_download)
-    return Engine(target, draft, pair)
+    engine = Engine(target, draft, pair)
+    settle_heap()
+    return engine
+
+
+def settle_heap() -> None:
+    """Collect the loading's garbage, then freeze what is left out of the cyclic garbage collector.
+
+    torch, transformers and a loaded model leave ~10^6 long-lived Python objects; a full collection walks
+    them all, 0.1-0.5 s on a laptop-class CPU with the GIL held, and one starts whenever enough new objects
+    have survived (a chat UI makes them quickly), so it lands inside a reply as a stall of decoding. Frozen
+    objects are still freed by reference counting; only cycles among them wait for the next load's unfreeze.
+    """
+    gc.collect()
+    gc.freeze()
 

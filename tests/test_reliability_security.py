@@ -6,6 +6,7 @@ writes only the file the user named, with a backup, and never executes what the 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -140,6 +141,7 @@ def test_local_pair_loads_and_generates_with_the_network_cut(tiny_dir, no_networ
     events = list(engine.generate(GenerationRequest(messages=[{"role": "user", "content": "w1 w2 w3"}],
                                                     sampling=SamplingParams(temperature=0, max_new_tokens=4))))
     assert events[-1].finish_reason in ("length", "eos")
+    assert gc.get_freeze_count() > 0  # load_engine froze the loaded heap (engine.settle_heap)
     # The same through `specchat generate`.
     config = tiny_dir[1].config
     block = {"source": str(tiny_dir[0]), "dtype": "float32", "params": sum(p.numel() for p in tiny_dir[1].parameters()),
