@@ -80,7 +80,7 @@ async def test_text_redraws_are_paced_apart_from_the_statistics(tmp_path, monkey
     show_pending, show_live = AssistantMessage.show_pending, StatsBar.show_live
 
     async def counted_show_pending(self) -> None:
-        if self._unshown and self._stream is not None:
+        if self._unshown and self.streaming:
             draws.append(time.monotonic())
         await show_pending(self)
 

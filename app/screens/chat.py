@@ -6,8 +6,9 @@ Contract:
   update happens here, on the UI thread, when a nudge is drained.
 - The UI must not slow decoding: the engine competes for the same cores (a parallel torch op waits for its
   slowest thread, so a busy UI thread costs decoding more than its own share) and for the GIL. So each nudge
-  redraws only the stats bar (one line, no layout pass); the reply's text, whose redraw is a layout pass of
-  the whole screen (~10-40 ms), is drawn at most every ``text_interval`` (0.25 s, up to 1 s). Every second
+  redraws only the stats bar (one line, no layout pass); the reply's text is drawn at most every
+  ``text_interval`` (0.25 s, up to 1 s), mostly as a repaint of the message's StreamTail: a layout pass of
+  the screen (~20-40 ms) comes only when the tail takes its next step of height. Every second
   the UI thread's CPU share is checked: above ``UI_CPU_BUDGET`` of a core the text interval grows, then the
   nudge interval (0.1 s, up to 0.25 s); below half of it they shrink back, in the reverse order. New text is
   handed to the StreamingSaver at every nudge, however rarely it is drawn.
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 COMPLETE_REASONS = frozenset({"eos", "stop", "length", "context"})
 UI_CPU_BUDGET = 0.03  # share of one core the UI thread may use while a reply streams
 STATS_INTERVAL_S = (0.1, 0.25)  # the worker's nudges; each redraws the stats bar (one line, no layout pass)
-TEXT_INTERVAL_S = (0.25, 1.0)  # how often the growing reply is redrawn (a layout pass of the screen)
+TEXT_INTERVAL_S = (0.25, 1.0)  # how often the growing reply is redrawn (mostly a repaint of its tail)
 
 
 def adapt_intervals(share: float, stats_interval: float, text_interval: float) -> tuple[float, float]:
@@ -87,7 +88,9 @@ class ActiveReply:
 
 class ChatScreen(ChatActionsMixin, Screen):
     BINDINGS = [
-        Binding("escape", "stop", "Stop"),
+        # Not in the footer: showing it only while a reply streams would recompose the footer (a layout pass
+        # of the screen, ~0.1 s) as each reply starts; the stats bar says "esc stop" while one streams.
+        Binding("escape", "stop", "Stop", show=False),
         Binding("ctrl+r", "regenerate", "Regenerate"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+t", "toggle_tokens", "Token view"),
@@ -225,7 +228,6 @@ class ChatScreen(ChatActionsMixin, Screen):
         self._cpu_mark = (time.thread_time(), time.monotonic())
         self.query_one(PromptInput).cursor_blink = False  # a blink repaints the input twice a second
         reply.worker = self._generate(engine, request, reply)
-        self.refresh_bindings()
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
     def _generate(self, engine: Any, request: GenerationRequest, reply: ActiveReply) -> None:
@@ -300,7 +302,6 @@ class ChatScreen(ChatActionsMixin, Screen):
         self._last = (live, outcome.stats)
         self.stats_bar.show_live(live, streaming=False)
         self.query_one(DetailsPanel).update_stats(live, outcome.stats)
-        self.refresh_bindings()
         self._report(outcome)
         if reply.edit_target is not None and outcome.finish_reason in COMPLETE_REASONS:
             self.offer_edit(reply.edit_target, reply.view.text)

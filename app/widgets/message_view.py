@@ -1,8 +1,10 @@
 """Chat message widgets: a user message and an assistant reply that streams Markdown.
 
 Contract: :class:`AssistantMessage` receives text on the UI thread only (``append`` takes it, ``show_pending``
-draws it: the chat screen calls that a few times a second, not per token), feeds it to Textual's
-``MarkdownStream`` (incremental: only the last block is re-parsed), and keeps the (token text, source) pairs
+draws it: the chat screen calls that a few times a second, not per token). While it streams, the text is drawn
+by a :class:`StreamTail`, which repaints without a layout pass of the screen (see ``stream_tail``); when the
+tail must grow, its finished top-level Markdown blocks move to the Textual ``Markdown`` widget, which parses,
+highlights and mounts each once; at the end the rest follows. The message keeps the (token text, source) pairs
 for the accepted-token view, which colours each token by its :class:`TokenSource` under a legend. Code blocks
 copy themselves to the clipboard on click; a focused message copies itself with ``c`` and its last code block
 with ``b``.
@@ -17,8 +19,9 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Label, Markdown, Static
-from textual.widgets._markdown import MarkdownFence, MarkdownStream
+from textual.widgets._markdown import MarkdownFence
 
+from specchat.app.widgets.stream_tail import StreamTail, parser, split_finished
 from specchat.backend.events import TokenSource
 
 SOURCE_STYLES: dict[TokenSource, str] = {
@@ -137,7 +140,9 @@ class AssistantMessage(MessageView):
         self.header, self.text, self.totals = header, text, totals
         self.tokens: list[tuple[str, TokenSource]] = []
         self.token_view = token_view
-        self._stream: MarkdownStream | None = None
+        self.streaming = False
+        self._md = parser()
+        self._open = ""  # text the Markdown widget does not have yet: the StreamTail draws it
         self._unshown = ""  # appended text not drawn yet
         self._tokens_unshown = False
 
@@ -147,6 +152,7 @@ class AssistantMessage(MessageView):
     def compose(self) -> ComposeResult:
         yield Label(self.header, classes="role", markup=False)
         yield ChatMarkdown(self.text, id="body")
+        yield StreamTail(id="tail")
         with Vertical(id="token-view"):
             yield Static(legend(), id="legend")
             yield Static(id="tokens")
@@ -156,8 +162,9 @@ class AssistantMessage(MessageView):
         self._apply_view()
 
     def start_stream(self) -> None:
-        self._stream = Markdown.get_stream(self.query_one("#body", ChatMarkdown))
+        self.streaming = True
         self.add_class("streaming")
+        self._apply_view()
 
     def append(self, text: str, tokens: list[tuple[str, TokenSource]]) -> None:
         """Take new text and tokens; they are drawn at the next :meth:`show_pending` (the screen paces that)."""
@@ -167,20 +174,37 @@ class AssistantMessage(MessageView):
         self._tokens_unshown = self._tokens_unshown or bool(tokens)
 
     async def show_pending(self) -> None:
-        """Draw what :meth:`append` took since the last call: the Markdown stream re-parses only its last block."""
+        """Draw what :meth:`append` took since the last call. It is repainted in the tail if it fits there;
+        otherwise the finished blocks move to the Markdown widget and the tail takes a step of height: one
+        layout pass of the screen for both."""
         text, self._unshown = self._unshown, ""
-        if text and self._stream is not None:
-            await self._stream.write(text)
+        if text and self.streaming:
+            self._open += text
+            tail = self.query_one(StreamTail)
+            if not tail.fits(self._open):
+                await self._move_finished_blocks(split_finished(self._open, self._md))
+            if not self.token_view:
+                tail.show(self._open)
         if self.token_view and self._tokens_unshown:
             self._render_tokens()
         self._tokens_unshown = False
 
+    async def _move_finished_blocks(self, length: int) -> None:
+        """Hand the first ``length`` characters of the tail's text to the Markdown widget (parsed, highlighted
+        and mounted once)."""
+        if length:
+            await self.query_one("#body", ChatMarkdown).append(self._open[:length])
+            self._open = self._open[length:]
+            self.query_one(StreamTail).after_blocks = True
+
     async def finish(self, totals: str) -> None:
         await self.show_pending()
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
+        if self.streaming:
+            self.streaming = False
+            await self._move_finished_blocks(len(self._open))
+            self.query_one(StreamTail).show("")
         self.remove_class("streaming")
+        self._apply_view()
         self.totals = totals
         self.query_one("#totals", Static).update(totals)
 
@@ -190,6 +214,10 @@ class AssistantMessage(MessageView):
 
     def _apply_view(self) -> None:
         self.query_one("#body").display = not self.token_view
+        tail = self.query_one(StreamTail)
+        tail.display = self.streaming and not self.token_view
+        if tail.display:
+            tail.show(self._open)
         self.query_one("#token-view").display = self.token_view
         if self.token_view:
             self._render_tokens()

@@ -192,4 +192,6 @@ class StatsBar(Horizontal):
         if label:
             style = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}.get(live.policy, "dim")
             text.append(f"  {label}", style=style)
+        if streaming:
+            text.append("  esc stop", style="dim")
         self._set(text, spark)
