@@ -127,8 +127,7 @@ class StatsLine(Widget):
         if self._strip is None or self._strip[0] != width:
             text = self.line_text(width).copy()
             text.truncate(width)
-            text.end, text.no_wrap = "", True  # one line, no newline segment
-            segments = list(self.app.console.render(text, self.app.console.options.update_width(width)))
+            segments = list(text.render(self.app.console, end=""))  # one line: no wrapping pass, no newline
             strip = Strip(Segment.apply_style(segments, self.rich_style)).adjust_cell_length(width, self.rich_style)
             self._strip = (width, strip)
         return self._strip[1]
