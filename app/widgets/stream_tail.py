@@ -15,7 +15,6 @@ from __future__ import annotations
 from markdown_it import MarkdownIt
 from rich.markdown import Markdown as RichMarkdown
 from rich.segment import Segment
-from rich.style import Style
 from textual.strip import Strip
 from textual.widget import Widget
 
