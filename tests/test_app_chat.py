@@ -62,9 +62,10 @@ async def test_stream_is_incremental_and_coalesced(tmp_path):
         partial = view.text
         assert partial and len(partial) < len(CANNED_REPLY) and app.chat.generating
         assert "tok/s" in stats_text(app) and "●" in stats_text(app)
+        assert "esc stop" in stats_text(app)  # the hint is in the stats line: the footer stays as it was
         await reply_done(pilot)
         elapsed = time.monotonic() - started
-        assert view.text == CANNED_REPLY
+        assert view.text == CANNED_REPLY and "esc stop" not in stats_text(app)
         # 27 events over >= 1 s of decoding: at most ~10 nudges a second (+ the first and the last), so fewer
         # nudges than events; how many depends on how long the (loaded) machine took
         assert 3 <= len(nudges) <= min(26, 10 * elapsed + 2)
