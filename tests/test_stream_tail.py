@@ -33,9 +33,11 @@ LONG_REPLY = f"Here are the squares:\n\n```python\n{CODE}\n```\n\nThat is **all*
 
 
 async def test_a_streaming_code_block_repaints_the_tail_and_ends_highlighted(tmp_path, monkeypatch):
+    """Mid-reply the open fence is plain code in the tail (no fence widget yet); most redraws repaint the tail
+    alone; at the end the Markdown widget holds the whole reply, its code block a highlighted fence."""
     monkeypatch.setattr(chat_module, "TEXT_INTERVAL_S", (0.05, 0.05))
     monkeypatch.setattr(chat_module, "UI_CPU_BUDGET", 1.0)  # keep the intervals where they start
-    app = make_app(tmp_path, factory=FakeEngineFactory(reply=LONG_REPLY, step_delay_s=0.02))
+    app = make_app(tmp_path, factory=FakeEngineFactory(reply=LONG_REPLY, step_delay_s=0.03))
     async with app.run_test(size=(100, 40)) as pilot:
         await ready(pilot)
         await send(pilot, "squares")
