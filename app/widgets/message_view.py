@@ -21,7 +21,7 @@ from textual.containers import Vertical
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets._markdown import MarkdownFence
 
-from specchat.app.widgets.stream_tail import StreamTail, parser, split_finished
+from specchat.app.widgets.stream_tail import StreamTail, split_finished
 from specchat.backend.events import TokenSource
 
 SOURCE_STYLES: dict[TokenSource, str] = {
@@ -141,7 +141,6 @@ class AssistantMessage(MessageView):
         self.tokens: list[tuple[str, TokenSource]] = []
         self.token_view = token_view
         self.streaming = False
-        self._md = parser()
         self._open = ""  # text the Markdown widget does not have yet: the StreamTail draws it
         self._unshown = ""  # appended text not drawn yet
         self._tokens_unshown = False
@@ -182,7 +181,7 @@ class AssistantMessage(MessageView):
             self._open += text
             tail = self.query_one(StreamTail)
             if not tail.fits(self._open):
-                await self._move_finished_blocks(split_finished(self._open, self._md))
+                await self._move_finished_blocks(split_finished(self._open, tail.md))
             if not self.token_view:
                 tail.show(self._open)
         if self.token_view and self._tokens_unshown:

@@ -12,7 +12,10 @@ draws it; it is highlighted once, in the Markdown widget. Other blocks are drawn
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 from markdown_it import MarkdownIt
+from markdown_it.token import Token
 from rich.markdown import Markdown as RichMarkdown
 from rich.segment import Segment
 from textual.strip import Strip
@@ -26,14 +29,20 @@ def parser() -> MarkdownIt:
     return MarkdownIt("gfm-like")  # what Textual's Markdown widget parses with
 
 
+def top_level_blocks(markdown: str, md: MarkdownIt) -> list[tuple[Token, int, int]]:
+    """Each top-level block of ``markdown``: its opening token and the character span of its source (the blank
+    lines after a block go with it; lines counted as Textual's Markdown.append counts them)."""
+    tokens = [token for token in md.parse(markdown) if token.level == 0 and token.map is not None]
+    offsets = list(accumulate((len(line) for line in markdown.splitlines(keepends=True)), initial=0))
+    starts = [offsets[token.map[0]] for token in tokens] + [len(markdown)]
+    return [(token, starts[index], starts[index + 1]) for index, token in enumerate(tokens)]
+
+
 def split_finished(markdown: str, md: MarkdownIt | None = None) -> int:
     """How many leading characters of ``markdown`` are finished top-level blocks: all but the last block
-    (a block is finished once the next one has started; the blank lines after it go with it)."""
-    tokens = (md or parser()).parse(markdown)
-    starts = [token.map[0] for token in tokens if token.map is not None and token.level == 0]
-    if len(starts) < 2:
-        return 0
-    return sum(len(line) for line in markdown.splitlines(keepends=True)[:starts[-1]])
+    (a block is finished once the next one has started)."""
+    blocks = top_level_blocks(markdown, md or parser())
+    return blocks[-1][1] if len(blocks) >= 2 else 0
 
 
 def reserved_height(lines: int) -> int:
@@ -60,7 +69,7 @@ class StreamTail(Widget):
         super().__init__(**kwargs)
         self.markdown = ""
         self.after_blocks = False  # the Markdown widget above already shows blocks (their margin separates)
-        self._md = parser()
+        self.md = parser()  # the message's block splitting uses it too
         self._blocks: dict[tuple[str, int, bool], list[Strip]] = {}  # rendered blocks of the current text
         self._lines: list[Strip] = []
         self._rendered: tuple[tuple[str, int, bool], list[Strip]] | None = None
@@ -103,13 +112,10 @@ class StreamTail(Widget):
         return lines
 
     def _render_blocks(self, markdown: str, width: int) -> list[Strip]:
-        lines = markdown.splitlines(keepends=True)
-        tokens = [token for token in self._md.parse(markdown) if token.level == 0 and token.map is not None]
-        starts = [token.map[0] for token in tokens] + [len(lines)]
         blocks: dict[tuple[str, int, bool], list[Strip]] = {}
         out: list[Strip] = []
-        for index, token in enumerate(tokens):
-            source = "".join(lines[starts[index]:starts[index + 1]])
+        for index, (token, start, end) in enumerate(top_level_blocks(markdown, self.md)):
+            source = markdown[start:end]
             first = index == 0 and not self.after_blocks
             key = (source, width, first)
             strips = self._blocks.get(key)
