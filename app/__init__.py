@@ -1,1 +1,6 @@
-"""The Textual UI and the `specchat` command line. Never imports torch directly: it talks to the engine API."""
+"""The command line and the Textual UI (imported as ``specchat.app``; never imports torch directly).
+
+``cli/`` (argument parsing, one module per subcommand: the composition root that builds engines) -> ``tui/``
+(the Textual app, screens, widgets, the engine bridge) -> ``chat/`` (conversation, settings, editing, history)
+-> the engine API (``specchat.backend.api``).
+"""

@@ -35,8 +35,8 @@ step "check the wheel's contents"
 "$WORK/build-env/bin/python" - "$WHEEL" <<'PY'
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
-needed = ["specchat/__init__.py", "specchat/app/cli.py", "specchat/app/cmd_models.py",
-          "specchat/backend/config.py", "specchat/backend/loading.py", "specchat/backend/models.yaml"]
+needed = ["specchat/__init__.py", "specchat/app/cli/main.py", "specchat/app/cli/models.py",
+          "specchat/backend/models/config.py", "specchat/backend/models/loading.py", "specchat/backend/models.yaml"]
 missing = [n for n in needed if n not in names]
 if missing:
     sys.exit(f"wheel lacks: {', '.join(missing)}")
@@ -57,6 +57,6 @@ step "run the installed specchat"
 cd "$WORK"  # away from the source tree, so only the installed package can be imported
 "$WORK/venv/bin/specchat" --help
 "$WORK/venv/bin/specchat" models --device cpu
-"$VPY" -c "from specchat.backend.loading import packaged_gguf_path; print('embedded model:', packaged_gguf_path())"
+"$VPY" -c "from specchat.backend.models.loading import packaged_gguf_path; print('embedded model:', packaged_gguf_path())"
 
 step "ok: $WHEEL installs and runs"

@@ -59,7 +59,7 @@ ln -s "$ROOT/backend" "$PKG/specchat/backend"
 export PYTHONPATH="$PKG:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" - <<'EOF' || status=1
 import importlib, torch, transformers
-import specchat.backend.cuda_graphs as cg
+import specchat.backend.kernels.cuda_graphs as cg
 print("specchat.backend from", cg.__file__)
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       torch.cuda.get_device_name() if torch.cuda.is_available() else "")
@@ -82,7 +82,7 @@ rc=$?; [ $rc -ne 0 ] && { echo "cuda tests: exit $rc"; [ $status -eq 0 ] && stat
 step "synthetic benchmark $SYNTHETIC on $SYNTHETIC_DEVICE ($(left) s left)"
 extra=()
 [ -n "${SYNTHETIC_TOKENS:-}" ] && extra=(--max-new-tokens "$SYNTHETIC_TOKENS")
-(cd "$ROOT" && timeout "$(( $(left) > 30 ? $(left) : 30 ))" "$PYTHON" -m specchat.app.cli bench \
+(cd "$ROOT" && timeout "$(( $(left) > 30 ? $(left) : 30 ))" "$PYTHON" -m specchat.app.cli.main bench \
     --synthetic "$SYNTHETIC" --device "$SYNTHETIC_DEVICE" --out "$OUT" "${extra[@]}" 2>&1 | tee "$OUT/synthetic.log")
 rc=$?; [ $rc -ne 0 ] && { echo "synthetic bench: exit $rc"; [ $status -eq 0 ] && status=$rc; }
 [ -f "$OUT/synthetic_$SYNTHETIC.json" ] || { echo "no synthetic_$SYNTHETIC.json written"; [ $status -eq 0 ] && status=1; }

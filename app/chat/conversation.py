@@ -1,0 +1,143 @@
+"""The open chat: its turns, its rows in the history store, and the engine requests built from it.
+
+Contract (UI thread only):
+- A chat is created in the store with the first user message; every user message is saved at once; a reply
+  is a store row created empty when it starts and saved by a :class:`StreamingSaver` while it streams (at
+  least every 0.5 s) and at its end (with the stats and whether it completed).
+- A user turn built from attachments (``/edit``, ``/file``) keeps what the model sees in ``content`` and a
+  short ``meta`` (``request``, ``attachments``, ``edit``: the edited file's path) in the message's stats
+  column, so a reopened chat shows the short form and can offer the diff again.
+- History failures never stop the chat: they are reported through ``on_error`` (a notification) and the
+  conversation goes on in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specchat.backend.errors import SpecchatError
+
+log = logging.getLogger(__name__)
+TITLE_CHARS = 60
+
+
+@dataclass(slots=True)
+class Turn:
+    role: str  # "user" | "assistant"
+    content: str  # what the model sees
+    meta: dict[str, Any] = field(default_factory=dict)  # user: request/attachments/edit; assistant: stats
+    message_id: int | None = None
+    complete: bool = True
+
+    @property
+    def display(self) -> str:
+        """What the chat shows for this turn."""
+        if self.role == "user" and "request" in self.meta:
+            names = ", ".join(self.meta.get("attachments", []))
+            verb = "✎ edit" if self.meta.get("edit") else "📎"
+            return f"*{verb} {names}*\n\n{self.meta['request']}" if names else self.meta["request"]
+        return self.content
+
+
+def title_for(text: str) -> str:
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "New chat")
+    return first if len(first) <= TITLE_CHARS else first[: TITLE_CHARS - 1] + "…"
+
+
+class Conversation:
+    """One chat, mirrored in the store (``store`` may be None: history disabled)."""
+
+    def __init__(self, store: Any | None, on_error: Callable[[str], None]) -> None:
+        self.store = store
+        self.on_error = on_error
+        self.chat_id: int | None = None
+        self.title = "New chat"
+        self.turns: list[Turn] = []
+        self._scratch = 0  # conversation key of an unsaved chat
+
+    @property
+    def key(self) -> str:
+        """The engine's conversation key (paged-cache prefix reuse across turns)."""
+        return f"chat-{self.chat_id}" if self.chat_id is not None else f"scratch-{self._scratch}"
+
+    def _guard(self, what: str, call: Callable[[], Any]) -> Any:
+        if self.store is None:
+            return None
+        try:
+            return call()
+        except SpecchatError as error:
+            log.warning("history: could not %s: %s", what, error)
+            self.on_error(f"History: could not {what}: {error}")
+            return None
+
+    def new(self) -> None:
+        self.chat_id, self.title, self.turns = None, "New chat", []
+        self._scratch += 1
+
+    def open(self, chat_id: int) -> None:
+        """Load a stored chat (raises SpecchatError if it cannot be read: the caller keeps the current one)."""
+        if self.store is None:
+            return
+        summary = self.store.chat(chat_id)
+        turns = []
+        for message in self.store.messages(chat_id):
+            if message.role == "system":
+                continue  # the system prompt comes from the settings
+            turns.append(Turn(message.role, message.content, dict(message.stats or {}), message.id,
+                              message.complete))
+        self.chat_id, self.title, self.turns = chat_id, summary.title, turns
+
+    def add_user(self, content: str, pair_name: str, meta: dict[str, Any] | None = None) -> Turn:
+        turn = Turn("user", content, dict(meta or {}))
+        if self.chat_id is None and self.store is not None:
+            self.title = title_for(turn.meta.get("request", content))
+            self.chat_id = self._guard("create the chat", lambda: self.store.create_chat(self.title, pair_name))
+        if self.chat_id is not None:
+            turn.message_id = self._guard(
+                "save your message", lambda: self.store.add_message(self.chat_id, "user", content, turn.meta or None))
+        self.turns.append(turn)
+        return turn
+
+    def start_reply(self) -> tuple[Turn, Any | None]:
+        """Append an empty assistant turn; returns it and its StreamingSaver (None without history)."""
+        turn = Turn("assistant", "", complete=False)
+        saver = None
+        if self.chat_id is not None:
+            turn.message_id = self._guard(
+                "save the reply", lambda: self.store.add_message(self.chat_id, "assistant", "", None, False))
+            if turn.message_id is not None:
+                from specchat.app.chat.history.store import StreamingSaver
+
+                saver = StreamingSaver(self.store, turn.message_id, interval_s=0.5)
+        self.turns.append(turn)
+        return turn, saver
+
+    def finish_reply(self, turn: Turn, saver: Any | None, text: str, stats: dict[str, Any], complete: bool) -> None:
+        turn.content, turn.meta, turn.complete = text, stats, complete
+        if saver is not None:
+            self._guard("save the reply", lambda: saver.finish(stats, complete))
+
+    def pop_last_reply(self) -> Turn | None:
+        """Remove the last turn if it is a reply (regenerate); the store row goes too."""
+        if not self.turns or self.turns[-1].role != "assistant":
+            return None
+        turn = self.turns.pop()
+        if self.chat_id is not None:
+            self._guard("remove the old reply", lambda: self.store.delete_last_assistant(self.chat_id))
+        return turn
+
+    def set_pair(self, pair_name: str) -> None:
+        if self.chat_id is not None:
+            self._guard("record the pair", lambda: self.store.set_pair(self.chat_id, pair_name))
+
+    def request_messages(self, system_prompt: str) -> list[dict[str, str]]:
+        """The chat as chat-template messages, without an unfinished (empty) trailing reply."""
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+        for turn in self.turns:
+            if turn.role == "assistant" and not turn.content:
+                continue
+            messages.append({"role": turn.role, "content": turn.content})
+        return messages

@@ -1,0 +1,153 @@
+"""`specchat bench`: every decoding mode against transformers, in one run, on the pair(s) asked for.
+
+Contract: ``run(args) -> int`` with the namespace of app/cli/main.py's bench parser (pair: list | None, suite,
+limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic). Prints an estimate of the
+run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per family on
+stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0.
+
+Defaults are sized for the embedded default on a 2-core CPU (~13-20 tok/s plain, ~15 tok/s in transformers):
+suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × 5 modes × ``DEFAULT_MAX_NEW_TOKENS`` 128 tokens =
+8,960 tokens, ~9-11 min of decoding plus the long-prompt prefills (summaries, RAG) and the warm-up.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+DEFAULT_LIMIT = 2
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def run(args) -> int:
+    if getattr(args, "synthetic", None):
+        # Random-weight models with real shapes on the device (issue 8): a separate measurement, its own table.
+        from specchat.backend.bench.synthetic import run_synthetic
+
+        return run_synthetic(args)
+    from specchat.backend.bench.runner import parse_modes
+    from specchat.backend.models.config import default_pair_name, get_pair, load_pairs
+    from specchat.backend.engine.engine import load_engine
+
+    pairs = load_pairs(args.models)
+    names = list(args.pair or [default_pair_name(pairs)])
+    configs = [get_pair(pairs, name) for name in names]  # unknown names fail before anything loads
+    for config in configs:  # so do modes a pair cannot run (draft-model without a draft, typos)
+        parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name)
+    _check_args(args)
+    err = Console(stderr=True)
+
+    def load(index: int):
+        config = configs[index]
+        err.print(f"Loading pair [bold]{config.name}[/bold] ...")
+        return load_engine(config, device=args.device,
+                           progress=lambda message, fraction: err.print(f"  {message}", highlight=False))
+
+    return execute(args, len(configs), load, err=err)
+
+
+def _check_args(args) -> tuple[int, int, float]:
+    from specchat.backend.errors import RequestError
+
+    limit = args.limit if args.limit is not None else DEFAULT_LIMIT
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
+    temperature = float(args.temperature or 0.0)
+    if not 0 <= temperature <= 100:
+        raise RequestError(f"--temperature must be between 0 (greedy) and 100, got {temperature}")
+    return limit, max_new, temperature
+
+
+def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None,
+            out: Console | None = None) -> int:
+    """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
+    from specchat.backend.bench.runner import BenchRunner, environment, parse_modes, release_memory
+    from specchat.backend.bench.report import aggregate_with_overall, print_report, write_chart, write_json
+    from specchat.backend.bench.stats import mark_equality
+    from specchat.backend.bench.suites import load_suite
+
+    err = err or Console(stderr=True)
+    if out is None:
+        out = Console()
+        if not out.is_terminal:  # piped to a file: no terminal width to respect, keep the tables whole
+            out = Console(width=170)
+    limit, max_new, temperature = _check_args(args)
+    prompts = load_suite(args.suite, limit)
+    out_dir = Path(args.out or "bench_out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"suite": args.suite, "limit_per_family": limit, "max_new_tokens": max_new, "temperature": temperature,
+            "greedy": temperature <= 0, "seed": args.seed, "modes": args.modes, "device": args.device,
+            **environment()}
+    rows, runs = [], []
+    started = time.perf_counter()
+    interrupted = False
+    for index in range(num_pairs):
+        engine, runner = load(index), None
+        try:
+            modes = parse_modes(args.modes, has_draft=engine.draft is not None, pair_name=engine.pair.name)
+            runner = BenchRunner(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
+            fitting = [p for p in prompts if runner.fits(p)]
+            skipped = [p.id for p in prompts if p not in fitting]
+            if skipped:
+                err.print(f"[yellow]Skipping {len(skipped)} prompt(s) longer than {engine.pair.name}'s context "
+                          f"({engine.context_length} tokens): {', '.join(skipped)}[/yellow]")
+            if not fitting:
+                continue
+            lengths = sorted(fitting, key=lambda p: len(runner.prompt_ids(p)))
+            err.print(f"Warming up {len(modes)} modes on {engine.pair.name} ...")
+            warm = runner.warm_up(lengths[len(lengths) // 2])
+            estimate = runner.estimate_s(fitting, warm)
+            speeds = ", ".join(f"{w.mode} {w.decode_tok_s:.1f}" for w in warm)
+            err.print(f"Estimated time for {engine.pair.name}: ~{sum(estimate.values()) / 60:.1f} min "
+                      f"({len(fitting)} prompts × {len(modes)} modes, up to {max_new} new tokens each; "
+                      f"warm-up decode tok/s: {speeds})", highlight=False)
+            run_start = time.perf_counter()
+            pair_rows: list = []
+            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
+            with progress:
+                task = progress.add_task(engine.pair.name, total=len(fitting) * len(modes))
+
+                def start(prompt, mode, _task=task):
+                    progress.update(_task, description=escape(f"{prompt.family} {prompt.id} · {mode.name}"))
+
+                try:
+                    runner.run(fitting, on_start=start,
+                               on_row=lambda row: (pair_rows.append(row), progress.advance(task)))
+                except KeyboardInterrupt:
+                    interrupted = True
+                    mark_equality(pair_rows, greedy=temperature <= 0)
+            rows += pair_rows
+            runs.append({"pair": engine.pair.name, "modes": [m.name for m in modes], "prompts": len(fitting),
+                         "skipped_prompts": skipped, "warmup": [w.to_dict() for w in warm],
+                         "estimate_s": estimate, "elapsed_s": time.perf_counter() - run_start,
+                         "interrupted": interrupted})
+        finally:
+            engine.close()
+            # Drop this pair's models (and their transformers twins) before the next pair loads.
+            engine = runner = None
+            release_memory()
+        if interrupted:
+            break
+    meta["elapsed_s"] = time.perf_counter() - started
+    meta["interrupted"] = interrupted
+    aggs = aggregate_with_overall(rows)
+    greedy = temperature <= 0
+    print_report(out, aggs, rows, greedy=greedy)
+    text = Console(file=io.StringIO(), width=170, record=True)
+    print_report(text, aggs, rows, greedy=greedy)
+    (out_dir / "bench.txt").write_text(text.export_text(), encoding="utf-8")
+    write_json(out_dir / "bench.json", meta=meta, runs=runs, rows=rows, aggs=aggs)
+    if aggs:
+        write_chart(out_dir / "speedup.png", aggs)
+    err.print(f"Wrote {out_dir / 'bench.json'}, {out_dir / 'bench.txt'}"
+              + (f", {out_dir / 'speedup.png'}" if aggs else "") + f" in {meta['elapsed_s'] / 60:.1f} min")
+    if interrupted:
+        raise KeyboardInterrupt
+    return 0
+

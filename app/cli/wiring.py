@@ -1,0 +1,96 @@
+"""The app's default connections to the real backend, imported lazily, and the routing of library output.
+
+Contract:
+- :func:`default_engine_factory` returns ``factory(pair, progress, confirm_download) -> Engine``; it imports
+  ``specchat.backend.engine.engine`` inside the call, i.e. in the app's loader thread, so the UI never pays for
+  importing torch. ``confirm_download(total_bytes) -> bool`` comes from the app (a dialog, or the picker's
+  earlier yes).
+- :func:`default_pair_info` returns ``pair_info(pair) -> dict`` for the picker (keys documented in
+  screens/picker.py), from ``specchat.backend.models.memory`` and the local HF cache (run in a thread worker: it
+  imports torch; it never touches the network).
+- :func:`route_library_output` (a context manager, for the whole app run) sends Python logging and warnings
+  to ``<log dir>/specchat.log`` instead of the terminal; stray prints are caught by Textual and forwarded to
+  the same file by the app (``App.begin_capture_print``). ``specchat.backend.models.capture.capture_library_output``
+  additionally wraps each model load (tqdm bars become the app's progress display).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from specchat.backend.paths import log_dir
+
+LOG_FILE = "specchat.log"
+
+
+def default_engine_factory(device: str | None) -> Callable[..., Any]:
+    def factory(pair: Any, progress: Callable[[str, float | None], None],
+                confirm_download: Callable[[int], bool] | None = None) -> Any:
+        from specchat.backend.models.capture import capture_library_output
+
+        # The import itself (torch, transformers) may warn: capture it too; load_pair captures the loading.
+        with capture_library_output():
+            from specchat.backend.engine.engine import load_engine
+
+            return load_engine(pair, device=device, progress=progress, confirm_download=confirm_download)
+
+    return factory
+
+
+def default_pair_info(device: str | None) -> Callable[[Any], dict[str, Any]]:
+    def pair_info(pair: Any) -> dict[str, Any]:
+        from specchat.backend.models.hub import is_cached
+        from specchat.backend.models.loading import resolve_device
+        from specchat.backend.models.memory import estimate_pair, free_memory
+
+        dev = resolve_device(device)
+        estimate = estimate_pair(pair, dev)
+        free = free_memory(dev)
+        draft = pair.draft if pair.drafter == "draft-model" else None
+        specs = [s for s in (pair.target, draft) if s is not None]
+        # models.yaml's size for what is not in the local HF cache: no network access from the picker
+        download = sum(s.download_bytes for s in specs if s.kind == "hub" and not is_cached(s))
+        return {"memory_bytes": estimate.total, "free_bytes": free, "fits": estimate.total <= free,
+                "download_bytes": download, "gated": any(s.gated for s in specs), "device": str(dev)}
+
+    return pair_info
+
+
+@contextlib.contextmanager
+def route_library_output(path: Path) -> Iterator[logging.Handler | None]:
+    """Send logging and warnings to ``path`` while the app runs; restore the handlers afterwards."""
+    root = logging.getLogger()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler | None = logging.FileHandler(path, encoding="utf-8")
+    except OSError:
+        handler = None  # an unwritable log dir must not stop the app: log records are dropped instead
+    saved_handlers, saved_level = root.handlers[:], root.level
+    terminal = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
+                and not isinstance(h, logging.FileHandler)]
+    for h in terminal:
+        root.removeHandler(h)
+    if handler is not None:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+    else:
+        root.addHandler(logging.NullHandler())
+    root.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            yield handler
+    finally:
+        logging.captureWarnings(False)
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        if handler is not None:
+            handler.close()

@@ -1,0 +1,149 @@
+"""The chat history modal: past chats to open, rename, delete (after confirmation) or export to Markdown.
+
+Contract: dismissed with a :class:`HistoryResult` — the chat to open (or None) and the ids deleted while the
+screen was open (the chat screen starts a new chat if the open one was deleted). Store errors are shown as
+notifications; the list is reloaded after each change.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Label, Static
+
+from specchat.backend.errors import SpecchatError
+from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
+
+
+@dataclass
+class HistoryResult:
+    open_chat: int | None = None
+    deleted: set[int] = field(default_factory=set)
+
+
+def when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+async def export_chat(screen: Any, store: Any, chat_id: int, title: str) -> None:
+    """Ask where to export ``chat_id`` and write it (shared with the chat screen's export command)."""
+    target = await screen.app.push_screen_wait(TextPromptScreen(
+        f"Export “{title}” to Markdown", str(Path.cwd()),
+        hint="A file name (.md) or a folder (the file is named after the chat)."))
+    if target is None:
+        return
+    try:
+        written = store.export_markdown(chat_id, Path(target).expanduser())
+    except SpecchatError as error:
+        screen.app.notify(str(error), title="Export failed", severity="error", timeout=8)
+        return
+    screen.app.notify(f"Exported to {written}", title="Chat exported")
+
+
+class HistoryScreen(ModalScreen[HistoryResult]):
+    BINDINGS = [
+        Binding("escape", "close", "Close"),
+        Binding("r", "rename", "Rename"),
+        Binding("d,delete", "delete", "Delete"),
+        Binding("e", "export", "Export"),
+    ]
+
+    def __init__(self, store: Any, current_chat: int | None) -> None:
+        super().__init__(classes="dialog-screen")
+        self.store, self.current_chat = store, current_chat
+        self.result = HistoryResult()
+        self.titles: dict[int, str] = {}
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog wide", id="history"):
+            yield Label("Chat history  (Enter open · r rename · d delete · e export · Esc close)",
+                        classes="dialog-title")
+            yield DataTable(id="chats", cursor_type="row", zebra_stripes=True)
+            yield Static("", id="history-empty")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        for column in ("title", "pair", "messages", "updated"):
+            table.add_column(column, key=column)
+        self.reload()
+        table.focus()
+
+    def reload(self) -> None:
+        table = self.query_one(DataTable)
+        row = table.cursor_row
+        table.clear()
+        try:
+            chats = self.store.list_chats()
+        except SpecchatError as error:
+            self.notify(str(error), title="History unavailable", severity="error", timeout=8)
+            chats = []
+        self.titles = {chat.id: chat.title for chat in chats}
+        for chat in chats:
+            marker = "● " if chat.id == self.current_chat else "  "
+            # Text cells: titles are user text and must not be parsed as markup
+            table.add_row(Text(marker + chat.title), Text(chat.pair), str(chat.message_count),
+                          when(chat.updated_at), key=str(chat.id))
+        self.query_one("#history-empty", Static).update("" if chats else "No saved chats yet.")
+        if chats:
+            table.move_cursor(row=min(row, len(chats) - 1))
+
+    def _selected(self) -> int | None:
+        table = self.query_one(DataTable)
+        if not table.row_count:
+            return None
+        key = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key
+        return int(key.value)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.result.open_chat = int(event.row_key.value)
+        self.dismiss(self.result)
+
+    def action_close(self) -> None:
+        self.dismiss(self.result)
+
+    @work(exclusive=True, group="history-action")
+    async def action_rename(self) -> None:
+        chat_id = self._selected()
+        if chat_id is None:
+            return
+        title = await self.app.push_screen_wait(TextPromptScreen("Rename chat", self.titles.get(chat_id, "")))
+        if title is None:
+            return
+        try:
+            self.store.rename_chat(chat_id, title)
+        except SpecchatError as error:
+            self.notify(str(error), title="Rename failed", severity="error", timeout=8)
+        self.reload()
+
+    @work(exclusive=True, group="history-action")
+    async def action_delete(self) -> None:
+        chat_id = self._selected()
+        if chat_id is None:
+            return
+        title = self.titles.get(chat_id, str(chat_id))
+        if not await self.app.push_screen_wait(ConfirmScreen(
+                "Delete chat?", f"Delete “{title}” and all its messages? This cannot be undone.", yes="Delete")):
+            return
+        try:
+            self.store.delete_chat(chat_id)
+        except SpecchatError as error:
+            self.notify(str(error), title="Delete failed", severity="error", timeout=8)
+        else:
+            self.result.deleted.add(chat_id)
+            self.notify(f"Deleted “{title}”.")
+        self.reload()
+
+    @work(exclusive=True, group="history-action")
+    async def action_export(self) -> None:
+        chat_id = self._selected()
+        if chat_id is not None:
+            await export_chat(self, self.store, chat_id, self.titles.get(chat_id, str(chat_id)))

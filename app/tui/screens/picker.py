@@ -1,0 +1,140 @@
+"""The model pair picker: a modal table of the pairs of models.yaml.
+
+Contract: dismissed with the chosen pair's name, or None. Columns: pair, drafter, target source, estimated
+memory and whether it fits, download size, gated. The estimates come from the app's ``pair_info(pair) ->
+dict`` callable, run in a thread worker (the real one imports torch), one pair at a time, filling the table in
+as they arrive. Keys of that dict, all optional: ``memory_bytes`` (int), ``free_bytes`` (int), ``fits``
+(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str).
+Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Label, Static
+
+from specchat.app.tui.messages import PairInfoReady
+from specchat.app.tui.screens.dialogs import ConfirmScreen
+
+COLUMNS = ("pair", "drafter", "target", "memory", "fits", "download", "gated")
+COLUMN_WIDTHS = {"memory": 9, "fits": 4, "download": 9, "gated": 5}
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "—"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit in ("B", "KB") else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{n} B"
+
+
+def drafter_label(pair: Any, *, long: bool = False) -> str:
+    if long and pair.drafter == "draft-model" and getattr(pair, "draft", None) is not None:
+        return f"draft model {pair.draft.source}"
+    return str(pair.drafter)
+
+
+class PairPickerScreen(ModalScreen[str | None]):
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+
+    def __init__(self, pairs: Mapping[str, Any], current: str | None,
+                 pair_info: Callable[[Any], dict[str, Any]] | None) -> None:
+        super().__init__(classes="dialog-screen")
+        self.pairs, self.current, self.pair_info = pairs, current, pair_info
+        self.info: dict[str, dict[str, Any]] = {}
+        self.download_confirmed = False  # the user said yes to the chosen pair's download here
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog wide", id="picker"):
+            yield Label("Choose a model pair  (Enter loads it · Esc cancels)", classes="dialog-title")
+            yield DataTable(id="pairs", cursor_type="row", zebra_stripes=True)
+            yield Static("", id="pair-description")
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        for column in COLUMNS:  # fixed widths: the estimates arrive later and must fit
+            table.add_column(column, key=column, width=COLUMN_WIDTHS.get(column))
+        for name, pair in self.pairs.items():
+            marker = "● " if name == self.current else "  "
+            table.add_row(Text(marker + name), Text(drafter_label(pair)), Text(pair.target.source), "…", "…", "…", "…",
+                          key=name)
+        if self.current in self.pairs:
+            table.move_cursor(row=list(self.pairs).index(self.current))
+        table.focus()
+        if self.pair_info is not None:
+            self._estimate()
+
+    @work(thread=True, exclusive=True, group="pair-info", exit_on_error=False)
+    def _estimate(self) -> None:
+        for name, pair in self.pairs.items():
+            try:
+                info = dict(self.pair_info(pair))
+            except Exception as error:  # noqa: BLE001 - an estimate failure is shown in the table, not fatal
+                info = {"error": str(error) or type(error).__name__}
+            self.post_message(PairInfoReady(name, info))
+
+    def on_pair_info_ready(self, message: PairInfoReady) -> None:
+        self.info[message.pair_name] = info = message.info
+        table = self.query_one(DataTable)
+        fits = info.get("fits")
+        cells = {
+            "memory": human_bytes(info.get("memory_bytes")) if "error" not in info else "?",
+            "fits": "?" if fits is None else "yes" if fits else "NO",
+            "download": human_bytes(info["download_bytes"]) if info.get("download_bytes") else "—",
+            "gated": "gated" if info.get("gated") else "",
+        }
+        for column, value in cells.items():
+            table.update_cell(message.pair_name, column, value)
+        self._describe(table.cursor_row)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._describe(event.cursor_row)
+
+    def _describe(self, row: int) -> None:
+        names = list(self.pairs)
+        if not 0 <= row < len(names):
+            return
+        pair = self.pairs[names[row]]
+        info = self.info.get(names[row], {})
+        # Text, not markup: descriptions come from models.yaml and may contain [brackets]
+        text = Text.assemble((names[row], "bold"), f" — {pair.description}\n",
+                             f"target {pair.target.source} · drafter {drafter_label(pair, long=True)} · γ {pair.gamma}")
+        if info.get("error"):
+            text.append(f"\nestimate unavailable: {info['error']}", style="yellow")
+        elif info.get("free_bytes") is not None:
+            text.append(f"\nneeds about {human_bytes(info.get('memory_bytes'))}, "
+                        f"{human_bytes(info['free_bytes'])} free on {info.get('device', 'the device')}")
+        self.query_one("#pair-description", Static).update(text)
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self._choose(str(event.row_key.value))
+
+    @work(exclusive=True, group="choose")
+    async def _choose(self, name: str) -> None:
+        info = self.info.get(name, {})
+        checks = []
+        if info.get("download_bytes"):
+            gated = " It is gated: accept its licence on the Hugging Face hub and log in first." if info.get(
+                "gated") else ""
+            checks.append(("Download needed", f"{name} needs a download of {human_bytes(info['download_bytes'])} "
+                                              f"from the Hugging Face hub.{gated} Download it now?", "Download"))
+        if info.get("fits") is False:
+            checks.append(("It may not fit", f"{name} needs about {human_bytes(info.get('memory_bytes'))} but only "
+                                             f"{human_bytes(info.get('free_bytes'))} is free. Try anyway?",
+                           "Load anyway"))
+        for title, body, yes in checks:
+            if not await self.app.push_screen_wait(ConfirmScreen(title, body, yes=yes)):
+                return
+        self.download_confirmed = bool(info.get("download_bytes"))
+        self.dismiss(name)

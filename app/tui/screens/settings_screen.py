@@ -1,0 +1,124 @@
+"""The settings modal: sampling, max new tokens, drafter, γ, system prompt.
+
+Contract: dismissed with a validated :class:`Settings` (Save) or None (Cancel / Escape). A bad value keeps
+the dialog open, marks the field and says what is accepted; nothing is saved until every field is valid.
+Empty sampling fields mean "the pair's default".
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Select, Static, TextArea
+
+from specchat.app.chat.settings import DRAFTER_CHOICES, Settings, SettingsError, validate_settings
+
+GAMMA_MODES = {"pair": "Pair default", "auto": "Auto (adaptive)", "fixed": "Fixed"}
+
+
+def _text(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+class SettingsScreen(ModalScreen[Settings | None]):
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(classes="dialog-screen")
+        self.settings = settings
+
+    def compose(self) -> ComposeResult:
+        s = self.settings
+        gamma_mode = "pair" if s.gamma is None else "auto" if s.gamma == "auto" else "fixed"
+        with Vertical(classes="dialog wide", id="settings"):
+            yield Label("Settings  (empty = the pair's default · Ctrl+S saves · Esc cancels)", classes="dialog-title")
+            with VerticalScroll(id="settings-scroll"):
+                with Grid(id="settings-grid"):
+                    yield Label("Temperature (0 = greedy)")
+                    yield Input(_text(s.temperature), placeholder="pair default", id="temperature", compact=True)
+                    yield Label("Top-p (0..1]")
+                    yield Input(_text(s.top_p), placeholder="pair default", id="top_p", compact=True)
+                    yield Label("Top-k (0 = off)")
+                    yield Input(_text(s.top_k), placeholder="pair default", id="top_k", compact=True)
+                    yield Label("Max new tokens")
+                    yield Input(_text(s.max_new_tokens), id="max_new_tokens", compact=True)
+                    yield Label("Drafter")
+                    yield Select([(label, key) for key, label in DRAFTER_CHOICES.items()], value=s.drafter,
+                                 allow_blank=False, id="drafter", compact=True)
+                    yield Label("γ (draft tokens per step)")
+                    with Horizontal(id="gamma-row"):
+                        yield Select([(label, key) for key, label in GAMMA_MODES.items()], value=gamma_mode,
+                                     allow_blank=False, id="gamma_mode", compact=True)
+                        yield Input(_text(s.gamma) if gamma_mode == "fixed" else "4", id="gamma", compact=True)
+                yield Label("System prompt")
+                yield TextArea(s.system_prompt, id="system_prompt", soft_wrap=True)
+            yield Static("", id="settings-error", markup=False)
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        self._sync_gamma()
+        self.query_one("#temperature", Input).focus()
+
+    def on_select_changed(self, event: Select.Changed) -> None:
+        if event.select.id == "gamma_mode":
+            self._sync_gamma()
+
+    def _sync_gamma(self) -> None:
+        self.query_one("#gamma", Input).display = self.query_one("#gamma_mode", Select).value == "fixed"
+
+    def _parse(self, field: str, kind: type) -> object:
+        raw = self.query_one(f"#{field}", Input).value.strip()
+        if not raw:
+            return None
+        try:
+            return kind(raw)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise SettingsError(f"{field.replace('_', ' ')}: expected {what}, got {raw!r}") from None
+
+    def _collect(self) -> Settings:
+        gamma_mode = self.query_one("#gamma_mode", Select).value
+        gamma = None if gamma_mode == "pair" else "auto" if gamma_mode == "auto" else self._parse("gamma", int)
+        if gamma_mode == "fixed" and gamma is None:
+            raise SettingsError("gamma: a fixed γ needs a number (1 .. 64)")
+        max_new = self._parse("max_new_tokens", int)
+        if max_new is None:
+            raise SettingsError("max new tokens: a number is required (1 .. 32768)")
+        return validate_settings(replace(
+            self.settings,
+            temperature=self._parse("temperature", float),
+            top_p=self._parse("top_p", float),
+            top_k=self._parse("top_k", int),
+            max_new_tokens=max_new,
+            drafter=self.query_one("#drafter", Select).value,
+            gamma=gamma,
+            system_prompt=self.query_one("#system_prompt", TextArea).text,
+        ))
+
+    def action_save(self) -> None:
+        for widget in self.query(Input):
+            widget.remove_class("-invalid")
+        try:
+            settings = self._collect()
+        except SettingsError as error:
+            message = str(error)
+            self.query_one("#settings-error", Static).update(f"⚠ {message}")
+            field = message.removeprefix("setting ").split(":")[0].strip("' ").replace(" ", "_")
+            for widget in self.query(Input):
+                if widget.id == field:
+                    widget.add_class("-invalid")
+                    widget.focus()
+            return
+        self.dismiss(settings)
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)

@@ -1,0 +1,230 @@
+"""Chat message widgets: a user message and an assistant reply that streams Markdown.
+
+Contract: :class:`AssistantMessage` receives text on the UI thread only (``append`` takes it, ``show_pending``
+draws it: the chat screen calls that a few times a second, not per token). While it streams, the text is drawn
+by a :class:`StreamTail`, which repaints without a layout pass of the screen (see ``stream_tail``); when the
+tail must grow, its finished top-level Markdown blocks move to the Textual ``Markdown`` widget, which parses,
+highlights and mounts each once; at the end the rest follows. The message keeps the (token text, source) pairs
+for the accepted-token view, which colours each token by its :class:`TokenSource` under a legend. Code blocks
+copy themselves to the clipboard on click; a focused message copies itself with ``c`` and its last code block
+with ``b``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.widgets import Collapsible, Label, Markdown, Static
+from textual.widgets._markdown import MarkdownFence
+
+from specchat.app.tui.widgets.stream_tail import StreamTail, split_finished
+from specchat.backend.api import TokenSource
+
+SOURCE_STYLES: dict[TokenSource, str] = {
+    TokenSource.ACCEPTED: "bold green",
+    TokenSource.RECOVERED: "bold yellow",
+    TokenSource.BONUS: "bold magenta",
+    TokenSource.TARGET: "",
+}
+SOURCE_LABELS: dict[TokenSource, str] = {
+    TokenSource.ACCEPTED: "accepted draft",
+    TokenSource.RECOVERED: "recovered at a rejection",
+    TokenSource.BONUS: "bonus",
+    TokenSource.TARGET: "plain target",
+}
+LONG_USER_LINES = 15  # longer user messages (pasted files) start collapsed
+
+
+def legend() -> Text:
+    text = Text("Token sources: ", style="dim")
+    for source in (TokenSource.ACCEPTED, TokenSource.RECOVERED, TokenSource.BONUS, TokenSource.TARGET):
+        text.append("■ ", style=SOURCE_STYLES[source] or "default")
+        text.append(SOURCE_LABELS[source] + "  ")
+    return text
+
+
+def render_tokens(tokens: list[tuple[str, TokenSource]]) -> Text:
+    text = Text()
+    for piece, source in tokens:
+        if piece:
+            text.append(piece, style=SOURCE_STYLES.get(source, ""))
+    return text
+
+
+WARM_LANGUAGES = ("python",)  # the language most replies' code blocks use (the pair defaults target code)
+
+
+def warm_highlighting() -> None:
+    """Build the Pygments lexers of ``WARM_LANGUAGES`` now (~0.06 s each on an idle CPU, more under load):
+    Pygments compiles a lexer's regular expressions the first time it is used, which would otherwise happen
+    inside the first reply with a code block, on the UI thread, while the engine decodes."""
+    for language in WARM_LANGUAGES:
+        CopyableFence.highlight("pass", language)
+
+
+class CopyableFence(MarkdownFence):
+    """A code block that copies its code when clicked.
+
+    An untagged block is shown as plain text: guessing its language (Pygments tries every lexer) costs
+    ~0.1 s per update of a 150-line block, and a streaming block is updated ~10 times a second.
+    """
+
+    @classmethod
+    def highlight(cls, code: str, language: str, ansi: bool = False, dark: bool = False) -> Any:
+        return super().highlight(code, language or "text", ansi=ansi, dark=dark)
+
+    def on_click(self) -> None:
+        self.app.copy_to_clipboard(self.code)
+        self.app.notify(f"Copied the code block ({len(self.code.splitlines())} lines).", timeout=2)
+
+
+class ChatMarkdown(Markdown):
+    BLOCKS = {**Markdown.BLOCKS, "fence": CopyableFence, "code_block": CopyableFence}
+
+
+class MessageView(Vertical, can_focus=True):
+    """Base of both message kinds: focusable, copyable."""
+
+    BINDINGS = [
+        Binding("c", "copy_message", "Copy message"),
+        Binding("b", "copy_code", "Copy code block"),
+    ]
+
+    def message_text(self) -> str:
+        raise NotImplementedError
+
+    def code_blocks(self) -> list[str]:
+        return [fence.code for fence in self.query(MarkdownFence)]
+
+    def action_copy_message(self) -> None:
+        self.app.copy_to_clipboard(self.message_text())
+        self.app.notify("Copied the message.", timeout=2)
+
+    def action_copy_code(self) -> None:
+        blocks = self.code_blocks()
+        if not blocks:
+            self.app.notify("This message has no code block.", severity="warning", timeout=3)
+            return
+        self.app.copy_to_clipboard(blocks[-1])
+        self.app.notify(f"Copied the code block ({len(blocks[-1].splitlines())} lines).", timeout=2)
+
+
+class UserMessage(MessageView):
+    def __init__(self, display: str, content: str) -> None:
+        super().__init__(classes="message user")
+        self.display_text, self.content = display, content
+
+    def message_text(self) -> str:
+        return self.content
+
+    def compose(self) -> ComposeResult:
+        yield Label("You", classes="role")
+        lines = self.display_text.splitlines()
+        if len(lines) > LONG_USER_LINES:
+            title = f"{lines[0][:70]} … ({len(lines)} lines)"
+            with Collapsible(title=Text(title), collapsed=True):
+                yield ChatMarkdown(self.display_text)
+        else:
+            yield ChatMarkdown(self.display_text)
+
+
+class AssistantMessage(MessageView):
+    """A reply; streams while ``streaming`` and shows its totals line once finished."""
+
+    def __init__(self, *, header: str, text: str = "", totals: str = "", token_view: bool = False) -> None:
+        super().__init__(classes="message assistant")
+        self.header, self.text, self.totals = header, text, totals
+        self.tokens: list[tuple[str, TokenSource]] = []
+        self.token_view = token_view
+        self.streaming = False
+        self._open = ""  # text the Markdown widget does not have yet: the StreamTail draws it
+        self._unshown = ""  # appended text not drawn yet
+        self._tokens_unshown = False
+
+    def message_text(self) -> str:
+        return self.text
+
+    def compose(self) -> ComposeResult:
+        yield Label(self.header, classes="role", markup=False)
+        yield ChatMarkdown(self.text, id="body")
+        yield StreamTail(id="tail")
+        with Vertical(id="token-view"):
+            yield Static(legend(), id="legend")
+            yield Static(id="tokens")
+        yield Static(self.totals, id="totals", classes="totals", markup=False)
+
+    def on_mount(self) -> None:
+        self._apply_view()
+
+    def start_stream(self) -> None:
+        self.streaming = True
+        self.add_class("streaming")
+        self._apply_view()
+
+    def append(self, text: str, tokens: list[tuple[str, TokenSource]]) -> None:
+        """Take new text and tokens; they are drawn at the next :meth:`show_pending` (the screen paces that)."""
+        self.tokens.extend(tokens)
+        self.text += text
+        self._unshown += text
+        self._tokens_unshown = self._tokens_unshown or bool(tokens)
+
+    async def show_pending(self) -> None:
+        """Draw what :meth:`append` took since the last call. It is repainted in the tail if it fits there;
+        otherwise the finished blocks move to the Markdown widget and the tail takes a step of height: one
+        layout pass of the screen for both."""
+        text, self._unshown = self._unshown, ""
+        if text and self.streaming:
+            self._open += text
+            tail = self.query_one(StreamTail)
+            if not tail.fits(self._open):
+                await self._move_finished_blocks(split_finished(self._open, tail.md))
+            if not self.token_view:
+                tail.show(self._open)
+        if self.token_view and self._tokens_unshown:
+            self._render_tokens()
+        self._tokens_unshown = False
+
+    async def _move_finished_blocks(self, length: int) -> None:
+        """Hand the first ``length`` characters of the tail's text to the Markdown widget (parsed, highlighted
+        and mounted once)."""
+        if length:
+            await self.query_one("#body", ChatMarkdown).append(self._open[:length])
+            self._open = self._open[length:]
+            self.query_one(StreamTail).after_blocks = True
+
+    async def finish(self, totals: str) -> None:
+        await self.show_pending()
+        if self.streaming:
+            self.streaming = False
+            await self._move_finished_blocks(len(self._open))
+            self.query_one(StreamTail).show("")
+        self.remove_class("streaming")
+        self._apply_view()
+        self.totals = totals
+        self.query_one("#totals", Static).update(totals)
+
+    def set_token_view(self, on: bool) -> None:
+        self.token_view = on
+        self._apply_view()
+
+    def _apply_view(self) -> None:
+        self.query_one("#body").display = not self.token_view
+        tail = self.query_one(StreamTail)
+        tail.display = self.streaming and not self.token_view
+        if tail.display:
+            tail.show(self._open)
+        self.query_one("#token-view").display = self.token_view
+        if self.token_view:
+            self._render_tokens()
+
+    def _render_tokens(self) -> None:
+        if self.tokens:
+            body = render_tokens(self.tokens)
+        else:
+            body = Text(self.text + "\n\n") + Text("(token sources are only known for replies made in this session)",
+                                                   style="dim italic")
+        self.query_one("#tokens", Static).update(body)

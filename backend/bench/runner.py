@@ -1,0 +1,236 @@
+"""`specchat bench`'s runner: every mode on every prompt, interleaved, in one process.
+
+Modes (names used in tables, JSON and ``--modes``):
+
+- specchat: ``plain`` (no drafter), ``prompt-lookup``, ``draft-model`` (pairs with a draft), ``auto`` (the
+  engine picks drafter and γ); a drafter mode may fix γ with a suffix: ``prompt-lookup:4``;
+- transformers ``generate()``: ``hf-plain``, ``hf-prompt-lookup`` (``prompt_lookup_num_tokens=10``),
+  ``hf-assisted`` (``assistant_model=`` the pair's draft).
+
+Protocol: one warm-up generation per mode (which also measures each mode's speed, for the time estimate),
+then for each prompt every mode in an order rotated by one per prompt, so drift in machine speed spreads
+over all modes. Every mode gets the same prompt ids (the chat template rendered once) and the same seed.
+Nothing is cached between runs: every number comes from the generations of this run.
+
+The runner takes a ready :class:`Engine`; where its models come from (a models.yaml pair, or random weights
+with real shapes for a synthetic run) is the caller's business.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
+from specchat.backend.bench.stats import Row, StepTally, mark_equality
+from specchat.backend.bench.suites import BenchPrompt
+from specchat.backend.errors import RequestError
+from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.engine.prompting import render
+
+SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "draft-model", "auto")
+HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
+WARMUP_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    name: str
+    runner: str  # "specchat" | "hf"
+    drafter: str  # specchat: none | prompt-lookup | draft-model | auto; hf: plain | prompt-lookup | assisted
+    gamma: int | str | None = None  # specchat only; None: the pair's γ
+
+
+def default_modes(has_draft: bool) -> list[str]:
+    names = ["plain", "prompt-lookup"] + (["draft-model"] if has_draft else []) + ["auto"]
+    return names + ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
+
+
+def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str) -> list[Mode]:
+    """Modes from ``--modes`` names (None: every mode the pair allows). RequestError names a bad one."""
+    modes: list[Mode] = []
+    for name in names or default_modes(has_draft):
+        base, _, gamma_text = name.partition(":")
+        gamma: int | str | None = None
+        if gamma_text:
+            if base not in ("prompt-lookup", "draft-model", "auto"):
+                raise RequestError(f"mode {name!r}: only prompt-lookup, draft-model and auto take a :GAMMA suffix")
+            if gamma_text != "auto" and not (gamma_text.isdigit() and 1 <= int(gamma_text) <= 64):
+                raise RequestError(f"mode {name!r}: gamma must be 1..64 or 'auto', got {gamma_text!r}")
+            gamma = gamma_text if gamma_text == "auto" else int(gamma_text)
+        if base in SPECCHAT_DRAFTERS:
+            mode = Mode(name, "specchat", "none" if base == "plain" else base,
+                        "auto" if base == "auto" and gamma is None else gamma)
+        elif base in HF_MODES and not gamma_text:
+            mode = Mode(name, "hf", base.removeprefix("hf-"))
+        else:
+            known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES)
+            raise RequestError(f"unknown bench mode {name!r}; use {known} (a drafter mode may add :GAMMA)")
+        if base in ("draft-model", "hf-assisted") and not has_draft:
+            raise RequestError(f"mode {name!r} needs a draft model, and pair {pair_name!r} has none; leave it "
+                               "out or pick a pair with a draft (see `specchat models`)")
+        if any(m.name == name for m in modes):
+            raise RequestError(f"mode {name!r} is listed twice in --modes")
+        modes.append(mode)
+    return modes
+
+
+@dataclass(slots=True)
+class WarmUp:
+    """One mode's warm-up generation: its speed feeds the time estimate."""
+
+    mode: str
+    prompt_tokens: int
+    new_tokens: int
+    wall_s: float
+    ttft_s: float
+
+    @property
+    def decode_tok_s(self) -> float:
+        return max(self.new_tokens - 1, 1) / max(self.wall_s - self.ttft_s, 1e-6)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / max(self.ttft_s, 1e-6)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"decode_tok_s": self.decode_tok_s, "prefill_tok_s": self.prefill_tok_s}
+
+
+def release_memory() -> None:
+    """Collect dropped models now and return cached CUDA blocks, so the next pair finds the memory free."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on (recorded in bench.json)."""
+    import torch
+    import transformers
+
+    from specchat import __version__
+
+    return {"specchat": __version__, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+class BenchRunner:
+    """Runs modes over prompts with one engine (and transformers twins of its models)."""
+
+    def __init__(self, engine, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> None:
+        self.engine, self.modes = engine, modes
+        self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
+        self.pair_name = engine.pair.name
+        self.eos_ids = sorted(engine.eos_ids)
+        tokenizer = engine.tokenizer
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad) if pad is not None else self.eos_ids[0]
+        needs_hf = any(m.runner == "hf" for m in modes)
+        self.hf_target = sdpa_twin(engine.target.model) if needs_hf else None
+        needs_assistant = any(m.runner == "hf" and m.drafter == "assisted" for m in modes)
+        self.hf_draft = sdpa_twin(engine.draft.model) if needs_assistant else None
+        self._ids: dict[str, list[int]] = {}
+
+    def prompt_ids(self, prompt: BenchPrompt) -> list[int]:
+        if prompt.id not in self._ids:
+            self._ids[prompt.id] = render(self.engine.tokenizer, prompt.message_dicts())
+        return self._ids[prompt.id]
+
+    def fits(self, prompt: BenchPrompt) -> bool:
+        """Whether the prompt plus max_new_tokens (and a verification step) fits the pair's context."""
+        return len(self.prompt_ids(prompt)) + self.max_new_tokens + 12 <= self.engine.context_length
+
+    # -- one generation ---------------------------------------------------------------------------------
+
+    def _specchat(self, mode: Mode, ids: list[int], max_new: int, seed: int):
+        request = GenerationRequest(
+            prompt_ids=list(ids),
+            sampling=SamplingParams(temperature=self.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0,
+                                    max_new_tokens=max_new, seed=seed),
+            drafter=mode.drafter, gamma=mode.gamma)
+        tokens: list[int] = []
+        tally = StepTally()
+        ttft = None
+        last = None
+        start = time.perf_counter()
+        for event in self.engine.generate(request):
+            if ttft is None and event.token_ids:
+                ttft = time.perf_counter() - start
+            tokens.extend(event.token_ids)
+            if event.token_ids and not event.is_prefill:
+                tally.observe(drafter=event.drafter, gamma=event.gamma, accepted=event.accepted,
+                              emitted=len(event.token_ids), draft_s=event.draft_s, verify_s=event.verify_s)
+            last = event
+        wall = time.perf_counter() - start
+        reason = last.finish_reason if last is not None else None
+        return tokens, wall, ttft, reason, tally, (last.stats if last is not None else None)
+
+    def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int):
+        with quiet_transformers():
+            result = hf_generate(self.hf_target, ids, method=mode.drafter, max_new_tokens=max_new,
+                                 temperature=self.temperature, seed=seed, eos_token_ids=self.eos_ids,
+                                 pad_token_id=self.pad_id, assistant=self.hf_draft)
+        tokens = result.token_ids
+        reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
+        return tokens, result.wall_s, result.ttft_s, reason, None, None
+
+    def run_one(self, mode: Mode, prompt: BenchPrompt, *, order: int, seed: int,
+                max_new_tokens: int | None = None) -> Row:
+        ids = self.prompt_ids(prompt)
+        run = self._specchat if mode.runner == "specchat" else self._hf
+        tokens, wall, ttft, reason, tally, stats = run(mode, ids, max_new_tokens or self.max_new_tokens, seed)
+        return Row(pair=self.pair_name, family=prompt.family, category=prompt.category, prompt_id=prompt.id,
+                   mode=mode.name, order=order, prompt_tokens=len(ids), token_ids=tokens, wall_s=wall,
+                   ttft_s=ttft, finish_reason=reason, tally=tally, engine_stats=stats)
+
+    # -- the protocol -----------------------------------------------------------------------------------
+
+    def warm_up(self, prompt: BenchPrompt, on_mode: Callable[[Mode], None] | None = None) -> list[WarmUp]:
+        """One short generation per mode on ``prompt`` (not recorded as a row); returns their speeds."""
+        result = []
+        for mode in self.modes:
+            if on_mode is not None:
+                on_mode(mode)
+            row = self.run_one(mode, prompt, order=0, seed=self.seed,
+                               max_new_tokens=min(WARMUP_TOKENS, self.max_new_tokens))
+            ttft = row.ttft_s if row.ttft_s is not None else row.wall_s
+            result.append(WarmUp(mode.name, row.prompt_tokens, row.new_tokens, row.wall_s, ttft))
+        return result
+
+    def estimate_s(self, prompts: list[BenchPrompt], warm: list[WarmUp]) -> dict[str, float]:
+        """Seconds each mode should take on ``prompts``: every prompt prefilled at the mode's warm-up prefill
+        rate plus max_new_tokens at its warm-up decode rate (an upper bound: replies may stop earlier)."""
+        prompt_tokens = sum(len(self.prompt_ids(p)) for p in prompts)
+        return {w.mode: prompt_tokens / w.prefill_tok_s + len(prompts) * self.max_new_tokens / w.decode_tok_s
+                for w in warm}
+
+    def run(self, prompts: list[BenchPrompt], *, on_start: Callable[[BenchPrompt, Mode], None] | None = None,
+            on_row: Callable[[Row], None] | None = None) -> list[Row]:
+        """Every mode on every prompt, mode order rotated per prompt; rows get equality marks."""
+        rows: list[Row] = []
+        count = len(self.modes)
+        for index, prompt in enumerate(prompts):
+            order = self.modes[index % count:] + self.modes[:index % count]
+            for position, mode in enumerate(order):
+                if on_start is not None:
+                    on_start(prompt, mode)
+                row = self.run_one(mode, prompt, order=position, seed=self.seed + index)
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+        mark_equality(rows, greedy=self.temperature <= 0)
+        return rows

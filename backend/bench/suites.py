@@ -1,0 +1,161 @@
+"""Benchmark prompt suites: which prompts `specchat bench` runs, grouped into families.
+
+Suites:
+
+- ``spec-bench``: the 480 public Spec-Bench questions shipped in ``data/spec_bench.jsonl`` (see
+  ``data/SPEC_BENCH_NOTICE.md``), in six families: ``mt-bench`` (its 8 categories; first turns only, so every
+  mode sees the same input), ``translation``, ``summarization``, ``qa``, ``math-reasoning``, ``rag``;
+- ``edit``: the fixed code-edit set ``data/code_edit.jsonl`` (one family, ``code-edit``; categories rename,
+  type-hints, docstring) — functions with a request to edit them and return them whole;
+- ``all``: both;
+- a family name (``mt-bench``, ``code-edit``, ...): that family alone.
+
+``limit`` is per family and spread over the family's categories: categories are taken round-robin (in file
+order) and, within a category, prompts evenly spaced over the category rather than its first N. The choice
+is a pure function of the files and the limit, so every run and every mode sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specchat.backend.errors import ConfigError
+
+DATA_DIR = Path(__file__).with_name("data")
+SPEC_BENCH_FILE = DATA_DIR / "spec_bench.jsonl"
+CODE_EDIT_FILE = DATA_DIR / "code_edit.jsonl"
+
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+# Spec-Bench category -> family name used in tables (MT-bench's eight categories form one family).
+_SPEC_BENCH_FAMILY = {c: "mt-bench" for c in MT_BENCH_CATEGORIES} | {
+    "translation": "translation",
+    "summarization": "summarization",
+    "qa": "qa",
+    "math_reasoning": "math-reasoning",
+    "rag": "rag",
+}
+SPEC_BENCH_FAMILIES = ("mt-bench", "translation", "summarization", "qa", "math-reasoning", "rag")
+CODE_EDIT_FAMILY = "code-edit"
+SUITES = ("spec-bench", "edit", "all") + SPEC_BENCH_FAMILIES + (CODE_EDIT_FAMILY,)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPrompt:
+    """One benchmark prompt: a single-turn chat."""
+
+    id: str
+    family: str
+    category: str
+    messages: tuple[tuple[str, str], ...]  # (role, content) pairs; hashable so prompts can key dicts
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise ConfigError(f"cannot read benchmark prompts {path}: {error}; reinstall specchat") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+        rows.append((number, row))
+    return rows
+
+
+def load_spec_bench(path: Path = SPEC_BENCH_FILE) -> list[BenchPrompt]:
+    """Spec-Bench questions as first-turn prompts, in file order."""
+    prompts = []
+    for number, row in _read_jsonl(path):
+        category, turns = row.get("category"), row.get("turns")
+        if category not in _SPEC_BENCH_FAMILY:
+            raise ConfigError(f"{path}:{number}: unknown category {category!r}; expected one of "
+                              f"{', '.join(_SPEC_BENCH_FAMILY)}")
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            raise ConfigError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
+        prompts.append(BenchPrompt(
+            id=f"spec-bench-{row.get('question_id', number)}",
+            family=_SPEC_BENCH_FAMILY[category],
+            category=category,
+            messages=(("user", turns[0]),),
+        ))
+    return prompts
+
+
+def load_code_edit(path: Path = CODE_EDIT_FILE) -> list[BenchPrompt]:
+    """The code-edit set (the `specchat generate --prompts` format plus a ``category`` field)."""
+    prompts = []
+    for number, row in _read_jsonl(path):
+        messages = row.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ConfigError(f"{path}:{number}: 'messages' must be a list of {{role, content}} objects")
+        prompts.append(BenchPrompt(
+            id=str(row.get("id", f"edit-{number}")),
+            family=CODE_EDIT_FAMILY,
+            category=str(row.get("category", "edit")),
+            messages=tuple((m["role"], m["content"]) for m in messages),
+        ))
+    return prompts
+
+
+def _spread(items: list[BenchPrompt], count: int) -> list[BenchPrompt]:
+    """``count`` items evenly spaced over ``items`` (all of them when count >= len)."""
+    if count >= len(items):
+        return list(items)
+    return [items[(i * len(items)) // count] for i in range(count)]
+
+
+def select(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
+    """At most ``limit`` prompts per family, round-robin over each family's categories (file order).
+
+    Families keep their first-appearance order; within a family the result is in round-robin order
+    (category 1's first pick, category 2's first pick, ..., category 1's second pick, ...).
+    """
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be at least 1, got {limit}")
+    families: dict[str, dict[str, list[BenchPrompt]]] = {}
+    for prompt in prompts:
+        families.setdefault(prompt.family, {}).setdefault(prompt.category, []).append(prompt)
+    chosen: list[BenchPrompt] = []
+    for categories in families.values():
+        total = sum(len(v) for v in categories.values())
+        want = total if limit is None else min(limit, total)
+        # How many each category gives: round-robin, so counts differ by at most one (bounded by size).
+        quota = {name: 0 for name in categories}
+        while sum(quota.values()) < want:
+            for name, items in categories.items():
+                if sum(quota.values()) < want and quota[name] < len(items):
+                    quota[name] += 1
+        picks = {name: _spread(items, quota[name]) for name, items in categories.items()}
+        for i in range(max(quota.values(), default=0)):
+            for name in categories:
+                if i < len(picks[name]):
+                    chosen.append(picks[name][i])
+    return chosen
+
+
+def load_suite(suite: str, limit: int | None) -> list[BenchPrompt]:
+    """The prompts of ``suite`` (one of SUITES), ``limit`` per family."""
+    if suite not in SUITES:
+        raise ConfigError(f"unknown suite {suite!r}; use one of {', '.join(SUITES)}")
+    prompts: list[BenchPrompt] = []
+    if suite in ("spec-bench", "all") or suite in SPEC_BENCH_FAMILIES:
+        prompts += load_spec_bench()
+    if suite in ("edit", "all", CODE_EDIT_FAMILY):
+        prompts += load_code_edit()
+    if suite in SPEC_BENCH_FAMILIES or suite == CODE_EDIT_FAMILY:
+        prompts = [p for p in prompts if p.family == suite]
+    return select(prompts, limit)

@@ -1,0 +1,249 @@
+"""The decoding engine: prefill -> propose -> verify -> commit/rollback -> yield, over the paged KV cache.
+
+Contract: :meth:`Engine.generate` is a generator yielding one :class:`StepEvent` per target forward pass
+(the first after prefill). The engine has one owner at a time: a second ``generate`` waits on a lock until
+the first has ended; cancellation (``cancel.set()``) is cooperative and takes effect between steps. The
+engine knows only token ids; models are transformers modules running the paged attention of
+``attention.py``. Plain decoding is the same loop with γ = 0.
+
+Each step feeds ``[pending] + draft`` (the last sampled token, whose K/V is not yet cached, and up to γ
+drafted tokens) in one target pass, verifies the draft, commits the accepted prefix and drops the rest by
+moving the sequence's length pointer (whole blocks past it go back to the pool, nothing is copied).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specchat.backend.kv import attention
+from specchat.backend.kernels import cpu_linear, cuda_graphs
+from specchat.backend.models.config import PairConfig
+from specchat.backend.engine.request import RequestState, resolve_sampling
+from specchat.backend.spec.drafters.draft_model import DraftModelDrafter
+from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
+from specchat.backend.errors import RequestError
+from specchat.backend.api import GenerationRequest, StepEvent
+from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+from specchat.backend.models.loading import LoadedModel
+from specchat.backend.models.memory import format_bytes, free_memory
+from specchat.backend.spec.policy import GammaPolicy
+from specchat.backend.engine.prompting import common_prefix_len, fit_to_context, render, validate_messages
+
+PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the attention scratch of long prompts
+MAX_GAMMA = 31  # n = γ + 1 <= 32: the largest CUDA graph bucket; the policy picks γ by measured cost
+PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Conversation:
+    seq: Sequence
+    cached: list[int] = field(default_factory=list)  # token ids whose K/V are committed in seq
+    dropped: int = 0  # oldest messages left out to fit the context (kept stable across turns)
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = loaded.generation_config.get("eos_token_id")
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(int(loaded.tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+class Engine:
+    """Target (+ optional draft model) with their paged caches, for one process.
+
+    ``target`` and ``draft`` are loaded models; the engine switches them to the paged attention
+    implementation. ``kv_tokens`` sizes each pool (default: the pair's context length plus room for one
+    verification step).
+    """
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None, pair: PairConfig,
+                 *, kv_tokens: int | None = None) -> None:
+        self.target, self.draft, self.pair = target, draft, pair
+        self.tokenizer = target.tokenizer
+        self.context_length = pair.context_length
+        self.vocab_limit = len(self.tokenizer)  # p and q are compared over the tokenizer's ids only
+        self.eos_ids = _eos_ids(target)
+        name = attention.register()
+        tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
+        self.cache = self._prepare(target, name, tokens)
+        self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
+        self._lock = threading.Lock()
+        self.drafters: dict[str, object] = {"prompt-lookup": PromptLookupDrafter(eos_token_ids=self.eos_ids)}
+        self.draft_cache: PagedKVCache | None = None
+        if draft is not None:
+            self.draft_cache = self._prepare(draft, name, tokens)
+            self.drafters["draft-model"] = DraftModelDrafter(
+                draft.model, self.draft_cache, vocab_limit=self.vocab_limit, eos_token_ids=self.eos_ids)
+        # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
+        self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
+        self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
+
+    @staticmethod
+    def _prepare(loaded: LoadedModel, attn_name: str, tokens: int) -> PagedKVCache:
+        config = loaded.model.config
+        attention.check_supported(config)
+        loaded.model.set_attn_implementation(attn_name)
+        loaded.model.eval()
+        # On CUDA, steps replay CUDA graphs (cuda_graphs.py); their runner keeps one block for padded tokens.
+        graphs = cuda_graphs.graphs_wanted(loaded.device)
+        block_size = 16
+        cache = PagedKVCache.for_model(config, max_tokens=tokens + (block_size if graphs else 0),
+                                       block_size=block_size, dtype=loaded.dtype, device=loaded.device)
+        if graphs:
+            cuda_graphs.attach(loaded.model, cache, max_kv=tokens)
+        elif loaded.device.type == "cpu":
+            _pack_if_it_fits(loaded)
+        return cache
+
+    # -- public API -------------------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StepEvent]:
+        """Stream one reply. Raises RequestError for invalid requests before anything is computed."""
+        with self._lock:
+            yield from self._generate(request, cancel or threading.Event())
+
+    def forget(self, conversation: str) -> None:
+        with self._lock:
+            conv = self._conversations.pop(conversation, None)
+            if conv is not None:
+                conv.seq.free()
+
+    def close(self) -> None:
+        with self._lock:
+            for conv in self._conversations.values():
+                conv.seq.free()
+            self._conversations.clear()
+            for drafter in self.drafters.values():
+                drafter.reset()  # the draft model's cache blocks go back too
+            for loaded in filter(None, (self.target, self.draft)):
+                cuda_graphs.detach(loaded.model)  # frees the graphs' memory pool with the runner
+
+    def blocks_in_use(self) -> int:
+        """Blocks held in the target pool (conversations kept for reuse included)."""
+        return self.cache.pool.num_used
+
+    # -- internals --------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, request: GenerationRequest, conv: _Conversation | None, budget: int):
+        if request.prompt_ids is not None:
+            ids = [int(t) for t in request.prompt_ids]
+            if not ids:
+                raise RequestError("the prompt is empty: give at least one token")
+            if len(ids) > budget:
+                raise RequestError(f"the prompt has {len(ids)} tokens but the context allows {budget}; "
+                                   "shorten it or raise the pair's context_length")
+            return ids, None
+        if not request.messages:
+            raise RequestError("the request has no messages: type something to send")
+        messages = validate_messages(request.messages)
+        ids, dropped, notice = fit_to_context(self.tokenizer, messages, budget=budget,
+                                              already_dropped=conv.dropped if conv else 0)
+        if conv is not None:
+            conv.dropped = dropped
+        return ids, notice
+
+    def _conversation(self, key: str | None) -> _Conversation:
+        if key is None:
+            return _Conversation(self.cache.new_sequence())
+        conv = self._conversations.get(key)
+        if conv is None:
+            conv = self._conversations[key] = _Conversation(self.cache.new_sequence())
+        self._conversations.move_to_end(key)
+        return conv
+
+    def _make_room(self, keep: _Conversation, tokens: int) -> None:
+        """Evict least recently used conversations until ``tokens`` more fit in the pool."""
+        needed = -(-tokens // self.cache.pool.block_size) + 1
+        for key in list(self._conversations):
+            if self.cache.pool.num_free >= needed:
+                return
+            conv = self._conversations[key]
+            if conv is not keep:
+                conv.seq.free()
+                del self._conversations[key]
+
+    def _generate(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
+        t_start = time.perf_counter()
+        sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
+        drafter_name = request.drafter or self.pair.drafter
+        if drafter_name not in ("none", "prompt-lookup", "draft-model", "auto"):
+            raise RequestError(f"unknown drafter {drafter_name!r}; use none, prompt-lookup, draft-model or auto")
+        if drafter_name == "draft-model" and "draft-model" not in self.drafters:
+            raise RequestError(f"pair {self.pair.name!r} has no draft model; use --drafter prompt-lookup or none, "
+                               "or pick a pair with a draft model")
+        gamma = request.gamma if request.gamma is not None else self.pair.gamma
+        if gamma != "auto" and not (isinstance(gamma, int) and 1 <= gamma <= 64):
+            raise RequestError(f"gamma must be 'auto' or a number from 1 to 64, got {gamma!r}")
+        conv = self._conversation(request.conversation)
+        try:
+            budget = self.context_length - 1
+            prompt, notice = self._prompt_ids(request, conv if request.conversation else None, budget)
+            keep = min(common_prefix_len(conv.cached, prompt), len(prompt) - 1)
+            conv.seq.truncate(keep)
+            del conv.cached[keep:]
+            self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + MAX_GAMMA)
+            state = RequestState(self, conv, prompt, sampling, drafter_name, gamma, cancel, t_start)
+            yield from state.run(notice)
+        finally:
+            if request.conversation is None:
+                conv.seq.free()
+
+
+def _pack_if_it_fits(loaded: LoadedModel) -> None:
+    """On CPU, pack the linear layers for oneDNN (cpu_linear.py) when their second copy fits in free memory
+    with room to spare for a prefill's activations; otherwise decode with the default kernels, and say so."""
+    need = cpu_linear.packed_bytes(loaded.model)
+    if not need:
+        return
+    free = free_memory(torch.device("cpu"))
+    if need + PACKING_SPARE_BYTES > free:
+        log.info("not packing %s's linear layers for oneDNN: %s needed, %s free", loaded.spec.source,
+                 format_bytes(need), format_bytes(free))
+        return
+    count = cpu_linear.pack_linears(loaded.model)
+    if count:
+        log.info("packed %d linear layers of %s for oneDNN (%s)", count, loaded.spec.source, format_bytes(need))
+
+
+def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, confirm_download=None) -> Engine:
+    """Load the pair's models (checking memory and tokenizer compatibility first) and build an engine."""
+    from specchat.backend.models.loading import load_pair, resolve_device
+    from specchat.backend.models.memory import check_fits
+
+    dev = resolve_device(device)
+    check_fits(pair, dev)
+    gc.unfreeze()  # what the last load froze (a previous engine among it) can be collected again
+    target, draft = load_pair(pair, dev, attn_implementation=attention.register(), progress=progress,
+                              confirm_download=confirm_download)
+    engine = Engine(target, draft, pair)
+    settle_heap()
+    return engine
+
+
+def settle_heap() -> None:
+    """Collect the loading's garbage, then freeze what is left out of the cyclic garbage collector.
+
+    torch, transformers and a loaded model leave ~370,000 long-lived Python objects (the embedded default);
+    a full collection walks them all with the GIL held (0.42-0.44 s on a 2-core CPU), and one starts whenever
+    enough new objects have survived (a chat UI makes them quickly), so it lands inside a reply as a stall of
+    decoding. Frozen objects are still freed by reference counting; only cycles among them wait for the next
+    load's unfreeze.
+    """
+    gc.collect()
+    gc.freeze()
+

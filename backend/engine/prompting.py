@@ -1,0 +1,101 @@
+"""Rendering chats to token ids, fitting them into the context, and finding what the cache already holds.
+
+Every turn renders the whole conversation with the chat template afresh (templates re-render earlier turns:
+SmolLM2 adds a newline after ``<|im_end|>`` that was never generated, some drop reasoning blocks), so the
+engine reuses the longest common token prefix with what is cached rather than trusting its own record of
+the previous turn.
+
+When the conversation no longer fits, the oldest turns are dropped in large chunks (down to about half the
+context) and the number dropped is remembered, so the following turns drop the same turns and keep
+reusing the cache: one re-prefill per overflow, not one per turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specchat.backend.errors import RequestError
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def validate_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
+    """Check roles and contents; returns clean copies. Control characters are kept (the tokenizer copes)."""
+    clean: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise RequestError(f"message {i} must be an object with 'role' and 'content', got {message!r:.80}")
+        role, content = message["role"], message["content"]
+        if role not in _ROLES:
+            raise RequestError(f"message {i} has role {role!r}; use one of {', '.join(_ROLES)}")
+        if not isinstance(content, str):
+            raise RequestError(f"message {i} content must be text, got {type(content).__name__}")
+        # Lone surrogates (from invalid UTF-8 decoded with surrogateescape) cannot be tokenised: replace them.
+        content = content.encode("utf-8", "replace").decode("utf-8")
+        clean.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in clean):
+        raise RequestError("the conversation has no user message: type something to send")
+    if clean[-1]["role"] == "user" and not clean[-1]["content"].strip():
+        raise RequestError(f"message {len(clean) - 1} (the last user message) is empty: type something to send")
+    return clean
+
+
+def render(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """The chat template applied to ``messages`` with the generation prompt, as token ids."""
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
+            out = out["input_ids"]
+        return [int(t) for t in out]
+    # A base model without a template: plain concatenation of the contents.
+    text = "\n\n".join(m["content"] for m in messages)
+    return [int(t) for t in tokenizer(text)["input_ids"]]
+
+
+def fit_to_context(
+    tokenizer,
+    messages: list[dict[str, str]],
+    *,
+    budget: int,
+    already_dropped: int = 0,
+) -> tuple[list[int], int, str | None]:
+    """Render ``messages`` so the prompt fits in ``budget`` tokens.
+
+    Returns ``(ids, dropped, notice)``: ``dropped`` is how many of the oldest non-system messages were left
+    out (never fewer than ``already_dropped``, so earlier turns stay stable); ``notice`` says so when this
+    call had to drop more. Raises RequestError when even the last user message alone does not fit.
+    """
+    system = [m for m in messages if m["role"] == "system"][:1]
+    rest = [m for m in messages if m["role"] != "system"]
+    dropped = min(already_dropped, max(len(rest) - 1, 0))
+    ids = render(tokenizer, system + rest[dropped:])
+    if len(ids) <= budget:
+        return ids, dropped, None
+    # Drop in large chunks: aim for half the budget so that the next several turns fit again.
+    target = budget // 2
+    while len(rest) - dropped > 1:
+        dropped += 1
+        # Keep user/assistant alternation: never start on an assistant message.
+        while len(rest) - dropped > 1 and rest[dropped]["role"] != "user":
+            dropped += 1
+        ids = render(tokenizer, system + rest[dropped:])
+        if len(ids) <= target:
+            break
+    if len(ids) > budget:
+        raise RequestError(
+            f"the message is too long for the context: {len(ids)} tokens, the pair allows {budget} for the "
+            "prompt; shorten it, or pick a pair with a longer context_length"
+        )
+    notice = (
+        f"The conversation outgrew the context ({budget} tokens): the oldest {dropped} message(s) are no "
+        "longer seen by the model."
+    )
+    return ids, dropped, notice
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

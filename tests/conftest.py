@@ -1,0 +1,5 @@
+"""The test suite mirrors the source: tests/backend/<folder> tests backend/<folder>, tests/app/<folder> tests
+app/<folder>. Helpers shared across folders (tiny random-weight models, tiny engines, the fake engine and the
+app harness) live in tests/support, which pytest puts on sys.path (pyproject's ``pythonpath``); each folder's
+conftest.py holds the fixtures its tests share.
+"""
