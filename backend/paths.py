@@ -1,15 +1,16 @@
 """Where specchat keeps its files: one function per kind of folder, each overridable by an environment variable.
 
-| function       | environment override   | default (platformdirs, app name "specchat")           | holds                        |
-|----------------|------------------------|--------------------------------------------------------|------------------------------|
-| ``cache_dir``  | ``SPECCHAT_CACHE_DIR`` | ``user_cache_dir``  (~/.cache/specchat on Linux)       | converted GGUF models, hashes |
-| ``config_dir`` | ``SPECCHAT_CONFIG_DIR``| ``user_config_dir`` (~/.config/specchat)               | the user's models.yaml       |
-| ``data_dir``   | ``SPECCHAT_DATA_DIR``  | ``user_data_dir``   (~/.local/share/specchat)          | conversation history         |
-| ``log_dir``    | ``SPECCHAT_LOG_DIR``   | ``data_dir()/logs`` when SPECCHAT_DATA_DIR is set, else ``user_log_dir`` | log files |
+- ``cache_dir`` (``SPECCHAT_CACHE_DIR``; default ``user_cache_dir``, ~/.cache/specchat on Linux): converted
+  GGUF models, file hashes;
+- ``config_dir`` (``SPECCHAT_CONFIG_DIR``; ``user_config_dir``, ~/.config/specchat): the user's models.yaml and
+  settings;
+- ``data_dir`` (``SPECCHAT_DATA_DIR``; ``user_data_dir``, ~/.local/share/specchat): conversation history;
+- ``log_dir`` (``SPECCHAT_LOG_DIR``; ``data_dir()/logs`` when SPECCHAT_DATA_DIR is set, else ``user_log_dir``):
+  log files.
 
-The functions only compute paths; they never create folders (callers ``mkdir(parents=True, exist_ok=True)``
-when they write). Tests point all of them at a temporary folder through the environment variables, so no
-test touches the real user folders.
+Defaults come from platformdirs with the app name "specchat". The functions only compute paths; they never
+create folders (callers ``mkdir(parents=True, exist_ok=True)`` when they write). Tests point all of them at a
+temporary folder through the environment variables, so no test touches the real user folders.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from specchat.backend.api import DrafterName, SamplingParams
 from specchat.backend.errors import SpecchatError
 from specchat.backend.paths import config_dir
-from specchat.backend.api import DrafterName, SamplingParams
 
 SETTINGS_FILE = "settings.json"
 DrafterChoice = Literal["pair", "prompt-lookup", "none"]

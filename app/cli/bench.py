@@ -32,8 +32,8 @@ def run(args) -> int:
 
         return run_synthetic(args)
     from specchat.backend.bench.runner import parse_modes
-    from specchat.backend.models.config import default_pair_name, get_pair, load_pairs
     from specchat.backend.engine.engine import load_engine
+    from specchat.backend.models.config import default_pair_name, get_pair, load_pairs
 
     pairs = load_pairs(args.models)
     names = list(args.pair or [default_pair_name(pairs)])
@@ -66,8 +66,8 @@ def _check_args(args) -> tuple[int, int, float]:
 def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None,
             out: Console | None = None) -> int:
     """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
-    from specchat.backend.bench.runner import BenchRunner, environment, parse_modes, release_memory
     from specchat.backend.bench.report import aggregate_with_overall, print_report, write_chart, write_json
+    from specchat.backend.bench.runner import BenchRunner, environment, parse_modes, release_memory
     from specchat.backend.bench.stats import mark_equality
     from specchat.backend.bench.suites import load_suite
 
@@ -113,12 +113,15 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             with progress:
                 task = progress.add_task(engine.pair.name, total=len(fitting) * len(modes))
 
-                def start(prompt, mode, _task=task):
-                    progress.update(_task, description=escape(f"{prompt.family} {prompt.id} · {mode.name}"))
+                def start(prompt, mode, _progress=progress, _task=task):
+                    _progress.update(_task, description=escape(f"{prompt.family} {prompt.id} · {mode.name}"))
+
+                def done(row, _rows=pair_rows, _progress=progress, _task=task):
+                    _rows.append(row)
+                    _progress.advance(_task)
 
                 try:
-                    runner.run(fitting, on_start=start,
-                               on_row=lambda row: (pair_rows.append(row), progress.advance(task)))
+                    runner.run(fitting, on_start=start, on_row=done)
                 except KeyboardInterrupt:
                     interrupted = True
                     mark_equality(pair_rows, greedy=temperature <= 0)

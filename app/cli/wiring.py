@@ -24,8 +24,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from specchat.backend.paths import log_dir
-
 LOG_FILE = "specchat.log"
 
 

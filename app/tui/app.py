@@ -32,7 +32,8 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from specchat.backend.errors import InsufficientMemoryError, SpecchatError
+from specchat.app.chat.settings import Settings, SettingsError, load_settings, save_settings
+from specchat.app.tui.bridge import ThrottledProgress
 from specchat.app.tui.messages import EngineLoaded, EngineLoadFailed, EngineLoadProgress
 from specchat.app.tui.screens.chat import ChatScreen
 from specchat.app.tui.screens.dialogs import ConfirmScreen
@@ -40,9 +41,8 @@ from specchat.app.tui.screens.help import HelpScreen
 from specchat.app.tui.screens.history import HistoryResult, HistoryScreen
 from specchat.app.tui.screens.picker import PairPickerScreen, human_bytes
 from specchat.app.tui.screens.settings_screen import SettingsScreen
-from specchat.app.chat.settings import Settings, SettingsError, load_settings, save_settings
 from specchat.app.tui.widgets.message_view import warm_highlighting
-from specchat.app.tui.bridge import ThrottledProgress
+from specchat.backend.errors import InsufficientMemoryError, SpecchatError
 
 log = logging.getLogger(__name__)
 DEFAULT_PAIR = "smollm2-135m"
@@ -299,9 +299,14 @@ class SpecchatApp(App[int]):
 
 def run(args: Any) -> int:
     """The `specchat` chat UI (CLI entry): loads the pairs and the history, runs the app, returns the exit code."""
+    from specchat.app.cli.wiring import (
+        LOG_FILE,
+        default_engine_factory,
+        default_pair_info,
+        log_dir,
+        route_library_output,
+    )
     from specchat.backend.models.config import load_pairs
-
-    from specchat.app.cli.wiring import LOG_FILE, default_engine_factory, default_pair_info, log_dir, route_library_output
 
     pairs = load_pairs(getattr(args, "models", None))
     device = getattr(args, "device", None)

@@ -23,15 +23,15 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
+from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
 from specchat.backend.bench.stats import Row, StepTally, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
-from specchat.backend.errors import RequestError
-from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.prompting import render
+from specchat.backend.errors import RequestError
 
 SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "draft-model", "auto")
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
@@ -120,7 +120,7 @@ def environment() -> dict[str, Any]:
 
     from specchat import __version__
 
-    return {"specchat": __version__, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    return {"specchat": __version__, "started": datetime.now(UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from specchat.backend.errors import ConfigError
 from specchat.backend.bench.synthetic_models import SYNTHETIC, SyntheticPair, build_loaded, weight_bytes_per_step
+from specchat.backend.errors import ConfigError
 
 ALPHAS = (0.6, 0.8, 0.9)
 MAX_STEP_TOKENS = 16
@@ -72,10 +72,8 @@ def read_bandwidth(device: torch.device, nbytes: int) -> float:
             times.append(start.elapsed_time(end) / 1000)
         seconds = statistics.median(times)
     else:
-        seconds = _timed(lambda: x.sum(), device, 5)
-    size = x.numel() * x.element_size()
-    del x
-    return size / seconds
+        seconds = _timed(x.sum, device, 5)
+    return x.numel() * x.element_size() / seconds
 
 
 def expected_speedups(target_s: dict[int, float], draft_s: float, alphas=ALPHAS) -> dict[str, dict]:
@@ -135,9 +133,9 @@ def measure(pair: SyntheticPair, device: torch.device, *, new_tokens: int | None
     """Build ``pair`` on ``device`` and measure everything the module docstring lists; returns the JSON dict."""
     import transformers
 
-    from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
-    from specchat.backend.kernels.cuda_graphs import runner_of
     from specchat.backend.engine.engine import Engine
+    from specchat.backend.kernels.cuda_graphs import runner_of
+    from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
     from specchat.backend.kv.kv_cache import kv_bytes_per_token
 
     n_new = new_tokens or pair.new_tokens
@@ -150,7 +148,8 @@ def measure(pair: SyntheticPair, device: torch.device, *, new_tokens: int | None
     context = pair.prompt_tokens + n_new + MAX_STEP_TOKENS + 16
     pair_cfg = dataclasses.replace(base_pair, name=f"synthetic-{pair.name}", drafter="draft-model", gamma=4,
                                    context_length=context, sampling={})
-    prompt = torch.randint(3, pair.target["vocab_size"], (pair.prompt_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+    prompt = torch.randint(3, pair.target["vocab_size"], (pair.prompt_tokens,),
+                           generator=torch.Generator().manual_seed(seed)).tolist()
     bandwidth = read_bandwidth(device, pair.bandwidth_bytes)
     progress(f"read bandwidth {bandwidth / 1e9:.0f} GB/s; specchat plain decoding ...")
 

@@ -23,19 +23,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.backend.kv import attention
-from specchat.backend.kernels import cpu_linear, cuda_graphs
-from specchat.backend.models.config import PairConfig
-from specchat.backend.engine.request import RequestState, resolve_sampling
-from specchat.backend.spec.drafters.draft_model import DraftModelDrafter
-from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
-from specchat.backend.errors import RequestError
 from specchat.backend.api import GenerationRequest, StepEvent
+from specchat.backend.engine.prompting import common_prefix_len, fit_to_context, validate_messages
+from specchat.backend.engine.request import RequestState, resolve_sampling
+from specchat.backend.errors import RequestError
+from specchat.backend.kernels import cpu_linear, cuda_graphs
+from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+from specchat.backend.models.config import PairConfig
 from specchat.backend.models.loading import LoadedModel
 from specchat.backend.models.memory import format_bytes, free_memory
+from specchat.backend.spec.drafters.draft_model import DraftModelDrafter
+from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
 from specchat.backend.spec.policy import GammaPolicy
-from specchat.backend.engine.prompting import common_prefix_len, fit_to_context, render, validate_messages
 
 PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the attention scratch of long prompts
 MAX_GAMMA = 31  # n = γ + 1 <= 32: the largest CUDA graph bucket; the policy picks γ by measured cost

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specchat.backend.kv.attention import forward_paged
+from specchat.backend.api import PolicyState, SamplingParams, StepEvent, TokenSource
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError, RequestError
-from specchat.backend.api import PolicyState, SamplingParams, StepEvent, TokenSource
-from specchat.backend.spec.stats import SpecStats
+from specchat.backend.kv.attention import forward_paged
 from specchat.backend.spec.policy import GammaPolicy
 from specchat.backend.spec.sampling import apply_repetition_penalty, logits_to_probs, make_generator, sample
+from specchat.backend.spec.stats import SpecStats
 from specchat.backend.spec.verify import VerifyResult, verify_greedy, verify_sampling
 
 if TYPE_CHECKING:
@@ -201,7 +201,7 @@ class RequestState:
         return None
 
     def run(self, notice: str | None):
-        eng, conv = self.engine, self.conv
+        conv = self.conv
         t0 = time.perf_counter()
         todo = self.prompt[len(conv.cached):]
         logits = None

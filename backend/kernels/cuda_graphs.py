@@ -94,7 +94,7 @@ class StaticContext:
         if k.dtype != query.dtype:
             k, v = k.to(query.dtype), v.to(query.dtype)
         _, hq, nb, d = query.shape
-        hkv, kvb = k.shape[1], k.shape[2]
+        hkv = k.shape[1]
         rep = hq // hkv
         # Query head h uses KV head h // rep: fold the rep query heads of a group into rows so the KV heads
         # are never expanded (no copy of K/V beyond the gather) and every SDPA backend accepts the shapes.

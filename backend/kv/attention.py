@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.errors import ModelLoadError
+from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence, SlotPlan
 
 ATTN_IMPLEMENTATION = "specchat_paged"

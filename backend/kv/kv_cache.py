@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.backend.kv.block_pool import BlockPool, KVCacheUsageError
 from specchat.backend.errors import InsufficientMemoryError
+from specchat.backend.kv.block_pool import BlockPool, KVCacheUsageError
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
@@ -87,7 +87,7 @@ class PagedKVCache:
     @classmethod
     def for_model(
         cls, config, *, max_tokens: int, block_size: int = 16, dtype: torch.dtype, device: torch.device | str
-    ) -> "PagedKVCache":
+    ) -> PagedKVCache:
         """A cache holding ``max_tokens`` tokens (rounded up to whole blocks) for a model with ``config``."""
         if max_tokens < 1:
             raise KVCacheUsageError(f"PagedKVCache.for_model: max_tokens must be >= 1, got {max_tokens}")
@@ -99,7 +99,7 @@ class PagedKVCache:
     @classmethod
     def from_budget(
         cls, config, *, budget_bytes: int, block_size: int = 16, dtype: torch.dtype, device: torch.device | str
-    ) -> "PagedKVCache":
+    ) -> PagedKVCache:
         """As many whole blocks as ``budget_bytes`` of K+V storage holds."""
         per_block = kv_bytes_per_token(config, dtype) * block_size
         num_blocks = budget_bytes // per_block
@@ -116,7 +116,7 @@ class PagedKVCache:
     def num_slots(self) -> int:
         return self.pool.num_blocks * self.block_size
 
-    def new_sequence(self) -> "Sequence":
+    def new_sequence(self) -> Sequence:
         return Sequence(self)
 
     def copy_block(self, src: int, dst: int) -> None:
@@ -234,7 +234,7 @@ class Sequence:
             if not self._run:
                 self._table_changed()
 
-    def fork(self) -> "Sequence":
+    def fork(self) -> Sequence:
         """A new sequence sharing this one's committed blocks (both may then diverge; writes copy-on-write)."""
         self._check_live("fork")
         child = Sequence(self.cache)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.errors import ConfigError
+from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.paths import config_dir
 
 DEFAULT_PAIR = "smollm2-135m"

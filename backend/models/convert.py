@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from specchat.backend.models.capture import Progress
 from specchat.backend.errors import ModelLoadError
+from specchat.backend.models.capture import Progress
 from specchat.backend.paths import cache_dir
 
 MARKER = "specchat-conversion.json"

@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from specchat.backend.errors import ModelLoadError
 from specchat.backend.models.capture import Progress, progress_tqdm_class
 from specchat.backend.models.config import ModelSpec
-from specchat.backend.errors import ModelLoadError
 
 _TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 _WEIGHTS = ["*.safetensors"]

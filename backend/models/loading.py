@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specchat.backend.errors import ConfigError, IncompatiblePairError, InsufficientMemoryError, ModelLoadError
 from specchat.backend.models import hub
 from specchat.backend.models.capture import Progress, capture_library_output, user_callback
 from specchat.backend.models.config import PACKAGED_MODELS, ModelSpec, PairConfig
 from specchat.backend.models.convert import ensure_converted
-from specchat.backend.errors import ConfigError, IncompatiblePairError, InsufficientMemoryError, ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

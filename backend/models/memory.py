@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from specchat.backend.models.config import ModelSpec, PairConfig
 from specchat.backend.errors import InsufficientMemoryError
+from specchat.backend.models.config import ModelSpec, PairConfig
 
 HEADROOM = 0.08
 PREFILL_CHUNK_TOKENS = 512

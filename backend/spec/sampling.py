@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from specchat.backend.errors import RequestError
 from specchat.backend.api import SamplingParams
+from specchat.backend.errors import RequestError
 
 _TOP_P_CANDIDATES = (256, 4096)  # top-p looks for its nucleus among this many most likely tokens first
 

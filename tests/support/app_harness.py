@@ -10,8 +10,8 @@ from typing import Any
 
 from fake_engine import FakeEngineFactory, fake_pair_info, fake_pairs
 
-from specchat.app.tui.app import SpecchatApp
 from specchat.app.chat.history.store import ChatStore
+from specchat.app.tui.app import SpecchatApp
 
 
 def make_app(tmp_path: Path, *, factory: FakeEngineFactory | None = None, store: Any = "new",

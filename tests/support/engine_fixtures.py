@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tiny_models import VOCAB_SIZE, build_tiny
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specchat.backend.models.config import load_pairs
 from specchat.backend.engine.engine import Engine
+from specchat.backend.models.config import load_pairs
 from specchat.backend.models.loading import LoadedModel
-
-from tiny_models import VOCAB_SIZE, build_tiny
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"

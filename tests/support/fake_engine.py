@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specchat.backend.errors import ModelLoadError, SpecchatError
 from specchat.backend.api import GenerationRequest, PolicyState, StepEvent, TokenSource
+from specchat.backend.errors import ModelLoadError, SpecchatError
 
 CANNED_REPLY = """Here is a function that reverses a string:
 

@@ -41,16 +41,16 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 from textual.worker import Worker, WorkerCancelled, WorkerError, WorkerFailed
 
-from specchat.backend.errors import KVCacheFullError, SpecchatError
-from specchat.backend.api import GenerationRequest
 from specchat.app.chat.conversation import Conversation, Turn
+from specchat.app.tui.bridge import LiveStats, ReplyBuffer, ReplyOutcome, run_generation, with_final_stats
 from specchat.app.tui.messages import PromptSubmitted, ReplyProgress
 from specchat.app.tui.screens.chat_actions import WELCOME, ChatActionsMixin
 from specchat.app.tui.widgets.details_panel import DetailsPanel
 from specchat.app.tui.widgets.message_view import AssistantMessage, MessageView, UserMessage
 from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import StatsBar, reply_totals
-from specchat.app.tui.bridge import LiveStats, ReplyBuffer, ReplyOutcome, run_generation, with_final_stats
+from specchat.backend.api import GenerationRequest
+from specchat.backend.errors import KVCacheFullError, SpecchatError
 
 log = logging.getLogger(__name__)
 COMPLETE_REASONS = frozenset({"eos", "stop", "length", "context"})

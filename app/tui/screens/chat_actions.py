@@ -15,12 +15,12 @@ from textual import work
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from specchat.backend.errors import SpecchatError
 from specchat.app.tui.screens.dialogs import DiffScreen
 from specchat.app.tui.widgets.details_panel import DetailsPanel
 from specchat.app.tui.widgets.message_view import AssistantMessage, MessageView, UserMessage
 from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import stored_totals
+from specchat.backend.errors import SpecchatError
 
 WELCOME = ("[b]specchat[/b] — chat with a local model, sped up by speculative decoding.\n"
            "Type a message and press Enter · [b]/edit PATH[/b] to edit a file · [b]F1[/b] help · "

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from rich.markdown import Markdown as RichMarkdown
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from rich.markdown import Markdown as RichMarkdown
 from textual.widgets import Label, Static
 
 HELP = """\

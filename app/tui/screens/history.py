@@ -20,8 +20,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, Static
 
-from specchat.backend.errors import SpecchatError
 from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
+from specchat.backend.errors import SpecchatError
 
 
 @dataclass

@@ -20,8 +20,8 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import ProgressBar
 
-from specchat.backend.api import PolicyState
 from specchat.app.tui.bridge import LiveStats
+from specchat.backend.api import PolicyState
 
 SPARK_SAMPLES = 60
 SPARK_WIDTH = 30  # columns; each shows the highest of SPARK_SAMPLES // SPARK_WIDTH samples

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from specchat.backend.engine.prompting import common_prefix_len
 from specchat.backend.kv.attention import forward_paged
 from specchat.backend.kv.kv_cache import PagedKVCache
-from specchat.backend.engine.prompting import common_prefix_len
-from specchat.backend.spec.sampling import logits_to_probs, sample
 from specchat.backend.spec.drafters.base import Draft
+from specchat.backend.spec.sampling import logits_to_probs, sample
 
 
 class DraftModelDrafter:

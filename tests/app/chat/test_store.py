@@ -432,7 +432,7 @@ def test_saver_coalesces_writes_and_flushes_a_paused_stream(tmp_path: Path) -> N
         mid = store.add_message(chat, "assistant", "", complete=False)
         saver = StreamingSaver(store, mid, interval_s=0.2)
         started = time.monotonic()
-        for i in range(300):  # ~0.6 s of fast tokens
+        for _ in range(300):  # ~0.6 s of fast tokens
             saver.append("x")
             time.sleep(0.002)
         elapsed = time.monotonic() - started

@@ -17,20 +17,18 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
+from engine_fixtures import tiny_engine
+from foundation_fixtures import local_spec, save_tiny_llama, word_tokenizer, write_tiny_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import one_thread  # noqa: F401  (one_thread: autouse)
 
 from specchat.app.cli.main import main
-from specchat.backend.models.config import load_pairs_file
-from specchat.backend.errors import ConfigError, IncompatiblePairError, ModelLoadError, RequestError
 from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.errors import ConfigError, ModelLoadError, RequestError
+from specchat.backend.models.config import load_pairs_file
 from specchat.backend.models.loading import load_model
-
-from engine_fixtures import tiny_engine
-from foundation_fixtures import isolated_dirs, local_spec, save_tiny_llama, word_tokenizer, write_tiny_gguf  # noqa: F401
-from tiny_models import one_thread  # noqa: F401  (one_thread: autouse)
 
 WORDS = [f"w{i}" for i in range(40)]
 FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -101,7 +99,8 @@ def test_fuzzed_field_values_are_accepted_or_named(tmp_path, field, value):
 
 
 @FUZZ
-@given(key=st.text(st.characters(blacklist_characters="\r\x85\u2028\u2029"), min_size=1, max_size=20),  # not YAML line breaks
+# not YAML line breaks in keys
+@given(key=st.text(st.characters(blacklist_characters="\r\x85\u2028\u2029"), min_size=1, max_size=20),
        where=st.sampled_from(["pair", "target", "sampling", "top"]))
 def test_unknown_keys_are_named(tmp_path, key, where):
     pair = copy.deepcopy(BASE_PAIR)
@@ -146,7 +145,8 @@ def test_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
 
 
 @pytest.mark.parametrize("tag", ["!!python/object/apply:os.system ['touch {marker}']",
-                                 "!!python/name:os.system", "!!python/object/new:subprocess.Popen [['touch', '{marker}']]"])
+                                 "!!python/name:os.system",
+                                 "!!python/object/new:subprocess.Popen [['touch', '{marker}']]"])
 def test_python_tags_are_refused_and_run_nothing(tmp_path, tag):
     marker = tmp_path / "ran"
     text = yaml.safe_dump({"pairs": [BASE_PAIR]}).replace("description: a pair",

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import time
 
-from fake_engine import CANNED_REPLY, FakeEngineFactory
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
+from fake_engine import CANNED_REPLY, FakeEngineFactory
 from textual.widgets import Static
 
 from specchat.app.tui.messages import ReplyProgress
 from specchat.app.tui.screens import chat as chat_module
-from specchat.app.tui.widgets.stats_bar import StatsBar
 from specchat.app.tui.widgets.details_panel import DetailsPanel
 from specchat.app.tui.widgets.message_view import AssistantMessage, UserMessage
+from specchat.app.tui.widgets.stats_bar import StatsBar
 from specchat.backend.api import TokenSource
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fake_engine import FakeEngineFactory
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
+from fake_engine import FakeEngineFactory
 from textual.widgets import Static
 
 from specchat.app.tui.screens.chat_actions import split_path_argument

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from fake_engine import FakeEngineFactory
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
+from fake_engine import FakeEngineFactory
 
-from specchat.app.tui.screens.dialogs import ConfirmScreen
 from specchat.app.cli.wiring import route_library_output
+from specchat.app.tui.screens.dialogs import ConfirmScreen
 from specchat.app.tui.widgets.message_view import AssistantMessage
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError, ModelLoadError, RequestError
 

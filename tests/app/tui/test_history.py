@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from fake_engine import CANNED_REPLY, FakeEngineFactory
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
+from fake_engine import CANNED_REPLY, FakeEngineFactory
 from textual.widgets import DataTable, Input
 
 from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen

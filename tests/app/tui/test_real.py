@@ -12,11 +12,11 @@ import json
 import pytest
 from app_harness import notifications, reply_done, send, wait_for
 
-from specchat.app.tui.app import SpecchatApp
-from specchat.app.chat.settings import Settings, save_settings
 from specchat.app.chat.history.store import ChatStore
-from specchat.app.tui.widgets.message_view import AssistantMessage
+from specchat.app.chat.settings import Settings, save_settings
 from specchat.app.cli.wiring import default_engine_factory, default_pair_info
+from specchat.app.tui.app import SpecchatApp
+from specchat.app.tui.widgets.message_view import AssistantMessage
 from specchat.backend.models.config import load_pairs
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from fake_engine import FakeEngineFactory
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
+from fake_engine import FakeEngineFactory
 from textual.widgets import DataTable, Input, Select, Static, TextArea
 
 from specchat.app.tui.screens.dialogs import ConfirmScreen

@@ -6,8 +6,8 @@ Each docstring says what the picture must show. Update the pictures after a deli
 
 from __future__ import annotations
 
-from fake_engine import FakeEngineFactory
 from app_harness import make_app, ready, reply_done, send, wait_for
+from fake_engine import FakeEngineFactory
 
 SIZE = (110, 34)
 SPARK = [0, 30, 55, 70, 76, 79, 81, 80, 79, 78, 80, 79]  # the sparkline is timing-dependent: pinned here

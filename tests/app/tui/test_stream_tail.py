@@ -3,8 +3,8 @@ most redraws of a streaming reply repaint the tail instead of laying out the scr
 
 from __future__ import annotations
 
-from fake_engine import FakeEngineFactory
 from app_harness import make_app, ready, reply_done, send, wait_for
+from fake_engine import FakeEngineFactory
 
 from specchat.app.tui.screens import chat as chat_module
 from specchat.app.tui.widgets.message_view import AssistantMessage, ChatMarkdown, CopyableFence

@@ -14,8 +14,8 @@ import re
 import pytest
 import torch
 from rich.console import Console
+from tiny_models import build_tiny, random_ids
 
-from specchat.backend.bench.runner import Mode, default_modes, parse_modes
 from specchat.backend.bench.hf import hf_generate, sdpa_twin
 from specchat.backend.bench.report import (
     aggregate_with_overall,
@@ -25,6 +25,7 @@ from specchat.backend.bench.report import (
     write_chart,
     write_json,
 )
+from specchat.backend.bench.runner import Mode, default_modes, parse_modes
 from specchat.backend.bench.stats import Row, StepTally, aggregate, compare_tokens, mark_equality
 from specchat.backend.bench.suites import (
     CODE_EDIT_FAMILY,
@@ -37,8 +38,6 @@ from specchat.backend.bench.suites import (
     select,
 )
 from specchat.backend.errors import ConfigError, RequestError
-
-from tiny_models import build_tiny, random_ids
 
 # -- suites -------------------------------------------------------------------------------------------------
 

@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
+from tiny_models import one_thread  # noqa: F401  (autouse)
 
-from specchat.backend.errors import ConfigError
 from specchat.backend.bench.synthetic import expected_speedups, run_synthetic
 from specchat.backend.bench.synthetic_models import TINY_TARGET, build_random, quantize_nf4, weight_bytes_per_step
-from tiny_models import one_thread  # noqa: F401  (autouse)
+from specchat.backend.errors import ConfigError
 
 NUMBERS = ["target_params", "draft_params", "prompt_tokens", "new_tokens", "target_weight_bytes_per_step",
            "kv_bytes_per_token", "read_bandwidth_GBps", "bandwidth_bound_tok_s", "specchat_plain_tok_s",

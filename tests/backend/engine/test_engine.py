@@ -10,14 +10,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
-
-from specchat.backend.spec.drafters.base import Draft
-from specchat.backend.errors import RequestError
-from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams, TokenSource
-
 from engine_fixtures import hf_greedy, tiny_engine
 from tiny_models import FAMILIES, one_thread, random_ids  # noqa: F401  (one_thread: autouse)
+
+from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams, TokenSource
+from specchat.backend.errors import RequestError
+from specchat.backend.spec.drafters.base import Draft
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 

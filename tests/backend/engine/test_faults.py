@@ -14,12 +14,11 @@ import threading
 
 import pytest
 import torch
-
-from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError, SpecchatError
-from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams
-
 from engine_fixtures import tiny_engine
 from tiny_models import one_thread, random_ids  # noqa: F401  (one_thread: autouse)
+
+from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams
+from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError, SpecchatError
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30)
 

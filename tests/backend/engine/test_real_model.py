@@ -16,11 +16,11 @@ import random
 import pytest
 import torch
 
-from specchat.backend.models.config import load_pairs
-from specchat.backend.spec.drafters.base import Draft
-from specchat.backend.engine.engine import Engine
 from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.engine.engine import Engine
+from specchat.backend.models.config import load_pairs
 from specchat.backend.models.loading import load_model
+from specchat.backend.spec.drafters.base import Draft
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +97,6 @@ def test_rejection_sampling_keeps_the_target_distribution_on_the_real_model(engi
     messages = [{"role": "user", "content": "Say something."}]
     tok = engine.tokenizer
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    model = engine.target.model
 
     def top2(prefix):  # exact warped distribution after `prefix` (temperature 1, top-k 2)
         logits = _full_forward(engine, prefix)

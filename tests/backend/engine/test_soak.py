@@ -4,8 +4,8 @@ conversations that outgrow the context. After every turn the KV blocks in use eq
 conversations hold; at the end, with every conversation forgotten, none; resident memory (VmRSS) does not
 grow beyond a small bound after warm-up.
 
-The long run is marked ``soak`` (excluded by default; run ``pytest -m soak tests/backend/engine/test_soak.py``); a 60-turn
-variant runs in the default suite.
+The long run is marked ``soak`` (excluded by default; run ``pytest -m soak tests/backend/engine/test_soak.py``);
+a 60-turn variant runs in the default suite.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ import random
 import threading
 
 import pytest
-
-from specchat.backend.spec.drafters.base import Draft
-from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
-from specchat.backend.api import GenerationRequest, SamplingParams
-
 from engine_fixtures import tiny_engine
 from tiny_models import VOCAB_SIZE, one_thread  # noqa: F401  (one_thread: autouse)
+
+from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.spec.drafters.base import Draft
+from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
 
 
 def rss_bytes() -> int:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import build_tiny
 from torch import nn
 
-from specchat.backend.kernels import cpu_linear
 from specchat.backend.bench.hf import sdpa_twin
-from tiny_models import build_tiny
+from specchat.backend.kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.enabled(), reason="this PyTorch build has no oneDNN")
 
@@ -95,8 +95,9 @@ def test_bench_twin_runs_stock_layers_on_the_same_weights() -> None:
 
 
 def test_engine_packs_on_cpu_only_when_the_copy_fits(monkeypatch) -> None:
-    from specchat.backend.engine import engine as engine_module
     from engine_fixtures import tiny_engine
+
+    from specchat.backend.engine import engine as engine_module
 
     eng = tiny_engine("llama")
     assert all(type(m) is cpu_linear.PackedLinear for m in _linears(eng.target.model))

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from specchat.backend.kernels import cuda_graphs
-from specchat.backend.kv.attention import forward_paged, use_paged_attention
-from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.kv.kv_cache import PagedKVCache
 from engine_fixtures import tiny_engine
 from tiny_models import FAMILIES, build_tiny, random_ids
+
+from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.kernels import cuda_graphs
+from specchat.backend.kv.attention import forward_paged, use_paged_attention
+from specchat.backend.kv.kv_cache import PagedKVCache
 
 TOL = 1e-4
 CONTEXT = 40

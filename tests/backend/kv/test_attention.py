@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import FAMILIES, build_tiny, random_ids, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from specchat.backend.errors import KVCacheFullError, ModelLoadError
 from specchat.backend.kv.attention import (
     ATTN_IMPLEMENTATION,
     SUPPORTED_ARCHITECTURES,
@@ -18,9 +20,7 @@ from specchat.backend.kv.attention import (
     use_paged_attention,
 )
 from specchat.backend.kv.block_pool import KVCacheUsageError
-from specchat.backend.errors import KVCacheFullError, ModelLoadError
 from specchat.backend.kv.kv_cache import PagedKVCache, SlotPlan
-from tiny_models import FAMILIES, build_tiny, random_ids, tiny_config
 
 CONTEXT = 40  # > 4 x WINDOW: sliding layers really drop keys
 TOL = 1e-4

@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from specchat.backend.kv.block_pool import BlockPool, KVCacheUsageError
 from specchat.backend.errors import KVCacheFullError, SpecchatError
+from specchat.backend.kv.block_pool import BlockPool, KVCacheUsageError
 
 
 def test_allocates_lowest_ids_first_and_reuses_freed_ones() -> None:

@@ -13,12 +13,12 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tiny_models import tiny_config
 
+from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.attention import PagedContext, paged_attention_forward
 from specchat.backend.kv.block_pool import KVCacheUsageError
-from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.kv_cache import PagedKVCache, kv_bytes_per_token, kv_geometry
-from tiny_models import tiny_config
 
 LAYERS, HKV, HQ, D, BS = 2, 2, 4, 4, 4
 

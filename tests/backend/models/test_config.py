@@ -9,10 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from specchat.backend.models.config import (
-    DEFAULT_PAIR, ModelSpec, default_pair_name, get_pair, load_pairs, load_pairs_file, packaged_models_file,
-    resolve_source)
 from specchat.backend.errors import ConfigError
+from specchat.backend.models.config import (
+    DEFAULT_PAIR,
+    ModelSpec,
+    default_pair_name,
+    get_pair,
+    load_pairs,
+    load_pairs_file,
+    packaged_models_file,
+    resolve_source,
+)
 
 
 @pytest.fixture(autouse=True)

@@ -18,16 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from foundation_fixtures import SPECIALS, local_spec, save_tiny_llama, word_tokenizer, write_tiny_gguf
 
+from specchat.backend.errors import ConfigError, IncompatiblePairError, ModelLoadError
 from specchat.backend.models import convert, hub, loading
 from specchat.backend.models.capture import capture_library_output, progress_tqdm_class, user_callback
 from specchat.backend.models.config import DEFAULT_PAIR, PairConfig, load_pairs
-from specchat.backend.errors import ConfigError, IncompatiblePairError, ModelLoadError
 from specchat.backend.models.loading import (
-    check_tokenizers_compatible, load_model, load_pair, packaged_gguf_path, resolve_device)
-
-from foundation_fixtures import (
-    SPECIALS, local_spec, save_tiny_llama, word_tokenizer, write_tiny_gguf)
+    check_tokenizers_compatible,
+    load_model,
+    load_pair,
+    packaged_gguf_path,
+    resolve_device,
+)
 
 WORDS = ["hello", "world", "def", "return", "x", "y", "(", ")", ":", "+"]
 
@@ -164,7 +167,8 @@ def test_hub_source_loads_from_the_cache_offline(tmp_path, monkeypatch):
 
     tok = word_tokenizer(WORDS)
     models = {}
-    snapshot = fake_hub_cache(tmp_path / "hf", "org/tiny", lambda f: models.setdefault("m", save_tiny_llama(f, tok, 32)))
+    snapshot = fake_hub_cache(tmp_path / "hf", "org/tiny",
+                              lambda f: models.setdefault("m", save_tiny_llama(f, tok, 32)))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = dataclasses.replace(local_spec(snapshot, models["m"]), source="org/tiny", kind="hub", path=None)
@@ -225,7 +229,7 @@ def test_library_output_is_captured_and_progress_routed(tmp_path, capsys):
         with capture_library_output(lambda m, f: reports.append((m, f)), log_file) as captured:
             logging.getLogger("transformers.modeling_utils").warning("some weights were not used")
             logging.getLogger("bitsandbytes").warning("no GPU found")
-            warnings.warn("careful with that", UserWarning)
+            warnings.warn("careful with that", UserWarning, stacklevel=1)
             print("a stray print")
             for _ in tf_logging.tqdm(range(4), desc="Loading weights"):
                 pass

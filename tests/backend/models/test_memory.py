@@ -11,14 +11,13 @@ import textwrap
 
 import pytest
 import torch
+from foundation_fixtures import local_spec, save_tiny_llama, word_tokenizer
 
+from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.models import memory
 from specchat.backend.models.config import DEFAULT_PAIR, PairConfig, load_pairs
-from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.models.loading import load_model, load_pair
 from specchat.backend.models.memory import MemoryEstimate, check_fits, estimate_pair, free_memory
-
-from foundation_fixtures import local_spec, save_tiny_llama, word_tokenizer
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # estimates need no GPU: only the device type counts
 _CALLER_CACHE = os.environ.get("SPECCHAT_CACHE_DIR")

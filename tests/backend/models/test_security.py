@@ -17,17 +17,16 @@ import pytest
 import torch
 import transformers
 import yaml
-
-from specchat.app.cli.main import main
-from specchat.app.chat.editing import apply_edit, load_edit_target
-from specchat.backend.models.config import DEFAULT_PAIR, PairConfig, load_pairs
-from specchat.backend.engine.engine import Engine, load_engine
-from specchat.backend.errors import ModelLoadError
-from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.models.loading import load_model, load_pair
-
 from foundation_fixtures import local_spec, save_tiny_llama, word_tokenizer
 from tiny_models import one_thread  # noqa: F401  (one_thread: autouse)
+
+from specchat.app.chat.editing import apply_edit, load_edit_target
+from specchat.app.cli.main import main
+from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.engine.engine import Engine, load_engine
+from specchat.backend.errors import ModelLoadError
+from specchat.backend.models.config import DEFAULT_PAIR, PairConfig, load_pairs
+from specchat.backend.models.loading import load_model, load_pair
 
 WORDS = [f"w{i}" for i in range(40)]
 
@@ -169,7 +168,8 @@ def test_embedded_default_loads_from_the_cache_and_generates_offline(no_network,
     engine = load_engine(load_pairs()[DEFAULT_PAIR], device="cpu")
     assert isinstance(engine, Engine)
     events = list(engine.generate(GenerationRequest(
-        messages=[{"role": "user", "content": "Say hello."}], sampling=SamplingParams(temperature=0, max_new_tokens=8))))
+        messages=[{"role": "user", "content": "Say hello."}],
+        sampling=SamplingParams(temperature=0, max_new_tokens=8))))
     assert "".join(e.text for e in events).strip() and no_network == []
 
 

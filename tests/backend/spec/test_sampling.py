@@ -12,8 +12,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specchat.backend.errors import RequestError
 from specchat.backend.api import SamplingParams
+from specchat.backend.errors import RequestError
 from specchat.backend.spec.sampling import (
     apply_repetition_penalty,
     logits_to_probs,

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from specchat.backend.spec.stats import SpecStats
 from specchat.backend.spec.policy import expected_tokens
+from specchat.backend.spec.stats import SpecStats
 
 FIELDS = {
     "new_tokens", "wall_s", "prefill_s", "ttft_s", "prefill_tokens", "tok_s", "steps", "spec_paused_steps",
