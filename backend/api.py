@@ -1,22 +1,41 @@
-"""The engine's public vocabulary: what a request asks for and what each decoding step reports.
+"""The engine API: what a request asks for, what each decoding step reports, and every limit, defined once.
 
-Every consumer (the Textual UI, `specchat generate`, `specchat bench`) reads only these types, so no UI code
-invents its own engine API. Pure dataclasses: no torch, no Textual.
+Every consumer (the Textual UI, `specchat generate`, `specchat bench`, and any other engine that implements
+:class:`EngineAPI`, such as a client of a remote server) reads only these types. Pure dataclasses: no torch, no
+Textual. Settings validate themselves when they are built, so a value that passed here never fails deeper down.
 
-Vocabulary (see design.md): the *target* keeps its distribution; a *drafter* proposes γ tokens; a *step* is
-one target forward pass after prefill. Each emitted token has a :class:`TokenSource`:
+Vocabulary: the *target* keeps its distribution; a *drafter* proposes γ tokens; a *step* is one target forward
+pass after prefill. Each emitted token has a :class:`TokenSource`:
 
 - ``TARGET``: a plain target token (no draft was verified in that step);
 - ``ACCEPTED``: a draft token the target accepted;
-- ``RECOVERED``: sampled from the residual max(0, p - q) at the first rejection (greedy: the target's argmax);
-- ``BONUS``: the extra target token when all γ drafts were accepted.
+- ``RECOVERED``: the target's own token at the first rejected draft position;
+- ``BONUS``: the extra target token when every draft was accepted.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import math
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, Protocol
+
+from specchat.backend.errors import RequestError
+
+# -- limits: each one is defined here and nowhere else --------------------------------------------------------
+DEFAULT_PAIR = "smollm2-135m"  # the pair opened first: the embedded default model
+MAX_GAMMA = 31  # drafted tokens per step: n = γ + 1 <= 32, the largest CUDA-graph bucket
+MAX_TEMPERATURE = 10.0  # 0 is greedy
+MAX_REPETITION_PENALTY = 10.0  # 1 is none; values in (0, 1) favour repeats
+MAX_NEW_TOKENS = 1 << 20  # per reply; the pair's context length is the practical bound
+MAX_SEED = 2**64 - 1  # seeds are 0 .. MAX_SEED
+PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scratch of long prompts
+MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
+DEFAULT_MAX_NEW_TOKENS = 512  # when neither the request nor the pair says
+
+DRAFTERS = ("none", "prompt-lookup", "draft-model", "auto")  # what a request may ask for
 
 
 class TokenSource(enum.IntEnum):
@@ -36,27 +55,74 @@ class PolicyState(str, enum.Enum):
 
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled", "error"]
 DrafterName = Literal["none", "prompt-lookup", "draft-model", "auto"]
+Gamma = int | Literal["auto"]
 
 
-@dataclass(slots=True)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# name -> (check, what to use instead); a value None is "unset" and never checked here.
+SAMPLING_LIMITS: dict[str, tuple[Any, str]] = {
+    "temperature": (lambda v: _is_number(v) and 0 <= v <= MAX_TEMPERATURE,
+                    f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}"),
+    "top_k": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0 (0: no top-k)"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1] (1: no top-p)"),
+    "repetition_penalty": (lambda v: _is_number(v) and 0 < v <= MAX_REPETITION_PENALTY,
+                           f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty)"),
+    "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= MAX_NEW_TOKENS,
+                       f"a whole number from 1 to {MAX_NEW_TOKENS}"),
+    "seed": (lambda v: _is_int(v) and 0 <= v <= MAX_SEED, "a whole number from 0 to 2**64 - 1"),
+}
+
+
+def check_sampling_value(name: str, value: Any) -> None:
+    """Raise :class:`RequestError` naming ``name``, ``value`` and the accepted range unless ``value`` is None or
+    within :data:`SAMPLING_LIMITS`. The one check behind the CLI, the settings, models.yaml and the engine."""
+    if value is None:
+        return
+    ok, what = SAMPLING_LIMITS[name]
+    if not ok(value):
+        raise RequestError(f"sampling setting {name}={value!r} is out of range: use {what}")
+
+
+def check_gamma(value: Any) -> Gamma:
+    """``value`` as a γ ("auto" or 1 .. MAX_GAMMA); RequestError naming it otherwise."""
+    if value == "auto" or (_is_int(value) and 1 <= value <= MAX_GAMMA):
+        return value
+    raise RequestError(f"gamma must be 'auto' or a number from 1 to {MAX_GAMMA}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Sampling settings of one request. ``temperature == 0`` means greedy.
+    """Sampling settings of one request, checked when built (:class:`RequestError` names a bad field).
 
-    ``None`` fields take the pair's defaults, else the model's generation_config (resolved by the engine).
+    ``temperature == 0`` means greedy. ``None`` fields take the pair's defaults, else the model's
+    generation_config (resolved by the engine, and checked against the same limits).
     """
 
     temperature: float | None = None
     top_k: int | None = None  # 0 or None: no top-k
     top_p: float | None = None  # 1.0 or None: no top-p
     repetition_penalty: float | None = None  # 1.0 or None: none
-    max_new_tokens: int = 512
-    seed: int | None = None
+    max_new_tokens: int | None = None  # None: the pair's, else DEFAULT_MAX_NEW_TOKENS
+    seed: int | None = None  # None: a fresh seed per request
     stop: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        for name in SAMPLING_LIMITS:
+            check_sampling_value(name, getattr(self, name))
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise RequestError(f"sampling setting stop={self.stop!r} is invalid: use a tuple of strings")
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """One reply to produce.
+    """One reply to produce, checked when built.
 
     Give either ``messages`` (rendered with the tokenizer's chat template, ``add_generation_prompt=True``) or
     ``prompt_ids`` (used as they are). ``conversation`` names a cache slot: requests with the same key reuse
@@ -68,18 +134,152 @@ class GenerationRequest:
     prompt_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     drafter: DrafterName | None = None  # None: the pair's drafter
-    gamma: int | Literal["auto"] | None = None  # None: the pair's gamma
+    gamma: Gamma | None = None  # None: the pair's gamma
     conversation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.drafter is not None and self.drafter not in DRAFTERS:
+            raise RequestError(f"unknown drafter {self.drafter!r}; use none, prompt-lookup, draft-model or auto")
+        if self.gamma is not None:
+            check_gamma(self.gamma)
+        if not isinstance(self.sampling, SamplingParams):
+            raise RequestError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class GammaSummary:
+    """The drafted length over speculating steps: mode (smallest on ties), mean and max; None without any."""
+
+    mode: int | None = None
+    mean: float | None = None
+    max: int | None = None
+
+
+# The `specchat generate --json` "stats" object: these fields, in this order, and no others.
+JSON_STATS_FIELDS = ("new_tokens", "wall_s", "prefill_s", "ttft_s", "prefill_tokens", "tok_s", "steps",
+                     "spec_paused_steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
+                     "per_position_acceptance", "gamma")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStats:
+    """One request's statistics so far (on every StepEvent) or in total (on the last one).
+
+    Computed in one place (``specchat.backend.spec.stats``); the UI, `specchat generate --json` and the history
+    all show these numbers. Rates with nothing to count are None (JSON null), never NaN. Definitions:
+
+    - ``steps``: target passes after prefill; ``spec_paused_steps``: those run plain because the policy paused;
+      a speculating step drafted at least one token;
+    - ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` τ = 1 + accepted / speculating steps;
+    - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it;
+    - ``wall_s`` from the request's start to its last token, ``ttft_s`` to its first; ``tok_s`` = new_tokens /
+      wall_s (prefill included); ``spec_tok_s`` / ``plain_tok_s``: tokens per second of step time over
+      speculating / plain steps;
+    - ``expected_speedup``: S(γ) from the policy's estimates, else from this request's own counts;
+    - ``last_gamma``, ``last_policy``: the latest step's drafted length and state (the live view);
+    - ``drafter``: the drafter that ran most speculating steps ("none" without any).
+    """
+
+    new_tokens: int = 0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float | None = None
+    prefill_tokens: int = 0
+    tok_s: float | None = None
+    steps: int = 0
+    spec_paused_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    per_position_acceptance: tuple[float | None, ...] = ()
+    gamma: GammaSummary = field(default_factory=GammaSummary)
+    prompt_tokens: int = 0
+    drafter: str = "none"
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0
+    tokens_per_step: float | None = None
+    alpha_hat: float | None = None
+    expected_speedup: float | None = None
+    accepted_length_histogram: tuple[int, ...] = ()
+    spec_tok_s: float | None = None
+    plain_tok_s: float | None = None
+    last_gamma: int = 0
+    last_policy: PolicyState | None = None
+    policy: Mapping[str, Any] | None = None  # the γ policy's estimates (a single drafter), for diagnostics
+
+    def to_json_stats(self) -> dict[str, Any]:
+        """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""
+        full = self.to_dict()
+        return {name: full[name] for name in JSON_STATS_FIELDS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON-ready values (what the history stores with a reply)."""
+        out = asdict(self)
+        out["per_position_acceptance"] = list(self.per_position_acceptance)
+        out["accepted_length_histogram"] = list(self.accepted_length_histogram)
+        out["last_policy"] = self.last_policy.value if self.last_policy is not None else None
+        out["policy"] = dict(self.policy) if self.policy is not None else None
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RequestStats:
+        """Stats read back from the history (or any dict of these fields): fields that are missing, of the wrong
+        type or unknown are left at their defaults, so an older or damaged row never raises."""
+        values: dict[str, Any] = {}
+        defaults = cls()
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            value, default = data[f.name], getattr(defaults, f.name)
+            try:
+                values[f.name] = _coerce(f.name, value, default)
+            except (TypeError, ValueError):
+                continue
+        return cls(**values)
+
+
+def _coerce(name: str, value: Any, default: Any) -> Any:
+    if name == "gamma":
+        if not isinstance(value, Mapping):
+            raise TypeError(name)
+        return GammaSummary(*(value.get(k) if _is_number(value.get(k)) else None for k in ("mode", "mean", "max")))
+    if name == "last_policy":
+        return None if value is None else PolicyState(value)
+    if name in ("per_position_acceptance", "accepted_length_histogram"):
+        if not isinstance(value, (list, tuple)) or not all(v is None or _is_number(v) for v in value):
+            raise TypeError(name)
+        return tuple(value)
+    if name == "policy":
+        if value is not None and not isinstance(value, Mapping):
+            raise TypeError(name)
+        return value
+    if isinstance(default, str) or name == "drafter":
+        if not isinstance(value, str):
+            raise TypeError(name)
+        return value
+    if value is None:
+        if default is not None and name not in _OPTIONAL_NUMBERS:
+            raise TypeError(name)
+        return None
+    if not _is_number(value):
+        raise TypeError(name)
+    return int(value) if isinstance(default, int) and not isinstance(default, bool) else float(value)
+
+
+_OPTIONAL_NUMBERS = {"ttft_s", "tok_s", "acceptance_rate", "mean_accepted_length", "tokens_per_step", "alpha_hat",
+                     "expected_speedup", "spec_tok_s", "plain_tok_s"}
 
 
 @dataclass(slots=True)
 class StepEvent:
     """What one decoding step produced. The first event follows prefill (``is_prefill`` True, one token).
 
-    ``token_ids``, ``sources`` and ``token_texts`` have the same length; ``text`` is the detokenised text those tokens
-    completed (never a split UTF-8 character; may be "" when a token is held back for a stop string or an
-    incomplete character). Times are seconds of this step. The last event of a request has ``finish_reason``
-    set and ``stats`` filled (the request's totals, the `specchat generate --json` "stats" object).
+    ``token_ids``, ``sources`` and ``token_texts`` have the same length; ``text`` is the detokenised text those
+    tokens completed (never a split UTF-8 character; may be "" when a token is held back for a stop string or
+    an incomplete character). Times are seconds of this step. ``stats`` is the request's statistics after this
+    step; the last event of a request has ``finish_reason`` set and ``stats`` holds the totals.
     """
 
     token_ids: list[int]
@@ -97,4 +297,20 @@ class StepEvent:
     prefill_tokens: int = 0  # tokens actually prefilled (after prefix reuse), first event only
     finish_reason: FinishReason | None = None
     message: str | None = None  # a user-facing notice (context full, drafter failed and was switched off, ...)
-    stats: dict[str, Any] | None = None  # request totals, on the last event only
+    stats: RequestStats | None = None
+
+
+class EngineAPI(Protocol):
+    """What the UI and the CLI need of an engine: the in-process one, or a client of a remote server."""
+
+    def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StepEvent]:
+        """Stream one reply; RequestError for an invalid request before anything is computed."""
+        ...
+
+    def forget(self, conversation: str) -> None:
+        """Drop a conversation's cached prefix."""
+        ...
+
+    def close(self) -> None:
+        """Release every resource (models, caches, connections)."""
+        ...

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from specchat.backend.api import DrafterName, SamplingParams
+from specchat.backend.api import MAX_GAMMA, MAX_TEMPERATURE, DrafterName, SamplingParams
 from specchat.backend.errors import SpecchatError
 from specchat.backend.paths import config_dir
 
@@ -24,7 +24,6 @@ SETTINGS_FILE = "settings.json"
 DrafterChoice = Literal["pair", "prompt-lookup", "none"]
 DRAFTER_CHOICES: dict[str, str] = {"pair": "Pair default", "prompt-lookup": "Prompt lookup", "none": "Off"}
 MAX_NEW_TOKENS_LIMIT = 32768
-MAX_GAMMA = 64
 
 
 class SettingsError(SpecchatError):
@@ -70,8 +69,8 @@ def _number(name: str, value: Any, kind: type) -> Any:
 def validate_settings(settings: Settings) -> Settings:
     """Return ``settings`` with numbers normalised; raise :class:`SettingsError` on the first bad field."""
     temperature = _number("temperature", settings.temperature, float)
-    if temperature is not None and not 0.0 <= temperature <= 5.0:
-        raise SettingsError(f"setting 'temperature': {temperature} is outside 0 (greedy) .. 5")
+    if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise SettingsError(f"setting 'temperature': {temperature} is outside 0 (greedy) .. {MAX_TEMPERATURE:g}")
     top_p = _number("top_p", settings.top_p, float)
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise SettingsError(f"setting 'top_p': {top_p} is outside (0, 1] (1 turns top-p off)")

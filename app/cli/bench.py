@@ -53,13 +53,14 @@ def run(args) -> int:
 
 
 def _check_args(args) -> tuple[int, int, float]:
+    from specchat.backend.api import MAX_TEMPERATURE
     from specchat.backend.errors import RequestError
 
     limit = args.limit if args.limit is not None else DEFAULT_LIMIT
     max_new = args.max_new_tokens if args.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
     temperature = float(args.temperature or 0.0)
-    if not 0 <= temperature <= 100:
-        raise RequestError(f"--temperature must be between 0 (greedy) and 100, got {temperature}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise RequestError(f"--temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature}")
     return limit, max_new, temperature
 
 

@@ -75,9 +75,9 @@ def _confirm_download(num_bytes: int) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specchat.backend.api import GenerationRequest, SamplingParams
+    from specchat.backend.api import DEFAULT_PAIR, GenerationRequest, SamplingParams
     from specchat.backend.engine.engine import load_engine
-    from specchat.backend.models.config import DEFAULT_PAIR, get_pair, load_pairs
+    from specchat.backend.models.config import get_pair, load_pairs
     from specchat.backend.models.loading import capture_library_output
 
     pair = get_pair(load_pairs(args.models), args.pair or DEFAULT_PAIR)

@@ -47,14 +47,15 @@ def _positive_int(text: str) -> int:
 
 
 def _gamma(text: str) -> int | str:
+    from specchat.backend.api import MAX_GAMMA
+
     if text == "auto":
         return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {text!r}") from None
-    if not 1 <= value <= 64:
-        raise argparse.ArgumentTypeError(f"gamma must be between 1 and 64 (or 'auto'), got {value}")
+    if not (text.isascii() and text.strip().isdigit()):
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {text!r}")
+    value = int(text)
+    if not 1 <= value <= MAX_GAMMA:
+        raise argparse.ArgumentTypeError(f"gamma must be between 1 and {MAX_GAMMA} (or 'auto'), got {value}")
     return value
 
 

@@ -42,10 +42,10 @@ from specchat.app.tui.screens.history import HistoryResult, HistoryScreen
 from specchat.app.tui.screens.picker import PairPickerScreen, human_bytes
 from specchat.app.tui.screens.settings_screen import SettingsScreen
 from specchat.app.tui.widgets.message_view import warm_highlighting
+from specchat.backend.api import DEFAULT_PAIR
 from specchat.backend.errors import InsufficientMemoryError, SpecchatError
 
 log = logging.getLogger(__name__)
-DEFAULT_PAIR = "smollm2-135m"
 EngineFactory = Callable[[Any, Callable[[str, float | None], None]], Any]
 
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.api import MAX_GAMMA, GenerationRequest, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
 from specchat.backend.bench.stats import Row, StepTally, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
@@ -60,8 +60,9 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str) -> 
         if gamma_text:
             if base not in ("prompt-lookup", "draft-model", "auto"):
                 raise RequestError(f"mode {name!r}: only prompt-lookup, draft-model and auto take a :GAMMA suffix")
-            if gamma_text != "auto" and not (gamma_text.isdigit() and 1 <= int(gamma_text) <= 64):
-                raise RequestError(f"mode {name!r}: gamma must be 1..64 or 'auto', got {gamma_text!r}")
+            if gamma_text != "auto" and not (gamma_text.isascii() and gamma_text.isdigit()
+                                             and 1 <= int(gamma_text) <= MAX_GAMMA):
+                raise RequestError(f"mode {name!r}: gamma must be 1..{MAX_GAMMA} or 'auto', got {gamma_text!r}")
             gamma = gamma_text if gamma_text == "auto" else int(gamma_text)
         if base in SPECCHAT_DRAFTERS:
             mode = Mode(name, "specchat", "none" if base == "plain" else base,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specchat.backend.api import GenerationRequest, StepEvent
+from specchat.backend.api import MAX_GAMMA, GenerationRequest, StepEvent, check_gamma
 from specchat.backend.engine.prompting import common_prefix_len, fit_to_context, validate_messages
 from specchat.backend.engine.request import RequestState, resolve_sampling
 from specchat.backend.errors import RequestError
@@ -37,8 +37,6 @@ from specchat.backend.spec.drafters.draft_model import DraftModelDrafter
 from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
 from specchat.backend.spec.policy import GammaPolicy
 
-PREFILL_CHUNK = 512  # tokens per prefill pass: bounds the attention scratch of long prompts
-MAX_GAMMA = 31  # n = γ + 1 <= 32: the largest CUDA graph bucket; the policy picks γ by measured cost
 PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
 
 log = logging.getLogger(__name__)
@@ -187,8 +185,7 @@ class Engine:
             raise RequestError(f"pair {self.pair.name!r} has no draft model; use --drafter prompt-lookup or none, "
                                "or pick a pair with a draft model")
         gamma = request.gamma if request.gamma is not None else self.pair.gamma
-        if gamma != "auto" and not (isinstance(gamma, int) and 1 <= gamma <= 64):
-            raise RequestError(f"gamma must be 'auto' or a number from 1 to 64, got {gamma!r}")
+        gamma = check_gamma(gamma)
         conv = self._conversation(request.conversation)
         try:
             budget = self.context_length - 1

@@ -14,9 +14,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specchat.backend.api import PolicyState, SamplingParams, StepEvent, TokenSource
+from specchat.backend.api import (
+    DEFAULT_MAX_NEW_TOKENS,
+    PREFILL_CHUNK,
+    PolicyState,
+    SamplingParams,
+    StepEvent,
+    TokenSource,
+    check_sampling_value,
+)
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
-from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError, RequestError
+from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.attention import forward_paged
 from specchat.backend.spec.policy import GammaPolicy
 from specchat.backend.spec.sampling import apply_repetition_penalty, logits_to_probs, make_generator, sample
@@ -25,8 +33,6 @@ from specchat.backend.spec.verify import VerifyResult, verify_greedy, verify_sam
 
 if TYPE_CHECKING:
     from specchat.backend.engine.engine import Engine, _Conversation
-
-PREFILL_CHUNK = 512
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -70,22 +76,11 @@ def resolve_sampling(params: SamplingParams, pair, generation_config: dict) -> S
     temperature = pick("temperature", 0.7 if do_sample else 0.0)
     top_k, top_p = pick("top_k", None), pick("top_p", None)
     penalty = pick("repetition_penalty", None)
-    max_new = params.max_new_tokens if params.max_new_tokens is not None else defaults.get("max_new_tokens", 512)
-    checks = [
-        ("temperature", temperature, isinstance(temperature, (int, float)) and 0 <= temperature <= 100,
-         "a number >= 0 (0 is greedy)"),
-        ("top_k", top_k, top_k is None or (isinstance(top_k, int) and top_k >= 0), "a whole number >= 0"),
-        ("top_p", top_p, top_p is None or (isinstance(top_p, (int, float)) and 0 < top_p <= 1),
-         "a number in (0, 1]"),
-        ("repetition_penalty", penalty, penalty is None or (isinstance(penalty, (int, float)) and 0 < penalty <= 10),
-         "a number in (0, 10]"),
-        ("max_new_tokens", max_new, isinstance(max_new, int) and 1 <= max_new <= 1_000_000, "a whole number >= 1"),
-        ("seed", params.seed, params.seed is None or (isinstance(params.seed, int) and -(2**63) <= params.seed < 2**64),
-         "a whole number between -2**63 and 2**64 - 1"),
-    ]
-    for name, value, ok, what in checks:
-        if not ok:
-            raise RequestError(f"sampling setting {name}={value!r} is out of range: use {what}")
+    max_new = params.max_new_tokens if params.max_new_tokens is not None else defaults.get(
+        "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                        ("repetition_penalty", penalty), ("max_new_tokens", max_new)):
+        check_sampling_value(name, value)  # the pair's and the model's defaults pass the request's limits too
     return Sampling(float(temperature), top_k or None, top_p if top_p and top_p < 1 else None,
                     penalty if penalty and penalty != 1 else None, max_new, params.seed, tuple(params.stop))
 

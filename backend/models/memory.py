@@ -7,7 +7,7 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   untied output head) stay in the compute dtype, as bitsandbytes leaves them unquantised;
 - KV cache: ``layers x 2 x kv_heads x head_dim x bytes(dtype) x context_length``;
 - scratch (the larger of the two models, which run one after the other): activations of one forward over
-  :data:`PREFILL_CHUNK_TOKENS` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
+  :data:`specchat.backend.api.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
   attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
   layer's K/V gathered from the paged cache (``2 x kv_heads x head_dim x context x bytes``), and float32
   logits + probabilities of the :data:`SCRATCH_LOGIT_ROWS` positions a verification keeps;
@@ -18,7 +18,7 @@ memory still free after loading (``cpu_linear.py``; ~1.6x faster verification pa
 is not part of the estimate that decides whether a pair fits.
 
 ``dtype: auto`` counts float32 on CPU and 2 bytes on CUDA, as loading does. The scratch term assumes the
-engine prefills long prompts in chunks of at most PREFILL_CHUNK_TOKENS tokens (engine.PREFILL_CHUNK).
+engine prefills long prompts in chunks of at most PREFILL_CHUNK tokens (backend/api.py).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
+from specchat.backend.api import PREFILL_CHUNK
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.models.config import ModelSpec, PairConfig
 
 HEADROOM = 0.08
-PREFILL_CHUNK_TOKENS = 512
 SCRATCH_LOGIT_ROWS = 17  # γ + 1 verified positions at the largest γ the adaptive policy tends to use
 NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + float32 absmax per 64-weight block (no double quant)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -92,7 +92,7 @@ def kv_bytes(spec: ModelSpec, device: torch.device, tokens: int) -> int:
 
 
 def scratch_bytes(spec: ModelSpec, device: torch.device, context_length: int) -> int:
-    tokens = min(context_length, PREFILL_CHUNK_TOKENS)
+    tokens = min(context_length, PREFILL_CHUNK)
     heads = max(spec.hidden_size // spec.head_dim, spec.num_kv_heads)
     activations = tokens * spec.hidden_size * 16 * dtype_bytes(spec, device)
     scores = heads * tokens * context_length * 4

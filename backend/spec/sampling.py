@@ -2,9 +2,8 @@
 
 Contract (pure functions over tensors; no model, no state):
 
-- :func:`validate_sampling` checks one request's settings and raises :class:`RequestError` naming the field
-  and the value. Temperature 0 means greedy: the engine takes the argmax and never calls
-  :func:`logits_to_probs`.
+- Settings arrive checked (``specchat.backend.api.SamplingParams`` validates itself against the limits defined
+  there). Temperature 0 means greedy: the engine takes the argmax and never calls :func:`logits_to_probs`.
 - :func:`logits_to_probs` turns logits into the distribution that is actually sampled. The target's logits
   through it define p, the distribution speculation keeps exactly at any setting (verification corrects any
   q towards p). The draft model samples through the *same* function with the same settings (and the same
@@ -23,51 +22,13 @@ of most likely tokens whose mass reaches top_p (at least one).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-from specchat.backend.api import SamplingParams
 from specchat.backend.errors import RequestError
 
 _TOP_P_CANDIDATES = (256, 4096)  # top-p looks for its nucleus among this many most likely tokens first
-
-
-def validate_sampling(
-    *,
-    temperature: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    repetition_penalty: float | None,
-) -> None:
-    """Raise :class:`RequestError` naming the first invalid field and its value. ``None`` means "unset"."""
-    if temperature is not None and not (isinstance(temperature, (int, float)) and temperature >= 0.0
-                                        and math.isfinite(temperature)):
-        raise RequestError(f"sampling.temperature = {temperature!r} is invalid: use a number >= 0 (0 = greedy)")
-    if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0):
-        raise RequestError(f"sampling.top_k = {top_k!r} is invalid: use an integer >= 0 (0 = no top-k)")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise RequestError(f"sampling.top_p = {top_p!r} is invalid: use a number in (0, 1] (1 = no top-p)")
-    penalty = repetition_penalty
-    if penalty is not None and not (isinstance(penalty, (int, float)) and penalty > 0.0 and math.isfinite(penalty)):
-        raise RequestError(
-            f"sampling.repetition_penalty = {repetition_penalty!r} is invalid: use a number > 0 (1 = no penalty)"
-        )
-
-
-def validate_sampling_params(params: SamplingParams) -> None:
-    """:func:`validate_sampling` on a request's :class:`SamplingParams`, plus max_new_tokens and seed."""
-    validate_sampling(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        repetition_penalty=params.repetition_penalty,
-    )
-    if not (isinstance(params.max_new_tokens, int) and params.max_new_tokens >= 1):
-        raise RequestError(f"sampling.max_new_tokens = {params.max_new_tokens!r} is invalid: use an integer >= 1")
-    if params.seed is not None and not (isinstance(params.seed, int) and params.seed >= 0):
-        raise RequestError(f"sampling.seed = {params.seed!r} is invalid: use an integer >= 0")
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
@@ -140,7 +101,6 @@ def logits_to_probs(
     those filters. Slice padded output columns off *before* calling this: top-k/top-p must only ever select
     real token ids, or the target and draft distributions would differ in ways verification cannot see.
     """
-    validate_sampling(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=None)
     if temperature == 0:
         raise RequestError("sampling.temperature = 0 means greedy: take the argmax instead of logits_to_probs()")
     squeeze = logits.dim() == 1

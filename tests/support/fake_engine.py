@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specchat.backend.api import GenerationRequest, PolicyState, StepEvent, TokenSource
+from specchat.backend.api import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, PolicyState, StepEvent, TokenSource
 from specchat.backend.errors import ModelLoadError, SpecchatError
 
 CANNED_REPLY = """Here is a function that reverses a string:
@@ -122,7 +122,7 @@ class FakeEngine:
             raise self.error or SpecchatError("fake failure before the first token")
         text = self.reply(request) if callable(self.reply) else self.reply
         pieces = split_tokens(text)
-        limit = request.sampling.max_new_tokens
+        limit = request.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         drafter = request.drafter or self.pair.drafter
         fixed = request.gamma if isinstance(request.gamma, int) else None
         t0 = time.monotonic()

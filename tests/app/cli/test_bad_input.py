@@ -93,7 +93,7 @@ def test_fuzzed_field_values_are_accepted_or_named(tmp_path, field, value):
         assert f"field '{'.'.join(field)}" in error, error  # the field, or a field inside it
     else:  # what passed is a valid pair: numbers in range, known choices
         (parsed,) = pairs.values()
-        assert 64 <= parsed.context_length and (parsed.gamma == "auto" or 1 <= parsed.gamma <= 64)
+        assert 64 <= parsed.context_length and (parsed.gamma == "auto" or 1 <= parsed.gamma <= 31)
         temperature = parsed.sampling.get("temperature", 0)
         assert isinstance(temperature, (int, float)) and not math.isnan(temperature) and 0 <= temperature <= 10
 
@@ -124,8 +124,8 @@ def test_duplicate_names_huge_values_and_non_finite_numbers(tmp_path):
     twice = {"pairs": [BASE_PAIR, dict(BASE_PAIR, description="again")]}
     _, error = _load_or_error(_write(tmp_path, twice))
     assert "'fuzzed'" in error and "already used" in error and "rename one" in error
-    for field, value, expected in [("context_length", 10**40, "between 64 and"), ("gamma", 10**12, "1 to 64"),
-                                   ("gamma", -3, "1 to 64"), ("gamma", 0, "1 to 64")]:
+    for field, value, expected in [("context_length", 10**40, "between 64 and"), ("gamma", 10**12, "1 to 31"),
+                                   ("gamma", -3, "1 to 31"), ("gamma", 0, "1 to 31")]:
         _, error = _load_or_error(_write(tmp_path, {"pairs": [dict(BASE_PAIR, **{field: value})]}))
         assert f"'{field}'" in error and expected in error, error
     for value in (".nan", ".inf", "-.inf", "1e400"):
@@ -398,9 +398,9 @@ def test_sampling_out_of_range_in_the_engine(engine, field, value):
     assert f"{field}=" in str(info.value) and "use " in str(info.value)
 
 
-@pytest.mark.parametrize("gamma", [0, -1, 65, 10**9, "fast", 2.5])
+@pytest.mark.parametrize("gamma", [0, -1, 32, 65, 10**9, "fast", 2.5])
 def test_gamma_out_of_range_in_the_engine(engine, gamma):
-    with pytest.raises(RequestError, match="gamma must be 'auto' or a number from 1 to 64"):
+    with pytest.raises(RequestError, match="gamma must be 'auto' or a number from 1 to 31"):
         _generate(engine, prompt_ids=[5, 6], gamma=gamma)
 
 

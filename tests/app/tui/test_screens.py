@@ -74,7 +74,7 @@ async def test_settings_are_validated_persisted_and_used(tmp_path):
         await pilot.press("f3")
         screen = app.screen
         assert isinstance(screen, SettingsScreen)
-        screen.query_one("#temperature", Input).value = "9"
+        screen.query_one("#temperature", Input).value = "11"
         await pilot.press("ctrl+s")
         assert app.screen is screen  # refused: stays open
         assert "temperature" in str(screen.query_one("#settings-error", Static).render())

@@ -48,7 +48,7 @@ def step(n: int, *, gamma: int, accepted: int, prefill: bool = False, paused: bo
 @pytest.mark.parametrize("field, value, words", [
     ("temperature", -0.1, "outside 0"), ("temperature", "hot", "expected a number"), ("top_p", 0.0, "(0, 1]"),
     ("top_k", -1, "negative"), ("top_k", 2.5, "whole number"), ("max_new_tokens", 0, "1 .. 32768"),
-    ("drafter", "draft-model", "not one of"), ("gamma", 0, "1 .. 64"), ("gamma", "fast", "expected a number"),
+    ("drafter", "draft-model", "not one of"), ("gamma", 0, "1 .. 31"), ("gamma", "fast", "expected a number"),
     ("system_prompt", 3, "expected text"),
 ])
 def test_validate_settings_names_the_field_and_the_range(field, value, words):

@@ -7,6 +7,7 @@ position; multi-turn prefix reuse prefills only what differs; sampling is reprod
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -187,14 +188,17 @@ def test_context_full_ends_with_context_reason():
 
 
 @pytest.mark.parametrize("bad, field", [
-    (SamplingParams(temperature=-1.0), "temperature"),
-    (SamplingParams(top_p=1.5), "top_p"),
-    (SamplingParams(top_k=-2), "top_k"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
 ])
 def test_bad_sampling_settings_name_the_field(bad, field):
+    with pytest.raises(RequestError, match=field):  # refused when the settings are built
+        SamplingParams(**bad)
     engine = tiny_engine("llama")
+    engine.pair = dataclasses.replace(engine.pair, sampling={"temperature": 0.0, **bad})  # a bad pair default
     with pytest.raises(RequestError, match=field):
-        list(engine.generate(GenerationRequest(prompt_ids=[5, 6], sampling=bad)))
+        list(engine.generate(GenerationRequest(prompt_ids=[5, 6])))
 
 
 def test_stop_string_ends_reply_without_it():
