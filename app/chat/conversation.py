@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specchat.backend.api import RequestStats
 from specchat.backend.errors import SpecchatError
 
 log = logging.getLogger(__name__)
@@ -115,10 +116,14 @@ class Conversation:
         self.turns.append(turn)
         return turn, saver
 
-    def finish_reply(self, turn: Turn, saver: Any | None, text: str, stats: dict[str, Any], complete: bool) -> None:
-        turn.content, turn.meta, turn.complete = text, stats, complete
+    def finish_reply(self, turn: Turn, saver: Any | None, text: str, stats: RequestStats, *, finish_reason: str,
+                     pair: str, complete: bool) -> None:
+        """Keep the reply with its statistics: the history row's stats column is ``stats.to_dict()`` plus how the
+        reply ended and the pair that wrote it (the one place that record is built)."""
+        meta = stats.to_dict() | {"finish_reason": finish_reason, "pair": pair}
+        turn.content, turn.meta, turn.complete = text, meta, complete
         if saver is not None:
-            self._guard("save the reply", lambda: saver.finish(stats, complete))
+            self._guard("save the reply", lambda: saver.finish(meta, complete))
 
     def pop_last_reply(self) -> Turn | None:
         """Remove the last turn if it is a reply (regenerate); the store row goes too."""

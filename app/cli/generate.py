@@ -11,11 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from specchat.backend.api import RequestStats
 from specchat.backend.errors import RequestError, SpecchatError
-
-STATS_KEYS = ("new_tokens", "wall_s", "prefill_s", "ttft_s", "prefill_tokens", "tok_s", "steps",
-              "spec_paused_steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
-              "per_position_acceptance", "gamma")
 
 
 def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
@@ -111,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
 def _one(engine, request, pid: str, sample: int, as_json: bool) -> None:
     token_ids: list[int] = []
     text: list[str] = []
-    prompt_tokens = None
     last = None
     for event in engine.generate(request):
         token_ids.extend(event.token_ids)
@@ -122,19 +118,18 @@ def _one(engine, request, pid: str, sample: int, as_json: bool) -> None:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         last = event
-    stats = last.stats or {}
-    prompt_tokens = stats.get("prompt_tokens")
+    stats = last.stats or RequestStats()
     if as_json:
         record = {
             "id": pid, "sample": sample, "text": "".join(text), "token_ids": token_ids,
-            "prompt_tokens": prompt_tokens, "finish_reason": last.finish_reason,
-            "drafter": stats.get("drafter"), "stats": {k: stats.get(k) for k in STATS_KEYS},
+            "prompt_tokens": stats.prompt_tokens, "finish_reason": last.finish_reason,
+            "drafter": stats.drafter, "stats": stats.to_json_stats(),
         }
         print(json.dumps(record, ensure_ascii=False), flush=True)
     else:
         print(file=sys.stdout)
-        rate = stats.get("acceptance_rate")
-        print(f"[{last.finish_reason}] {stats.get('new_tokens')} tokens, {stats.get('tok_s') or 0:.1f} tok/s, "
-              f"drafter {stats.get('drafter')}, acceptance "
-              f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.get('mean_accepted_length') or 0:.2f}",
+        rate = stats.acceptance_rate
+        print(f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
+              f"drafter {stats.drafter}, acceptance "
+              f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}",
               file=sys.stderr)

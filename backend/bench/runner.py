@@ -26,12 +26,13 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from specchat.backend.api import MAX_GAMMA, GenerationRequest, SamplingParams
+from specchat.backend.api import MAX_GAMMA, GenerationRequest, PolicyState, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
-from specchat.backend.bench.stats import Row, StepTally, mark_equality
+from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
+from specchat.backend.spec.stats import StepCounts
 
 SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "draft-model", "auto")
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
@@ -164,7 +165,7 @@ class BenchRunner:
                                     max_new_tokens=max_new, seed=seed),
             drafter=mode.drafter, gamma=mode.gamma)
         tokens: list[int] = []
-        tally = StepTally()
+        tally = StepCounts()
         ttft = None
         last = None
         start = time.perf_counter()
@@ -174,7 +175,8 @@ class BenchRunner:
             tokens.extend(event.token_ids)
             if event.token_ids and not event.is_prefill:
                 tally.observe(drafter=event.drafter, gamma=event.gamma, accepted=event.accepted,
-                              emitted=len(event.token_ids), draft_s=event.draft_s, verify_s=event.verify_s)
+                              emitted=len(event.token_ids), draft_s=event.draft_s, verify_s=event.verify_s,
+                              overhead_s=event.overhead_s, paused=event.policy is PolicyState.PAUSED)
             last = event
         wall = time.perf_counter() - start
         reason = last.finish_reason if last is not None else None

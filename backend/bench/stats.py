@@ -1,9 +1,9 @@
 """Rows, token-equality checks and per-family aggregates of `specchat bench`. Pure Python: no torch.
 
 A :class:`Row` is one (prompt, mode) generation, timed by the bench itself around the whole call, prefill
-included, the same way for specchat and transformers. Specchat rows also carry a :class:`StepTally` counted
-from the StepEvents (drafted/accepted per position, target pass times T(n), draft times), from which the
-expected speedup of the engine II formula is computed with measured inputs:
+included, the same way for specchat and transformers. Specchat rows also carry the
+:class:`~specchat.backend.spec.stats.StepCounts` counted from the StepEvents (drafted/accepted per position,
+target pass times T(n), draft times), from which the expected speedup is computed with measured inputs:
 
     expected ×plain = T_plain(1) · Σ_steps E[N](γ_s) / Σ_steps (T_draft(γ_s) + T_target(γ_s + 1))
     E[N](γ) = 1 + Σ_{i=1..γ} Π_{j<=i} α_j        (α_j: measured acceptance of draft position j)
@@ -18,104 +18,11 @@ aggregates ("not comparable") as long as at least one comparable prompt remains,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-
-@dataclass(slots=True)
-class StepTally:
-    """Counts over decoding steps (prefill excluded), mergeable across prompts."""
-
-    steps: dict[str, int] = field(default_factory=dict)  # "drafter/γ" -> steps ("none/0": plain/paused)
-    draft_s: dict[str, float] = field(default_factory=dict)  # "drafter/γ" -> total seconds drafting
-    pass_s: dict[str, list[float]] = field(default_factory=dict)  # str(n tokens) -> [total seconds, passes]
-    reached: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position i: drafts tried
-    accepted_at: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position i: accepted
-    drafted: int = 0
-    accepted: int = 0
-    spec_steps: int = 0
-    spec_emitted: int = 0  # tokens emitted by speculating steps (accepted + recovered/bonus)
-
-    def observe(self, *, drafter: str, gamma: int, accepted: int, emitted: int, draft_s: float,
-                verify_s: float) -> None:
-        """One step: ``gamma`` drafted tokens (0: a plain step), ``accepted`` of them kept."""
-        key = f"{drafter if gamma else 'none'}/{gamma}"
-        self.steps[key] = self.steps.get(key, 0) + 1
-        self.draft_s[key] = self.draft_s.get(key, 0.0) + draft_s
-        slot = self.pass_s.setdefault(str(gamma + 1), [0.0, 0])
-        slot[0] += verify_s
-        slot[1] += 1
-        if gamma:
-            reached = self.reached.setdefault(drafter, [])
-            taken = self.accepted_at.setdefault(drafter, [])
-            while len(reached) < gamma:
-                reached.append(0)
-                taken.append(0)
-            # Position i was tried if positions < i were all accepted; it was accepted if i <= accepted.
-            for i in range(min(accepted + 1, gamma)):
-                reached[i] += 1
-            for i in range(accepted):
-                taken[i] += 1
-            self.drafted += gamma
-            self.accepted += accepted
-            self.spec_steps += 1
-            self.spec_emitted += emitted
-
-    def merge(self, other: StepTally) -> None:
-        for key, n in other.steps.items():
-            self.steps[key] = self.steps.get(key, 0) + n
-        for key, s in other.draft_s.items():
-            self.draft_s[key] = self.draft_s.get(key, 0.0) + s
-        for key, (s, n) in other.pass_s.items():
-            slot = self.pass_s.setdefault(key, [0.0, 0])
-            slot[0] += s
-            slot[1] += n
-        for name, counts in other.reached.items():
-            for mine, theirs in ((self.reached, counts), (self.accepted_at, other.accepted_at[name])):
-                row = mine.setdefault(name, [])
-                row.extend([0] * (len(theirs) - len(row)))
-                for i, v in enumerate(theirs):
-                    row[i] += v
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.spec_steps += other.spec_steps
-        self.spec_emitted += other.spec_emitted
-
-    def per_position_acceptance(self, drafter: str) -> list[float]:
-        return [a / r if r else 0.0 for a, r in zip(self.accepted_at.get(drafter, []), self.reached.get(drafter, []))]
-
-    def mean_pass_s(self, n: int) -> float | None:
-        total, count = self.pass_s.get(str(n), (0.0, 0))
-        return total / count if count else None
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-    @property
-    def mean_accepted_length(self) -> float | None:
-        """τ: tokens emitted per speculating step (bonus/recovered included)."""
-        return self.spec_emitted / self.spec_steps if self.spec_steps else None
-
-    def expected_speedup(self, plain_pass_s: float | None) -> float | None:
-        """The formula above over this tally's steps; ``plain_pass_s`` is T_target(1) of plain decoding."""
-        if plain_pass_s is None or not self.steps:
-            return None
-        tokens = seconds = 0.0
-        for key, count in self.steps.items():
-            drafter, gamma = key.rsplit("/", 1)
-            g = int(gamma)
-            alpha = self.per_position_acceptance(drafter)
-            expected, run = 1.0, 1.0
-            for i in range(g):
-                run *= alpha[i] if i < len(alpha) else 0.0
-                expected += run
-            target = self.mean_pass_s(g + 1)
-            if target is None:
-                return None
-            tokens += count * expected
-            seconds += count * (target + self.draft_s[key] / count)
-        return tokens / seconds * plain_pass_s if seconds > 0 else None
+from specchat.backend.api import RequestStats
+from specchat.backend.spec.stats import StepCounts
 
 
 @dataclass(slots=True)
@@ -133,8 +40,8 @@ class Row:
     wall_s: float  # the whole call, prefill included
     ttft_s: float | None  # until the first generated token
     finish_reason: str | None
-    tally: StepTally | None = None  # specchat modes only
-    engine_stats: dict[str, Any] | None = None  # the engine's own stats dict (specchat modes only)
+    tally: StepCounts | None = None  # specchat modes only
+    engine_stats: RequestStats | None = None  # the engine's own statistics (specchat modes only)
     vs_plain: str | None = None  # token equality with specchat plain (greedy): "same", "differs at 12", ...
     vs_hf_plain: str | None = None  # the same against transformers plain
     comparable: bool = True  # every mode produced as many tokens on this prompt
@@ -152,7 +59,9 @@ class Row:
         return any(v not in (None, "same") for v in (self.vs_plain, self.vs_hf_plain))
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = asdict(replace(self, tally=None, engine_stats=None))
+        out["tally"] = self.tally.to_dict() if self.tally is not None else None
+        out["engine_stats"] = self.engine_stats.to_dict() if self.engine_stats is not None else None
         out.update(new_tokens=self.new_tokens, tok_s=self.tok_s, mismatch=self.mismatch)
         if self.tally is not None:
             out["acceptance_rate"] = self.tally.acceptance_rate
@@ -205,7 +114,7 @@ class Aggregate:
     mismatches: int  # rows whose tokens differ from plain or hf-plain (greedy)
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
-    per_position_acceptance: dict[str, list[float]] | None = None
+    per_position_acceptance: dict[str, list[float | None]] | None = None
     x_hf_plain: float | None = None
     match: str | None = None  # the transformers mode this one is compared with
     x_match: float | None = None
@@ -230,7 +139,7 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
         all_ids = {r.prompt_id for rs in modes.values() for r in rs}
         use = comparable_ids or all_ids
         aggs: dict[str, Aggregate] = {}
-        tallies: dict[str, StepTally] = {}
+        tallies: dict[str, StepCounts] = {}
         for mode, mode_rows in modes.items():
             chosen = [r for r in mode_rows if r.prompt_id in use]
             tokens = sum(r.new_tokens for r in chosen)
@@ -243,7 +152,7 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
                                           if decode_wall > 0 else None),
                             mismatches=sum(r.mismatch for r in mode_rows))
             if any(r.tally is not None for r in chosen):
-                tally = StepTally()
+                tally = StepCounts()
                 for r in chosen:
                     if r.tally is not None:
                         tally.merge(r.tally)

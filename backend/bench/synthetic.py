@@ -33,6 +33,7 @@ import torch
 
 from specchat.backend.bench.synthetic_models import SYNTHETIC, SyntheticPair, build_loaded, weight_bytes_per_step
 from specchat.backend.errors import ConfigError
+from specchat.backend.spec.stats import expected_tokens_table, speedup
 
 ALPHAS = (0.6, 0.8, 0.9)
 MAX_STEP_TOKENS = 16
@@ -81,9 +82,10 @@ def expected_speedups(target_s: dict[int, float], draft_s: float, alphas=ALPHAS)
     out = {}
     for alpha in alphas:
         best = (0, 0.0)
+        table = expected_tokens_table([alpha] * max(target_s))  # a constant α: the geometric E[N]
         for gamma in range(1, max(target_s)):
-            e_n = (1 - alpha ** (gamma + 1)) / (1 - alpha)
-            s = e_n * target_s[1] / (gamma * draft_s + target_s[gamma + 1])
+            s = speedup(table[gamma], gamma, t1=target_s[1], draft_s_per_token=draft_s,
+                        target_s=target_s[gamma + 1])
             if s > best[1]:
                 best = (gamma, s)
         out[str(alpha)] = {"gamma": best[0], "speedup": best[1]}
@@ -115,14 +117,14 @@ def _hf_generate_s(model, prompt: torch.Tensor, new_tokens: int, **extra) -> flo
     return time.perf_counter() - t0
 
 
-def _step_times(model, cache, prompt: list[int], sizes, repeats: int) -> dict[int, float]:
-    """Seconds of one paged forward over n tokens after a committed prompt (nothing committed), per n."""
-    from specchat.backend.kv.attention import forward_paged
-
+def _step_times(runner, prompt: list[int], sizes, repeats: int) -> dict[int, float]:
+    """Seconds of one paged forward (the model runner's path) over n tokens after a committed prompt (nothing
+    committed), per n."""
+    cache = runner.cache
     seq = cache.new_sequence()
-    forward_paged(model, seq, prompt, logits_to_keep=1)
+    runner.forward(seq, prompt, logits_to_keep=1)
     seq.commit(len(prompt))
-    out = {n: _timed(lambda n=n: forward_paged(model, seq, prompt[:n], logits_to_keep=n), cache.device, repeats)
+    out = {n: _timed(lambda n=n: runner.forward(seq, prompt[:n], logits_to_keep=n), cache.device, repeats)
            for n in sizes}
     seq.free()
     return out
@@ -134,7 +136,6 @@ def measure(pair: SyntheticPair, device: torch.device, *, new_tokens: int | None
     import transformers
 
     from specchat.backend.engine.engine import Engine
-    from specchat.backend.kernels.cuda_graphs import runner_of
     from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
     from specchat.backend.kv.kv_cache import kv_bytes_per_token
 
@@ -156,13 +157,13 @@ def measure(pair: SyntheticPair, device: torch.device, *, new_tokens: int | None
     engine = Engine(target, draft, pair_cfg)
     _engine_decode_rate(engine, prompt, n_new)  # warm-up: captures every graph shape the timed run uses
     specchat_tok_s = _engine_decode_rate(engine, prompt, n_new)
-    runner = runner_of(target.model)
+    runner = engine.runner.graphs
     graphs = runner is not None and runner.disabled_reason is None and runner.stats["replays"] > 0
     if device.type == "cuda" and not graphs:
         notes.append(f"CUDA graphs not used: {runner.disabled_reason if runner else 'no runner attached'}")
     progress("step times ...")
-    target_s = _step_times(target.model, engine.cache, prompt, range(1, MAX_STEP_TOKENS + 1), pair.repeats)
-    draft_s = _step_times(draft.model, engine.draft_cache, prompt, [1], pair.repeats)[1]
+    target_s = _step_times(engine.runner, prompt, range(1, MAX_STEP_TOKENS + 1), pair.repeats)
+    draft_s = _step_times(engine.draft_runner, prompt, [1], pair.repeats)[1]
     engine.close()
 
     progress("transformers generate() ...")

@@ -19,34 +19,22 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-
-import torch
 
 from specchat.backend.api import MAX_GAMMA, GenerationRequest, StepEvent, check_gamma
-from specchat.backend.engine.prompting import common_prefix_len, fit_to_context, validate_messages
-from specchat.backend.engine.request import RequestState, resolve_sampling
+from specchat.backend.engine.prompting import fit_to_context, validate_messages
+from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target, resolve_sampling
+from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.errors import RequestError
-from specchat.backend.kernels import cpu_linear, cuda_graphs
 from specchat.backend.kv import attention
-from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+from specchat.backend.kv.kv_cache import common_prefix_len
 from specchat.backend.models.config import PairConfig
 from specchat.backend.models.loading import LoadedModel
-from specchat.backend.models.memory import format_bytes, free_memory
+from specchat.backend.spec.drafters.base import Drafter
 from specchat.backend.spec.drafters.draft_model import DraftModelDrafter
 from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
 from specchat.backend.spec.policy import GammaPolicy
 
-PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
-
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Conversation:
-    seq: Sequence
-    cached: list[int] = field(default_factory=list)  # token ids whose K/V are committed in seq
-    dropped: int = 0  # oldest messages left out to fit the context (kept stable across turns)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -64,9 +52,9 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
 class Engine:
     """Target (+ optional draft model) with their paged caches, for one process.
 
-    ``target`` and ``draft`` are loaded models; the engine switches them to the paged attention
-    implementation. ``kv_tokens`` sizes each pool (default: the pair's context length plus room for one
-    verification step).
+    ``target`` and ``draft`` are loaded models; each gets a :class:`ModelRunner` (paged attention, its cache,
+    the device's fast path). ``kv_tokens`` sizes each pool (default: the pair's context length plus room for
+    one verification step).
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, pair: PairConfig,
@@ -76,37 +64,25 @@ class Engine:
         self.context_length = pair.context_length
         self.vocab_limit = len(self.tokenizer)  # p and q are compared over the tokenizer's ids only
         self.eos_ids = _eos_ids(target)
-        name = attention.register()
         tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
-        self.cache = self._prepare(target, name, tokens)
-        self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
+        self.runner = ModelRunner(target, kv_tokens=tokens)
+        self.cache = self.runner.cache
+        self._conversations: OrderedDict[str, Conversation] = OrderedDict()
         self._lock = threading.Lock()
-        self.drafters: dict[str, object] = {"prompt-lookup": PromptLookupDrafter(eos_token_ids=self.eos_ids)}
-        self.draft_cache: PagedKVCache | None = None
+        self.drafters: dict[str, Drafter] = {"prompt-lookup": PromptLookupDrafter(eos_token_ids=self.eos_ids)}
+        self.draft_runner: ModelRunner | None = None
         if draft is not None:
-            self.draft_cache = self._prepare(draft, name, tokens)
+            self.draft_runner = ModelRunner(draft, kv_tokens=tokens)
             self.drafters["draft-model"] = DraftModelDrafter(
-                draft.model, self.draft_cache, vocab_limit=self.vocab_limit, eos_token_ids=self.eos_ids)
+                self.draft_runner.forward, self.draft_runner.cache, vocab_limit=self.vocab_limit,
+                eos_token_ids=self.eos_ids)
         # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
         self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
 
-    @staticmethod
-    def _prepare(loaded: LoadedModel, attn_name: str, tokens: int) -> PagedKVCache:
-        config = loaded.model.config
-        attention.check_supported(config)
-        loaded.model.set_attn_implementation(attn_name)
-        loaded.model.eval()
-        # On CUDA, steps replay CUDA graphs (cuda_graphs.py); their runner keeps one block for padded tokens.
-        graphs = cuda_graphs.graphs_wanted(loaded.device)
-        block_size = 16
-        cache = PagedKVCache.for_model(config, max_tokens=tokens + (block_size if graphs else 0),
-                                       block_size=block_size, dtype=loaded.dtype, device=loaded.device)
-        if graphs:
-            cuda_graphs.attach(loaded.model, cache, max_kv=tokens)
-        elif loaded.device.type == "cpu":
-            _pack_if_it_fits(loaded)
-        return cache
+    @property
+    def draft_cache(self):
+        return self.draft_runner.cache if self.draft_runner is not None else None
 
     # -- public API -------------------------------------------------------------------------------------
 
@@ -128,8 +104,8 @@ class Engine:
             self._conversations.clear()
             for drafter in self.drafters.values():
                 drafter.reset()  # the draft model's cache blocks go back too
-            for loaded in filter(None, (self.target, self.draft)):
-                cuda_graphs.detach(loaded.model)  # frees the graphs' memory pool with the runner
+            for runner in filter(None, (self.runner, self.draft_runner)):
+                runner.close()  # frees the CUDA graphs' memory pool
 
     def blocks_in_use(self) -> int:
         """Blocks held in the target pool (conversations kept for reuse included)."""
@@ -137,7 +113,7 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------------------
 
-    def _prompt_ids(self, request: GenerationRequest, conv: _Conversation | None, budget: int):
+    def _prompt_ids(self, request: GenerationRequest, conv: Conversation | None, budget: int):
         if request.prompt_ids is not None:
             ids = [int(t) for t in request.prompt_ids]
             if not ids:
@@ -155,16 +131,16 @@ class Engine:
             conv.dropped = dropped
         return ids, notice
 
-    def _conversation(self, key: str | None) -> _Conversation:
+    def _conversation(self, key: str | None) -> Conversation:
         if key is None:
-            return _Conversation(self.cache.new_sequence())
+            return Conversation(self.cache.new_sequence())
         conv = self._conversations.get(key)
         if conv is None:
-            conv = self._conversations[key] = _Conversation(self.cache.new_sequence())
+            conv = self._conversations[key] = Conversation(self.cache.new_sequence())
         self._conversations.move_to_end(key)
         return conv
 
-    def _make_room(self, keep: _Conversation, tokens: int) -> None:
+    def _make_room(self, keep: Conversation, tokens: int) -> None:
         """Evict least recently used conversations until ``tokens`` more fit in the pool."""
         needed = -(-tokens // self.cache.pool.block_size) + 1
         for key in list(self._conversations):
@@ -179,8 +155,6 @@ class Engine:
         t_start = time.perf_counter()
         sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
         drafter_name = request.drafter or self.pair.drafter
-        if drafter_name not in ("none", "prompt-lookup", "draft-model", "auto"):
-            raise RequestError(f"unknown drafter {drafter_name!r}; use none, prompt-lookup, draft-model or auto")
         if drafter_name == "draft-model" and "draft-model" not in self.drafters:
             raise RequestError(f"pair {self.pair.name!r} has no draft model; use --drafter prompt-lookup or none, "
                                "or pick a pair with a draft model")
@@ -194,27 +168,14 @@ class Engine:
             conv.seq.truncate(keep)
             del conv.cached[keep:]
             self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + MAX_GAMMA)
-            state = RequestState(self, conv, prompt, sampling, drafter_name, gamma, cancel, t_start)
+            target = Target(self.runner, self.tokenizer, self.eos_ids, self.vocab_limit, self.context_length)
+            speculation = Speculation(self.drafters, self.policies, self.disabled_drafters,
+                                      self.disabled_drafters.__setitem__)
+            state = RequestState(target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start)
             yield from state.run(notice)
         finally:
             if request.conversation is None:
                 conv.seq.free()
-
-
-def _pack_if_it_fits(loaded: LoadedModel) -> None:
-    """On CPU, pack the linear layers for oneDNN (cpu_linear.py) when their second copy fits in free memory
-    with room to spare for a prefill's activations; otherwise decode with the default kernels, and say so."""
-    need = cpu_linear.packed_bytes(loaded.model)
-    if not need:
-        return
-    free = free_memory(torch.device("cpu"))
-    if need + PACKING_SPARE_BYTES > free:
-        log.info("not packing %s's linear layers for oneDNN: %s needed, %s free", loaded.spec.source,
-                 format_bytes(need), format_bytes(free))
-        return
-    count = cpu_linear.pack_linears(loaded.model)
-    if count:
-        log.info("packed %d linear layers of %s for oneDNN (%s)", count, loaded.spec.source, format_bytes(need))
 
 
 def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, confirm_download=None) -> Engine:

@@ -91,11 +91,3 @@ def fit_to_context(
         "longer seen by the model."
     )
     return ids, dropped, notice
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -19,11 +19,11 @@ Contract:
 - :meth:`GraphRunner.try_forward` returns None (the caller runs the normal eager path) when the step does
   not fit: ``n`` above the largest bucket, ``kv_len`` above ``max_kv``, another cache, or a capture that
   failed once (the runner then stays eager and says why in ``disabled_reason``).
-- :func:`attach` / :func:`detach` hang a runner on a model; ``attention.forward_paged`` uses it when present.
-  :func:`graphs_wanted` says whether the engine should attach one (CUDA, and ``SPECCHAT_CUDA_GRAPHS`` not 0).
+- The model runner (``backend/engine/runner.py``) owns a :class:`GraphRunner` and offers it every step first;
+  :func:`graphs_wanted` says whether it should make one (CUDA, and ``SPECCHAT_CUDA_GRAPHS`` not 0).
 
 Host syncs: none here. The decode loop still has one per step, by design: the chosen token ids must reach the
-host for the detokeniser, stop strings and the drafters (``int(argmax)`` / ``tolist()`` in decoding.py,
+host for the detokeniser, stop strings and the drafters (``int(argmax)`` / ``tolist()`` in engine/request.py,
 verify.py and the draft-model drafter).
 """
 
@@ -34,11 +34,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from specchat.backend.kv.attention import softcapped
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
 
 DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_KV_STEP = 256
-_RUNNER_ATTR = "_specchat_graph_runner"
 
 
 def graphs_wanted(device: torch.device) -> bool:
@@ -98,15 +98,10 @@ class StaticContext:
         rep = hq // hkv
         # Query head h uses KV head h // rep: fold the rep query heads of a group into rows so the KV heads
         # are never expanded (no copy of K/V beyond the gather) and every SDPA backend accepts the shapes.
+        if softcap is not None:  # the paged path's own softcapped attention, with the static mask
+            return softcapped(query, k, v, ~self.allowed(window, 1), scaling, softcap).transpose(1, 2)
         q = query.reshape(1, hkv, rep * nb, d)
-        allowed = self.allowed(window, rep)
-        if softcap is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling)
-        else:  # as attention._softcapped: scale, tanh cap, mask, fp32 softmax
-            scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-            scores = torch.tanh(scores / softcap) * softcap
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.allowed(window, rep), scale=scaling)
         return out.view(1, hq, nb, d).transpose(1, 2)
 
 
@@ -241,7 +236,7 @@ class GraphRunner:
 
     def try_forward(self, seq: Sequence, input_ids: list[int] | torch.Tensor, logits_to_keep: int = 1
                     ) -> torch.Tensor | None:  # [logits_to_keep, vocab] float, or None: run the eager path
-        """The static forward of ``forward_paged`` (same contract: reserves, writes, does not commit)."""
+        """The static forward of the model runner (same contract: reserves, writes, does not commit)."""
         n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if n < 1 or not self.fits(seq, n):
             self.stats["fallbacks"] += 1
@@ -280,22 +275,3 @@ class GraphRunner:
             self.cache.pool.free(self.trash_block)
             self.trash_block = None
         self.disabled_reason = "released"
-
-
-def attach(model, cache: PagedKVCache, **options) -> GraphRunner:
-    """Hang a :class:`GraphRunner` on ``model`` (replacing any); ``forward_paged`` then goes through it."""
-    detach(model)
-    runner = GraphRunner(model, cache, **options)
-    object.__setattr__(model, _RUNNER_ATTR, runner)
-    return runner
-
-
-def detach(model) -> None:
-    runner = getattr(model, _RUNNER_ATTR, None)
-    if runner is not None:
-        runner.release()
-        object.__delattr__(model, _RUNNER_ATTR)
-
-
-def runner_of(model) -> GraphRunner | None:
-    return getattr(model, _RUNNER_ATTR, None)

@@ -1,37 +1,37 @@
-"""The transformers attention adapter over the paged KV cache: the only module that knows that API.
+"""The transformers attention adapter over the paged KV cache: the only module that knows that API. It only attends.
 
 Contract:
 - :func:`register` adds the attention function ``ATTN_IMPLEMENTATION`` to ``transformers.AttentionInterface``
   (idempotent). A model loaded with ``attn_implementation=ATTN_IMPLEMENTATION`` (or switched with
-  :func:`use_paged_attention`) is then run only through :func:`forward_paged`.
-- :func:`forward_paged` reserves ``n = len(input_ids)`` slots in ``seq``, runs the model once over the new
-  tokens at positions ``seq.length .. seq.length+n-1`` with ``use_cache=False`` and the per-forward
-  :class:`PagedContext` as the ``paged`` kwarg, and returns the float logits of the last ``logits_to_keep``
-  tokens. Every attention layer writes its new K/V into their slots and attends causally over the sequence
-  (query ``i`` sees keys ``<= seq.length + i``), within ``sliding_window`` keys (``q - k < window``, as
-  transformers' masks) when the layer has one, and with ``softcap`` (tanh logit capping) when the model
-  asks for it. It does NOT commit: the caller keeps what it accepts with ``seq.commit(k)``.
+  :func:`use_paged_attention`) is then run only by the model runner (``backend/engine/runner.py``), which
+  calls it with ``use_cache=False``, explicit positions and a per-forward :class:`PagedContext` as the
+  ``paged`` kwarg.
+- Every attention layer writes its new K/V into their slots (the context's slot plan) and attends causally over
+  the sequence (query ``i`` sees keys ``<= start + i``), within ``sliding_window`` keys (``q - k < window``, as
+  transformers' masks) when the layer has one, and with ``softcap`` (tanh logit capping, :func:`softcapped`)
+  when the model asks for it.
 - No mask function is registered with ``AttentionMaskInterface``, on purpose: for an implementation absent
   from that registry transformers skips mask preparation entirely (``_preprocess_mask_arguments`` exits
   early), whereas a registered one, even returning None, first runs packed-sequence detection, a host sync
   that costs time per forward and breaks CUDA-graph capture. Masks are built here, once per forward and
   window size, and only when SDPA cannot do without (q > 1 after a prefix, or a window cutting the query).
-- Static mode (backend/kernels/cuda_graphs.py): when a ``GraphRunner`` is attached to the model, ``forward_paged``
-  first offers it the step (fixed-shape buffers, replayed as a CUDA graph on GPU) and runs the path below
-  only when it declines; the runner passes a ``StaticContext`` instead of a :class:`PagedContext`, and the
-  attention function hands such a context each layer (``ctx.attend``).
+- Static mode (``backend/kernels/cuda_graphs.py``): a forward with fixed-shape buffers passes a context of
+  its own instead of a :class:`PagedContext`, and the attention function hands each layer to it
+  (``ctx.attend``); it uses :func:`softcapped` for softcapped layers too.
 - :func:`check_supported` raises :class:`ModelLoadError` for architectures or attention features this
   adapter does not honour (bidirectional attention, chunked/linear layers, attention sinks).
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kv.block_pool import KVCacheUsageError
-from specchat.backend.kv.kv_cache import PagedKVCache, Sequence, SlotPlan
+from specchat.backend.kv.kv_cache import PagedKVCache, SlotPlan
 
 ATTN_IMPLEMENTATION = "specchat_paged"
 
@@ -130,7 +130,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
-def _softcapped(q, k, v, blocked, scale: float, softcap: float) -> torch.Tensor:
+def softcapped(q, k, v, blocked, scale: float, softcap: float) -> torch.Tensor:
     # Mirrors transformers' eager_attention_forward (SDPA cannot softcap): scale, tanh cap, mask, fp32 softmax.
     # q [1, Hq, n, D] is viewed as [1, Hkv, rep*n, D] (query head h uses KV head h // rep), so KV heads are
     # never expanded.
@@ -156,25 +156,23 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:   # ([1, n, Hq, D], no attention weights)
     """The function registered as ``ATTN_IMPLEMENTATION``: write new K/V into the cache, attend over it."""
-    ctx: PagedContext | None = kwargs.get("paged")
+    ctx = kwargs.get("paged")  # a PagedContext, or the static context of a graph runner
     if ctx is None:
         raise KVCacheUsageError(
             f"a model using attn_implementation={ATTN_IMPLEMENTATION!r} must be run through "
-            "specchat.backend.kv.attention.forward_paged (switch it to 'sdpa' to call it directly)"
+            "the model runner (specchat.backend.engine.runner: ModelRunner.forward or forward_paged); switch it to "
+            "'sdpa' to call it directly"
         )
     if kwargs.get("s_aux") is not None:
         raise ModelLoadError("this model uses attention sinks (s_aux), which specchat's paged attention lacks")
     if query.shape[0] != 1:
         raise KVCacheUsageError(f"paged attention runs one sequence at a time, got batch {query.shape[0]}")
-    if type(ctx) is not PagedContext:  # static mode (cuda_graphs.StaticContext): fixed shapes, graph-safe
-        scale = scaling if scaling is not None else module.head_dim**-0.5
-        return ctx.attend(module.layer_idx, query, key, value, scale, kwargs.get("sliding_window"),
-                          kwargs.get("softcap")), None
-    layer = module.layer_idx
+    layer, head_dim = cast(int, module.layer_idx), cast(int, module.head_dim)
+    scale = float(scaling) if scaling is not None else head_dim**-0.5
+    if not isinstance(ctx, PagedContext):  # static mode (cuda_graphs.StaticContext): fixed shapes, graph-safe
+        return ctx.attend(layer, query, key, value, scale, kwargs.get("sliding_window"), kwargs.get("softcap")), None
     cache, plan = ctx.cache, ctx.plan
     cache.write(layer, plan, key, value)
-    if scaling is None:
-        scaling = module.head_dim**-0.5
     window = kwargs.get("sliding_window")
     if window is not None and window >= plan.kv_len:
         window = None  # every key is inside the window: same as full attention, and shares its layout
@@ -184,9 +182,9 @@ def paged_attention_forward(
     if k.dtype != query.dtype:
         k, v = k.to(query.dtype), v.to(query.dtype)
     if softcap is None:
-        out = _sdpa(query, k, v, mask, causal, scaling)
+        out = _sdpa(query, k, v, mask, causal, scale)
     else:
-        out = _softcapped(query, k, v, mask, scaling, softcap)
+        out = softcapped(query, k, v, mask, scale, float(softcap))
     return out.transpose(1, 2), None
 
 
@@ -210,44 +208,3 @@ def use_paged_attention(model) -> None:
         model.set_attn_implementation({"": name, **{k: name if k == "text_config" else "sdpa" for k in sub_configs}})
     else:
         model.set_attn_implementation(name)
-
-
-def forward_paged(
-    model, seq: Sequence, input_ids: list[int] | torch.Tensor, *, logits_to_keep: int = 1
-) -> torch.Tensor:  # [logits_to_keep, vocab] float
-    """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl != ATTN_IMPLEMENTATION:
-        raise ModelLoadError(
-            f"forward_paged needs a model with attn_implementation={ATTN_IMPLEMENTATION!r}, this one uses "
-            f"{impl!r}: load it with that name after attention.register(), or call use_paged_attention(model)"
-        )
-    runner = getattr(model, "_specchat_graph_runner", None)  # cuda_graphs.attach: static shapes / CUDA graphs
-    if runner is not None and isinstance(logits_to_keep, int):  # invalid arguments fail below, as before
-        n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
-        if 1 <= logits_to_keep <= n:
-            logits = runner.try_forward(seq, input_ids, logits_to_keep)
-            if logits is not None:
-                return logits
-    device = seq.cache.device
-    if isinstance(input_ids, torch.Tensor):
-        ids = input_ids.reshape(-1).to(device=device, dtype=torch.long)
-    else:
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-    n = ids.numel()
-    if n < 1:
-        raise KVCacheUsageError("forward_paged: input_ids is empty")
-    if not isinstance(logits_to_keep, int) or not 1 <= logits_to_keep <= n:
-        raise KVCacheUsageError(
-            f"forward_paged: logits_to_keep must be in 1..{n} (the new tokens), got {logits_to_keep!r}"
-        )
-    seq.reserve(n)
-    plan = seq.plan(n)
-    ctx = PagedContext(seq.cache, plan)
-    positions = torch.arange(plan.start, plan.kv_len, device=device)
-    with torch.inference_mode():
-        out = model(
-            input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=ctx,
-            logits_to_keep=logits_to_keep,
-        )
-    return out.logits[0].float()

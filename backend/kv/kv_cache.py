@@ -19,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass
 
 import torch
@@ -134,9 +135,11 @@ class PagedKVCache:
             s = plan.write_start
             k_pool[:, :, s : s + plan.num_new].copy_(key)
             v_pool[:, :, s : s + plan.num_new].copy_(value)
-        else:
+        elif plan.write_slots is not None:
             k_pool.index_copy_(2, plan.write_slots, key.to(self.dtype))
             v_pool.index_copy_(2, plan.write_slots, value.to(self.dtype))
+        else:
+            raise KVCacheUsageError("PagedKVCache.write: the slot plan has neither a write run nor write slots")
 
     def read(self, layer: int, plan: SlotPlan, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``first .. kv_len-1`` of ``layer``, each ``[1, num_kv_heads, n, head_dim]``."""
@@ -144,6 +147,8 @@ class PagedKVCache:
             a = plan.read_start + first
             b = plan.read_start + plan.kv_len
             return self.k_layers[layer][:, :, a:b], self.v_layers[layer][:, :, a:b]
+        if plan.read_slots is None:
+            raise KVCacheUsageError("PagedKVCache.read: the slot plan has neither a read run nor read slots")
         idx = plan.read_slots if first == 0 else plan.read_slots[first:]
         return self.k_layers[layer].index_select(2, idx), self.v_layers[layer].index_select(2, idx)
 
@@ -283,3 +288,12 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence(length={self.length}, capacity={self.capacity}, blocks={self.block_table})"
+
+
+def common_prefix_len(a: collections.abc.Sequence[int], b: collections.abc.Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share: what a cache holding ``a`` can keep when ``b`` comes."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

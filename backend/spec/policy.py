@@ -45,6 +45,7 @@ import statistics
 from collections import deque
 
 from specchat.backend.api import PolicyState
+from specchat.backend.spec.stats import expected_tokens_table, speedup
 
 _WINDOW = 9  # samples per running median
 
@@ -61,13 +62,6 @@ class _Median:
     def add(self, x: float) -> None:
         self.samples.append(float(x))
         self.value = statistics.median(self.samples)
-
-
-def expected_tokens(alpha: float, gamma: float) -> float:
-    """E[N]: expected tokens per step (accepted + the recovered/bonus one) for per-position acceptance ``alpha``."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
 class GammaPolicy:
@@ -158,12 +152,7 @@ class GammaPolicy:
         return self._expected_table()[min(gamma, self.max_gamma)]
 
     def _expected_table(self) -> list[float]:
-        table, run, total = [1.0], 1.0, 1.0
-        for alpha in self.position_alphas():
-            run *= alpha
-            total += run
-            table.append(total)
-        return table
+        return expected_tokens_table(self.position_alphas())
 
     def _prior_ratio(self, n: int) -> float:
         return 1.0 + self.cost_slope_prior * (n - 1)
@@ -221,7 +210,8 @@ class GammaPolicy:
         return self._formula(gamma, self._expected_table(), self.target_time(1), self.draft_time())
 
     def _formula(self, gamma: int, table: list[float], t1: float, td: float) -> float:
-        return table[min(gamma, self.max_gamma)] * t1 / (gamma * td + self.target_time(gamma + 1))
+        return speedup(table[min(gamma, self.max_gamma)], gamma, t1=t1, draft_s_per_token=td,
+                       target_s=self.target_time(gamma + 1))
 
     def _speedups(self) -> list[float]:
         """S(γ) for γ = 0 .. max_gamma (index γ; S(0) = 1, a plain step). Cached until the next observe():

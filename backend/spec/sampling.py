@@ -106,22 +106,22 @@ def logits_to_probs(
     squeeze = logits.dim() == 1
     x = (logits.unsqueeze(0) if squeeze else logits).float()  # [n, V]
     n, vocab = x.shape
-    use_top_k = top_k is not None and 0 < top_k < vocab
-    use_top_p = top_p is not None and top_p < 1.0
-    if not use_top_k and not use_top_p:
+    k = top_k if top_k is not None and 0 < top_k < vocab else None
+    p_top = top_p if top_p is not None and top_p < 1.0 else None
+    if k is None and p_top is None:
         probs = torch.softmax(x / float(temperature), dim=-1)
         return probs.squeeze(0) if squeeze else probs
     # Filtering works on a short, sorted list of candidates (vals, idx) instead of the whole vocabulary: full
     # passes over V (and above all a full sort) are what sampling costs on CPU.
-    if use_top_k:
-        vals, idx = _top_k_with_ties(x, top_k)  # [n, m] descending, -inf past each row's k-th value
+    if k is not None:
+        vals, idx = _top_k_with_ties(x, k)  # [n, m] descending, -inf past each row's k-th value
         vals = vals / float(temperature)
         probs_sorted = torch.softmax(vals, dim=-1)  # [n, m] the distribution after top-k
     else:
-        vals, idx, probs_sorted = _nucleus_candidates(x / float(temperature), top_p)  # type: ignore[arg-type]
-    if use_top_p:
+        vals, idx, probs_sorted = _nucleus_candidates(x / float(temperature), p_top or 1.0)
+    if p_top is not None:
         # Keep a token while the more likely tokens hold less than top_p (the most likely one always stays).
-        keep = (probs_sorted.cumsum(-1) - probs_sorted) < top_p
+        keep = (probs_sorted.cumsum(-1) - probs_sorted) < p_top
         keep[:, 0] = True
         vals = vals.masked_fill(~keep, float("-inf"))
     probs = torch.zeros_like(x).scatter_(1, idx, torch.softmax(vals, dim=-1))

@@ -1,84 +1,239 @@
-"""SpecStats: one request's counters, and the rates the UI and `specchat generate --json` report.
+"""The one place speculation is counted and its speed-up computed: per request, and across requests for the bench.
 
-The engine calls :meth:`SpecStats.observe_prefill` once (the first token comes from the prefill pass) and
-:meth:`SpecStats.observe_step` after every later target pass. :meth:`SpecStats.to_dict` is the --json "stats"
-object, exactly the fields of the generate contract; ``to_dict(extended=True)`` adds timing totals, the
-accepted-length histogram and the expected speed-up. :meth:`SpecStats.snapshot` is the cheap live view.
+Pure Python (no torch). Three layers:
 
-Definitions (design.md vocabulary):
+- The formula, shared by the γ policy (``policy.py``), the request statistics and the bench:
+  E[N](γ) = 1 + Σ_{k<γ} Π_{j≤k} α_j, from per-position acceptance α_j (:func:`expected_tokens_table`), and
+  S = E[N] · T_t(1) / (γ · T_d + T_t(γ+1)) (:func:`speedup`), with measured pass times.
+- :class:`StepCounts`: mergeable counts over decoding steps (prefill excluded), per drafter: steps by γ, per
+  draft position how many steps reached and accepted it, target pass times by tokens per pass, drafting times,
+  emitted tokens and step time of speculating and of plain steps. The bench merges them across prompts.
+- :class:`SpecStats`: one request: a :class:`StepCounts` plus the request's clock (first token, last token,
+  prefill). :meth:`SpecStats.report` builds the :class:`~specchat.backend.api.RequestStats` every consumer
+  reads (the UI live, `specchat generate --json`, the history); the engine attaches one to every StepEvent.
 
-- ``steps``: target passes after prefill; ``spec_paused_steps``: those run plain because the policy paused;
-  a *speculating step* is one where at least one token was drafted (``gamma`` > 0 in observe_step: the tokens
-  really drafted, which the step's StepEvent reports as ``gamma``).
-- ``acceptance_rate`` = accepted / drafted.
-- ``mean_accepted_length`` τ = 1 + accepted / speculating steps: tokens a speculating step yields, the recovered
-  or bonus one included (vLLM's "mean acceptance length"). Plain steps are left out so τ describes the
-  drafter, not how often speculation was on; ``tokens_per_step`` (extended) is the all-steps figure.
-- ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it (drafted more
-  than i tokens and accepted all before i).
-- ``gamma``: mode (smallest on ties), mean and max of the drafted length over speculating steps.
-- ``wall_s``: from the request's start (construction, or :meth:`start`) to the last token; ``ttft_s`` to the
-  first. ``tok_s`` = new_tokens / wall_s. A rate with nothing to count is None (JSON null), never NaN.
+Definitions (the vocabulary of ``backend/api.py``): a *speculating step* drafted at least one token; a step
+with nothing drafted is *plain* (``paused`` when the policy chose it); per-position acceptance α_i = steps
+that accepted draft position i / steps that reached it (drafted more than i tokens and accepted every one
+before i). A position never reached counts as α = 0 in E[N].
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from specchat.backend.spec.policy import expected_tokens
+from specchat.backend.api import GammaSummary, PolicyState, RequestStats
+
+
+def expected_tokens_table(alphas: Sequence[float]) -> list[float]:
+    """E[N](γ) for γ = 0 .. len(alphas): tokens a step drafting γ yields (the target's own one included)."""
+    table, run, total = [1.0], 1.0, 1.0
+    for alpha in alphas:
+        run *= alpha
+        total += run
+        table.append(total)
+    return table
+
+
+def speedup(expected: float, gamma: int, *, t1: float, draft_s_per_token: float, target_s: float) -> float:
+    """S = E[N] · T_t(1) / (γ · T_d + T_t(γ+1)): tokens per second drafting γ over tokens per second plain."""
+    return expected * t1 / (gamma * draft_s_per_token + target_s)
 
 
 def _rate(num: float, den: float, digits: int = 4) -> float | None:
     return round(num / den, digits) if den else None
 
 
-def _secs(x: float) -> float:
-    return round(x, 6)
+def _add_rows(mine: list[int], theirs: Sequence[int]) -> None:
+    mine.extend([0] * (len(theirs) - len(mine)))
+    for i, value in enumerate(theirs):
+        mine[i] += value
+
+
+@dataclass(slots=True)
+class StepCounts:
+    """Counts over decoding steps, mergeable (see the module docstring)."""
+
+    steps: Counter[tuple[str, int]] = field(default_factory=Counter)  # (drafter, γ) -> steps; ("none", 0): plain
+    draft_s: dict[tuple[str, int], float] = field(default_factory=dict)  # (drafter, γ) -> seconds drafting
+    pass_s: dict[int, list[float]] = field(default_factory=dict)  # tokens per pass n -> [seconds, passes]
+    reached: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position: steps reaching it
+    accepted_at: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position: steps accepting it
+    accepted_lengths: Counter[int] = field(default_factory=Counter)  # accepted count -> speculating steps
+    drafted: int = 0
+    accepted: int = 0
+    rejected_steps: int = 0  # speculating steps that ended in a rejection
+    paused_steps: int = 0
+    spec_emitted: int = 0
+    plain_emitted: int = 0
+    spec_time_s: float = 0.0  # draft + verify + overhead of speculating steps
+    plain_time_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0
+
+    def observe(self, *, drafter: str, gamma: int, accepted: int, emitted: int, draft_s: float, verify_s: float,
+                overhead_s: float = 0.0, paused: bool = False) -> None:
+        """One step: ``gamma`` tokens drafted by ``drafter`` (0: plain), ``accepted`` of them kept, ``emitted``
+        tokens yielded (accepted + 1, fewer when EOS or the token limit cut the step)."""
+        if not 0 <= accepted <= gamma:
+            raise ValueError(f"StepCounts.observe: need 0 <= accepted <= gamma, got {accepted}, {gamma}")
+        key = (drafter if gamma else "none", gamma)
+        self.steps[key] += 1
+        self.draft_s[key] = self.draft_s.get(key, 0.0) + draft_s
+        slot = self.pass_s.setdefault(gamma + 1, [0.0, 0])
+        slot[0] += verify_s
+        slot[1] += 1
+        self.verify_s += verify_s
+        self.overhead_s += overhead_s
+        self.paused_steps += bool(paused)
+        step_s = draft_s + verify_s + overhead_s
+        if not gamma:
+            self.plain_emitted += emitted
+            self.plain_time_s += step_s
+            return
+        reached = self.reached.setdefault(drafter, [])
+        taken = self.accepted_at.setdefault(drafter, [])
+        if len(reached) < gamma:
+            reached.extend([0] * (gamma - len(reached)))
+            taken.extend([0] * (gamma - len(taken)))
+        for i in range(min(accepted + 1, gamma)):
+            reached[i] += 1
+        for i in range(accepted):
+            taken[i] += 1
+        self.drafted += gamma
+        self.accepted += accepted
+        self.rejected_steps += accepted < gamma
+        self.accepted_lengths[accepted] += 1
+        self.spec_emitted += emitted
+        self.spec_time_s += step_s
+
+    def merge(self, other: StepCounts) -> None:
+        self.steps.update(other.steps)
+        for key, seconds in other.draft_s.items():
+            self.draft_s[key] = self.draft_s.get(key, 0.0) + seconds
+        for n, (seconds, passes) in other.pass_s.items():
+            slot = self.pass_s.setdefault(n, [0.0, 0])
+            slot[0] += seconds
+            slot[1] += passes
+        for name, counts in other.reached.items():
+            _add_rows(self.reached.setdefault(name, []), counts)
+            _add_rows(self.accepted_at.setdefault(name, []), other.accepted_at[name])
+        self.accepted_lengths.update(other.accepted_lengths)
+        for name in ("drafted", "accepted", "rejected_steps", "paused_steps", "spec_emitted", "plain_emitted",
+                     "spec_time_s", "plain_time_s", "verify_s", "overhead_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready counts (keys "drafter/γ" and str(n))."""
+        return {
+            "steps": {f"{d}/{g}": n for (d, g), n in self.steps.items()},
+            "draft_s": {f"{d}/{g}": s for (d, g), s in self.draft_s.items()},
+            "pass_s": {str(n): list(v) for n, v in self.pass_s.items()},
+            "reached": {d: list(v) for d, v in self.reached.items()},
+            "accepted_at": {d: list(v) for d, v in self.accepted_at.items()},
+            "drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
+    # -- derived ------------------------------------------------------------------------------------------
+    @property
+    def total_steps(self) -> int:
+        return sum(self.steps.values())
+
+    @property
+    def spec_steps(self) -> int:
+        return sum(n for (_, gamma), n in self.steps.items() if gamma)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return _rate(self.accepted, self.drafted)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """τ = 1 + accepted / speculating steps (the recovered or bonus token counts)."""
+        steps = self.spec_steps
+        return round(1.0 + self.accepted / steps, 4) if steps else None
+
+    @property
+    def alpha_hat(self) -> float | None:
+        """Pooled per-position acceptance: accepted / (accepted + steps ending in a rejection)."""
+        return _rate(self.accepted, self.accepted + self.rejected_steps)
+
+    def per_position_acceptance(self, drafter: str | None = None) -> list[float | None]:
+        """α_i for ``drafter`` (None: every drafter pooled); None where no step reached position i."""
+        names = [drafter] if drafter is not None else list(self.reached)
+        reached: list[int] = []
+        taken: list[int] = []
+        for name in names:
+            _add_rows(reached, self.reached.get(name, []))
+            _add_rows(taken, self.accepted_at.get(name, []))
+        return [_rate(a, r) for a, r in zip(taken, reached)]
+
+    def mean_pass_s(self, n: int) -> float | None:
+        seconds, passes = self.pass_s.get(n, (0.0, 0))
+        return seconds / passes if passes else None
+
+    def gamma_summary(self) -> GammaSummary:
+        gammas: Counter[int] = Counter()
+        for (_, gamma), n in self.steps.items():
+            if gamma:
+                gammas[gamma] += n
+        if not gammas:
+            return GammaSummary()
+        mode = min(gammas, key=lambda g: (-gammas[g], g))
+        return GammaSummary(mode=mode, mean=_rate(self.drafted, sum(gammas.values())), max=max(gammas))
+
+    def busiest_drafter(self) -> str | None:
+        """The drafter of the most speculating steps (None without any)."""
+        by_drafter: Counter[str] = Counter()
+        for (name, gamma), n in self.steps.items():
+            if gamma:
+                by_drafter[name] += n
+        return max(by_drafter, key=lambda name: by_drafter[name]) if by_drafter else None
+
+    def expected_speedup(self, t1: float | None) -> float | None:
+        """S over the steps taken: Σ E[N](γ_s) / Σ (T_d(γ_s) + T_t(γ_s+1)) · T_t(1), E[N] from each drafter's
+        per-position acceptance; ``t1`` is plain decoding's mean pass time (None: not measured)."""
+        if t1 is None or not self.steps:
+            return None
+        tokens = seconds = 0.0
+        tables = {name: expected_tokens_table([a or 0.0 for a in self.per_position_acceptance(name)])
+                  for name in self.reached}
+        for (name, gamma), count in self.steps.items():
+            table = tables.get(name, [1.0])
+            target = self.mean_pass_s(gamma + 1)
+            if target is None:
+                return None
+            tokens += count * table[min(gamma, len(table) - 1)]
+            seconds += count * target + self.draft_s[(name, gamma)]
+        return tokens / seconds * t1 if seconds > 0 else None
 
 
 class SpecStats:
-    """Counters of one request. ``clock`` is injectable for tests; ``window_s`` is the live tok/s window."""
+    """One request's statistics. ``clock`` is injectable for tests.
 
-    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, window_s: float = 2.0) -> None:
+    The engine calls :meth:`observe_prefill` once (the first token comes from the prefill pass), then
+    :meth:`observe_step` after every later target pass, and :meth:`report` for each event.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, t0: float | None = None) -> None:
         self._clock = clock
-        self.window_s = window_s
-        self.start()
-
-    def start(self, t0: float | None = None) -> None:
-        """(Re)start the request clock (at ``t0``, a reading of the same clock, if the request began earlier)
-        and zero every counter."""
-        self.t0 = self._clock() if t0 is None else t0
-        self.t_first: float | None = None  # first token
-        self.t_decode: float | None = None  # end of prefill: the live window's earliest start
+        self.t0 = clock() if t0 is None else t0  # the request's start (prompt rendering included)
+        self.t_first: float | None = None
         self.t_last: float | None = None
         self.new_tokens = 0
         self.prefill_tokens = 0
         self.prefill_s = 0.0
-        self.steps = 0
-        self.spec_steps = 0
-        self.spec_paused_steps = 0
-        self.rejected_steps = 0  # speculating steps that ended in a rejection
-        self.drafted = 0
-        self.accepted = 0
-        self.emitted_in_steps = 0
-        self.draft_s = 0.0
-        self.verify_s = 0.0
-        self.overhead_s = 0.0
-        self.plain_verify_s = 0.0  # target time of steps with nothing drafted (T_t(1) from own counters)
-        self.plain_steps = 0
-        self.reached: list[int] = []  # per draft position: steps that reached it
-        self.accepted_at: list[int] = []  # per draft position: steps that accepted it
-        self.gammas: Counter[int] = Counter()  # drafted length -> speculating steps
-        self.accepted_lengths: Counter[int] = Counter()  # accepted count -> speculating steps
+        self.counts = StepCounts()
         self.last_gamma = 0
-        self.last_paused = False
-        self.policy_estimate: float | None = None
-        self._window: deque[tuple[float, int]] = deque()  # (time, tokens emitted) within window_s
+        self.last_policy: PolicyState | None = None
+        self.policy_estimate: float | None = None  # the γ policy's S, preferred over the counts' own
+        self.policy_estimates: Mapping[str, Any] | None = None
 
-    # ------------------------------------------------------------------------------------------- observing
     def _emit(self, n: int) -> None:
         if n <= 0:
             return
@@ -87,153 +242,71 @@ class SpecStats:
             self.t_first = now
         self.t_last = now
         self.new_tokens += n
-        self._window.append((now, n))
-        while self._window and self._window[0][0] <= now - self.window_s:
-            self._window.popleft()
 
-    def observe_prefill(self, *, tokens: int, seconds: float, emitted: int = 1) -> None:
+    def observe_prefill(self, *, tokens: int, seconds: float, emitted: int = 1,
+                        policy: PolicyState | None = None) -> None:
         """The prefill pass: ``tokens`` actually prefilled (after prefix reuse) in ``seconds``; it yields
         ``emitted`` tokens (the first one)."""
         self.prefill_tokens += tokens
         self.prefill_s += seconds
+        self.last_policy = policy
         self._emit(emitted)
-        self.t_decode = self._clock()
 
-    def observe_step(
-        self,
-        *,
-        gamma: int,
-        accepted: int,
-        emitted: int,
-        paused: bool,
-        draft_s: float,
-        verify_s: float,
-        overhead_s: float,
-    ) -> None:
-        """One target pass after prefill. ``gamma``: tokens drafted this step (0 for a plain step); ``accepted``
-        of them kept by verification; ``emitted``: tokens it yielded (accepted + 1, fewer when EOS or the
-        token limit cut it); ``paused``: plain because the policy paused speculation."""
-        if not 0 <= accepted <= gamma:
-            raise ValueError(f"SpecStats.observe_step: need 0 <= accepted <= gamma, got {accepted}, {gamma}")
-        self.steps += 1
-        self.spec_paused_steps += bool(paused)
-        self.draft_s += draft_s
-        self.verify_s += verify_s
-        self.overhead_s += overhead_s
-        self.emitted_in_steps += emitted
+    def observe_step(self, *, drafter: str, gamma: int, accepted: int, emitted: int, policy: PolicyState,
+                     draft_s: float, verify_s: float, overhead_s: float) -> None:
+        """One target pass after prefill (see :meth:`StepCounts.observe`)."""
+        self.counts.observe(drafter=drafter, gamma=gamma, accepted=accepted, emitted=emitted, draft_s=draft_s,
+                            verify_s=verify_s, overhead_s=overhead_s, paused=policy is PolicyState.PAUSED)
         self.last_gamma = gamma
-        self.last_paused = paused
-        if gamma > 0:
-            self.spec_steps += 1
-            self.drafted += gamma
-            self.accepted += accepted
-            self.rejected_steps += accepted < gamma
-            self.gammas[gamma] += 1
-            self.accepted_lengths[accepted] += 1
-            if len(self.reached) < gamma:
-                grow = gamma - len(self.reached)
-                self.reached.extend([0] * grow)
-                self.accepted_at.extend([0] * grow)
-            for i in range(min(accepted + 1, gamma)):
-                self.reached[i] += 1
-            for i in range(accepted):
-                self.accepted_at[i] += 1
-        else:
-            self.plain_steps += 1
-            self.plain_verify_s += verify_s
+        self.last_policy = policy
         self._emit(emitted)
 
-    def set_expected_speedup(self, value: float | None) -> None:
-        """The policy's S(γ) with its estimates (preferred over the one computed from these counters)."""
-        self.policy_estimate = value
+    def set_policy(self, expected_speedup: float | None, estimates: Mapping[str, Any] | None) -> None:
+        """The γ policy's S and estimates (a single drafter); preferred over the counts' own S."""
+        self.policy_estimate, self.policy_estimates = expected_speedup, estimates
 
-    # ----------------------------------------------------------------------------------------------- rates
     @property
     def wall_s(self) -> float:
         return (self.t_last - self.t0) if self.t_last is not None else 0.0
 
-    def acceptance_rate(self) -> float | None:
-        return _rate(self.accepted, self.drafted)
-
-    def mean_accepted_length(self) -> float | None:
-        return round(1.0 + self.accepted / self.spec_steps, 4) if self.spec_steps else None
-
-    def alpha_hat(self) -> float | None:
-        """Per-position acceptance over the request: accepted / (accepted + steps ending in a rejection)."""
-        return _rate(self.accepted, self.accepted + self.rejected_steps)
-
-    def window_tok_s(self, now: float | None = None) -> float | None:
-        """Tokens/s over the last ``window_s`` seconds of decoding (prefill excluded)."""
-        now = self._clock() if now is None else now
-        start = max(now - self.window_s, self.t_decode if self.t_decode is not None else self.t0)
-        tokens = sum(n for t, n in self._window if t > now - self.window_s and t > start)
-        return _rate(tokens, now - start, 2) if now > start else None
-
     def expected_speedup(self) -> float | None:
-        """The policy's estimate if given, else S from this request's own counters: α̂, the mean drafted length,
-        mean draft time per token, mean target time of plain and of speculating steps."""
         if self.policy_estimate is not None:
             return round(self.policy_estimate, 4)
-        alpha = self.alpha_hat()
-        if alpha is None or not self.plain_steps or not self.spec_steps:
-            return None
-        gamma = self.drafted / self.spec_steps
-        t1 = self.plain_verify_s / self.plain_steps
-        t_spec = (self.verify_s - self.plain_verify_s) / self.spec_steps
-        tokens = expected_tokens(alpha, gamma)  # a mean γ is fine in the formula
-        cost = self.draft_s / self.spec_steps + t_spec
-        return _rate(tokens * t1, cost)
+        value = self.counts.expected_speedup(self.counts.mean_pass_s(1))
+        return round(value, 4) if value is not None and self.counts.spec_steps else None
 
-    def gamma_summary(self) -> dict[str, float | int | None]:
-        if not self.spec_steps:
-            return {"mode": None, "mean": None, "max": None}
-        mode = min(self.gammas, key=lambda g: (-self.gammas[g], g))
-        return {"mode": mode, "mean": _rate(self.drafted, self.spec_steps), "max": max(self.gammas)}
-
-    def to_dict(self, *, extended: bool = False) -> dict[str, Any]:
-        """The `specchat generate --json` "stats" object (``extended`` adds diagnostics under extra keys)."""
-        wall = self.wall_s
-        out: dict[str, Any] = {
-            "new_tokens": self.new_tokens,
-            "wall_s": _secs(wall),
-            "prefill_s": _secs(self.prefill_s),
-            "ttft_s": _secs(self.t_first - self.t0) if self.t_first is not None else None,
-            "prefill_tokens": self.prefill_tokens,
-            "tok_s": _rate(self.new_tokens, wall, 2) if self.new_tokens else None,
-            "steps": self.steps,
-            "spec_paused_steps": self.spec_paused_steps,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": self.acceptance_rate(),
-            "mean_accepted_length": self.mean_accepted_length(),
-            "per_position_acceptance": [_rate(a, r) for a, r in zip(self.accepted_at, self.reached)],
-            "gamma": self.gamma_summary(),
-        }
-        if extended:
-            longest = max(self.gammas, default=-1)
-            out.update(
-                draft_s=_secs(self.draft_s),
-                verify_s=_secs(self.verify_s),
-                overhead_s=_secs(self.overhead_s),
-                tokens_per_step=_rate(self.emitted_in_steps, self.steps),
-                alpha_hat=self.alpha_hat(),
-                expected_speedup=self.expected_speedup(),
-                accepted_length_histogram=[self.accepted_lengths.get(k, 0) for k in range(longest + 1)],
-            )
-        return out
-
-    def snapshot(self) -> dict[str, Any]:
-        """The live view for the UI: cheap (no per-step history is walked beyond the short tok/s window)."""
-        return {
-            "new_tokens": self.new_tokens,
-            "tok_s": _rate(self.new_tokens, self.wall_s, 2) if self.new_tokens else None,
-            "window_tok_s": self.window_tok_s(),
-            "steps": self.steps,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "acceptance_rate": self.acceptance_rate(),
-            "mean_accepted_length": self.mean_accepted_length(),
-            "expected_speedup": self.expected_speedup(),
-            "gamma": self.last_gamma,
-            "paused": self.last_paused,
-        }
+    def report(self, *, prompt_tokens: int = 0, drafter: str = "none") -> RequestStats:
+        """The request's statistics now. ``drafter``: reported when no drafter ran a speculating step."""
+        c, wall = self.counts, self.wall_s
+        steps = c.total_steps
+        longest = max(c.accepted_lengths, default=-1)
+        return RequestStats(
+            new_tokens=self.new_tokens,
+            wall_s=round(wall, 6),
+            prefill_s=round(self.prefill_s, 6),
+            ttft_s=round(self.t_first - self.t0, 6) if self.t_first is not None else None,
+            prefill_tokens=self.prefill_tokens,
+            tok_s=_rate(self.new_tokens, wall, 2) if self.new_tokens else None,
+            steps=steps,
+            spec_paused_steps=c.paused_steps,
+            drafted=c.drafted,
+            accepted=c.accepted,
+            acceptance_rate=c.acceptance_rate,
+            mean_accepted_length=c.mean_accepted_length,
+            per_position_acceptance=tuple(c.per_position_acceptance()),
+            gamma=c.gamma_summary(),
+            prompt_tokens=prompt_tokens,
+            drafter=c.busiest_drafter() or drafter,
+            draft_s=round(sum(c.draft_s.values()), 6),
+            verify_s=round(c.verify_s, 6),
+            overhead_s=round(c.overhead_s, 6),
+            tokens_per_step=_rate(c.spec_emitted + c.plain_emitted, steps),
+            alpha_hat=c.alpha_hat,
+            expected_speedup=self.expected_speedup(),
+            accepted_length_histogram=tuple(c.accepted_lengths.get(k, 0) for k in range(longest + 1)),
+            spec_tok_s=_rate(c.spec_emitted, c.spec_time_s, 2),
+            plain_tok_s=_rate(c.plain_emitted, c.plain_time_s, 2),
+            last_gamma=self.last_gamma,
+            last_policy=self.last_policy,
+            policy=self.policy_estimates,
+        )

@@ -5,9 +5,10 @@
 The fake streams a canned Markdown reply with a code block, split into word/space/punctuation "tokens".
 Steps follow ``accept_pattern`` (accepted drafts per step with γ = ``gamma``): accepted tokens are ACCEPTED,
 then one RECOVERED (a rejection) or BONUS (all accepted) token; every ``pause_every``-th step is a plain
-PAUSED step (one TARGET token). The first event is the prefill (one TARGET token). The last event carries
-``finish_reason`` and a stats dict with the `specchat generate --json` keys. It honours ``cancel`` between
-steps and ``max_new_tokens``; it can sleep per step, raise at a given step, or end with "context".
+PAUSED step (one TARGET token). The first event is the prefill (one TARGET token). Every event carries the
+request's statistics, counted by the engine's own ``SpecStats`` (``backend/spec/stats.py``) on a fake clock
+when ``wall_s`` fixes the times; the last one carries ``finish_reason``. It honours ``cancel`` between steps and
+``max_new_tokens``; it can sleep per step, raise at a given step, or end with "context".
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from specchat.backend.api import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, PolicyState, StepEvent, TokenSource
 from specchat.backend.errors import ModelLoadError, SpecchatError
+from specchat.backend.spec.stats import SpecStats
 
 CANNED_REPLY = """Here is a function that reverses a string:
 
@@ -125,13 +127,15 @@ class FakeEngine:
         limit = request.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         drafter = request.drafter or self.pair.drafter
         fixed = request.gamma if isinstance(request.gamma, int) else None
-        t0 = time.monotonic()
-        emitted = steps = spec_steps = drafted = accepted_total = paused = 0
-        reached: list[int] = []
-        kept: list[int] = []
-        yield self._event(pieces[:1], [TokenSource.TARGET], gamma=0, accepted=0, policy=PolicyState.OFF
-                          if drafter == "none" else PolicyState.SPECULATING, drafter=drafter, is_prefill=True,
-                          prefill_tokens=17)
+        now = [0.0]  # the fake clock when wall_s fixes the times: the prefill at 0.01 s, the last token at wall_s
+        clock = (lambda: now[0]) if self.wall_s else time.monotonic
+        stats = SpecStats(clock=clock)
+        steps = 0
+        first_policy = PolicyState.OFF if drafter == "none" else PolicyState.SPECULATING
+        now[0] = 0.01
+        stats.observe_prefill(tokens=17, seconds=0.01, policy=first_policy)
+        yield self._event(pieces[:1], [TokenSource.TARGET], gamma=0, accepted=0, policy=first_policy,
+                          drafter=drafter, is_prefill=True, prefill_tokens=17, stats=stats.report(drafter=drafter))
         self.started.set()
         emitted = 1
         finish = "eos"
@@ -156,50 +160,40 @@ class FakeEngine:
             steps += 1
             message = "fake notice: drafter switched off" if self.notice_at_step == steps else None
             if drafter == "none" or (self.pause_every and steps % self.pause_every == 0):
-                paused += drafter != "none"
                 chunk = pieces[emitted:emitted + 1]
-                event = self._event(chunk, [TokenSource.TARGET], gamma=0, accepted=0,
-                                    policy=PolicyState.OFF if drafter == "none" else PolicyState.PAUSED,
-                                    drafter=drafter, message=message)
+                gamma, acc, sources = 0, 0, [TokenSource.TARGET]
+                policy = PolicyState.OFF if drafter == "none" else PolicyState.PAUSED
             else:
                 gamma = fixed or self.gamma
                 acc = min(self.accept_pattern[(steps - 1) % len(self.accept_pattern)], gamma)
                 chunk = pieces[emitted:emitted + acc + 1]
                 acc = min(acc, len(chunk) - 1)  # the reply's end cuts the draft short
                 sources = [TokenSource.ACCEPTED] * acc + [TokenSource.BONUS if acc == gamma else TokenSource.RECOVERED]
-                spec_steps += 1
-                drafted += gamma
-                accepted_total += acc
-                for i in range(min(gamma, acc + 1)):
-                    if len(reached) <= i:
-                        reached += [0] * (i + 1 - len(reached))
-                        kept += [0] * (i + 1 - len(kept))
-                    reached[i] += 1
-                    kept[i] += i < acc
-                event = self._event(chunk, sources, gamma=gamma, accepted=acc, policy=PolicyState.SPECULATING,
-                                    drafter=drafter, message=message)
+                policy = PolicyState.SPECULATING
+            event = self._event(chunk, sources, gamma=gamma, accepted=acc, policy=policy, drafter=drafter,
+                                message=message)
             emitted += len(chunk)
+            if self.wall_s and emitted >= len(pieces):
+                now[0] = self.wall_s
+            stats.observe_step(drafter=drafter, gamma=gamma, accepted=acc, emitted=len(chunk), policy=policy,
+                               draft_s=event.draft_s, verify_s=event.verify_s, overhead_s=event.overhead_s)
+            event.stats = stats.report(prompt_tokens=30, drafter=drafter)
             if emitted >= len(pieces):
                 last = event
                 break
             yield event
-        wall = self.wall_s or max(time.monotonic() - t0, 1e-6)
-        stats = {"new_tokens": emitted, "wall_s": round(wall, 4), "prefill_s": 0.01, "ttft_s": 0.01,
-                 "prefill_tokens": 17, "tok_s": round(emitted / wall, 2), "steps": steps,
-                 "spec_paused_steps": paused, "drafted": drafted, "accepted": accepted_total,
-                 "acceptance_rate": accepted_total / drafted if drafted else None,
-                 "mean_accepted_length": 1 + accepted_total / spec_steps if spec_steps else None,
-                 "per_position_acceptance": [k / r if r else None for k, r in zip(kept, reached, strict=True)],
-                 "gamma": {"mode": "fixed" if fixed else "auto", "mean": self.gamma, "max": self.gamma}}
+        if self.wall_s:
+            now[0] = self.wall_s
         if self.expected_speedup is not None:
-            stats["expected_speedup"] = self.expected_speedup
+            stats.set_policy(self.expected_speedup, None)
+        final = stats.report(prompt_tokens=30, drafter=drafter)
         if last is not None:
-            last.finish_reason, last.stats = finish, stats
+            last.finish_reason, last.stats = finish, final
             yield last
         else:
             message = "fake: the conversation is longer than the context" if finish == "context" else None
             yield self._event([], [], gamma=0, accepted=0, policy=PolicyState.SPECULATING, drafter=drafter,
-                              finish_reason=finish, stats=stats, message=message)
+                              finish_reason=finish, stats=final, message=message)
 
 
 class FakeEngineFactory:

@@ -42,7 +42,7 @@ from textual.widgets import Footer, Header, Static
 from textual.worker import Worker, WorkerCancelled, WorkerError, WorkerFailed
 
 from specchat.app.chat.conversation import Conversation, Turn
-from specchat.app.tui.bridge import LiveStats, ReplyBuffer, ReplyOutcome, run_generation, with_final_stats
+from specchat.app.tui.bridge import LiveView, ReplyBuffer, ReplyOutcome, run_generation
 from specchat.app.tui.messages import PromptSubmitted, ReplyProgress
 from specchat.app.tui.screens.chat_actions import WELCOME, ChatActionsMixin
 from specchat.app.tui.widgets.details_panel import DetailsPanel
@@ -85,7 +85,7 @@ class ActiveReply:
     buffer: ReplyBuffer = field(default_factory=ReplyBuffer)
     cancel: threading.Event = field(default_factory=threading.Event)
     worker: Worker | None = None
-    live: LiveStats = field(default_factory=LiveStats)
+    live: LiveView = field(default_factory=LiveView)
     finished: bool = False
     shown_at: float = float("-inf")  # time.monotonic() of the last redraw of its text
 
@@ -115,7 +115,7 @@ class ChatScreen(ChatActionsMixin, Screen):
         self._drain_lock = asyncio.Lock()
         self._waiting_reply = False  # a reply to start once the model has loaded
         self._waiting_edit: Any | None = None  # the /edit target of that reply
-        self._last: tuple[LiveStats, dict | None] = (LiveStats(), None)
+        self._last = LiveView()  # the last finished reply's, for the details panel
         self.stats_interval, self.text_interval = STATS_INTERVAL_S[0], TEXT_INTERVAL_S[0]
         self._cpu_mark = (time.thread_time(), time.monotonic())
         self._history_warned = False
@@ -282,7 +282,7 @@ class ChatScreen(ChatActionsMixin, Screen):
             self.stats_bar.show_live(delta.live, streaming=delta.outcome is None)
             details = self._widget(DetailsPanel)
             if details.display:
-                details.update_stats(delta.live, None)
+                details.update_stats(delta.live)
             for notice in delta.notices:
                 self.notify(notice, severity="warning", timeout=8)
             if delta.outcome is not None:
@@ -304,16 +304,16 @@ class ChatScreen(ChatActionsMixin, Screen):
         if self._active is reply:
             self._active = None
             self.query_one(PromptInput).cursor_blink = True
-        live = reply.live = with_final_stats(reply.live, outcome.stats)
-        stats = dict(outcome.stats or {})
-        stats.setdefault("drafter", live.drafter)
-        stats.update(finish_reason=outcome.finish_reason, pair=self.app.current_pair_name)
-        await reply.view.finish(reply_totals(outcome.stats, live, outcome.finish_reason))
+        if outcome.stats is not None:  # the engine's totals (a stop before its last event keeps the latest stats)
+            reply.live = LiveView(outcome.stats, reply.live.drafter, None)
+        live, stats = reply.live, reply.live.stats
+        await reply.view.finish(reply_totals(stats, outcome.finish_reason))
         complete = outcome.finish_reason in COMPLETE_REASONS
-        self.conv.finish_reply(reply.turn, reply.saver, reply.view.text, stats, complete)
-        self._last = (live, outcome.stats)
+        self.conv.finish_reply(reply.turn, reply.saver, reply.view.text, stats, finish_reason=outcome.finish_reason,
+                               pair=self.app.current_pair_name or "", complete=complete)
+        self._last = live
         self.stats_bar.show_live(live, streaming=False)
-        self.query_one(DetailsPanel).update_stats(live, outcome.stats)
+        self.query_one(DetailsPanel).update_stats(live)
         self._report(outcome)
         if reply.edit_target is not None and outcome.finish_reason in COMPLETE_REASONS:
             self.offer_edit(reply.edit_target, reply.view.text)

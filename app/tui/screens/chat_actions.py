@@ -221,8 +221,7 @@ class ChatActionsMixin:
         panel = self.query_one(DetailsPanel)
         panel.display = not panel.display
         if panel.display:
-            live, stats = self._active.live if self._active else self._last[0], None if self._active else self._last[1]
-            panel.update_stats(live, stats)
+            panel.update_stats(self._active.live if self._active else self._last)
 
     def _last_reply(self) -> AssistantMessage | None:
         replies = list(self.query(AssistantMessage))

@@ -2,14 +2,15 @@
 the presenters that format statistics for it and for a reply's totals line.
 
 Contract: the bar is updated from the UI thread at most ~10 times a second (once per drained reply buffer);
-it also shows model loading progress. ``reply_totals`` prefers the engine's final stats (the
-`specchat generate --json` "stats" object: new_tokens, wall_s, tok_s, acceptance_rate, mean_accepted_length)
-and falls back to the UI's own measurement when a key is missing.
+it also shows model loading progress. Every number is the engine's (:class:`RequestStats`, the same object
+`specchat generate --json` prints and the history stores) except the live tokens/s, measured over the last
+second by the bridge (``backend``'s tok_s counts the whole reply, prefill included).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
 from rich.segment import Segment
@@ -20,8 +21,8 @@ from textual.strip import Strip
 from textual.widget import Widget
 from textual.widgets import ProgressBar
 
-from specchat.app.tui.bridge import LiveStats
-from specchat.backend.api import PolicyState
+from specchat.app.tui.bridge import LiveView
+from specchat.backend.api import PolicyState, RequestStats
 
 SPARK_SAMPLES = 60
 SPARK_WIDTH = 30  # columns; each shows the highest of SPARK_SAMPLES // SPARK_WIDTH samples
@@ -38,41 +39,37 @@ def num(value: float | None, digits: int = 1) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def policy_label(live: LiveStats) -> str:
-    if live.policy is None:
+def policy_label(live: LiveView) -> str:
+    policy = live.stats.last_policy
+    if policy is None:
         return ""
-    if live.policy == PolicyState.OFF or live.drafter == "none":
+    if policy == PolicyState.OFF or live.drafter == "none":
         return "plain decoding"
-    if live.policy == PolicyState.PAUSED:
+    if policy == PolicyState.PAUSED:
         return f"{live.drafter}: paused"
     return f"{live.drafter}: speculating"
 
 
-def reply_totals(stats: dict[str, Any] | None, live: LiveStats, finish_reason: str) -> str:
+def reply_totals(stats: RequestStats, finish_reason: str) -> str:
     """One line under a finished reply: tokens, time, tok/s, acceptance, τ, drafter, and how it ended."""
-    stats = stats or {}
-    tokens = stats.get("new_tokens", live.new_tokens)
-    seconds = stats.get("wall_s", live.elapsed_s)
-    rate = stats.get("tok_s", live.tok_s_avg)
-    parts = [f"{tokens} tokens", f"{num(seconds, 2)} s", f"{num(rate)} tok/s"]
-    drafted = stats.get("drafted", live.drafted)
-    if drafted:
-        parts.append(f"acceptance {pct(stats.get('acceptance_rate', live.acceptance_rate))}")
-        parts.append(f"τ {num(stats.get('mean_accepted_length', live.mean_accepted_length), 2)}")
-    drafter = stats.get("drafter", live.drafter)
-    if drafter:
-        parts.append(str(drafter))
+    parts = [f"{stats.new_tokens} tokens", f"{num(stats.wall_s, 2)} s", f"{num(stats.tok_s)} tok/s"]
+    if stats.drafted:
+        parts.append(f"acceptance {pct(stats.acceptance_rate)}")
+        parts.append(f"τ {num(stats.mean_accepted_length, 2)}")
+    if stats.drafter:
+        parts.append(stats.drafter)
     note = FINISH_NOTES.get(finish_reason, finish_reason)
     if note:
         parts.append(note)
     return " · ".join(parts)
 
 
-def stored_totals(stats: dict[str, Any] | None) -> str:
-    """The totals line of a reply reopened from history (its stats column)."""
-    if not stats:
+def stored_totals(meta: Mapping[str, Any] | None) -> str:
+    """The totals line of a reply reopened from history (its stats column: RequestStats.to_dict() plus
+    ``finish_reason``; an older or damaged row shows what can be read of it)."""
+    if not meta:
         return ""
-    return reply_totals(stats, LiveStats(), str(stats.get("finish_reason", "")))
+    return reply_totals(RequestStats.from_dict(meta), str(meta.get("finish_reason", "")))
 
 
 def sparkline(samples: list[float], width: int = SPARK_WIDTH) -> Text:
@@ -174,22 +171,23 @@ class StatsBar(Horizontal):
         self.query_one("#load-progress").display = False
         self._set(Text.assemble(("○ ", "bold red"), note))
 
-    def show_live(self, live: LiveStats, *, streaming: bool) -> None:
+    def show_live(self, live: LiveView, *, streaming: bool) -> None:
+        stats = live.stats
         spark = None
         if streaming:
-            self._samples.append(live.tok_s or 0.0)
+            self._samples.append(live.window_tok_s or 0.0)
             spark = sparkline(list(self._samples))
         text = Text()
         text.append("● " if streaming else "○ ", style="bold green" if streaming else "dim")
         text.append(self.pair_name, style="bold")
-        rate = live.tok_s if streaming else live.tok_s_avg
+        rate = (live.window_tok_s or stats.tok_s) if streaming else stats.tok_s
         text.append(f"  {num(rate)} tok/s", style="bold cyan")
-        text.append(f"  acc {pct(live.acceptance_rate)}")
-        text.append(f"  τ {num(live.mean_accepted_length, 2)}")
-        text.append(f"  γ {live.gamma}")
+        text.append(f"  acc {pct(stats.acceptance_rate)}")
+        text.append(f"  τ {num(stats.mean_accepted_length, 2)}")
+        text.append(f"  γ {stats.last_gamma}")
         label = policy_label(live)
         if label:
-            style = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}.get(live.policy, "dim")
+            style = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}.get(stats.last_policy, "dim")
             text.append(f"  {label}", style=style)
         if streaming:
             text.append("  esc stop", style="dim")

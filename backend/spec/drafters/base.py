@@ -8,7 +8,10 @@ asked, even none, is allowed: the engine then verifies what there is, or runs a 
 
 ``observe(num_accepted)`` is called after each verification with how many of the proposed ids the target kept,
 so a drafter can roll back its own state (a draft model's cache) or adapt. ``reset()`` starts a new request or
-conversation.
+conversation; ``configure(...)`` gives it the request's sampling settings and random generator (a drafter
+that samples uses them; a deterministic one ignores them); ``release()`` gives back what it holds (cache
+blocks) for good. The whole interface is declared here (as transformers' candidate generators declare
+theirs), so the engine never probes a drafter for optional methods.
 """
 
 from __future__ import annotations
@@ -37,6 +40,30 @@ class Drafter(Protocol):
 
     def reset(self) -> None: ...
 
+    def configure(self, *, temperature: float, top_k: int | None, top_p: float | None,
+                  generator: torch.Generator | None) -> None: ...
+
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft: ...
 
     def observe(self, num_accepted: int) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class StatelessHooks:
+    """The hooks a drafter without per-request state needs none of: configure, observe and release do nothing
+    beyond :meth:`reset` (a deterministic drafter ignores sampling settings; verification keeps the target's
+    distribution whatever it proposes)."""
+
+    def reset(self) -> None:
+        """Nothing to forget."""
+
+    def configure(self, *, temperature: float, top_k: int | None, top_p: float | None,
+                  generator: torch.Generator | None) -> None:
+        """Nothing to configure."""
+
+    def observe(self, num_accepted: int) -> None:
+        """Nothing to learn."""
+
+    def release(self) -> None:
+        self.reset()

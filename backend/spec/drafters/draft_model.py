@@ -10,26 +10,30 @@ new context (a pointer move, no copy) and only the missing tokens are fed. Draft
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from specchat.backend.engine.prompting import common_prefix_len
-from specchat.backend.kv.attention import forward_paged
-from specchat.backend.kv.kv_cache import PagedKVCache
+from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
+from specchat.backend.kv.kv_cache import Sequence as CacheSequence
 from specchat.backend.spec.drafters.base import Draft
 from specchat.backend.spec.sampling import logits_to_probs, sample
 
+Forward = Callable[..., torch.Tensor]  # (seq, ids, *, logits_to_keep) -> [logits_to_keep, V]: the model runner's
+
 
 class DraftModelDrafter:
+    """``forward`` is the draft model's runner (``backend/engine/runner.py``), over ``cache``."""
+
     name = "draft-model"
 
-    def __init__(self, model, cache: PagedKVCache, *, vocab_limit: int, eos_token_ids: Sequence[int]) -> None:
-        self.model = model
+    def __init__(self, forward: Forward, cache: PagedKVCache, *, vocab_limit: int,
+                 eos_token_ids: Sequence[int]) -> None:
+        self.forward = forward
         self.cache = cache
         self.vocab_limit = vocab_limit  # the tokenizer's ids: q is compared with p over these only
         self.eos = frozenset(eos_token_ids)
-        self.seq = cache.new_sequence()
+        self.seq: CacheSequence = cache.new_sequence()
         self.cached: list[int] = []  # token ids whose K/V are in self.seq
         self.temperature = 0.0
         self.top_k: int | None = None
@@ -53,7 +57,7 @@ class DraftModelDrafter:
         """Nothing to learn: the next propose() rolls the cache back to the accepted prefix."""
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        logits = forward_paged(self.model, self.seq, ids, logits_to_keep=1)  # [1, V_draft]
+        logits = self.forward(self.seq, ids, logits_to_keep=1)  # [1, V_draft]
         self.seq.commit(len(ids))
         self.cached.extend(ids)
         return logits[:, : self.vocab_limit]

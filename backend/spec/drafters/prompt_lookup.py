@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from specchat.backend.spec.drafters.base import Draft
+from specchat.backend.spec.drafters.base import Draft, StatelessHooks
 
 # How much of the already-indexed context is re-compared each call to detect that it changed.
 _CHECK_TAIL = 32
@@ -47,7 +47,7 @@ def _as_list(ids: Sequence[int]) -> list[int]:
     return tolist() if tolist is not None else list(ids)
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(StatelessHooks):
     """n-gram drafter over the conversation so far (see the module docstring)."""
 
     name = "prompt-lookup"

@@ -10,19 +10,12 @@ from fake_engine import CANNED_REPLY, FakeEngine, fake_pairs
 
 from specchat.app.chat.conversation import Conversation, Turn, title_for
 from specchat.app.chat.settings import Settings, SettingsError, load_settings, save_settings, validate_settings
-from specchat.app.tui.bridge import (
-    LiveStats,
-    ReplyBuffer,
-    StatsTracker,
-    ThrottledProgress,
-    run_generation,
-    with_final_stats,
-)
+from specchat.app.tui.bridge import ReplyBuffer, ThrottledProgress, run_generation
 from specchat.app.tui.screens.chat import STATS_INTERVAL_S, TEXT_INTERVAL_S, UI_CPU_BUDGET, adapt_intervals
 from specchat.app.tui.widgets.details_panel import measured_speedup
 from specchat.app.tui.widgets.message_view import CopyableFence, warm_highlighting
 from specchat.app.tui.widgets.stats_bar import SPARK_BARS, reply_totals, sparkline, stored_totals
-from specchat.backend.api import GenerationRequest, PolicyState, StepEvent, TokenSource
+from specchat.backend.api import GenerationRequest, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.errors import SpecchatError
 
 
@@ -34,14 +27,15 @@ class Clock:
         return self.now
 
 
-def step(n: int, *, gamma: int, accepted: int, prefill: bool = False, paused: bool = False) -> StepEvent:
+def step(n: int, *, gamma: int, accepted: int, prefill: bool = False, paused: bool = False,
+         stats: RequestStats | None = None) -> StepEvent:
     sources = [TokenSource.ACCEPTED] * accepted + [TokenSource.BONUS if accepted == gamma else TokenSource.RECOVERED]
     if gamma == 0:
         sources = [TokenSource.TARGET] * n
     policy = PolicyState.PAUSED if paused else PolicyState.SPECULATING
     return StepEvent(token_ids=[0] * len(sources), sources=sources, token_texts=["x"] * len(sources),
                      text="x" * len(sources), gamma=gamma, accepted=accepted, draft_s=0.01, verify_s=0.04,
-                     overhead_s=0.0, policy=policy, drafter="prompt-lookup", is_prefill=prefill)
+                     overhead_s=0.0, policy=policy, drafter="prompt-lookup", is_prefill=prefill, stats=stats)
 
 
 # -- settings -----------------------------------------------------------------------------------------------
@@ -85,35 +79,35 @@ def test_save_settings_where_no_folder_can_be_made_raises_a_clear_error(tmp_path
 
 
 # -- statistics -----------------------------------------------------------------------------------------------
-def test_tracker_counts_acceptance_tau_and_per_position():
+def test_the_live_view_is_the_engines_latest_stats_plus_a_one_second_rate():
     clock = Clock()
-    tracker = StatsTracker(clock)
-    events = [step(1, gamma=0, accepted=0, prefill=True), step(0, gamma=4, accepted=4),
-              step(0, gamma=4, accepted=1), step(0, gamma=2, accepted=0), step(1, gamma=0, accepted=0, paused=True)]
+    buffer = ReplyBuffer(clock)
+    events = [step(1, gamma=0, accepted=0, prefill=True, stats=RequestStats(new_tokens=1)),
+              step(0, gamma=4, accepted=4, stats=RequestStats(new_tokens=6, drafted=4, accepted=4)),
+              step(0, gamma=4, accepted=1), step(1, gamma=0, accepted=0, paused=True,
+                                                 stats=RequestStats(new_tokens=9, drafted=8, accepted=5))]
     for event in events:
-        clock.now += 0.1
-        tracker.observe(event)
-    live = tracker.snapshot()
-    assert live.new_tokens == 1 + 5 + 2 + 1 + 1 and live.steps == 4 and live.paused_steps == 1
-    assert live.drafted == 10 and live.accepted == 5 and live.acceptance_rate == 0.5
-    assert live.mean_accepted_length == pytest.approx(1 + 5 / 3)  # per speculative step, as backend/spec/stats.py
-    # position 1: reached 3 times, accepted twice; 2: reached twice (γ=4 steps), accepted once; 3, 4: once, once
-    assert live.per_position_acceptance == [pytest.approx(2 / 3), 0.5, 1.0, 1.0]
-    assert live.ttft_s == pytest.approx(0.1) and live.elapsed_s == pytest.approx(0.5)
-    assert live.spec_tok_s == pytest.approx(8 / 0.15) and live.plain_tok_s == pytest.approx(1 / 0.05)
-    assert measured_speedup(live, None) == pytest.approx((8 / 0.15) / 20)
-    assert measured_speedup(live, {"measured_speedup": 1.5}) == 1.5
+        clock.now += 0.25
+        buffer.push(event)
+    live = buffer.drain().live
+    assert live.stats == RequestStats(new_tokens=9, drafted=8, accepted=5)  # the engine's, never recounted
+    assert live.drafter == "prompt-lookup"
+    assert live.window_tok_s == pytest.approx((5 + 2 + 1) / 0.75)  # tokens after the first event, over 0.75 s
+    clock.now += 2.0
+    buffer.push(step(1, gamma=0, accepted=0, paused=True))  # an event without stats keeps the last ones
+    later = buffer.drain().live
+    assert later.stats == live.stats and later.window_tok_s is None  # one event in the last second
 
 
-def test_final_stats_override_the_live_measurement():
-    live = LiveStats(new_tokens=5, tok_s_avg=10.0, acceptance_rate=0.1, drafter="prompt-lookup")
-    merged = with_final_stats(live, {"new_tokens": 7, "tok_s": 12.5, "acceptance_rate": None, "gamma": {"mode": 3}})
-    assert (merged.new_tokens, merged.tok_s_avg, merged.acceptance_rate) == (7, 12.5, 0.1)
-    assert live.new_tokens == 5  # not modified in place
-    line = reply_totals({"new_tokens": 7, "wall_s": 0.5, "tok_s": 14.0, "drafted": 4, "acceptance_rate": 0.75,
-                         "mean_accepted_length": 2.5}, live, "cancelled")
+def test_totals_lines_and_the_measured_speedup():
+    stats = RequestStats(new_tokens=7, wall_s=0.5, tok_s=14.0, drafted=4, acceptance_rate=0.75,
+                         mean_accepted_length=2.5, drafter="prompt-lookup", spec_tok_s=30.0, plain_tok_s=20.0)
+    line = reply_totals(stats, "cancelled")
     assert line == "7 tokens · 0.50 s · 14.0 tok/s · acceptance 75% · τ 2.50 · prompt-lookup · stopped"
     assert stored_totals(None) == "" and "max tokens reached" in stored_totals({"finish_reason": "length"})
+    assert stored_totals(stats.to_dict() | {"finish_reason": "cancelled"}) == line  # as the history keeps it
+    assert stored_totals({"new_tokens": "garbled", "finish_reason": "eos"}).startswith("0 tokens")
+    assert measured_speedup(stats) == pytest.approx(1.5) and measured_speedup(RequestStats()) is None
 
 
 # -- the worker bridge ------------------------------------------------------------------------------------------
@@ -132,7 +126,7 @@ def test_run_generation_streams_everything_and_throttles_nudges():
                    interval_s=0.1, clock=clock)
     delta = buffer.drain()
     assert delta.text == CANNED_REPLY and "".join(t for t, _ in delta.tokens) == CANNED_REPLY
-    assert delta.outcome.finish_reason == "eos" and delta.outcome.stats["new_tokens"] == 79
+    assert delta.outcome.finish_reason == "eos" and delta.outcome.stats.new_tokens == 79
     assert 5 <= len(nudges) <= 8  # 27 events over 0.54 s at ≤ 10 Hz, plus the final nudge
     again = buffer.drain()
     assert again.text == "" and again.outcome is None  # the outcome is handed over once
@@ -173,7 +167,9 @@ def test_conversation_without_history_builds_requests():
     conv.add_user("  \nHow do I sort a list in Python? It is long " + "x" * 80, "p")
     reply, saver = conv.start_reply()
     assert saver is None and conv.request_messages("")[-1]["role"] == "user"  # the empty reply is left out
-    conv.finish_reply(reply, saver, "Use sorted().", {"finish_reason": "eos"}, True)
+    conv.finish_reply(reply, saver, "Use sorted().", RequestStats(new_tokens=3), finish_reason="eos", pair="p",
+                      complete=True)
+    assert reply.meta["new_tokens"] == 3 and reply.meta["finish_reason"] == "eos" and reply.meta["pair"] == "p"
     assert conv.request_messages("Be brief.") == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": conv.turns[0].content},

@@ -26,7 +26,7 @@ from specchat.backend.bench.report import (
     write_json,
 )
 from specchat.backend.bench.runner import Mode, default_modes, parse_modes
-from specchat.backend.bench.stats import Row, StepTally, aggregate, compare_tokens, mark_equality
+from specchat.backend.bench.stats import Row, aggregate, compare_tokens, mark_equality
 from specchat.backend.bench.suites import (
     CODE_EDIT_FAMILY,
     MT_BENCH_CATEGORIES,
@@ -38,6 +38,7 @@ from specchat.backend.bench.suites import (
     select,
 )
 from specchat.backend.errors import ConfigError, RequestError
+from specchat.backend.spec.stats import StepCounts
 
 # -- suites -------------------------------------------------------------------------------------------------
 
@@ -115,32 +116,15 @@ def test_compare_tokens():
     assert compare_tokens([1, 2, 3, 4], [1, 2, 3]) == "ran longer (4 vs 3 tokens)"
 
 
-def test_step_tally_per_position_acceptance_and_expected_speedup():
-    t = StepTally()
-    # γ=2 twice: accepted 2 then accepted 0; one paused step.
-    t.observe(drafter="prompt-lookup", gamma=2, accepted=2, emitted=3, draft_s=0.0, verify_s=0.2)
-    t.observe(drafter="prompt-lookup", gamma=2, accepted=0, emitted=1, draft_s=0.0, verify_s=0.2)
-    t.observe(drafter="prompt-lookup", gamma=0, accepted=0, emitted=1, draft_s=0.0, verify_s=0.1)
-    assert t.per_position_acceptance("prompt-lookup") == [0.5, 1.0]
-    assert t.acceptance_rate == 0.5 and t.mean_accepted_length == 2.0
-    # E[N](2) = 1 + .5 + .5*1 = 2; two steps of 0.2 s, one plain step E=1 of 0.1 s; T_plain(1) = 0.1.
-    assert t.expected_speedup(0.1) == pytest.approx((2 * 2 + 1) / (0.2 * 2 + 0.1) * 0.1)
-    merged = StepTally()
-    merged.merge(t)
-    merged.merge(t)
-    assert merged.per_position_acceptance("prompt-lookup") == [0.5, 1.0]
-    assert merged.drafted == 8 and merged.mean_pass_s(3) == pytest.approx(0.2)
-
-
 def _row(mode, prompt, tokens, wall, *, family="qa", ttft=0.1, tally=None):
     return Row(pair="p", family=family, category="c", prompt_id=prompt, mode=mode, order=0, prompt_tokens=10,
                token_ids=list(tokens), wall_s=wall, ttft_s=ttft, finish_reason="length", tally=tally)
 
 
 def _synthetic_rows():
-    pl = StepTally()
+    pl = StepCounts()
     pl.observe(drafter="prompt-lookup", gamma=3, accepted=3, emitted=4, draft_s=0.001, verify_s=0.12)
-    plain = StepTally()
+    plain = StepCounts()
     plain.observe(drafter="none", gamma=0, accepted=0, emitted=1, draft_s=0.0, verify_s=0.1)
     rows = []
     for prompt, n in (("a", 10), ("b", 30)):

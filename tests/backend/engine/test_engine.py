@@ -16,7 +16,7 @@ from tiny_models import FAMILIES, one_thread, random_ids  # noqa: F401  (one_thr
 
 from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams, TokenSource
 from specchat.backend.errors import RequestError
-from specchat.backend.spec.drafters.base import Draft
+from specchat.backend.spec.drafters.base import Draft, StatelessHooks
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 
@@ -54,7 +54,7 @@ def test_prompt_lookup_greedy_equals_plain(family, gamma):
     ids, events = run(tiny_engine(family, drafter="prompt-lookup", gamma=gamma), prompt_ids=prompt, sampling=GREEDY)
     assert ids == plain
     stats = events[-1].stats
-    assert stats["new_tokens"] == len(ids)
+    assert stats.new_tokens == len(ids)
 
 
 def test_draft_model_twin_accepts_everything_and_matches_plain():
@@ -64,7 +64,7 @@ def test_draft_model_twin_accepts_everything_and_matches_plain():
     ids, events = run(engine, prompt_ids=prompt, sampling=GREEDY)
     assert ids == plain
     stats = events[-1].stats
-    assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"]
+    assert stats.drafted > 0 and stats.accepted == stats.drafted
     assert any(TokenSource.BONUS in e.sources for e in events)
 
 
@@ -77,7 +77,7 @@ def test_draft_model_unrelated_draft_still_lossless():
     assert any(TokenSource.RECOVERED in e.sources for e in events)
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(StatelessHooks):
     """Proposes a fixed function of the context, for forcing rejections and EOS inside drafts."""
 
     name = "prompt-lookup"
@@ -147,7 +147,7 @@ def test_second_turn_prefills_only_the_difference_and_matches_fresh_run():
     second = first + [{"role": "assistant", "content": reply.strip()},
                       {"role": "user", "content": "w20 w21 w22"}]
     ids2, events2 = run(engine, messages=second, sampling=GREEDY, conversation="c")
-    full_prompt_len = events2[-1].stats["prompt_tokens"]
+    full_prompt_len = events2[-1].stats.prompt_tokens
     prefilled = events2[0].prefill_tokens
     assert prefilled < full_prompt_len
     # Only the new user turn (and the template's closing of the previous reply) is prefilled.

@@ -20,7 +20,7 @@ from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine
 from specchat.backend.models.config import load_pairs
 from specchat.backend.models.loading import load_model
-from specchat.backend.spec.drafters.base import Draft
+from specchat.backend.spec.drafters.base import Draft, StatelessHooks
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +66,10 @@ def test_greedy_plain_and_prompt_lookup_equal_transformers(engine, hf_model, mes
     assert plain == reference
     assert lookup == reference
     if messages is EDIT:  # the reply copies the function: prompt lookup must have found drafts
-        assert stats["drafted"] > 0 and stats["accepted"] > 0
+        assert stats.drafted > 0 and stats.accepted > 0
 
 
-class UniformDrafter:
+class UniformDrafter(StatelessHooks):
     """Proposes 2 tokens drawn uniformly from a candidate set, with q = that uniform distribution."""
 
     name = "prompt-lookup"
@@ -123,7 +123,7 @@ def test_rejection_sampling_keeps_the_target_distribution_on_the_real_model(engi
                                       sampling=SamplingParams(temperature=1.0, top_k=2, max_new_tokens=4, seed=s))
             key = (ids[1], ids[2])
             counts[key] = counts.get(key, 0) + 1
-            drafted += stats["drafted"]
+            drafted += stats.drafted
     finally:
         engine.drafters["prompt-lookup"] = original
         engine.forget("chi2")
@@ -139,7 +139,7 @@ def test_rejection_sampling_keeps_the_target_distribution_on_the_real_model(engi
 
 def _full_forward(engine, ids: list[int]) -> torch.Tensor:
     """Last-position logits over the tokenizer's ids, computed through a scratch request's prefill path."""
-    from specchat.backend.kv.attention import forward_paged
+    from specchat.backend.engine.runner import forward_paged
 
     seq = engine.cache.new_sequence()
     try:

@@ -19,7 +19,7 @@ from engine_fixtures import tiny_engine
 from tiny_models import VOCAB_SIZE, one_thread  # noqa: F401  (one_thread: autouse)
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.spec.drafters.base import Draft
+from specchat.backend.spec.drafters.base import Draft, StatelessHooks
 from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
 
 
@@ -31,7 +31,7 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-class RandomDrafter:
+class RandomDrafter(StatelessHooks):
     """Proposes random ids, random copies of the context, or real prompt-lookup drafts (the tiny models loop, so
     those get accepted: random drafts alone are accepted ~1% of the time, too rarely to count on); fails now
     and then."""

@@ -97,10 +97,11 @@ def test_bench_twin_runs_stock_layers_on_the_same_weights() -> None:
 def test_engine_packs_on_cpu_only_when_the_copy_fits(monkeypatch) -> None:
     from engine_fixtures import tiny_engine
 
-    from specchat.backend.engine import engine as engine_module
+    from specchat.backend.engine import runner as runner_module
 
     eng = tiny_engine("llama")
     assert all(type(m) is cpu_linear.PackedLinear for m in _linears(eng.target.model))
-    monkeypatch.setattr(engine_module, "free_memory", lambda device: engine_module.PACKING_SPARE_BYTES)
+    assert eng.runner.path == "cpu-packed"
+    monkeypatch.setattr(runner_module, "free_memory", lambda device: runner_module.PACKING_SPARE_BYTES)
     eng = tiny_engine("llama")
-    assert all(type(m) is nn.Linear for m in _linears(eng.target.model))
+    assert all(type(m) is nn.Linear for m in _linears(eng.target.model)) and eng.runner.path == "eager"

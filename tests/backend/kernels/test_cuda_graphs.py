@@ -1,7 +1,7 @@
 """Static-shape forwards (backend/kernels/cuda_graphs.py): on CPU the static mode runs eagerly and must give the normal
 paged path's logits on every supported family, with padded token buckets, masked key buckets, fragmented block
 tables and rollback; buckets, buffer reuse (no reallocation across steps) and the fallback rules; a greedy
-engine run with the runner attached gives the same tokens. The ``cuda`` tests capture and replay real CUDA
+engine run with graph runners gives the same tokens. The ``cuda`` tests capture and replay real CUDA
 graphs (run by packaging/device_check.sh; skipped without a GPU)."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from engine_fixtures import tiny_engine
 from tiny_models import FAMILIES, build_tiny, random_ids
 
 from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.engine.runner import forward_paged
 from specchat.backend.kernels import cuda_graphs
-from specchat.backend.kv.attention import forward_paged, use_paged_attention
+from specchat.backend.kv.attention import use_paged_attention
 from specchat.backend.kv.kv_cache import PagedKVCache
 
 TOL = 1e-4
@@ -34,20 +35,20 @@ def _cache(model, *, fragmented: bool, block_size: int = 4, max_tokens: int = 25
     return cache
 
 
-def _scenario(model, seq, ids: list[int]) -> list[torch.Tensor]:
+def _scenario(model, seq, ids: list[int], graphs=None) -> list[torch.Tensor]:
     """Chunked prefill, single-token decode, a verification chunk with rollback (as test_attention)."""
     got = []
     for lo, hi in ((0, 6), (6, 17), (17, 26)):  # 6 -> bucket 8, 11 -> 16, 9 -> 16 (a padded chunk)
-        got.append(forward_paged(model, seq, ids[lo:hi], logits_to_keep=hi - lo))
+        got.append(forward_paged(model, seq, ids[lo:hi], logits_to_keep=hi - lo, graphs=graphs))
         seq.commit(hi - lo)
     for t in ids[26:30]:
-        got.append(forward_paged(model, seq, [t]))
+        got.append(forward_paged(model, seq, [t], graphs=graphs))
         seq.commit(1)
     wrong = [(t + 1) % 100 + 3 for t in ids[34:37]]
-    got.append(forward_paged(model, seq, ids[30:34] + wrong, logits_to_keep=7)[:4])
+    got.append(forward_paged(model, seq, ids[30:34] + wrong, logits_to_keep=7, graphs=graphs)[:4])
     seq.commit(5)
     seq.truncate(34)
-    got.append(forward_paged(model, seq, torch.tensor(ids[34:40]), logits_to_keep=3))
+    got.append(forward_paged(model, seq, torch.tensor(ids[34:40]), logits_to_keep=3, graphs=graphs))
     seq.commit(6)
     return got
 
@@ -60,11 +61,11 @@ def test_static_mode_matches_eager(family: str, fragmented: bool) -> None:
     ids = random_ids(CONTEXT, seed=11)
     eager = _scenario(model, _cache(model, fragmented=fragmented).new_sequence(), ids)
     cache = _cache(model, fragmented=fragmented)
-    runner = cuda_graphs.attach(model, cache, kv_step=16)  # several key buckets within 40 tokens
-    static = _scenario(model, cache.new_sequence(), ids)
+    runner = cuda_graphs.GraphRunner(model, cache, kv_step=16)  # several key buckets within 40 tokens
+    static = _scenario(model, cache.new_sequence(), ids, graphs=runner)
     assert runner.stats["eager_static"] == 9 and runner.stats["fallbacks"] == 0
     assert set(runner._shapes) == {(8, 16), (16, 32), (1, 32), (8, 48)}  # padded rows and masked keys happen
-    cuda_graphs.detach(model)
+    runner.release()
     for a, b in zip(eager, static):
         torch.testing.assert_close(b, a, atol=TOL, rtol=0)
 
@@ -87,23 +88,23 @@ def test_buffers_are_reused_across_steps() -> None:
     model = build_tiny("qwen2")
     use_paged_attention(model)
     cache = _cache(model, fragmented=True)
-    runner = cuda_graphs.attach(model, cache, kv_step=64)
+    runner = cuda_graphs.GraphRunner(model, cache, kv_step=64)
     seq = cache.new_sequence()
     ids = random_ids(30, seed=2)
-    forward_paged(model, seq, ids[:5], logits_to_keep=5)
+    forward_paged(model, seq, ids[:5], logits_to_keep=5, graphs=runner)
     seq.commit(5)
     ptrs = (runner._dev.data_ptr(), runner._host.data_ptr())
     shape = runner._shapes[(8, 64)]
     ctx_ptrs = (shape.ctx.positions.data_ptr(), shape.ctx.write_slots.data_ptr(), shape.ctx.read_slots.data_ptr())
     for t in ids[5:25]:
-        forward_paged(model, seq, [t])
+        forward_paged(model, seq, [t], graphs=runner)
         seq.commit(1)
         assert (runner._dev.data_ptr(), runner._host.data_ptr()) == ptrs
     step = runner._shapes[(1, 64)]
     assert set(runner._shapes) == {(8, 64), (1, 64)}  # twenty decode steps, one static shape
     assert (step.ctx.read_slots.data_ptr(), step.ctx.positions.data_ptr()) == (ctx_ptrs[2], ctx_ptrs[0])
     assert step.ctx.write_slots.data_ptr() == ctx_ptrs[1]  # every shape views the same buffers
-    cuda_graphs.detach(model)
+    runner.release()
 
 
 def test_fallback_rules_and_trash_block() -> None:
@@ -114,30 +115,30 @@ def test_fallback_rules_and_trash_block() -> None:
     other = cache.new_sequence()  # another conversation: padded writes must never touch its slots
     other.reserve(8)
     other.commit(8)
-    runner = cuda_graphs.attach(model, cache, kv_step=16, max_kv=32, token_buckets=(1, 2, 4, 8, 16))
+    runner = cuda_graphs.GraphRunner(model, cache, kv_step=16, max_kv=32, token_buckets=(1, 2, 4, 8, 16))
     assert cache.pool.num_free == free_before - 3  # two blocks for `other`, one trash block
     snapshot = cache.k[:, :, other.slot(0) : other.slot(7) + 1].clone()
     seq = cache.new_sequence()
     ids = random_ids(40, seed=5)
-    forward_paged(model, seq, ids[:20], logits_to_keep=1)  # 20 > largest bucket: eager
+    forward_paged(model, seq, ids[:20], logits_to_keep=1, graphs=runner)  # 20 > largest bucket: eager
     seq.commit(20)
     assert runner.stats == {"replays": 0, "eager_static": 0, "captures": 0, "fallbacks": 1}
-    forward_paged(model, seq, ids[20:23], logits_to_keep=3)  # bucket 4: one padded token to the trash block
+    forward_paged(model, seq, ids[20:23], logits_to_keep=3, graphs=runner)  # bucket 4: one padded token, to trash
     seq.commit(3)
     assert runner.stats["eager_static"] == 1
-    forward_paged(model, seq, ids[23:33], logits_to_keep=1)  # kv 33 > max_kv 32: eager
+    forward_paged(model, seq, ids[23:33], logits_to_keep=1, graphs=runner)  # kv 33 > max_kv 32: eager
     assert runner.stats["fallbacks"] == 2
     torch.testing.assert_close(cache.k[:, :, other.slot(0) : other.slot(7) + 1], snapshot, atol=0, rtol=0)
     # A sequence of another cache is not the runner's: eager.
     foreign = _cache(model, fragmented=False).new_sequence()
-    forward_paged(model, foreign, ids[:2], logits_to_keep=1)
+    forward_paged(model, foreign, ids[:2], logits_to_keep=1, graphs=runner)
     assert runner.stats["fallbacks"] == 3
     runner.disabled_reason = "capture failed (test)"
     seq.truncate(23)
-    forward_paged(model, seq, ids[23:24])
+    forward_paged(model, seq, ids[23:24], graphs=runner)
     assert runner.stats["fallbacks"] == 4 and runner.stats["eager_static"] == 1
-    cuda_graphs.detach(model)
-    assert cuda_graphs.runner_of(model) is None
+    runner.release()
+    assert runner.disabled_reason == "released"
     assert cache.pool.num_free == free_before - 2 - len(seq.block_table)  # the trash block went back
 
 
@@ -159,9 +160,10 @@ def test_engine_tokens_identical_with_static_runner(drafter: str) -> None:
                   gamma=3 if drafter == "draft-model" else "auto")
     plain = _greedy_tokens(tiny_engine("llama", **kwargs), prompt, 24)
     engine = tiny_engine("llama", **kwargs)
-    runners = [cuda_graphs.attach(engine.target.model, engine.cache, kv_step=16)]
-    if engine.draft is not None:
-        runners.append(cuda_graphs.attach(engine.draft.model, engine.draft_cache, kv_step=16))
+    runners = []
+    for model_runner in filter(None, (engine.runner, engine.draft_runner)):  # the engine's runners, graphed
+        model_runner.graphs = cuda_graphs.GraphRunner(model_runner.model, model_runner.cache, kv_step=16)
+        runners.append(model_runner.graphs)
     assert _greedy_tokens(engine, prompt, 24) == plain
     assert all(r.stats["eager_static"] > 0 for r in runners)
 
@@ -180,13 +182,13 @@ def test_cuda_replay_matches_eager_logits(family: str) -> None:
     ids = random_ids(CONTEXT, seed=11)
     eager = _scenario(model, _cache(model, fragmented=True, device="cuda").new_sequence(), ids)
     cache = _cache(model, fragmented=True, device="cuda")
-    runner = cuda_graphs.attach(model, cache, kv_step=16)
-    static = _scenario(model, cache.new_sequence(), ids)
+    runner = cuda_graphs.GraphRunner(model, cache, kv_step=16)
+    static = _scenario(model, cache.new_sequence(), ids, graphs=runner)
     assert runner.disabled_reason is None, runner.disabled_reason
     assert runner.stats["replays"] == 9 and runner.stats["captures"] == len(runner._shapes)
     for a, b in zip(eager, static):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=0)
-    cuda_graphs.detach(model)
+    runner.release()
 
 
 @pytest.mark.cuda
@@ -208,9 +210,9 @@ def test_cuda_greedy_generation_identical_to_eager(drafter: str, monkeypatch) ->
         return _greedy_tokens(engine, prompt, 48), engine
 
     eager, eager_engine = run("0")
-    assert cuda_graphs.runner_of(eager_engine.target.model) is None
+    assert eager_engine.runner.graphs is None
     graphed, engine = run("1")
-    runner = cuda_graphs.runner_of(engine.target.model)
+    runner = engine.runner.graphs
     assert runner is not None and runner.disabled_reason is None, runner and runner.disabled_reason
     assert runner.stats["replays"] > 0
     assert graphed == eager
@@ -226,11 +228,11 @@ def test_cuda_plain_step_has_one_host_sync(monkeypatch) -> None:
     model = build_tiny("llama").cuda()
     use_paged_attention(model)
     cache = _cache(model, fragmented=False, device="cuda")
-    cuda_graphs.attach(model, cache)
+    runner = cuda_graphs.GraphRunner(model, cache)
     seq = cache.new_sequence()
-    token = int(forward_paged(model, seq, random_ids(8), logits_to_keep=1)[0].argmax())
+    token = int(forward_paged(model, seq, random_ids(8), logits_to_keep=1, graphs=runner)[0].argmax())
     seq.commit(8)
-    forward_paged(model, seq, [token])  # capture the one-token shape outside the counted steps
+    forward_paged(model, seq, [token], graphs=runner)  # capture the one-token shape outside the counted steps
     seq.truncate(8)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
@@ -238,10 +240,10 @@ def test_cuda_plain_step_has_one_host_sync(monkeypatch) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(4):
-                token = int(forward_paged(model, seq, [token])[0].argmax())
+                token = int(forward_paged(model, seq, [token], graphs=runner)[0].argmax())
                 seq.commit(1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) <= 4, [str(w.message) for w in syncs]
-    cuda_graphs.detach(model)
+    runner.release()

@@ -10,13 +10,13 @@ import torch
 from tiny_models import FAMILIES, build_tiny, random_ids, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from specchat.backend.engine.runner import forward_paged
 from specchat.backend.errors import KVCacheFullError, ModelLoadError
 from specchat.backend.kv.attention import (
     ATTN_IMPLEMENTATION,
     SUPPORTED_ARCHITECTURES,
     PagedContext,
     check_supported,
-    forward_paged,
     use_paged_attention,
 )
 from specchat.backend.kv.block_pool import KVCacheUsageError

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from specchat.backend.api import PolicyState
-from specchat.backend.spec.policy import GammaPolicy, expected_tokens
+from specchat.backend.spec.policy import GammaPolicy
+from specchat.backend.spec.stats import expected_tokens_table
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """The geometric E[N] of a constant per-position acceptance ``alpha``."""
+    return expected_tokens_table([alpha] * gamma)[gamma]
 
 
 @dataclass

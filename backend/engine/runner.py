@@ -1,0 +1,139 @@
+"""The model runner: the one place that decides how a model's forward over the paged cache runs.
+
+Contract:
+- :class:`ModelRunner` takes a loaded model, switches it to paged attention (``backend/kv/attention.py``),
+  sizes its :class:`~specchat.backend.kv.kv_cache.PagedKVCache` and chooses the path for its device, once:
+  CUDA graphs over static shapes on CUDA (``backend/kernels/cuda_graphs.py``; ``SPECCHAT_CUDA_GRAPHS=0`` turns
+  them off), oneDNN-packed linear layers on CPU when their second copy fits in free memory
+  (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0`` turns it off), else the plain eager forward.
+- :meth:`ModelRunner.forward` runs one forward over ``input_ids`` appended after ``seq``'s committed tokens and
+  returns the float logits of the last ``logits_to_keep`` of them. It reserves their cache slots but does NOT
+  commit: the caller keeps what it accepts with ``seq.commit(k)``. A step the graph path declines (too many
+  tokens, a key length beyond its buckets) runs eagerly, with the same result.
+- :func:`forward_paged` is that forward for a model switched to paged attention by hand (tests), eager unless
+  given a graph runner.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specchat.backend.errors import ModelLoadError
+from specchat.backend.kernels import cpu_linear, cuda_graphs
+from specchat.backend.kv import attention
+from specchat.backend.kv.block_pool import KVCacheUsageError
+from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+from specchat.backend.models.loading import LoadedModel
+from specchat.backend.models.memory import format_bytes, free_memory
+
+BLOCK_SIZE = 16  # tokens per KV block
+PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
+
+log = logging.getLogger(__name__)
+
+
+def forward_paged(model, seq: Sequence, input_ids: list[int] | torch.Tensor, *, logits_to_keep: int = 1,
+                  graphs: cuda_graphs.GraphRunner | None = None) -> torch.Tensor:  # [logits_to_keep, vocab] float
+    """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The static
+    forward of ``graphs`` when given and it takes the step, else the eager one."""
+    if graphs is not None and isinstance(logits_to_keep, int):
+        n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
+        if 1 <= logits_to_keep <= n:
+            logits = graphs.try_forward(seq, input_ids, logits_to_keep)
+            if logits is not None:
+                return logits
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != attention.ATTN_IMPLEMENTATION:
+        raise ModelLoadError(
+            f"forward_paged needs a model with attn_implementation={attention.ATTN_IMPLEMENTATION!r}, this one "
+            f"uses {impl!r}: load it with that name after attention.register(), or call use_paged_attention(model)"
+        )
+    device = seq.cache.device
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids.reshape(-1).to(device=device, dtype=torch.long)
+    else:
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+    n = ids.numel()
+    if n < 1:
+        raise KVCacheUsageError("forward_paged: input_ids is empty")
+    if not isinstance(logits_to_keep, int) or not 1 <= logits_to_keep <= n:
+        raise KVCacheUsageError(
+            f"forward_paged: logits_to_keep must be in 1..{n} (the new tokens), got {logits_to_keep!r}"
+        )
+    seq.reserve(n)
+    plan = seq.plan(n)
+    ctx = attention.PagedContext(seq.cache, plan)
+    positions = torch.arange(plan.start, plan.kv_len, device=device)
+    with torch.inference_mode():
+        out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=ctx,
+                    logits_to_keep=logits_to_keep)
+    return out.logits[0].float()
+
+
+class ModelRunner:
+    """One model with its paged cache and its chosen forward path (see the module docstring).
+
+    ``kv_tokens`` sizes the cache (the engine passes the context length plus room for a verification step).
+    """
+
+    def __init__(self, loaded: LoadedModel, *, kv_tokens: int) -> None:
+        model = loaded.model
+        attention.check_supported(model.config)
+        model.set_attn_implementation(attention.register())
+        model.eval()
+        self.loaded = loaded
+        self.graphs: cuda_graphs.GraphRunner | None = None
+        self.packed_layers = 0
+        wants_graphs = cuda_graphs.graphs_wanted(loaded.device)
+        # The graph runner keeps one block of its own for the K/V of padded tokens.
+        self.cache = PagedKVCache.for_model(model.config, max_tokens=kv_tokens + (BLOCK_SIZE if wants_graphs else 0),
+                                            block_size=BLOCK_SIZE, dtype=loaded.dtype, device=loaded.device)
+        if wants_graphs:
+            self.graphs = cuda_graphs.GraphRunner(model, self.cache, max_kv=kv_tokens)
+        elif loaded.device.type == "cpu":
+            self.packed_layers = _pack_if_it_fits(loaded)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @property
+    def device(self) -> torch.device:
+        return self.loaded.device
+
+    @property
+    def path(self) -> str:
+        """The forward path in use: "cuda-graphs", "cpu-packed" or "eager"."""
+        if self.graphs is not None and self.graphs.disabled_reason is None:
+            return "cuda-graphs"
+        return "cpu-packed" if self.packed_layers else "eager"
+
+    def forward(self, seq: Sequence, input_ids: list[int] | torch.Tensor, *,
+                logits_to_keep: int = 1) -> torch.Tensor:  # [logits_to_keep, vocab] float
+        """One forward over ``input_ids`` after ``seq``'s committed tokens (reserves, writes, never commits)."""
+        return forward_paged(self.model, seq, input_ids, logits_to_keep=logits_to_keep, graphs=self.graphs)
+
+    def close(self) -> None:
+        """Release the CUDA graphs (their memory pool) and their block."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
+
+def _pack_if_it_fits(loaded: LoadedModel) -> int:
+    """On CPU, pack the linear layers for oneDNN when their second copy fits in free memory with room to spare
+    for a prefill's activations; otherwise decode with the default kernels, and log why. Returns layers packed."""
+    need = cpu_linear.packed_bytes(loaded.model)
+    if not need:
+        return 0
+    free = free_memory(torch.device("cpu"))
+    if need + PACKING_SPARE_BYTES > free:
+        log.info("not packing %s's linear layers for oneDNN: %s needed, %s free", loaded.spec.source,
+                 format_bytes(need), format_bytes(free))
+        return 0
+    count = cpu_linear.pack_linears(loaded.model)
+    if count:
+        log.info("packed %d linear layers of %s for oneDNN (%s)", count, loaded.spec.source, format_bytes(need))
+    return count
