@@ -109,7 +109,7 @@ class Conversation:
             turn.message_id = self._guard(
                 "save the reply", lambda: self.store.add_message(self.chat_id, "assistant", "", None, False))
             if turn.message_id is not None:
-                from specchat.app.chat.history.store import StreamingSaver
+                from specchat.app.chat.history.saver import StreamingSaver
 
                 saver = StreamingSaver(self.store, turn.message_id, interval_s=0.5)
         self.turns.append(turn)

@@ -20,6 +20,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Label, Static
 
+from specchat.app.chat.history.export import export_markdown
 from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from specchat.backend.errors import SpecchatError
 
@@ -42,7 +43,7 @@ async def export_chat(screen: Any, store: Any, chat_id: int, title: str) -> None
     if target is None:
         return
     try:
-        written = store.export_markdown(chat_id, Path(target).expanduser())
+        written = export_markdown(store, chat_id, Path(target).expanduser())
     except SpecchatError as error:
         screen.app.notify(str(error), title="Export failed", severity="error", timeout=8)
         return
