@@ -3,19 +3,20 @@ file, or to ``<title>.md`` in a folder).
 
 Contract: the document starts with ``# <title>``, then the pair, the start date and the message count, then
 one ``## <role> · <date>`` section per message; a reply saved incomplete is marked "reply interrupted", and a
-reply's scalar statistics follow it on one line (lists and dicts are left out). The file is written atomically:
-an existing file is replaced whole or not at all. Failures raise :class:`~.records.StoreError` naming the path.
+reply's scalar statistics follow it on one line (lists and dicts are left out). The file is written with
+``specchat.backend.files.write_atomic`` (an existing file is replaced whole or not at all); a failure raises
+:class:`~.records.StoreError` naming the path.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
 
 from specchat.app.chat.history.records import ChatSummary, StoredMessage, StoreError
 from specchat.app.chat.history.store import ChatStore
+from specchat.backend.files import write_atomic
 
 _ROLE_HEADINGS = {"system": "System", "user": "You", "assistant": "Assistant"}
 
@@ -54,21 +55,14 @@ def export_markdown(store: ChatStore, chat_id: int, path: Path | str) -> Path:
     """Write the chat as Markdown to ``path`` (a folder: ``<folder>/<title>.md``); returns the file written."""
     summary = store.chat(chat_id)
     text = render_markdown(summary, store.messages(chat_id))
-    return write_text_atomic(Path(path).expanduser(), text, default_stem=summary.title)
-
-
-def write_text_atomic(path: Path, text: str, *, default_stem: str) -> Path:
-    """Write ``text`` to ``path`` (or ``<path>/<default_stem>.md`` for a folder) via a temp file + rename."""
-    if path.is_dir():
-        stem = re.sub(r"[^\w.-]+", "-", default_stem).strip("-.")[:60] or "chat"
-        path = path / f"{stem}.md"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    target = Path(path).expanduser()
+    if target.is_dir():
+        stem = re.sub(r"[^\w.-]+", "-", summary.title).strip("-.")[:60] or "chat"
+        target = target / f"{stem}.md"
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(target, text)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise StoreError(
-            f"could not export the chat to {path}: {exc.strerror or exc}. Choose a folder you can write to."
+            f"could not export the chat to {target}: {exc.strerror or exc}. Choose a folder you can write to."
         ) from exc
-    return path
+    return target

@@ -44,3 +44,19 @@ def test_export_markdown(store: ChatStore, tmp_path: Path) -> None:
 
     with pytest.raises(StoreError, match=r"could not export the chat to .*no-such-dir.*Choose a folder"):
         export_markdown(store, chat, tmp_path / "no-such-dir" / "x.md")
+
+
+def test_a_failed_export_leaves_no_temporary_file(store: ChatStore, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    chat = store.create_chat("c", "p")
+    store.add_message(chat, "user", "hi")
+    folder = tmp_path / "out"
+    folder.mkdir()
+
+    def boom(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.replace", boom)
+    with pytest.raises(StoreError, match=r"could not export the chat to .*c\.md: No space left on device\. Choose"):
+        export_markdown(store, chat, folder / "c.md")
+    assert list(folder.iterdir()) == []
