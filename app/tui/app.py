@@ -10,16 +10,14 @@ Contract:
 - A factory that takes a ``confirm_download`` keyword gets ``confirm_download(total_bytes) -> bool``: it
   asks the user in a dialog (the loader thread waits for the answer) unless the picker already asked.
 - Settings (and the theme) are saved to the config dir on change; the last loaded pair is remembered.
-- :func:`run` is the CLI entry (``args.models``, ``args.device``, ``args.pair``); importing this module does
-  not import torch.
+- Built by the CLI layer (app/cli/chat.py), which passes in everything that reaches the backend beyond its
+  API; importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -295,45 +293,3 @@ class SpecchatApp(App[int]):
         yield SystemCommand("Export chat", "Export this chat to a Markdown file", chat.action_export_chat)
         yield SystemCommand("Review edit", "Show the last /edit reply as a diff again", chat.action_review_edit)
         yield SystemCommand("Help", "Keys, commands and what the statistics mean (F1)", self.action_help)
-
-
-def run(args: Any) -> int:
-    """The `specchat` chat UI (CLI entry): loads the pairs and the history, runs the app, returns the exit code."""
-    from specchat.app.cli.wiring import (
-        LOG_FILE,
-        default_engine_factory,
-        default_pair_info,
-        log_dir,
-        route_library_output,
-    )
-    from specchat.backend.models.config import load_pairs
-
-    pairs = load_pairs(getattr(args, "models", None))
-    device = getattr(args, "device", None)
-    notices: list[str] = []
-    try:
-        from specchat.app.chat.history.store import ChatStore
-
-        store: Any | None = ChatStore()
-    except SpecchatError as error:
-        store = None
-        notices.append(f"History is disabled for this session: {error}")
-    else:
-        if store.recovery_message:
-            notices.append(store.recovery_message)
-    log_path = log_dir() / LOG_FILE
-    with route_library_output(log_path):
-        app = SpecchatApp(pairs, engine_factory=default_engine_factory(device), pair_info=default_pair_info(device),
-                          store=store, initial_pair=getattr(args, "pair", None), log_path=log_path,
-                          startup_notices=notices)
-        result = app.run()
-    if store is not None:
-        store.close()
-    if app.loading_pair is not None:
-        # A load (maybe a multi-GB download) is still running in a worker thread, which the interpreter would
-        # wait for at exit. History is closed and hub downloads resume later, so leave at once.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(int(result or 0))
-    return int(result or 0)
