@@ -12,13 +12,6 @@ from specchat.app.chat.history.records import StoreError
 from specchat.app.chat.history.store import ChatStore
 
 
-@pytest.fixture
-def store(tmp_path: Path):
-    s = ChatStore(tmp_path / "data" / "history.sqlite3")
-    yield s
-    s.close()
-
-
 def test_export_markdown(store: ChatStore, tmp_path: Path) -> None:
     chat = store.create_chat("Fix my loop / please", "smollm2-135m")
     store.add_message(chat, "user", "Why does `for i in range(3)` stop at 2?")

@@ -17,14 +17,6 @@ from specchat.app.chat.history.records import StoreError
 from specchat.app.chat.history.saver import StreamingSaver
 from specchat.app.chat.history.store import ChatStore
 
-
-@pytest.fixture
-def store(tmp_path: Path):
-    s = ChatStore(tmp_path / "data" / "history.sqlite3")
-    yield s
-    s.close()
-
-
 # -- kill -9 while a reply streams ----------------------------------------------------------------------------
 STREAMER = textwrap.dedent(
     """

@@ -20,13 +20,6 @@ from specchat.app.chat.history.records import StoreError
 from specchat.app.chat.history.store import MIGRATIONS, SCHEMA_VERSION, ChatStore
 
 
-@pytest.fixture
-def store(tmp_path: Path):
-    s = ChatStore(tmp_path / "data" / "history.sqlite3")
-    yield s
-    s.close()
-
-
 def _mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
