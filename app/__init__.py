@@ -2,5 +2,6 @@
 
 ``cli/`` (argument parsing, one module per subcommand: the composition root that builds engines) -> ``tui/``
 (the Textual app, screens, widgets, the engine bridge) -> ``chat/`` (conversation, settings, editing, history)
--> the engine API (``specchat.backend.api``).
+-> the engine API (``specchat.backend.api``). Only ``cli/`` imports other backend modules; tui/ and chat/ get
+what they need of them as callables (tui/seams.py). tests/app/test_layers.py checks these rules.
 """

@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from specchat.app.chat.history.saver import StreamingSaver
+from specchat.app.chat.history.store import ChatStore
 from specchat.backend.api import RequestStats
 from specchat.backend.errors import SpecchatError
 
 log = logging.getLogger(__name__)
 TITLE_CHARS = 60
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -51,7 +54,7 @@ def title_for(text: str) -> str:
 class Conversation:
     """One chat, mirrored in the store (``store`` may be None: history disabled)."""
 
-    def __init__(self, store: Any | None, on_error: Callable[[str], None]) -> None:
+    def __init__(self, store: ChatStore | None, on_error: Callable[[str], None]) -> None:
         self.store = store
         self.on_error = on_error
         self.chat_id: int | None = None
@@ -64,11 +67,12 @@ class Conversation:
         """The engine's conversation key (paged-cache prefix reuse across turns)."""
         return f"chat-{self.chat_id}" if self.chat_id is not None else f"scratch-{self._scratch}"
 
-    def _guard(self, what: str, call: Callable[[], Any]) -> Any:
+    def _guard(self, what: str, call: Callable[[ChatStore], T]) -> T | None:
+        """``call(store)``; None without a store or when it fails (reported through ``on_error``)."""
         if self.store is None:
             return None
         try:
-            return call()
+            return call(self.store)
         except SpecchatError as error:
             log.warning("history: could not %s: %s", what, error)
             self.on_error(f"History: could not {what}: {error}")
@@ -95,48 +99,46 @@ class Conversation:
         turn = Turn("user", content, dict(meta or {}))
         if self.chat_id is None and self.store is not None:
             self.title = title_for(turn.meta.get("request", content))
-            self.chat_id = self._guard("create the chat", lambda: self.store.create_chat(self.title, pair_name))
-        if self.chat_id is not None:
+            self.chat_id = self._guard("create the chat", lambda store: store.create_chat(self.title, pair_name))
+        if (chat_id := self.chat_id) is not None:
             turn.message_id = self._guard(
-                "save your message", lambda: self.store.add_message(self.chat_id, "user", content, turn.meta or None))
+                "save your message", lambda store: store.add_message(chat_id, "user", content, turn.meta or None))
         self.turns.append(turn)
         return turn
 
-    def start_reply(self) -> tuple[Turn, Any | None]:
+    def start_reply(self) -> tuple[Turn, StreamingSaver | None]:
         """Append an empty assistant turn; returns it and its StreamingSaver (None without history)."""
         turn = Turn("assistant", "", complete=False)
-        saver = None
-        if self.chat_id is not None:
+        saver: StreamingSaver | None = None
+        if (chat_id := self.chat_id) is not None:
             turn.message_id = self._guard(
-                "save the reply", lambda: self.store.add_message(self.chat_id, "assistant", "", None, False))
-            if turn.message_id is not None:
-                from specchat.app.chat.history.store import StreamingSaver
-
+                "save the reply", lambda store: store.add_message(chat_id, "assistant", "", None, False))
+            if turn.message_id is not None and self.store is not None:
                 saver = StreamingSaver(self.store, turn.message_id, interval_s=0.5)
         self.turns.append(turn)
         return turn, saver
 
-    def finish_reply(self, turn: Turn, saver: Any | None, text: str, stats: RequestStats, *, finish_reason: str,
-                     pair: str, complete: bool) -> None:
+    def finish_reply(self, turn: Turn, saver: StreamingSaver | None, text: str, stats: RequestStats, *,
+                     finish_reason: str, pair: str, complete: bool) -> None:
         """Keep the reply with its statistics: the history row's stats column is ``stats.to_dict()`` plus how the
         reply ended and the pair that wrote it (the one place that record is built)."""
         meta = stats.to_dict() | {"finish_reason": finish_reason, "pair": pair}
         turn.content, turn.meta, turn.complete = text, meta, complete
         if saver is not None:
-            self._guard("save the reply", lambda: saver.finish(meta, complete))
+            self._guard("save the reply", lambda _store: saver.finish(meta, complete))
 
     def pop_last_reply(self) -> Turn | None:
         """Remove the last turn if it is a reply (regenerate); the store row goes too."""
         if not self.turns or self.turns[-1].role != "assistant":
             return None
         turn = self.turns.pop()
-        if self.chat_id is not None:
-            self._guard("remove the old reply", lambda: self.store.delete_last_assistant(self.chat_id))
+        if (chat_id := self.chat_id) is not None:
+            self._guard("remove the old reply", lambda store: store.delete_last_assistant(chat_id))
         return turn
 
     def set_pair(self, pair_name: str) -> None:
-        if self.chat_id is not None:
-            self._guard("record the pair", lambda: self.store.set_pair(self.chat_id, pair_name))
+        if (chat_id := self.chat_id) is not None:
+            self._guard("record the pair", lambda store: store.set_pair(chat_id, pair_name))
 
     def request_messages(self, system_prompt: str) -> list[dict[str, str]]:
         """The chat as chat-template messages, without an unfinished (empty) trailing reply."""

@@ -10,9 +10,10 @@ Contract:
   block at the end of a partial reply included); it never raises on any text.
 - :func:`apply_edit` writes only ``target.path`` (symlinks resolved at load: the link stays a link), after the
   UI's confirmation: it refuses when the file's content changed since it was loaded, copies the original to
-  ``<name>.specchat-bak-<timestamp>`` (never overwriting anything), then writes a temp file in the same folder
-  and ``os.replace``\\ s it over the original, keeping its permission bits. Model output is only ever written
-  as file content, never executed or interpreted.
+  ``<name>.specchat-bak-<timestamp>`` (never overwriting anything), then replaces the file atomically
+  (``specchat.backend.files.write_atomic``: the old or the new content, never a part), keeping its permission
+  bits and, where allowed, its owner. Model output is only ever written as file content, never executed or
+  interpreted.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import hashlib
 import os
 import re
 import stat
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from specchat.backend.errors import SpecchatError
+from specchat.backend.files import write_atomic
 
 MAX_FILE_BYTES = 256 * 1024
 BACKUP_MARK = ".specchat-bak"
@@ -284,32 +285,17 @@ def apply_edit(target: EditTarget, new_text: str) -> Path:
         ) from None
     backup = _write_backup(target, current, st)
     try:
-        fd, tmp = tempfile.mkstemp(dir=target.path.parent, prefix=f".{target.path.name}.", suffix=".specchat-tmp")
+        write_atomic(target.path, payload, mode=stat.S_IMODE(st.st_mode))
     except OSError as exc:
-        raise EditError(
-            f"/edit {shown}: could not create a temporary file next to {target.path}: {exc.strerror or exc}. "
-            f"The file is unchanged; the backup is {backup}."
-        ) from None
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, stat.S_IMODE(st.st_mode))
-        if hasattr(os, "chown") and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-            try:
-                os.chown(tmp, st.st_uid, st.st_gid)
-            except OSError:
-                pass  # not allowed (not root): the new file is ours, as any editor would leave it
-        os.replace(tmp, target.path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if not isinstance(exc, OSError):
-            raise
         raise EditError(
             f"/edit {shown}: could not write {target.path}: {exc.strerror or exc}. The file is unchanged; "
             f"the backup is {backup}."
         ) from None
+    if hasattr(os, "chown") and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+        try:
+            os.chown(target.path, st.st_uid, st.st_gid)
+        except OSError:
+            pass  # not allowed (not root): the new file is ours, as any editor would leave it
     return backup
 
 

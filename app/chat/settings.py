@@ -3,21 +3,21 @@
 Contract: :func:`load_settings` never raises for a bad file: it returns the defaults and a warning naming the
 file and the problem (the app shows it as a notification and keeps running). :func:`validate_settings` raises
 :class:`SettingsError` naming the field, the value and the accepted range. ``None`` in a sampling field means
-"the pair's default" (models.yaml, else the model's generation_config). :func:`save_settings` writes
-atomically (temporary file + rename) so a crash never leaves a half-written file.
+"the pair's default" (models.yaml, else the model's generation_config). :func:`save_settings` writes the file
+owner-only (0600) with ``specchat.backend.files.write_atomic``: a crash or a failed save leaves the previous
+file whole and no temporary file behind.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from specchat.backend.api import MAX_GAMMA, MAX_TEMPERATURE, DrafterName, SamplingParams
 from specchat.backend.errors import SpecchatError
+from specchat.backend.files import write_atomic
 from specchat.backend.paths import config_dir
 
 SETTINGS_FILE = "settings.json"
@@ -119,12 +119,10 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
 def save_settings(settings: Settings, path: Path | None = None) -> None:
     """Write the settings atomically; :class:`SettingsError` if the directory cannot be written."""
     path = path or settings_path()
+    text = json.dumps(asdict(settings), indent=2)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".settings-", suffix=".json", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(asdict(settings), handle, indent=2)
-        os.replace(tmp, path)
+        write_atomic(path, text, mode=0o600)
     except OSError as error:
         raise SettingsError(f"could not save the settings to {path}: {error}. Check the directory's "
                             "permissions or set SPECCHAT_CONFIG_DIR.") from error

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "models":
             from specchat.app.cli import models as command
         else:
-            from specchat.app.tui import app as command
+            from specchat.app.cli import chat as command
         return command.run(args)
     except SpecchatError as error:
         print(f"specchat: error: {error}", file=sys.stderr)

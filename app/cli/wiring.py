@@ -1,13 +1,13 @@
 """The app's default connections to the real backend, imported lazily, and the routing of library output.
 
 Contract:
-- :func:`default_engine_factory` returns ``factory(pair, progress, confirm_download) -> Engine``; it imports
-  ``specchat.backend.engine.engine`` inside the call, i.e. in the app's loader thread, so the UI never pays for
-  importing torch. ``confirm_download(total_bytes) -> bool`` comes from the app (a dialog, or the picker's
-  earlier yes).
-- :func:`default_pair_info` returns ``pair_info(pair) -> dict`` for the picker (keys documented in
-  screens/picker.py), from ``specchat.backend.models.memory`` and the local HF cache (run in a thread worker: it
-  imports torch; it never touches the network).
+- :func:`default_engine_factory` returns an ``EngineFactory`` (app/tui/seams.py): ``factory(pair, progress,
+  confirm_download) -> EngineAPI``. It imports ``specchat.backend.engine.engine`` inside the call, i.e. in the
+  app's loader thread, so the UI never pays for importing torch. ``confirm_download(total_bytes) -> bool``
+  comes from the app (a dialog, or the picker's earlier yes).
+- :func:`default_pair_info` returns a ``PairInfo``: ``pair_info(pair) -> dict`` for the picker (keys documented
+  in screens/picker.py), from ``specchat.backend.models.memory`` and the local HF cache (run in a thread worker:
+  it imports torch; it never touches the network).
 - :func:`route_library_output` (a context manager, for the whole app run) sends Python logging and warnings
   to ``<log dir>/specchat.log`` instead of the terminal; stray prints are caught by Textual and forwarded to
   the same file by the app (``App.begin_capture_print``). ``specchat.backend.models.capture.capture_library_output``
@@ -20,16 +20,21 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from specchat.app.tui.seams import ConfirmDownload, EngineFactory, PairInfo, Progress
+
+if TYPE_CHECKING:
+    from specchat.backend.api import EngineAPI
+    from specchat.backend.models.config import PairConfig
 
 LOG_FILE = "specchat.log"
 
 
-def default_engine_factory(device: str | None) -> Callable[..., Any]:
-    def factory(pair: Any, progress: Callable[[str, float | None], None],
-                confirm_download: Callable[[int], bool] | None = None) -> Any:
+def default_engine_factory(device: str | None) -> EngineFactory:
+    def factory(pair: PairConfig, progress: Progress, confirm_download: ConfirmDownload) -> EngineAPI:
         from specchat.backend.models.capture import capture_library_output
 
         # The import itself (torch, transformers) may warn: capture it too; load_pair captures the loading.
@@ -41,8 +46,8 @@ def default_engine_factory(device: str | None) -> Callable[..., Any]:
     return factory
 
 
-def default_pair_info(device: str | None) -> Callable[[Any], dict[str, Any]]:
-    def pair_info(pair: Any) -> dict[str, Any]:
+def default_pair_info(device: str | None) -> PairInfo:
+    def pair_info(pair: PairConfig) -> dict[str, Any]:
         from specchat.backend.models.hub import is_cached
         from specchat.backend.models.loading import resolve_device
         from specchat.backend.models.memory import estimate_pair, free_memory

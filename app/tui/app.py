@@ -2,35 +2,32 @@
 
 Contract:
 - ``SpecchatApp(pairs, engine_factory=..., pair_info=..., store=..., settings_path=...)``: ``pairs`` maps
-  names to pair configs (``.name .description .drafter .draft .target.source .gamma``); ``engine_factory(pair,
-  progress) -> Engine`` runs in a daemon thread (so quitting never waits for a load); ``progress(message,
-  fraction)`` is throttled to ~10 messages a second. The engine is closed (in that thread) before the next
-  pair loads, after the chat screen has stopped any reply. A failed switch reloads the previous pair; the
-  conversation is kept.
-- A factory that takes a ``confirm_download`` keyword gets ``confirm_download(total_bytes) -> bool``: it
-  asks the user in a dialog (the loader thread waits for the answer) unless the picker already asked.
+  names to pair configs; ``engine_factory(pair, progress, confirm_download) -> EngineAPI`` (seams.py) runs in a
+  daemon thread (so quitting never waits for a load); ``progress(message, fraction)`` is throttled to ~10
+  messages a second. The engine is closed (in that thread) before the next pair loads, after the chat screen
+  has stopped any reply. A failed switch reloads the previous pair; the conversation is kept.
+- ``confirm_download(total_bytes) -> bool`` asks the user in a dialog (the loader thread waits for the answer)
+  unless the picker already asked. ``store`` None: history is disabled for the session.
 - Settings (and the theme) are saved to the config dir on change; the last loaded pair is remembered.
-- :func:`run` is the CLI entry (``args.models``, ``args.device``, ``args.pair``); importing this module does
-  not import torch.
+- Built by the CLI layer (app/cli/chat.py), which passes in everything that reaches the backend beyond its
+  API; importing this module does not import torch.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import os
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual import events
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
+from textual.theme import Theme
 
 from specchat.app.chat.settings import Settings, SettingsError, load_settings, save_settings
 from specchat.app.tui.bridge import ThrottledProgress
@@ -41,12 +38,17 @@ from specchat.app.tui.screens.help import HelpScreen
 from specchat.app.tui.screens.history import HistoryResult, HistoryScreen
 from specchat.app.tui.screens.picker import PairPickerScreen, human_bytes
 from specchat.app.tui.screens.settings_screen import SettingsScreen
+from specchat.app.tui.seams import EngineFactory, PairInfo
 from specchat.app.tui.widgets.message_view import warm_highlighting
 from specchat.backend.api import DEFAULT_PAIR
 from specchat.backend.errors import InsufficientMemoryError, SpecchatError
 
+if TYPE_CHECKING:
+    from specchat.app.chat.history.store import ChatStore
+    from specchat.backend.api import EngineAPI
+    from specchat.backend.models.config import PairConfig
+
 log = logging.getLogger(__name__)
-EngineFactory = Callable[[Any, Callable[[str, float | None], None]], Any]
 
 
 class SpecchatApp(App[int]):
@@ -60,8 +62,8 @@ class SpecchatApp(App[int]):
         Binding("f4", "history", "History"),
     ]
 
-    def __init__(self, pairs: Mapping[str, Any], *, engine_factory: EngineFactory,
-                 pair_info: Callable[[Any], dict[str, Any]] | None = None, store: Any | None = None,
+    def __init__(self, pairs: Mapping[str, PairConfig], *, engine_factory: EngineFactory,
+                 pair_info: PairInfo | None = None, store: ChatStore | None = None,
                  settings_path: Path | None = None, initial_pair: str | None = None,
                  log_path: Path | None = None, startup_notices: Iterable[str] = ()) -> None:
         super().__init__()
@@ -71,7 +73,7 @@ class SpecchatApp(App[int]):
         self.settings, warning = load_settings(settings_path)
         self.log_path = log_path
         self.notices = [*startup_notices, *([warning] if warning else [])]
-        self.engine: Any | None = None
+        self.engine: EngineAPI | None = None
         self.current_pair_name: str | None = None
         self.loading_pair: str | None = None
         self._previous_pair: str | None = None
@@ -124,7 +126,7 @@ class SpecchatApp(App[int]):
         """Notifications carry file names, paths and error text: never parse them as markup by default."""
         super().notify(message, markup=markup, **kwargs)
 
-    def _theme_changed(self, theme: Any) -> None:
+    def _theme_changed(self, theme: Theme) -> None:
         if self.settings.theme != theme.name:
             self.update_settings(replace(self.settings, theme=theme.name))
 
@@ -147,7 +149,7 @@ class SpecchatApp(App[int]):
         threading.Thread(target=self._load, args=(self.pairs[name], old), name=f"specchat-load-{name}",
                          daemon=True).start()
 
-    def _load(self, pair: Any, old_engine: Any | None) -> None:
+    def _load(self, pair: PairConfig, old_engine: EngineAPI | None) -> None:
         if old_engine is not None:
             try:
                 old_engine.close()
@@ -156,24 +158,12 @@ class SpecchatApp(App[int]):
         progress = ThrottledProgress(lambda text, fraction: self.post_message(
             EngineLoadProgress(pair.name, text, fraction)))
         try:
-            if self._factory_confirms:
-                engine = self.engine_factory(pair, progress,
-                                             confirm_download=lambda total: self._confirm_download(pair.name, total))
-            else:
-                engine = self.engine_factory(pair, progress)
+            engine = self.engine_factory(pair, progress, lambda total: self._confirm_download(pair.name, total))
         except BaseException as error:  # noqa: BLE001 - reported to the UI thread, which decides
             self.post_message(EngineLoadFailed(pair.name, error))
             return
         warm_highlighting()  # here, not in the first reply: it would compete with that reply's decoding
         self.post_message(EngineLoaded(pair.name, engine, time.monotonic() - self._load_started))
-
-    @property
-    def _factory_confirms(self) -> bool:
-        try:
-            params = inspect.signature(self.engine_factory).parameters.values()
-        except (TypeError, ValueError):
-            return False
-        return any(p.name == "confirm_download" or p.kind is p.VAR_KEYWORD for p in params)
 
     def _confirm_download(self, pair_name: str, total_bytes: int) -> bool:
         """Called in the loader thread: ask in a dialog (unless the picker already did) and wait for the answer."""
@@ -295,45 +285,3 @@ class SpecchatApp(App[int]):
         yield SystemCommand("Export chat", "Export this chat to a Markdown file", chat.action_export_chat)
         yield SystemCommand("Review edit", "Show the last /edit reply as a diff again", chat.action_review_edit)
         yield SystemCommand("Help", "Keys, commands and what the statistics mean (F1)", self.action_help)
-
-
-def run(args: Any) -> int:
-    """The `specchat` chat UI (CLI entry): loads the pairs and the history, runs the app, returns the exit code."""
-    from specchat.app.cli.wiring import (
-        LOG_FILE,
-        default_engine_factory,
-        default_pair_info,
-        log_dir,
-        route_library_output,
-    )
-    from specchat.backend.models.config import load_pairs
-
-    pairs = load_pairs(getattr(args, "models", None))
-    device = getattr(args, "device", None)
-    notices: list[str] = []
-    try:
-        from specchat.app.chat.history.store import ChatStore
-
-        store: Any | None = ChatStore()
-    except SpecchatError as error:
-        store = None
-        notices.append(f"History is disabled for this session: {error}")
-    else:
-        if store.recovery_message:
-            notices.append(store.recovery_message)
-    log_path = log_dir() / LOG_FILE
-    with route_library_output(log_path):
-        app = SpecchatApp(pairs, engine_factory=default_engine_factory(device), pair_info=default_pair_info(device),
-                          store=store, initial_pair=getattr(args, "pair", None), log_path=log_path,
-                          startup_notices=notices)
-        result = app.run()
-    if store is not None:
-        store.close()
-    if app.loading_pair is not None:
-        # A load (maybe a multi-GB download) is still running in a worker thread, which the interpreter would
-        # wait for at exit. History is closed and hub downloads resume later, so leave at once.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(int(result or 0))
-    return int(result or 0)

@@ -9,9 +9,12 @@ the message queue can never be flooded however fast the engine decodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.message import Message
+
+if TYPE_CHECKING:
+    from specchat.backend.api import EngineAPI
 
 
 @dataclass
@@ -35,7 +38,7 @@ class EngineLoaded(Message):
     """The engine of ``pair_name`` is ready (``seconds`` to load)."""
 
     pair_name: str
-    engine: Any
+    engine: EngineAPI
     seconds: float
 
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
+from specchat.backend.files import write_atomic
 from specchat.backend.models.capture import Progress
 from specchat.backend.paths import cache_dir
 
@@ -56,10 +57,12 @@ def file_sha256(path: Path, progress: Progress | None = None) -> str:
     value = digest.hexdigest()
     known = known if isinstance(known, dict) else {}
     known[key] = value
-    store.parent.mkdir(parents=True, exist_ok=True)
-    tmp = store.with_name(f"{store.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=0), encoding="utf-8")
-    os.replace(tmp, store)  # atomic: a concurrent reader sees the old or the new file, never half of one
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(store, json.dumps(known, indent=0))  # a concurrent reader sees the old or the new file
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write the hash cache {store}: {exc.strerror or exc}; make the folder "
+                             "writable or set SPECCHAT_CACHE_DIR to a folder you can write") from exc
     return value
 
 

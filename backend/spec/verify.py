@@ -1,6 +1,6 @@
 """Verification of a draft against one target pass: greedy, and lossless rejection sampling.
 
-Vocabulary (design.md, as vLLM's rejection sampler): the target's distribution is p, the drafter's q. For a
+Vocabulary (backend/api.py; as vLLM's rejection sampler): the target's distribution is p, the drafter's q. For a
 draft x_0 .. x_{k-1} (k <= γ) the target pass gives k+1 rows of p (row i conditions on x_0 .. x_{i-1}).
 
 - *accepted*: x_i kept because it passed (greedy: x_i == argmax p_i; sampling: u < p_i(x_i) / q_i(x_i));

@@ -197,7 +197,8 @@ class FakeEngine:
 
 
 class FakeEngineFactory:
-    """``factory(pair, progress) -> FakeEngine``; records calls, can fail per pair or be slow."""
+    """An ``EngineFactory`` (app/tui/seams.py): ``factory(pair, progress, confirm_download) -> FakeEngine``;
+    records calls, can fail per pair, be slow, or need a download (then asks ``confirm_download``)."""
 
     def __init__(self, *, load_delay_s: float = 0.0, fail: dict[str, BaseException] | None = None,
                  downloads: dict[str, int] | None = None, **engine_kwargs: Any) -> None:
@@ -210,10 +211,10 @@ class FakeEngineFactory:
         self.release.set()
 
     def __call__(self, pair: Any, progress: Callable[[str, float | None], None],
-                 confirm_download: Callable[[int], bool] | None = None) -> FakeEngine:
+                 confirm_download: Callable[[int], bool]) -> FakeEngine:
         self.calls.append(pair.name)
         if pair.name in self.downloads:  # as backend/models/loading.py: ask once for the total, refuse when declined
-            ok = confirm_download is not None and confirm_download(self.downloads[pair.name])
+            ok = confirm_download(self.downloads[pair.name])
             self.confirmations.append((pair.name, ok))
             if not ok:
                 raise ModelLoadError(f"pair '{pair.name}': the download was declined; nothing was downloaded")

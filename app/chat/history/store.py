@@ -14,36 +14,30 @@ Contract:
   ``history.sqlite3.corrupt-<timestamp>`` (never deleted) and a new empty history is started;
   ``recovered_from`` / ``recovery_message`` tell the UI, which shows the message. Nothing is raised for that.
 - Threads: one connection opened with ``check_same_thread=False`` and serialised by a lock, so the UI thread and
-  a :class:`StreamingSaver`'s flusher thread share one store safely.
+  a saver's flusher thread (saver.py) share one store safely.
 - Times (``created_at``, ``updated_at``) are Unix seconds (float). Message roles: system, user, assistant.
 
 User-facing failures (unwritable folder, database locked too long, newer schema) raise :class:`StoreError`.
-:class:`StreamingSaver` saves a streaming reply from a background thread, never more than ``interval_s`` behind
-what was appended, so a crash or kill loses at most the last ``interval_s`` of it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from specchat.backend.errors import SpecchatError
+from specchat.app.chat.history.records import ROLES, ChatSummary, StoredMessage, StoreError, dump_stats, load_stats
+from specchat.backend.paths import data_dir
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "history.sqlite3"
 BUSY_TIMEOUT_MS = 10_000
-ROLES = ("system", "user", "assistant")
 
 # MIGRATIONS[i] upgrades a version-i database to version i + 1. Append only; never edit a released entry.
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -71,46 +65,6 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _CORRUPTION_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
-
-
-class StoreError(SpecchatError):
-    """The history could not be read or written; the message names the file and what to do."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatSummary:
-    id: int
-    title: str
-    pair: str
-    created_at: float  # Unix seconds
-    updated_at: float  # Unix seconds: last message added or changed
-    message_count: int
-
-
-@dataclass(frozen=True, slots=True)
-class StoredMessage:
-    id: int
-    role: str  # "system" | "user" | "assistant"
-    content: str
-    stats: dict | None  # the reply's SpecStats.to_dict(), or None
-    created_at: float  # Unix seconds
-    complete: bool  # False: a reply saved while streaming, or stopped / killed before it finished
-
-
-def default_data_dir() -> Path:
-    """specchat's data folder: backend/paths.data_dir() when present, else platformdirs (+ SPECCHAT_DATA_DIR)."""
-    try:
-        from specchat.backend.paths import data_dir
-    except ModuleNotFoundError as exc:
-        if exc.name != "specchat.backend.paths":
-            raise
-        env = os.environ.get("SPECCHAT_DATA_DIR")
-        if env:
-            return Path(env).expanduser()
-        import platformdirs
-
-        return Path(platformdirs.user_data_dir("specchat", appauthor=False))
-    return Path(data_dir())
 
 
 def _is_corruption(exc: sqlite3.Error) -> bool:
@@ -144,7 +98,7 @@ class ChatStore:
 
     def __init__(self, path: Path | None = None) -> None:
         in_data_dir = path is None
-        self.path = (default_data_dir() / DB_NAME) if path is None else Path(path).expanduser()
+        self.path = (data_dir() / DB_NAME) if path is None else Path(path).expanduser()
         self.recovered_from: Path | None = None  # where a damaged database was moved, if it was
         self.recovery_message: str | None = None  # the message to show the user about it
         self._lock = threading.RLock()
@@ -375,7 +329,7 @@ class ChatStore:
                 "SELECT id, role, content, stats, created_at, complete FROM messages WHERE chat_id = ? ORDER BY id",
                 (chat_id,),
             ).fetchall()
-        return [StoredMessage(r[0], r[1], r[2], _load_stats(r[3]), r[4], bool(r[5])) for r in rows]
+        return [StoredMessage(r[0], r[1], r[2], load_stats(r[3]), r[4], bool(r[5])) for r in rows]
 
     def add_message(
         self, chat_id: int, role: str, content: str, stats: dict | None = None, complete: bool = True
@@ -387,7 +341,7 @@ class ChatStore:
             self._require_chat(conn, chat_id)
             cur = conn.execute(
                 "INSERT INTO messages (chat_id, role, content, stats, created_at, complete) VALUES (?, ?, ?, ?, ?, ?)",
-                (chat_id, role, content, _dump_stats(stats), now, int(complete)),
+                (chat_id, role, content, dump_stats(stats), now, int(complete)),
             )
             self._touch(conn, chat_id, now)
             return int(cur.lastrowid)
@@ -406,7 +360,7 @@ class ChatStore:
             conn.execute(
                 "UPDATE messages SET content = ?, stats = COALESCE(?, stats), complete = COALESCE(?, complete)"
                 " WHERE id = ?",
-                (content, _dump_stats(stats), None if complete is None else int(complete), message_id),
+                (content, dump_stats(stats), None if complete is None else int(complete), message_id),
             )
             self._touch(conn, row[0], time.time())
 
@@ -422,12 +376,6 @@ class ChatStore:
             self._touch(conn, chat_id, time.time())
             return int(row[0])
 
-    def export_markdown(self, chat_id: int, path: Path | str) -> Path:
-        """Write the chat as Markdown to ``path`` (a folder: ``<folder>/<title>.md``); returns the file written."""
-        summary = self.chat(chat_id)
-        text = render_markdown(summary, self.messages(chat_id))
-        return write_text_atomic(Path(path).expanduser(), text, default_stem=summary.title)
-
     # -- lifetime --------------------------------------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
@@ -440,158 +388,3 @@ class ChatStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _dump_stats(stats: dict | None) -> str | None:
-    return None if stats is None else json.dumps(stats, default=str)
-
-
-def _load_stats(raw: str | None) -> dict | None:
-    if raw is None:
-        return None
-    try:
-        value: Any = json.loads(raw)
-    except ValueError:
-        return None  # unreadable stats never hide the message itself
-    return value if isinstance(value, dict) else None
-
-
-# -- Markdown export ---------------------------------------------------------------------------------------------
-_ROLE_HEADINGS = {"system": "System", "user": "You", "assistant": "Assistant"}
-
-
-def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
-
-
-def _stats_line(stats: dict) -> str:
-    parts = []
-    for key, value in stats.items():
-        if isinstance(value, bool) or isinstance(value, (int, str)):
-            parts.append(f"{key}: {value}")
-        elif isinstance(value, float):
-            parts.append(f"{key}: {value:.3g}")
-    return " · ".join(parts)
-
-
-def render_markdown(chat: ChatSummary, messages: list[StoredMessage]) -> str:
-    """The chat as a Markdown document: title, pair and dates, then one section per message."""
-    lines = [f"# {chat.title}", "", f"*Model pair `{chat.pair}` · started {_when(chat.created_at)} · "
-             f"{len(messages)} messages · exported from specchat*", ""]
-    for message in messages:
-        lines += [f"## {_ROLE_HEADINGS.get(message.role, message.role)} · {_when(message.created_at)}", ""]
-        lines += [message.content.rstrip("\n"), ""]
-        if not message.complete:
-            lines += ["*(reply interrupted: partial text)*", ""]
-        if message.stats:
-            summary = _stats_line(message.stats)
-            if summary:
-                lines += [f"*{summary}*", ""]
-    return "\n".join(lines)
-
-
-def write_text_atomic(path: Path, text: str, *, default_stem: str) -> Path:
-    """Write ``text`` to ``path`` (or ``<path>/<default_stem>.md`` for a folder) via a temp file + rename."""
-    if path.is_dir():
-        stem = re.sub(r"[^\w.-]+", "-", default_stem).strip("-.")[:60] or "chat"
-        path = path / f"{stem}.md"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise StoreError(
-            f"could not export the chat to {path}: {exc.strerror or exc}. Choose a folder you can write to."
-        ) from exc
-    return path
-
-
-# -- saving a reply while it streams -----------------------------------------------------------------------------
-class StreamingSaver:
-    """Saves one reply (an existing message) while its tokens stream in.
-
-    ``append`` only buffers: it never touches SQLite, so decoding never waits on the disk or on another
-    process's lock. A daemon flusher thread writes the whole text so far whenever part of it is unsaved, at most
-    once per ``0.8 * interval_s`` (the remaining fifth of ``interval_s`` is the margin for the write itself), so
-    the text on disk is never more than ``interval_s`` behind what was appended — also when the stream pauses:
-    the flusher does not wait for another token. ``finish`` stops the thread and writes the final text with its
-    stats and ``complete`` flag. A failed background write is retried at the next tick, kept in ``error``, and
-    the final write in ``finish`` raises :class:`StoreError` if it fails too.
-    """
-
-    def __init__(
-        self, store: ChatStore, message_id: int, interval_s: float = 0.5, *, initial_text: str = ""
-    ) -> None:
-        if not interval_s > 0:
-            raise ValueError(f"interval_s must be > 0, not {interval_s!r}")
-        self.store = store
-        self.message_id = message_id
-        self.interval_s = interval_s
-        self.error: StoreError | None = None
-        self._period = 0.8 * interval_s
-        self._parts = [initial_text]
-        self._dirty = False
-        self._stopping = False
-        self._last_snapshot = float("-inf")  # time.monotonic() of the last snapshot written
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"specchat-saver-{message_id}", daemon=True)
-        self._thread.start()
-
-    @property
-    def text(self) -> str:
-        with self._cond:
-            return "".join(self._parts)
-
-    def append(self, text: str) -> None:
-        if not text:
-            return
-        with self._cond:
-            if self._stopping:
-                raise RuntimeError(f"StreamingSaver for message {self.message_id} was already finished")
-            self._parts.append(text)
-            if not self._dirty:
-                self._dirty = True
-                self._cond.notify()
-
-    def _snapshot(self) -> str:  # called with the condition held
-        text = "".join(self._parts)
-        self._parts = [text]
-        self._dirty = False
-        self._last_snapshot = time.monotonic()
-        return text
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._dirty or self._stopping):
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                delay = self._last_snapshot + self._period - time.monotonic()
-                if delay > 0:
-                    self._cond.wait(delay)  # finish() may wake us early; re-evaluate either way
-                    continue
-                text = self._snapshot()
-            try:
-                self.store.update_message(self.message_id, text, complete=False)
-            except SpecchatError as exc:
-                if self.error is None:
-                    log.warning("could not save the streaming reply: %s", exc)
-                self.error = exc if isinstance(exc, StoreError) else StoreError(str(exc))
-                with self._cond:
-                    self._dirty = True  # retry at the next tick
-
-    def finish(self, stats: dict | None = None, complete: bool = True, text: str | None = None) -> str:
-        """Stop the flusher and write the final text (``text`` when given, else all that was appended) with
-        ``stats`` and ``complete``; returns the text written. Calling it again writes again."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join()
-        with self._cond:
-            if text is not None:
-                self._parts = [text]
-            final = "".join(self._parts)
-        self.store.update_message(self.message_id, final, stats=stats, complete=complete)
-        return final

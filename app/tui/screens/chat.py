@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual import work
 from textual.app import ComposeResult
@@ -51,6 +51,11 @@ from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import StatsBar, reply_totals
 from specchat.backend.api import GenerationRequest
 from specchat.backend.errors import KVCacheFullError, SpecchatError
+
+if TYPE_CHECKING:
+    from specchat.app.chat.editing import EditTarget
+    from specchat.app.chat.history.saver import StreamingSaver
+    from specchat.backend.api import EngineAPI
 
 log = logging.getLogger(__name__)
 COMPLETE_REASONS = frozenset({"eos", "stop", "length", "context"})
@@ -80,8 +85,8 @@ class ActiveReply:
     reply_id: int
     turn: Turn
     view: AssistantMessage
-    saver: Any | None
-    edit_target: Any | None
+    saver: StreamingSaver | None
+    edit_target: EditTarget | None
     buffer: ReplyBuffer = field(default_factory=ReplyBuffer)
     cancel: threading.Event = field(default_factory=threading.Event)
     worker: Worker | None = None
@@ -108,13 +113,13 @@ class ChatScreen(ChatActionsMixin, Screen):
         self.conv = Conversation(None, self._history_error)
         self.token_view = False
         self.pending_files: list[tuple[str, str]] = []  # (name shown, context text)
-        self.pending_edit: Any | None = None
+        self.pending_edit: EditTarget | None = None
         self._active: ActiveReply | None = None
         self._replies: dict[int, ActiveReply] = {}
         self._ids = itertools.count(1)
         self._drain_lock = asyncio.Lock()
         self._waiting_reply = False  # a reply to start once the model has loaded
-        self._waiting_edit: Any | None = None  # the /edit target of that reply
+        self._waiting_edit: EditTarget | None = None  # the /edit target of that reply
         self._last = LiveView()  # the last finished reply's, for the details panel
         self.stats_interval, self.text_interval = STATS_INTERVAL_S[0], TEXT_INTERVAL_S[0]
         self._cpu_mark = (time.thread_time(), time.monotonic())
@@ -215,7 +220,7 @@ class ChatScreen(ChatActionsMixin, Screen):
         self.query_one("#conversation", VerticalScroll).anchor()  # a new message follows the reply again
         await self.start_reply(edit)
 
-    async def start_reply(self, edit_target: Any | None = None) -> None:
+    async def start_reply(self, edit_target: EditTarget | None = None) -> None:
         engine = self.app.engine
         if engine is None:
             if self.app.loading_pair:
@@ -242,7 +247,7 @@ class ChatScreen(ChatActionsMixin, Screen):
         reply.worker = self._generate(engine, request, reply)
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
-    def _generate(self, engine: Any, request: GenerationRequest, reply: ActiveReply) -> None:
+    def _generate(self, engine: EngineAPI, request: GenerationRequest, reply: ActiveReply) -> None:
         run_generation(engine, request, reply.cancel, reply.buffer,
                        lambda: self.post_message(ReplyProgress(reply.reply_id)),
                        interval_s=lambda: self.stats_interval)  # read at each step: the UI adapts it

@@ -9,7 +9,7 @@ shown as a diff against the file and written only after the user confirms (:func
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from textual import work
 from textual.containers import VerticalScroll
@@ -21,6 +21,9 @@ from specchat.app.tui.widgets.message_view import AssistantMessage, MessageView,
 from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import stored_totals
 from specchat.backend.errors import SpecchatError
+
+if TYPE_CHECKING:
+    from specchat.app.chat.editing import EditTarget
 
 WELCOME = ("[b]specchat[/b] — chat with a local model, sped up by speculative decoding.\n"
            "Type a message and press Enter · [b]/edit PATH[/b] to edit a file · [b]F1[/b] help · "
@@ -101,7 +104,7 @@ class ChatActionsMixin:
 
     # -- edits -----------------------------------------------------------------------------------------------
     @work(exclusive=True, group="edit")
-    async def offer_edit(self, target: Any, reply_text: str) -> None:
+    async def offer_edit(self, target: EditTarget, reply_text: str) -> None:
         """Show the reply's code block as a diff against ``target`` and write it if the user confirms."""
         from specchat.app.chat.editing import apply_edit, extract_code_block, unified_diff
 
@@ -125,7 +128,7 @@ class ChatActionsMixin:
             return
         self.notify(f"Wrote {target.path} (backup: {backup.name}).", title="Edit applied", timeout=8)
 
-    def _last_edit_target(self) -> Any | None:
+    def _last_edit_target(self) -> EditTarget | None:
         """The file of the last user message if it was an /edit request (reloaded from disk)."""
         from specchat.app.chat.editing import load_edit_target
 

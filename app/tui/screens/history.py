@@ -10,18 +10,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
-from textual.screen import ModalScreen
+from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Label, Static
 
+from specchat.app.chat.history.export import export_markdown
 from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from specchat.backend.errors import SpecchatError
+
+if TYPE_CHECKING:
+    from specchat.app.chat.history.store import ChatStore
 
 
 @dataclass
@@ -34,7 +38,7 @@ def when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
 
 
-async def export_chat(screen: Any, store: Any, chat_id: int, title: str) -> None:
+async def export_chat(screen: Screen, store: ChatStore, chat_id: int, title: str) -> None:
     """Ask where to export ``chat_id`` and write it (shared with the chat screen's export command)."""
     target = await screen.app.push_screen_wait(TextPromptScreen(
         f"Export “{title}” to Markdown", str(Path.cwd()),
@@ -42,7 +46,7 @@ async def export_chat(screen: Any, store: Any, chat_id: int, title: str) -> None
     if target is None:
         return
     try:
-        written = store.export_markdown(chat_id, Path(target).expanduser())
+        written = export_markdown(store, chat_id, Path(target).expanduser())
     except SpecchatError as error:
         screen.app.notify(str(error), title="Export failed", severity="error", timeout=8)
         return
@@ -57,7 +61,7 @@ class HistoryScreen(ModalScreen[HistoryResult]):
         Binding("e", "export", "Export"),
     ]
 
-    def __init__(self, store: Any, current_chat: int | None) -> None:
+    def __init__(self, store: ChatStore, current_chat: int | None) -> None:
         super().__init__(classes="dialog-screen")
         self.store, self.current_chat = store, current_chat
         self.result = HistoryResult()

@@ -10,8 +10,8 @@ Choosing a pair that needs a download asks first, saying how much; one that does
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import work
@@ -23,6 +23,10 @@ from textual.widgets import DataTable, Label, Static
 
 from specchat.app.tui.messages import PairInfoReady
 from specchat.app.tui.screens.dialogs import ConfirmScreen
+from specchat.app.tui.seams import PairInfo
+
+if TYPE_CHECKING:
+    from specchat.backend.models.config import PairConfig
 
 COLUMNS = ("pair", "drafter", "target", "memory", "fits", "download", "gated")
 COLUMN_WIDTHS = {"memory": 9, "fits": 4, "download": 9, "gated": 5}
@@ -39,7 +43,7 @@ def human_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def drafter_label(pair: Any, *, long: bool = False) -> str:
+def drafter_label(pair: PairConfig, *, long: bool = False) -> str:
     if long and pair.drafter == "draft-model" and getattr(pair, "draft", None) is not None:
         return f"draft model {pair.draft.source}"
     return str(pair.drafter)
@@ -48,8 +52,7 @@ def drafter_label(pair: Any, *, long: bool = False) -> str:
 class PairPickerScreen(ModalScreen[str | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
 
-    def __init__(self, pairs: Mapping[str, Any], current: str | None,
-                 pair_info: Callable[[Any], dict[str, Any]] | None) -> None:
+    def __init__(self, pairs: Mapping[str, PairConfig], current: str | None, pair_info: PairInfo | None) -> None:
         super().__init__(classes="dialog-screen")
         self.pairs, self.current, self.pair_info = pairs, current, pair_info
         self.info: dict[str, dict[str, Any]] = {}

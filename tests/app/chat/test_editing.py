@@ -307,6 +307,24 @@ def test_apply_writes_only_the_file_and_keeps_a_backup(py_file: Path) -> None:
     assert py_file.read_text() == "x = 1\n"
 
 
+
+def test_apply_that_cannot_write_leaves_the_file_the_backup_and_no_temporary_file(
+        py_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = load_edit_target(py_file)
+
+    def boom(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.replace", boom)
+    with pytest.raises(EditError) as err:
+        apply_edit(target, NEW_PY)
+    monkeypatch.undo()
+    assert f"/edit {py_file}: could not write {py_file}: No space left on device. The file is unchanged; the " \
+           "backup is " in str(err.value)
+    assert py_file.read_text() == PY
+    (backup,) = [p for p in py_file.parent.iterdir() if p != py_file]  # the backup, and no temporary file
+    assert backup.name.startswith("calc.py.specchat-bak-") and backup.read_text() == PY
+
 def test_apply_refuses_a_file_changed_since_it_was_loaded(py_file: Path) -> None:
     target = load_edit_target(py_file)
     py_file.write_text("# edited in another editor\n")

@@ -1,11 +1,10 @@
-"""Chat history (app/chat/history/store.py): CRUD, reopen, export, WAL with two writers, kill -9 while a reply streams,
-corrupt files moved aside, schema migration, owner-only permissions, and the StreamingSaver's timing."""
+"""Chat history (app/chat/history/store.py): CRUD, reopen, threads, WAL with two writers, corrupt files moved aside,
+schema migration, owner-only permissions."""
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import sqlite3
 import stat
 import subprocess
@@ -17,20 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from specchat.app.chat.history.store import (
-    MIGRATIONS,
-    SCHEMA_VERSION,
-    ChatStore,
-    StoreError,
-    StreamingSaver,
-)
-
-
-@pytest.fixture
-def store(tmp_path: Path):
-    s = ChatStore(tmp_path / "data" / "history.sqlite3")
-    yield s
-    s.close()
+from specchat.app.chat.history.records import StoreError
+from specchat.app.chat.history.store import MIGRATIONS, SCHEMA_VERSION, ChatStore
 
 
 def _mode(path: Path) -> int:
@@ -143,34 +130,6 @@ def test_threads_share_one_store(store: ChatStore) -> None:
     assert sorted(m.content for m in store.messages(chat)) == sorted(f"{k}-{i}" for k in range(4) for i in range(40))
 
 
-# -- export ---------------------------------------------------------------------------------------------------
-def test_export_markdown(store: ChatStore, tmp_path: Path) -> None:
-    chat = store.create_chat("Fix my loop / please", "smollm2-135m")
-    store.add_message(chat, "user", "Why does `for i in range(3)` stop at 2?")
-    store.add_message(chat, "assistant", "Because range excludes the end.\n\n```python\nprint(list(range(3)))\n```\n",
-                      stats={"tokens": 42, "tokens_per_s": 31.25, "acceptance_rate": 0.6667, "per_position": [1, 2]})
-    store.add_message(chat, "assistant", "Half a rep", complete=False)
-
-    out = store.export_markdown(chat, tmp_path / "chat.md")
-    assert out == tmp_path / "chat.md"
-    text = out.read_text(encoding="utf-8")
-    assert text.startswith("# Fix my loop / please\n")
-    assert "`smollm2-135m`" in text and "3 messages" in text
-    assert "## You · " in text and "## Assistant · " in text
-    assert "Why does `for i in range(3)` stop at 2?" in text
-    assert "```python\nprint(list(range(3)))\n```" in text
-    assert "*tokens: 42 · tokens_per_s: 31.2 · acceptance_rate: 0.667*" in text  # lists are left out
-    assert "Half a rep\n\n*(reply interrupted: partial text)*" in text
-    assert text.index("stop at 2?") < text.index("Because range") < text.index("Half a rep")
-
-    into_folder = store.export_markdown(chat, tmp_path)
-    assert into_folder == tmp_path / "Fix-my-loop-please.md"
-    assert into_folder.read_text(encoding="utf-8") == text
-
-    with pytest.raises(StoreError, match=r"could not export the chat to .*no-such-dir.*Choose a folder"):
-        store.export_markdown(chat, tmp_path / "no-such-dir" / "x.md")
-
-
 # -- files, permissions, WAL ----------------------------------------------------------------------------------
 def test_default_location_honours_specchat_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "specchat-data"
@@ -244,89 +203,6 @@ def test_two_processes_write_at_once(tmp_path: Path) -> None:
             msgs = s.messages(chat.id)
             assert [m.content for m in msgs] == [f"{name}-{i}" for i in range(150)]
             assert [m.stats for m in msgs] == [{"i": i} for i in range(150)]
-
-
-# -- kill -9 while a reply streams ----------------------------------------------------------------------------
-STREAMER = textwrap.dedent(
-    """
-    import os, sys, time
-    from pathlib import Path
-    from specchat.app.chat.history.store import ChatStore, StreamingSaver
-    db, log, mode = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    store = ChatStore(db)
-    chat = store.create_chat("killed", "p")
-    for i in range(3):
-        store.add_message(chat, "user", f"question {i}")
-        store.add_message(chat, "assistant", f"answer {i}", stats={"i": i})
-    store.add_message(chat, "user", "last question")
-    saver = StreamingSaver(store, store.add_message(chat, "assistant", "", complete=False), interval_s=0.5)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    total = 0
-    for i in range(100000):
-        piece = f"t{i} "
-        saver.append(piece)
-        total += len(piece)
-        # Stamped after append returned: whatever is logged at time s was appended no later than s.
-        os.write(fd, f"{time.monotonic():.6f} {total}\\n".encode())
-        if mode == "pause" and i == 39:
-            os.write(fd, b"PAUSE\\n")
-            time.sleep(3600)  # the stream stalls: no token arrives to trigger a write
-        time.sleep(0.005)
-    """
-)
-
-
-def _wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the child did not get there in time"
-        time.sleep(0.01)
-
-
-@pytest.mark.parametrize("mode", ["stream", "pause"])
-def test_kill_9_while_a_reply_streams_loses_at_most_half_a_second(tmp_path: Path, mode: str) -> None:
-    db, log = tmp_path / "history.sqlite3", tmp_path / "appended.log"
-    script = tmp_path / "streamer.py"
-    script.write_text(STREAMER)
-    proc = subprocess.Popen([sys.executable, str(script), str(db), str(log), mode])
-    try:
-        if mode == "stream":
-            _wait_for(lambda: log.exists() and log.read_text().count("\n") >= 250)  # > 1 s of tokens
-        else:
-            _wait_for(lambda: log.exists() and "PAUSE" in log.read_text())
-            time.sleep(0.6)  # the pause is older than the 0.5 s bound: its text must all be on disk
-        killed_at = time.monotonic()
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-    assert proc.returncode == -signal.SIGKILL
-
-    entries = [line.split() for line in log.read_text().splitlines() if line != "PAUSE"]
-    appended = [(float(stamp), int(total)) for stamp, total in entries]
-    must_have = max((total for stamp, total in appended if stamp <= killed_at - 0.5), default=0)
-    assert must_have > 0
-    full = "".join(f"t{i} " for i in range(len(appended)))
-
-    with ChatStore(db) as s:
-        msgs = s.messages(s.last_chat_id())
-    finished = [(m.role, m.content, m.complete) for m in msgs[:-1]]
-    assert finished == [
-        ("user", "question 0", True), ("assistant", "answer 0", True),
-        ("user", "question 1", True), ("assistant", "answer 1", True),
-        ("user", "question 2", True), ("assistant", "answer 2", True),
-        ("user", "last question", True),
-    ]
-    assert [m.stats for m in msgs[:6:2]] == [None] * 3
-    assert [m.stats for m in msgs[1:6:2]] == [{"i": i} for i in range(3)]
-    partial = msgs[-1]
-    assert partial.role == "assistant" and partial.complete is False
-    assert full.startswith(partial.content)
-    assert len(partial.content) >= must_have, (
-        f"on disk {len(partial.content)} chars, but {must_have} had been appended more than 0.5 s before the kill"
-    )
-    if mode == "pause":
-        assert partial.content == full
 
 
 # -- damaged files and schema versions ------------------------------------------------------------------------
@@ -413,66 +289,3 @@ def test_newer_schema_is_refused_and_left_alone(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match=rf"{re.escape(str(path))}.*newer specchat \(schema 99.*Upgrade specchat"):
         ChatStore(path)
     assert path.exists() and not list(tmp_path.glob("*.corrupt-*"))
-
-
-# -- StreamingSaver -------------------------------------------------------------------------------------------
-class CountingStore(ChatStore):
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.writes: list[tuple[float, str]] = []
-
-    def update_message(self, message_id, content, stats=None, complete=None) -> None:
-        super().update_message(message_id, content, stats=stats, complete=complete)
-        self.writes.append((time.monotonic(), content))
-
-
-def test_saver_coalesces_writes_and_flushes_a_paused_stream(tmp_path: Path) -> None:
-    with CountingStore(tmp_path / "h.sqlite3") as store:
-        chat = store.create_chat("c", "p")
-        mid = store.add_message(chat, "assistant", "", complete=False)
-        saver = StreamingSaver(store, mid, interval_s=0.2)
-        started = time.monotonic()
-        for _ in range(300):  # ~0.6 s of fast tokens
-            saver.append("x")
-            time.sleep(0.002)
-        elapsed = time.monotonic() - started
-        # Coalesced: about one write per 0.8 * interval_s, not one per token.
-        assert 2 <= len(store.writes) <= elapsed / 0.16 + 2
-        saver.append("LAST")
-        appended_at = time.monotonic()
-        time.sleep(0.35)  # no more tokens: the flusher must still save "LAST" within 0.2 s
-        assert store.messages(chat)[0].content.endswith("LAST")
-        assert store.writes[-1][0] - appended_at <= 0.2
-        assert saver.finish(stats={"tokens": 301}) == "x" * 300 + "LAST"
-        m = store.messages(chat)[0]
-        assert (m.content, m.stats, m.complete) == ("x" * 300 + "LAST", {"tokens": 301}, True)
-        with pytest.raises(RuntimeError, match="already finished"):
-            saver.append("more")
-
-
-def test_saver_stop_keeps_partial_reply_incomplete(store: ChatStore) -> None:
-    chat = store.create_chat("c", "p")
-    mid = store.add_message(chat, "assistant", "", complete=False)
-    saver = StreamingSaver(store, mid, initial_text="Hel")
-    saver.append("lo")
-    saver.finish(complete=False)
-    m = store.messages(chat)[0]
-    assert (m.content, m.complete, m.stats) == ("Hello", False, None)
-    assert saver.finish({"n": 1}, True, text="Hello, world") == "Hello, world"  # the caller's final text wins
-    m = store.messages(chat)[0]
-    assert (m.content, m.complete, m.stats) == ("Hello, world", True, {"n": 1})
-    with pytest.raises(ValueError, match="interval_s"):
-        StreamingSaver(store, mid, interval_s=0)
-
-
-def test_saver_reports_a_failing_store(tmp_path: Path) -> None:
-    s = ChatStore(tmp_path / "h.sqlite3")
-    chat = s.create_chat("c", "p")
-    mid = s.add_message(chat, "assistant", "", complete=False)
-    saver = StreamingSaver(s, mid, interval_s=0.05)
-    s.close()  # every later write fails
-    saver.append("lost?")
-    time.sleep(0.2)
-    assert isinstance(saver.error, StoreError) and "is closed" in str(saver.error)
-    with pytest.raises(StoreError, match="is closed"):
-        saver.finish()

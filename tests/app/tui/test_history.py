@@ -92,7 +92,8 @@ async def test_rename_delete_and_export(tmp_path):
 
 
 async def test_history_write_failure_is_reported_and_the_chat_goes_on(tmp_path):
-    from specchat.app.chat.history.store import ChatStore, StoreError
+    from specchat.app.chat.history.records import StoreError
+    from specchat.app.chat.history.store import ChatStore
 
     class BrokenStore(ChatStore):
         def add_message(self, *args, **kwargs):

@@ -78,6 +78,23 @@ def test_save_settings_where_no_folder_can_be_made_raises_a_clear_error(tmp_path
     assert str(blocker) in str(error.value)
 
 
+
+@pytest.mark.parametrize("failing", ["write", "replace"])
+def test_a_failed_save_keeps_the_old_settings_and_leaves_no_temporary_file(tmp_path, monkeypatch, failing):
+    path = tmp_path / "settings.json"
+    save_settings(Settings(temperature=0.5), path)
+    assert path.stat().st_mode & 0o777 == 0o600  # owner-only: it holds the system prompt
+
+    def boom(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(f"os.{failing}", boom)
+    with pytest.raises(SettingsError, match=rf"could not save the settings to {path}: .*No space left"):
+        save_settings(Settings(temperature=0.9), path)
+    monkeypatch.undo()
+    assert load_settings(path) == (Settings(temperature=0.5), None)
+    assert [p.name for p in tmp_path.iterdir()] == ["settings.json"]
+
 # -- statistics -----------------------------------------------------------------------------------------------
 def test_the_live_view_is_the_engines_latest_stats_plus_a_one_second_rate():
     clock = Clock()

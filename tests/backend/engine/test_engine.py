@@ -1,4 +1,5 @@
-"""Model-level engine tests on tiny random-weight models (layer 3 of design.md's test layers).
+"""Model-level engine tests on tiny random-weight models: the layer between the pure units (tests/backend/kv,
+tests/backend/spec) and the app's pilot tests; test_real_model.py repeats the key checks on the embedded model.
 
 Greedy plain == transformers generate() greedy, token for token, per family; greedy speculative == greedy
 plain for every drafter, including EOS inside a draft, max tokens reached mid-draft and a rejection at every

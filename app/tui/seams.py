@@ -1,0 +1,32 @@
+"""What the UI is given by the layer that builds it (app/cli/chat.py, with app/cli/wiring.py): typed callables
+that reach the backend beyond its API, so app/tui and app/chat import only ``specchat.backend.api`` (plus
+``errors``, ``paths``, ``files``) and never loading, memory, hub or the engine itself.
+
+- :class:`EngineFactory`: ``factory(pair, progress, confirm_download) -> EngineAPI``. Always called with all three,
+  in the app's loader thread (a daemon thread: it may import torch and download weights). ``progress(message,
+  fraction)`` reports a stage (``fraction`` 0..1, or None when unknown); ``confirm_download(total_bytes)`` asks
+  the user before a download and returns whether to go on (a factory that needs no download never calls it).
+  A user-facing failure raises ``SpecchatError``; anything else is reported as a bug.
+- :class:`PairInfo`: ``pair_info(pair) -> dict`` of the picker's estimates (keys in screens/picker.py); run in a
+  thread worker, never touching the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from specchat.backend.api import EngineAPI
+    from specchat.backend.models.config import PairConfig
+
+Progress = Callable[[str, float | None], None]
+ConfirmDownload = Callable[[int], bool]
+
+
+class EngineFactory(Protocol):
+    def __call__(self, pair: PairConfig, progress: Progress, confirm_download: ConfirmDownload) -> EngineAPI: ...
+
+
+class PairInfo(Protocol):
+    def __call__(self, pair: PairConfig) -> dict[str, Any]: ...

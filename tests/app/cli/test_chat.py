@@ -1,0 +1,70 @@
+"""`specchat` without a subcommand (app/cli/chat.py): the pairs, the history, the real wiring and the log file
+reach the app; a history that cannot be opened becomes a notice, not a failure. The app itself is replaced by a
+recorder (the UI is tested on the fake engine in tests/app/tui)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specchat.app.chat.history.records import StoreError
+from specchat.app.chat.history.store import ChatStore
+from specchat.app.cli import chat
+from specchat.app.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def _isolate(isolated_dirs):
+    return isolated_dirs
+
+
+class RecordingApp:
+    """Stands in for SpecchatApp: keeps what it was built with and 'runs' at once."""
+
+    built: list[RecordingApp] = []
+
+    def __init__(self, pairs: Any, **kwargs: Any) -> None:
+        self.pairs, self.kwargs, self.loading_pair = pairs, kwargs, None
+        self.root_handlers: list[logging.Handler] = []
+        RecordingApp.built.append(self)
+
+    def run(self) -> int:
+        self.root_handlers = logging.getLogger().handlers[:]
+        self.store_open = self.kwargs["store"] is not None and self.kwargs["store"]._conn is not None
+        return 0
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[RecordingApp]:
+    RecordingApp.built = []
+    monkeypatch.setattr(chat, "SpecchatApp", RecordingApp)
+    return RecordingApp.built
+
+
+def test_no_subcommand_builds_the_app_with_the_pairs_history_and_wiring(recorded, isolated_dirs: Path) -> None:
+    assert main(["--pair", "smollm2-135m", "--device", "cpu"]) == 0
+    (app,) = recorded
+    assert "smollm2-135m" in app.pairs
+    kwargs = app.kwargs
+    assert kwargs["initial_pair"] == "smollm2-135m" and kwargs["startup_notices"] == []
+    assert isinstance(kwargs["store"], ChatStore) and app.store_open
+    assert kwargs["store"]._conn is None  # closed after the app ended
+    assert kwargs["store"].path == isolated_dirs / "data" / "history.sqlite3"
+    assert kwargs["log_path"] == isolated_dirs / "data" / "logs" / "specchat.log"
+    assert any(getattr(h, "baseFilename", None) == str(kwargs["log_path"]) for h in app.root_handlers)
+    assert callable(kwargs["engine_factory"]) and callable(kwargs["pair_info"])
+
+
+def test_a_history_that_cannot_be_opened_is_a_notice(recorded, monkeypatch: pytest.MonkeyPatch) -> None:
+    def unavailable() -> ChatStore:
+        raise StoreError("cannot create the history folder /nope: Permission denied.")
+
+    monkeypatch.setattr(chat, "ChatStore", unavailable)
+    assert main([]) == 0
+    (app,) = recorded
+    assert app.kwargs["store"] is None
+    assert app.kwargs["startup_notices"] == [
+        "History is disabled for this session: cannot create the history folder /nope: Permission denied."]
