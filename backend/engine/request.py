@@ -245,6 +245,8 @@ class RequestState:
             conv.seq.commit(len(chunk))
             conv.cached.extend(chunk)
         prefill_s = time.perf_counter() - t0
+        if logits is None:  # the engine always leaves at least the prompt's last token to prefill
+            raise RuntimeError("prefill fed no token: the conversation's cache holds the whole prompt")
         pending = self._sample_plain(logits)
         self.context = list(self.prompt) + [pending]
         self.produced = 1
