@@ -25,10 +25,19 @@ import torch
 
 @dataclass(slots=True)
 class Draft:
-    """The proposed new ids and, for a sampled draft, their distributions q (one row per id)."""
+    """The proposed new ids and, for a sampled draft, their distributions q (one row per id).
+
+    ``parents`` None: a chain (each id follows the one before). A tree: ``parents[i]`` is the index of id i's
+    parent in ``token_ids`` (-1: it follows the last committed token); a parent always comes before its children.
+    """
 
     token_ids: list[int]
     probs: torch.Tensor | None = None  # [len(token_ids), V] the distributions each id was drawn from; None: one-hot
+    parents: list[int] | None = None  # [len(token_ids)] for a tree draft
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
 
     def __len__(self) -> int:
         return len(self.token_ids)
