@@ -33,3 +33,7 @@ class KVCacheFullError(SpecchatError):
 
 class RequestError(SpecchatError):
     """A generation request is invalid: bad sampling settings, empty prompt, unknown drafter, ..."""
+
+
+class ModelOutputError(SpecchatError):
+    """The model's output cannot be decoded (NaN logits): the reply stops instead of emitting garbage."""

@@ -47,6 +47,8 @@ def policy_label(live: LiveView) -> str:
         return "plain decoding"
     if policy == PolicyState.PAUSED:
         return f"{live.drafter}: paused"
+    if policy == PolicyState.NO_DRAFT:
+        return f"{live.drafter}: no draft"
     return f"{live.drafter}: speculating"
 
 
