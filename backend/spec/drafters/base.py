@@ -52,7 +52,7 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
-    name: str  # "prompt-lookup" | "draft-model"
+    name: str  # "prompt-lookup" | "suffix" | "draft-model"
 
     def reset(self) -> None: ...
 
