@@ -11,18 +11,18 @@ reply's scalar statistics follow it on one line (lists and dicts are left out). 
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
-from specchat.app.chat.history.records import ChatSummary, StoredMessage, StoreError
+from specchat.app.chat.history.records import ChatSummary, StoredMessage, StoreError, format_time
 from specchat.app.chat.history.store import ChatStore
 from specchat.backend.files import write_atomic
+from specchat.backend.paths import expand
 
 _ROLE_HEADINGS = {"system": "System", "user": "You", "assistant": "Assistant"}
 
 
 def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+    return format_time(ts)
 
 
 def _stats_line(stats: dict) -> str:
@@ -55,7 +55,7 @@ def export_markdown(store: ChatStore, chat_id: int, path: Path | str) -> Path:
     """Write the chat as Markdown to ``path`` (a folder: ``<folder>/<title>.md``); returns the file written."""
     summary = store.chat(chat_id)
     text = render_markdown(summary, store.messages(chat_id))
-    target = Path(path).expanduser()
+    target = expand(path)
     if target.is_dir():
         stem = re.sub(r"[^\w.-]+", "-", summary.title).strip("-.")[:60] or "chat"
         target = target / f"{stem}.md"
