@@ -17,13 +17,13 @@ import argparse
 import codecs
 import json
 import sys
-from pathlib import Path
 
 from specchat.backend.api import RequestStats
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
 
 MAX_LINE_CHARS = 64 << 20  # one --prompts line: more text than any context holds
+MAX_FILE_BYTES = 1 << 30
 _LINE_FORM = '{"id": ..., "messages": [{"role": ..., "content": ...}]}'
 
 
@@ -33,13 +33,18 @@ def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
 
     name = path if path.isprintable() and len(path) <= 300 else shown(path)  # as messages show it
     try:
-        raw_lines = Path(path).read_bytes().splitlines()
+        with open(path, "rb") as handle:  # a pipe works too (--prompts <(...))
+            data = handle.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise RequestError(f"--prompts file {name} does not exist") from None
     except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path
         reason = getattr(error, "strerror", None) or error
         raise RequestError(f"cannot read --prompts file {name}: {reason}; check the path and its "
                            "permissions") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise RequestError(f"--prompts file {name} is larger than {MAX_FILE_BYTES >> 20} MiB; split it into "
+                           "several files")
+    raw_lines = data.splitlines()
     prompts = []
     for number, raw in enumerate(raw_lines, 1):
         where = f"{name}:{number}"

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from specchat.app.chat.conversation import Conversation
+from specchat.app.chat.history.export import export_markdown
 from specchat.app.chat.history.records import StoreError
 from specchat.app.chat.history.store import ChatStore
 from specchat.app.chat.settings import Settings, SettingsError, load_settings, save_settings
@@ -76,6 +77,18 @@ def test_a_read_only_history_is_read_and_left_exactly_as_it_was(tmp_path: Path, 
         assert _digest(folder) == before and _mode(folder) == (0o700 if what == "file" else 0o555)
     finally:
         os.chmod(folder, 0o700)
+
+
+def test_an_export_into_a_read_only_folder_is_refused_by_name(tmp_path: Path) -> None:
+    with ChatStore(_saved_history(tmp_path / "data")) as store:
+        out = tmp_path / "out"
+        out.mkdir(mode=0o555)
+        try:
+            with pytest.raises(StoreError, match=r"could not export the chat to .*read-only \(mode 0555\)"):
+                export_markdown(store, store.list_chats()[0].id, out)
+            assert list(out.iterdir()) == []
+        finally:
+            os.chmod(out, 0o700)
 
 
 def test_a_read_only_folder_without_a_history_disables_history_with_a_notice(tmp_path: Path) -> None:
