@@ -7,8 +7,9 @@ Contract (UI thread only):
 - A user turn built from attachments (``/edit``, ``/file``) keeps what the model sees in ``content`` and a
   short ``meta`` (``request``, ``attachments``, ``edit``: the edited file's path) in the message's stats
   column, so a reopened chat shows the short form and can offer the diff again.
-- History failures never stop the chat: they are reported through ``on_error`` (a notification) and the
-  conversation goes on in memory.
+- History failures never stop the chat: they are reported through ``on_error`` (a notification) once, not
+  at every message, until a save works again (a full disk fails every write), and the conversation goes on in
+  memory. A read-only history (``ChatStore.read_only``, told at start by app/cli/chat.py) is only read.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Conversation:
         self.title = "New chat"
         self.turns: list[Turn] = []
         self._scratch = 0  # conversation key of an unsaved chat
+        self._failing = False  # the last history write failed and the user was told
 
     @property
     def key(self) -> str:
@@ -68,15 +70,21 @@ class Conversation:
         return f"chat-{self.chat_id}" if self.chat_id is not None else f"scratch-{self._scratch}"
 
     def _guard(self, what: str, call: Callable[[ChatStore], T]) -> T | None:
-        """``call(store)``; None without a store or when it fails (reported through ``on_error``)."""
-        if self.store is None:
+        """``call(store)``; None without a writable store or when it fails (reported through ``on_error`` once
+        until a later call succeeds)."""
+        if self.store is None or self.store.read_only:
             return None
         try:
-            return call(self.store)
+            result = call(self.store)
         except SpecchatError as error:
             log.warning("history: could not %s: %s", what, error)
-            self.on_error(f"History: could not {what}: {error}")
+            if not self._failing:
+                self.on_error(f"History: could not {what}: {error} The chat goes on without saving; this is not "
+                              "repeated for every message.")
+            self._failing = True
             return None
+        self._failing = False
+        return result
 
     def new(self) -> None:
         self.chat_id, self.title, self.turns = None, "New chat", []

@@ -13,6 +13,7 @@ suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × 5 modes × ``DEFAULT_MA
 from __future__ import annotations
 
 import io
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def run(args) -> int:
+    _check_args(args)  # the bench arguments' boundary: before anything loads
     if getattr(args, "synthetic", None):
         # Random-weight models with real shapes on the device (issue 8): a separate measurement, its own table.
         from specchat.backend.bench.synthetic import run_synthetic
@@ -40,7 +42,6 @@ def run(args) -> int:
     configs = [get_pair(pairs, name) for name in names]  # unknown names fail before anything loads
     for config in configs:  # so do modes a pair cannot run (draft-model without a draft, typos)
         parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name)
-    _check_args(args)
     err = Console(stderr=True)
 
     def load(index: int):
@@ -53,7 +54,8 @@ def run(args) -> int:
 
 
 def _check_args(args) -> tuple[int, int, float]:
-    from specchat.backend.api import MAX_TEMPERATURE
+    """(limit, max new tokens, temperature); RequestError naming the option for a value the run cannot use."""
+    from specchat.backend.api import MAX_SEED, MAX_TEMPERATURE
     from specchat.backend.errors import RequestError
 
     limit = args.limit if args.limit is not None else DEFAULT_LIMIT
@@ -61,6 +63,16 @@ def _check_args(args) -> tuple[int, int, float]:
     temperature = float(args.temperature or 0.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise RequestError(f"--temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature}")
+    seed = getattr(args, "seed", 0)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise RequestError(f"--seed must be a whole number from 0 to 2**64 - 1, got {seed}")
+    out = Path(getattr(args, "out", None) or "bench_out")
+    try:
+        os.fsencode(out)
+    except UnicodeEncodeError:
+        raise RequestError(f"--out {str(out)!r}: not a usable folder name; name a folder for bench.json") from None
+    if out.exists() and not out.is_dir():
+        raise RequestError(f"--out {out} is a file, not a folder; name a folder for bench.json and the chart")
     return limit, max_new, temperature
 
 

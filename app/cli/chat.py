@@ -4,8 +4,9 @@ pair estimates (wiring.py), so the UI itself reaches the backend only through it
 
 Contract: ``run(args)`` (``args.models``, ``args.device``, ``args.pair``) returns the app's exit code. A history
 that cannot be opened disables history for the session (a notification says why) instead of stopping the app;
-a damaged one that was moved aside is reported the same way. Logging and warnings go to ``<log dir>/specchat.log``
-while the app runs. Quitting during a load (maybe a multi-GB download) leaves at once instead of waiting for it.
+a damaged one that was moved aside, or a read-only one, is reported the same way. Logging and warnings go to
+``<log dir>/specchat.log`` while the app runs. Quitting during a load (maybe a multi-GB download) leaves at once
+instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
         store = None
         notices.append(f"History is disabled for this session: {error}")
     else:
-        if store.recovery_message:
-            notices.append(store.recovery_message)
+        notices.extend(m for m in (store.recovery_message, store.read_only_message) if m)
     log_path = log_dir() / LOG_FILE
     with route_library_output(log_path):
         app = SpecchatApp(pairs, engine_factory=default_engine_factory(device), pair_info=default_pair_info(device),

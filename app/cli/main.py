@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from specchat import __version__
 from specchat.backend.bench.suites import SUITES
+from specchat.backend.inputs import shown
 
 EPILOG = """\
 commands:
@@ -37,13 +38,42 @@ def _add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: b
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 written in digits 0-9, got {shown(text)}")
+    value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
     return value
+
+
+def _whole(text: str) -> int:
+    """An integer option (--top-k, --seed): ranges are checked where the value is used, naming the option."""
+    stripped = text.strip().removeprefix("-")
+    if not (stripped.isascii() and stripped.isdigit() and len(stripped) <= 40):
+        raise argparse.ArgumentTypeError(f"expected a whole number written in digits 0-9, got {shown(text)}")
+    return int(text)
+
+
+def _number(text: str) -> float:
+    """A float option (--temperature, --top-p, ...): NaN and infinities pass here and are refused by range."""
+    try:
+        return float(text) if len(text) <= 100 else float("nan")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
+
+
+def _one_of(choices: list[str]):
+    def check(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not one of {', '.join(choices)}")
+        return text
+    return check
+
+
+def _pair_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a pair name (see `specchat models`), got an empty name")
+    return text
 
 
 def _gamma(text: str) -> int | str:
@@ -51,8 +81,8 @@ def _gamma(text: str) -> int | str:
 
     if text == "auto":
         return text
-    if not (text.isascii() and text.strip().isdigit()):
-        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {text!r}")
+    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {shown(text)}")
     value = int(text)
     if not 1 <= value <= MAX_GAMMA:
         raise argparse.ArgumentTypeError(f"gamma must be between 1 and {MAX_GAMMA} (or 'auto'), got {value}")
@@ -68,14 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"specchat {__version__}")
     _add_global_options(parser, suppress_defaults=False)
-    parser.add_argument("--pair", metavar="NAME", default=None, help="model pair to open (see `specchat models`)")
+    parser.add_argument("--pair", metavar="NAME", type=_pair_name, default=None,
+                        help="model pair to open (see `specchat models`)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate replies without the UI",
                          description="Generate replies headlessly (scripts, benchmarks, checks).")
     _add_global_options(gen, suppress_defaults=True)
-    gen.add_argument("--pair", metavar="NAME", default=argparse.SUPPRESS)
-    gen.add_argument("--drafter", choices=["none", "prompt-lookup", "draft-model", "auto"], default=None,
+    gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
+    drafters = ["none", "prompt-lookup", "draft-model", "auto"]
+    gen.add_argument("--drafter", type=_one_of(drafters), choices=drafters, default=None,
                      help="override the pair's drafter (auto: pick drafter and gamma for you)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one user message")
@@ -83,11 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help='one {"id": ..., "messages": [{"role": ..., "content": ...}]} per line')
     gen.add_argument("--system", metavar="TEXT", default=None, help="a system prompt (none is added otherwise)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N")
-    gen.add_argument("--temperature", type=float, default=None, metavar="T", help="0 is greedy")
-    gen.add_argument("--top-k", type=int, default=None, metavar="K")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P")
-    gen.add_argument("--repetition-penalty", type=float, default=None, metavar="R")
-    gen.add_argument("--seed", type=int, default=None, metavar="S")
+    gen.add_argument("--temperature", type=_number, default=None, metavar="T", help="0 is greedy")
+    gen.add_argument("--top-k", type=_whole, default=None, metavar="K")
+    gen.add_argument("--top-p", type=_number, default=None, metavar="P")
+    gen.add_argument("--repetition-penalty", type=_number, default=None, metavar="R")
+    gen.add_argument("--seed", type=_whole, default=None, metavar="S")
     gen.add_argument("--samples", type=_positive_int, default=1, metavar="N",
                      help="samples per prompt (the prompt is prefilled once and reused)")
     gen.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",
@@ -97,23 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark decoding modes against transformers",
                            description="Measure specchat's modes against transformers generate() in one run.")
     _add_global_options(bench, suppress_defaults=True)
-    bench.add_argument("--pair", metavar="NAME", action="append", default=argparse.SUPPRESS,
+    bench.add_argument("--pair", metavar="NAME", type=_pair_name, action="append", default=argparse.SUPPRESS,
                        help="pair to measure (repeatable; default: smollm2-135m)")
-    bench.add_argument("--suite", choices=list(SUITES), default="all",
+    bench.add_argument("--suite", type=_one_of(list(SUITES)), choices=list(SUITES), default="all",
                        help="prompt set: spec-bench, edit (code edits), all, or one family such as mt-bench")
     bench.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="prompts per family")
     bench.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N")
     bench.add_argument("--modes", nargs="+", default=None, metavar="MODE",
                        help="subset of modes (e.g. plain prompt-lookup auto hf-plain hf-prompt-lookup)")
     bench.add_argument("--out", metavar="DIR", default="bench_out", help="where the JSON and PNG go")
-    bench.add_argument("--temperature", type=float, default=0.0, metavar="T")
-    bench.add_argument("--seed", type=int, default=0, metavar="S")
+    bench.add_argument("--temperature", type=_number, default=0.0, metavar="T")
+    bench.add_argument("--seed", type=_whole, default=0, metavar="S")
     bench.add_argument("--synthetic", metavar="NAME", default=None,
                        help="random-weight models with real shapes on the device (GPU speed check)")
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)
-    models.add_argument("--pair", metavar="NAME", default=argparse.SUPPRESS, help="show only this pair")
+    models.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS,
+                        help="show only this pair")
     return parser
 
 
@@ -124,6 +157,19 @@ def _normalise(args: argparse.Namespace) -> argparse.Namespace:
     if args.command == "bench" and isinstance(args.pair, str):
         args.pair = [args.pair]
     return args
+
+
+MAX_ERROR_CHARS = 1000
+
+
+def one_line(text: str) -> str:
+    """``text`` as one printable line in any terminal encoding: control and line-break characters (a path or a
+    value may hold them) and lone surrogates (undecodable bytes of a command-line argument) are escaped."""
+    text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+    if len(text) > MAX_ERROR_CHARS:  # a value no message abbreviated (a 5,000-character path): keep both ends
+        text = f"{text[:MAX_ERROR_CHARS // 2]} ...({len(text) - MAX_ERROR_CHARS:,} characters)... " \
+               f"{text[-MAX_ERROR_CHARS // 2:]}"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import chat as command
         return command.run(args)
     except SpecchatError as error:
-        print(f"specchat: error: {error}", file=sys.stderr)
+        print(f"specchat: error: {one_line(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specchat: interrupted", file=sys.stderr)

@@ -71,6 +71,7 @@ class SpecchatApp(App[int]):
         self.engine_factory, self.pair_info, self.store = engine_factory, pair_info, store
         self.settings_path = settings_path
         self.settings, warning = load_settings(settings_path)
+        self._settings_unsaved = False  # a save failed and the user was told (told again only after a success)
         self.log_path = log_path
         self.notices = [*startup_notices, *([warning] if warning else [])]
         self.engine: EngineAPI | None = None
@@ -131,11 +132,16 @@ class SpecchatApp(App[int]):
             self.update_settings(replace(self.settings, theme=theme.name))
 
     def update_settings(self, settings: Settings) -> None:
+        """Use ``settings`` now and save them; a failed save (read-only, disk full) is said once, not per change."""
         self.settings = settings
         try:
             save_settings(settings, self.settings_path)
         except SettingsError as error:
-            self.notify(str(error), title="Settings not saved", severity="error", timeout=10)
+            if not self._settings_unsaved:
+                self.notify(str(error), title="Settings not saved", severity="error", timeout=10)
+            self._settings_unsaved = True
+        else:
+            self._settings_unsaved = False
 
     # -- loading pairs -----------------------------------------------------------------------------------------
     def load_pair(self, name: str) -> None:

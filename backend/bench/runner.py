@@ -32,6 +32,7 @@ from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
+from specchat.backend.inputs import shown
 from specchat.backend.spec.stats import StepCounts
 
 SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "draft-model", "auto")
@@ -60,10 +61,12 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str) -> 
         gamma: int | str | None = None
         if gamma_text:
             if base not in ("prompt-lookup", "draft-model", "auto"):
-                raise RequestError(f"mode {name!r}: only prompt-lookup, draft-model and auto take a :GAMMA suffix")
-            if gamma_text != "auto" and not (gamma_text.isascii() and gamma_text.isdigit()
+                raise RequestError(f"mode {shown(name)}: only prompt-lookup, draft-model and auto take a :GAMMA "
+                                   "suffix")
+            if gamma_text != "auto" and not (gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4
                                              and 1 <= int(gamma_text) <= MAX_GAMMA):
-                raise RequestError(f"mode {name!r}: gamma must be 1..{MAX_GAMMA} or 'auto', got {gamma_text!r}")
+                raise RequestError(f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got "
+                                   f"{shown(gamma_text)}")
             gamma = gamma_text if gamma_text == "auto" else int(gamma_text)
         if base in SPECCHAT_DRAFTERS:
             mode = Mode(name, "specchat", "none" if base == "plain" else base,
@@ -72,12 +75,12 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str) -> 
             mode = Mode(name, "hf", base.removeprefix("hf-"))
         else:
             known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES)
-            raise RequestError(f"unknown bench mode {name!r}; use {known} (a drafter mode may add :GAMMA)")
+            raise RequestError(f"unknown bench mode {shown(name)}; use {known} (a drafter mode may add :GAMMA)")
         if base in ("draft-model", "hf-assisted") and not has_draft:
-            raise RequestError(f"mode {name!r} needs a draft model, and pair {pair_name!r} has none; leave it "
+            raise RequestError(f"mode {shown(name)} needs a draft model, and pair {pair_name!r} has none; leave it "
                                "out or pick a pair with a draft (see `specchat models`)")
         if any(m.name == name for m in modes):
-            raise RequestError(f"mode {name!r} is listed twice in --modes")
+            raise RequestError(f"mode {shown(name)} is listed twice in --modes")
         modes.append(mode)
     return modes
 

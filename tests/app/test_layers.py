@@ -1,6 +1,6 @@
 """The app's layers point one way: cli -> tui -> chat -> the backend's API. Read from the source (every import,
 including those inside functions): app/tui and app/chat import from the backend only ``api``, ``errors``,
-``paths`` and ``files`` (and ``models.config`` for annotations, under TYPE_CHECKING); everything else of the
+``paths``, ``files`` and ``inputs`` (and ``models.config`` for annotations, under TYPE_CHECKING); everything else of the
 backend (loading, memory, hub, the engine) reaches the UI through the callables app/cli passes in
 (app/tui/seams.py). No package __init__ imports its submodules."""
 
@@ -13,7 +13,7 @@ import pytest
 
 APP = Path(__file__).resolve().parents[2] / "app"
 BACKEND_FOR_THE_UI = {"specchat.backend.api", "specchat.backend.errors", "specchat.backend.paths",
-                      "specchat.backend.files"}
+                      "specchat.backend.files", "specchat.backend.inputs"}
 ANNOTATIONS_ONLY = {"specchat.backend.models.config"}
 
 

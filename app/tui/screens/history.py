@@ -7,7 +7,6 @@ notifications; the list is reloaded after each change.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +20,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Label, Static
 
 from specchat.app.chat.history.export import export_markdown
+from specchat.app.chat.history.records import format_time
 from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from specchat.backend.errors import SpecchatError
 
@@ -35,7 +35,7 @@ class HistoryResult:
 
 
 def when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+    return format_time(ts)  # a damaged row's time reads "unknown date"
 
 
 async def export_chat(screen: Screen, store: ChatStore, chat_id: int, title: str) -> None:
@@ -46,7 +46,7 @@ async def export_chat(screen: Screen, store: ChatStore, chat_id: int, title: str
     if target is None:
         return
     try:
-        written = export_markdown(store, chat_id, Path(target).expanduser())
+        written = export_markdown(store, chat_id, target)  # it expands ~ (never raising)
     except SpecchatError as error:
         screen.app.notify(str(error), title="Export failed", severity="error", timeout=8)
         return

@@ -68,3 +68,19 @@ def test_a_history_that_cannot_be_opened_is_a_notice(recorded, monkeypatch: pyte
     assert app.kwargs["store"] is None
     assert app.kwargs["startup_notices"] == [
         "History is disabled for this session: cannot create the history folder /nope: Permission denied."]
+
+
+def test_a_read_only_history_is_opened_and_said_once_at_start(recorded, isolated_dirs: Path) -> None:
+    """Issue 20 item 4: a 0444 history is read, never chmodded; the start notice is the only word about it."""
+    import os
+
+    db = isolated_dirs / "data" / "history.sqlite3"
+    with ChatStore(db) as store:
+        store.create_chat("kept", "p")
+    os.chmod(db, 0o444)
+    assert main([]) == 0
+    (app,) = recorded
+    assert app.store_open and app.kwargs["store"].read_only
+    (notice,) = app.kwargs["startup_notices"]
+    assert "read-only" in notice and "(mode 0444)" in notice and "chmod u+w" in notice
+    assert db.stat().st_mode & 0o777 == 0o444
