@@ -61,6 +61,9 @@ HELP = """\
 class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,f1,q,question_mark", "dismiss", "Close")]
 
+    def __init__(self) -> None:
+        super().__init__(classes="dialog-screen")  # centred over the dimmed chat, as every dialog
+
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide", id="help"):
             yield Label("specchat help  (Esc closes)", classes="dialog-title")
