@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,7 +53,6 @@ from specchat.app.tui.widgets.message_view import AssistantMessage, MessageView,
 from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import StatsBar, prefill_line, reply_totals
 from specchat.backend.api import GenerationRequest
-from specchat.backend.errors import KVCacheFullError, SpecchatError
 
 if TYPE_CHECKING:
     from specchat.app.chat.edit_files import AppliedEdit
@@ -62,7 +60,6 @@ if TYPE_CHECKING:
     from specchat.app.chat.history.saver import StreamingSaver
     from specchat.backend.api import EngineAPI
 
-log = logging.getLogger(__name__)
 COMPLETE_REASONS = frozenset({"eos", "stop", "length", "context"})
 UI_CPU_BUDGET = 0.03  # share of one core the UI thread may use while a reply streams
 STATS_INTERVAL_S = (0.1, 0.25)  # the worker's nudges; each redraws the stats bar (one line, no layout pass)
@@ -361,34 +358,14 @@ class ChatScreen(ChatActionsMixin, Screen):
         if reply.edit is not None and outcome.finish_reason in COMPLETE_REASONS:
             self.offer_edit(reply.edit[0], reply.view.text, reply.edit[1])
 
-    def _report(self, outcome: ReplyOutcome) -> None:
-        reason, error = outcome.finish_reason, outcome.error
-        if reason == "error":
-            if isinstance(error, KVCacheFullError):
-                self.notify(f"{error} Start a new chat (Ctrl+N) or shorten the conversation; the partial reply "
-                            "was kept.", title="Context full", severity="error", timeout=12)
-            elif error is None or isinstance(error, SpecchatError):
-                reason_text = (outcome.message or "unknown error").rstrip(".")
-                self.notify(f"{reason_text}. The partial reply was kept; press Ctrl+R to try again, or ↑ in the empty "
-                            "input to edit your message and send it again.", title="Reply failed", severity="error",
-                            timeout=12)
-            else:
-                log.error("unexpected error during a reply", exc_info=error)
-                self.notify(f"Internal error: {type(error).__name__}: {error}. The partial reply was kept; the "
-                            f"traceback is in {self.app.log_path}.", title="Reply failed", severity="error",
-                            timeout=12)
-        elif reason == "context":
-            self.notify(outcome.message or "The conversation no longer fits in the model's context. Start a new "
-                        "chat (Ctrl+N) to go on.", title="Context full", severity="warning", timeout=12)
-        elif outcome.message:
-            self.notify(outcome.message, timeout=6)
-
     async def stop_generation(self) -> None:
         """Cancel the running reply, wait for its worker thread to end, and finish it (partial text kept)."""
         reply = self._active
         if reply is None:
             return
         reply.cancel.set()
+        if reply.live.prefill is not None and not reply.live.stats.new_tokens:
+            reply.view.show_status("stopping after the current pass over the prompt…")  # Esc was heard
         if reply.worker is not None:
             try:
                 await reply.worker.wait()

