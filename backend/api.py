@@ -127,7 +127,8 @@ class GenerationRequest:
     Give either ``messages`` (rendered with the tokenizer's chat template, ``add_generation_prompt=True``) or
     ``prompt_ids`` (used as they are). ``conversation`` names a cache slot: requests with the same key reuse
     the longest common token prefix already in the paged cache (multi-turn chat); ``None`` uses a scratch
-    sequence freed at the end.
+    sequence freed at the end. ``prefill_progress`` asks for progress events while the prompt is read (see
+    :class:`StepEvent`); a consumer that does not ask never sees one, and an engine may not send any.
     """
 
     messages: list[dict[str, str]] | None = None
@@ -136,6 +137,7 @@ class GenerationRequest:
     drafter: DrafterName | None = None  # None: the pair's drafter
     gamma: Gamma | None = None  # None: the pair's gamma
     conversation: str | None = None
+    prefill_progress: bool = False  # yield prefill progress events (StepEvent.prefill_done)
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
@@ -280,6 +282,10 @@ class StepEvent:
     tokens completed (never a split UTF-8 character; may be "" when a token is held back for a stop string or
     an incomplete character). Times are seconds of this step. ``stats`` is the request's statistics after this
     step; the last event of a request has ``finish_reason`` set and ``stats`` holds the totals.
+
+    A *prefill progress event* (only for a request with ``prefill_progress``) comes before each prefill pass:
+    ``prefill_done`` prompt tokens read so far of ``prefill_tokens``, no tokens, ``stats`` None. It is not a
+    step: it changes no statistics.
     """
 
     token_ids: list[int]
@@ -298,6 +304,7 @@ class StepEvent:
     finish_reason: FinishReason | None = None
     message: str | None = None  # a user-facing notice (context full, drafter failed and was switched off, ...)
     stats: RequestStats | None = None
+    prefill_done: int | None = None  # a prefill progress event: prompt tokens read so far (None otherwise)
 
 
 class EngineAPI(Protocol):

@@ -18,6 +18,7 @@ import codecs
 import json
 import sys
 
+from specchat.app.tui.bridge import step_name
 from specchat.backend.api import RequestStats
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
@@ -106,18 +107,31 @@ class _Stdout:
                   file=sys.stderr)
 
 
+_last_step: list[str] = []  # the step last printed when stderr is not a terminal
+
+
 def _progress(message: str, fraction: float | None) -> None:
+    """Loading progress on stderr: one line redrawn in place on a terminal; to a file or a pipe, one plain line
+    per step (no carriage returns or escape sequences, which only a terminal understands)."""
     suffix = f" {fraction:4.0%}" if fraction is not None else ""
-    print(f"\r\x1b[2K{message}{suffix}", end="" if fraction is not None and fraction < 1 else "\n",
-          file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(f"\r\x1b[2K{message}{suffix}", end="" if fraction is not None and fraction < 1 else "\n",
+              file=sys.stderr, flush=True)
+        return
+    step = step_name(message)
+    if _last_step[-1:] != [step]:
+        _last_step[:] = [step]
+        print(message, file=sys.stderr, flush=True)
 
 
 def _confirm_download(num_bytes: int) -> bool:
+    from specchat.backend.models.memory import format_bytes
+
     if not sys.stdin.isatty():
-        print(f"specchat: the pair needs a download of {num_bytes / 1e9:.1f} GB; run interactively to confirm, "
+        print(f"specchat: the pair needs a download of {format_bytes(num_bytes)}; run interactively to confirm, "
               "or download it first with `huggingface-cli download`", file=sys.stderr)
         return False
-    answer = input(f"Download {num_bytes / 1e9:.1f} GB from the Hugging Face hub? [y/N] ")
+    answer = input(f"Download {format_bytes(num_bytes)} from the Hugging Face hub? [y/N] ")
     return answer.strip().lower() in ("y", "yes")
 
 

@@ -323,6 +323,13 @@ class ChatStore:
             )
             self._touch(conn, row[0], time.time())
 
+    def delete_messages_from(self, chat_id: int, message_id: int) -> int:
+        """Delete message ``message_id`` of the chat and every later one (edit and resend); how many went."""
+        with self._write("remove messages") as conn:
+            count = conn.execute("DELETE FROM messages WHERE chat_id = ? AND id >= ?", (chat_id, message_id)).rowcount
+            self._touch(conn, chat_id, time.time())
+            return int(count)
+
     def delete_last_assistant(self, chat_id: int) -> int | None:
         """Delete the chat's last message if it is an assistant reply (regenerate); returns its id or None."""
         with self._write("remove the last reply") as conn:

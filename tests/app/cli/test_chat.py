@@ -84,3 +84,25 @@ def test_a_read_only_history_is_opened_and_said_once_at_start(recorded, isolated
     (notice,) = app.kwargs["startup_notices"]
     assert "read-only" in notice and "(mode 0444)" in notice and "chmod u+w" in notice
     assert db.stat().st_mode & 0o777 == 0o444
+
+
+def test_an_unknown_pair_fails_like_generate_before_the_ui_starts(recorded, capsys: pytest.CaptureFixture) -> None:
+    """Issue 19: `specchat --pair nope` opened the default pair (the app fell back before it could refuse)."""
+    assert main(["--pair", "nope"]) == 2
+    ui_error = capsys.readouterr().err
+    assert not recorded  # no UI was built
+    assert main(["generate", "--pair", "nope", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == ui_error
+    assert ui_error.startswith("specchat: error: unknown pair 'nope': known pairs are smollm2-135m")
+
+
+def test_the_app_refuses_an_unknown_pair_even_when_a_last_pair_is_known(tmp_path: Path) -> None:
+    from specchat.app.chat.settings import Settings, save_settings
+    from specchat.app.tui.app import SpecchatApp
+    from specchat.backend.errors import SpecchatError
+    from specchat.backend.models.config import load_pairs
+
+    save_settings(Settings(last_pair="smollm2-135m"), tmp_path / "settings.json")
+    with pytest.raises(SpecchatError, match="--pair nope: no such pair"):
+        SpecchatApp(load_pairs(None), engine_factory=lambda *a: None, settings_path=tmp_path / "settings.json",
+                    initial_pair="nope")
