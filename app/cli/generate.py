@@ -2,6 +2,9 @@
 
 With ``--json`` stdout carries one JSON object per sample and nothing else; progress, notices and library
 output go to stderr. Without it, the reply text streams to stdout and a one-line summary goes to stderr.
+A remote pair (its target is a server) streams from that server through ``specchat.backend.remote``; its "stats"
+hold the same fields, null where the server does not report one. A reply that ended in an error (a server that
+broke off) is still printed, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -73,17 +76,24 @@ def _confirm_download(num_bytes: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import DEFAULT_PAIR, GenerationRequest, SamplingParams
-    from specchat.backend.engine.engine import load_engine
     from specchat.backend.models.config import get_pair, load_pairs
-    from specchat.backend.models.loading import capture_library_output
 
     pair = get_pair(load_pairs(args.models), args.pair or DEFAULT_PAIR)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
     if args.system is not None:
         prompts = [(pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
                    for pid, msgs in prompts]
-    with capture_library_output(progress=_progress):
-        engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+    if pair.remote is not None:
+        from specchat.backend.remote.client import RemoteEngine
+
+        engine = RemoteEngine(pair)
+    else:  # torch is imported only here
+        from specchat.backend.engine.engine import load_engine
+        from specchat.backend.models.loading import capture_library_output
+
+        with capture_library_output(progress=_progress):
+            engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+    failed = False
     try:
         for pid, messages in prompts:
             for sample in range(args.samples):
@@ -94,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 request = GenerationRequest(messages=messages, sampling=sampling, drafter=args.drafter,
                                             gamma=args.gamma, conversation=f"generate:{pid}")
                 try:
-                    _one(engine, request, pid, sample, args.json)
+                    failed = _one(engine, request, pid, sample, args.json) or failed
                 except SpecchatError as error:  # name the prompt that failed (a file may hold thousands)
                     if not args.prompts:
                         raise
@@ -102,10 +112,11 @@ def run(args: argparse.Namespace) -> int:
             engine.forget(f"generate:{pid}")
     finally:
         engine.close()
-    return 0
+    return 1 if failed else 0
 
 
-def _one(engine, request, pid: str, sample: int, as_json: bool) -> None:
+def _one(engine, request, pid: str, sample: int, as_json: bool) -> bool:
+    """Print one reply; returns whether it ended in an error."""
     token_ids: list[int] = []
     text: list[str] = []
     last = None
@@ -133,3 +144,4 @@ def _one(engine, request, pid: str, sample: int, as_json: bool) -> None:
               f"drafter {stats.drafter}, acceptance "
               f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}",
               file=sys.stderr)
+    return last.finish_reason == "error"

@@ -4,8 +4,11 @@ Contract: dismissed with the chosen pair's name, or None. Columns: pair, drafter
 memory and whether it fits, download size, gated. The estimates come from the app's ``pair_info(pair) ->
 dict`` callable, run in a thread worker (the real one imports torch), one pair at a time, filling the table in
 as they arrive. Keys of that dict, all optional: ``memory_bytes`` (int), ``free_bytes`` (int), ``fits``
-(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str).
-Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too.
+(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str); a
+remote pair's (a server runs it: no memory estimate) has ``remote`` True, ``reachable`` (bool) and
+``model_listed`` (bool | None) instead, shown as "server" and "up" / "DOWN" / "no model".
+Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too, and so does
+a remote pair whose server did not answer.
 """
 
 from __future__ import annotations
@@ -97,6 +100,10 @@ class PairPickerScreen(ModalScreen[str | None]):
             "download": human_bytes(info["download_bytes"]) if info.get("download_bytes") else "—",
             "gated": "gated" if info.get("gated") else "",
         }
+        if info.get("remote"):
+            cells["memory"] = "server"
+            cells["fits"] = ("DOWN" if not info.get("reachable") else "no model" if info.get("model_listed") is False
+                             else "up")
         for column, value in cells.items():
             table.update_cell(message.pair_name, column, value)
         self._describe(table.cursor_row)
@@ -113,7 +120,11 @@ class PairPickerScreen(ModalScreen[str | None]):
         # Text, not markup: descriptions come from models.yaml and may contain [brackets]
         text = Text.assemble((names[row], "bold"), f" — {pair.description}\n",
                              f"target {pair.target.source} · drafter {drafter_label(pair, long=True)} · γ {pair.gamma}")
-        if info.get("error"):
+        if info.get("remote"):
+            state = "answers" if info.get("reachable") else "does not answer"
+            text.append(f"\nruns on its server, which {state}" + (f": {info['error']}" if info.get("error") else ""),
+                        style="yellow" if info.get("error") else "")
+        elif info.get("error"):
             text.append(f"\nestimate unavailable: {info['error']}", style="yellow")
         elif info.get("free_bytes") is not None:
             text.append(f"\nneeds about {human_bytes(info.get('memory_bytes'))}, "
@@ -132,6 +143,8 @@ class PairPickerScreen(ModalScreen[str | None]):
                 "gated") else ""
             checks.append(("Download needed", f"{name} needs a download of {human_bytes(info['download_bytes'])} "
                                               f"from the Hugging Face hub.{gated} Download it now?", "Download"))
+        if info.get("remote") and info.get("error"):
+            checks.append(("Server problem", f"{name}: {info['error']}. Open it anyway?", "Open anyway"))
         if info.get("fits") is False:
             checks.append(("It may not fit", f"{name} needs about {human_bytes(info.get('memory_bytes'))} but only "
                                              f"{human_bytes(info.get('free_bytes'))} is free. Try anyway?",
