@@ -113,7 +113,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                           f"({engine.context_length} tokens): {', '.join(skipped)}[/yellow]")
             if not fitting:
                 continue
-            lengths = sorted(fitting, key=lambda p: len(runner.prompt_ids(p)))
+            lengths = sorted(fitting, key=runner.prompt_length)
             err.print(f"Warming up {len(modes)} modes on {engine.pair.name} ...")
             warm = runner.warm_up(lengths[len(lengths) // 2])
             estimate = runner.estimate_s(fitting, warm)

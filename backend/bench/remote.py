@@ -33,6 +33,10 @@ class RemoteBenchRunner(BenchRunner):
     def prompt_ids(self, prompt: BenchPrompt) -> list[int]:
         raise TypeError("a remote pair's prompts are sent as messages; the server tokenizes them")
 
+    def prompt_length(self, prompt: BenchPrompt) -> int:
+        """Characters (the server tokenizes; the order is what matters)."""
+        return sum(len(content) for _, content in prompt.messages)
+
     def fits(self, prompt: BenchPrompt) -> bool:
         return True
 

@@ -183,6 +183,10 @@ class BenchRunner:
             self._ids[prompt.id] = render(self.engine.tokenizer, prompt.message_dicts())
         return self._ids[prompt.id]
 
+    def prompt_length(self, prompt: BenchPrompt) -> int:
+        """The prompt's size, for choosing the warm-up prompt (tokens here)."""
+        return len(self.prompt_ids(prompt))
+
     def fits(self, prompt: BenchPrompt) -> bool:
         """Whether the prompt plus max_new_tokens (and a verification step) fits the pair's context."""
         return len(self.prompt_ids(prompt)) + self.max_new_tokens + 12 <= self.engine.context_length
