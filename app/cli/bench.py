@@ -74,6 +74,16 @@ def _check_args(args) -> tuple[int, int, float]:
     return limit, max_new, temperature
 
 
+def _server_positions(runner, before) -> dict:
+    """vLLM's per-position acceptance over this run, from its /metrics before and after (remote vLLM pairs)."""
+    after = runner.server_counters() if before is not None else None
+    if after is None:
+        return {}
+    from specchat.backend.remote.stats import vllm_per_position_between
+
+    return {"server_per_position_acceptance": list(vllm_per_position_between(before, after))}
+
+
 def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None,
             out: Console | None = None) -> int:
     """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
@@ -121,6 +131,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             err.print(f"Estimated time for {engine.pair.name}: ~{sum(estimate.values()) / 60:.1f} min "
                       f"({len(fitting)} prompts × {len(modes)} modes, up to {max_new} new tokens each; "
                       f"warm-up decode tok/s: {speeds})", highlight=False)
+            counters = runner.server_counters() if remote is not None else None
             run_start = time.perf_counter()
             pair_rows: list = []
             progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -144,7 +155,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             runs.append({"pair": engine.pair.name, "modes": [m.name for m in modes], "prompts": len(fitting),
                          "skipped_prompts": skipped, "warmup": [w.to_dict() for w in warm],
                          "estimate_s": estimate, "elapsed_s": time.perf_counter() - run_start,
-                         "interrupted": interrupted})
+                         "interrupted": interrupted, **_server_positions(runner, counters)})
         finally:
             engine.close()
             # Drop this pair's models (and their transformers twins) before the next pair loads.

@@ -6,7 +6,9 @@ its chat template), so prompt token counts come from the server's ``usage``; row
 when it sends them (vLLM, `specchat serve`), else only its token count (``Row.reported_tokens``; greedy equality
 marks then compare counts only where ids exist); no step tally (the server reports totals, kept in
 ``Row.engine_stats``); every prompt "fits" (the server refuses what does not). Time is measured here, around
-the whole request, as for local modes: tok/s include the network.
+the whole request, as for local modes: tok/s include the network. On a vLLM server the run also records vLLM's
+per-position acceptance between its ``/metrics`` counters before and after the run (server-wide counters: exact
+when nothing else used the server meanwhile).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.runner import BenchRunner, Mode, WarmUp
 from specchat.backend.bench.stats import Row
 from specchat.backend.bench.suites import BenchPrompt
+from specchat.backend.remote.stats import vllm_counters
 
 
 class RemoteBenchRunner(BenchRunner):
@@ -64,6 +67,14 @@ class RemoteBenchRunner(BenchRunner):
                    mode=mode.name, order=order, prompt_tokens=prompt_tokens, token_ids=tokens, wall_s=wall,
                    ttft_s=ttft, finish_reason=last.finish_reason if last is not None else None, tally=None,
                    engine_stats=stats, reported_tokens=None if tokens or stats is None else stats.new_tokens)
+
+    def server_counters(self) -> dict[str, Any] | None:
+        """vLLM's speculation counters now (``/metrics``), for the run's per-position acceptance; None for other
+        servers or when there is no /metrics."""
+        if self.engine.spec.server_kind != "vllm":
+            return None
+        text = self.engine.metrics_text()
+        return vllm_counters(text) if text is not None else None
 
     def estimate_s(self, prompts: list[BenchPrompt], warm: list[WarmUp]) -> dict[str, float]:
         """Seconds per mode: each prompt at the warm-up's time to first token plus max_new_tokens at its decode

@@ -176,6 +176,15 @@ class RemoteEngine:
     def close(self) -> None:
         self._client.close()
 
+    def metrics_text(self) -> str | None:
+        """The server's Prometheus ``/metrics`` (at the root beside ``/v1``), or None when it has none."""
+        root = self.spec.server.removesuffix("/v1")
+        try:
+            response = self._client.get(root + "/metrics", timeout=CONNECT_TIMEOUT_S)
+        except httpx.HTTPError:
+            return None
+        return response.text if response.status_code == 200 else None
+
     # -- internals --------------------------------------------------------------------------------------
 
     def request_body(self, request: GenerationRequest) -> dict[str, Any]:

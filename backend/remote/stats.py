@@ -28,6 +28,9 @@ Sources of the field names (read in the servers' own code):
   verify_ct), ``spec_correct_drafts_histogram``.
 - `specchat serve` (app/serve/): a ``specchat`` block on every chunk with the engine's own RequestStats.
 - Every OpenAI-compatible server: ``usage.prompt_tokens`` / ``usage.completion_tokens``.
+
+vLLM's Prometheus ``/metrics`` (:func:`vllm_counters`) counts over the whole server; `specchat bench` reads it
+before and after a run for the run's per-position acceptance (:func:`vllm_per_position_between`), never a reply's.
 """
 
 from __future__ import annotations
@@ -228,3 +231,47 @@ def remote_stats(figures: Mapping[str, Any], *, wall_s: float, ttft_s: float | N
     if values.get("last_policy") is not None and not isinstance(values["last_policy"], PolicyState):
         values["last_policy"] = None
     return RequestStats(**values)
+
+
+VLLM_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total")
+VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def vllm_counters(text: str) -> dict[str, Any]:
+    """vLLM's speculation counters from its Prometheus ``/metrics`` text (vllm/v1/spec_decode/metrics.py): each of
+    :data:`VLLM_COUNTERS` summed over its label sets, and ``per_position`` {position: accepted tokens}."""
+    out: dict[str, Any] = {name: 0.0 for name in VLLM_COUNTERS}
+    positions: dict[int, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:spec_decode_num_"):
+            continue
+        name, _, rest = line.partition("{")
+        labels, value_text = (rest.rsplit("}", 1) if rest else ("", line.split()[-1]))
+        name = name.split()[0]
+        try:
+            value = float(value_text.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if not math.isfinite(value):
+            continue
+        if name == VLLM_PER_POSITION:
+            label = dict(part.split("=", 1) for part in labels.split(",") if "=" in part)
+            position = label.get("position", "").strip('"')
+            if position.isdigit():
+                positions[int(position)] = positions.get(int(position), 0.0) + value
+        elif name in out:
+            out[name] += value
+    out["per_position"] = positions
+    return out
+
+
+def vllm_per_position_between(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[float | None, ...]:
+    """Per-position acceptance over the requests between two :func:`vllm_counters` readings, as vLLM's docs compute
+    it (accepted per position / drafts). Server-wide: exact only when no other client used the server meanwhile."""
+    drafts = after[VLLM_COUNTERS[0]] - before[VLLM_COUNTERS[0]]
+    if drafts <= 0:
+        return ()
+    last = max(after["per_position"], default=-1)
+    return tuple(round((after["per_position"].get(j, 0.0) - before["per_position"].get(j, 0.0)) / drafts, 4)
+                 for j in range(last + 1))

@@ -37,8 +37,8 @@ def test_greedy_output_over_the_api_equals_specchat_generate(tmp_path: Path, cap
                 url = line.split(" on ", 1)[1].split(" ", 1)[0]
         assert url.startswith("http://127.0.0.1:"), "the server did not start"
         models = tmp_path / "remote.yaml"
-        models.write_text(f"pairs:\n  - name: served\n    target: {{server: {url}, model: smollm2-135m, kind: specchat}}\n",
-                          encoding="utf-8")
+        models.write_text("pairs:\n  - name: served\n"
+                          f"    target: {{server: {url}, model: smollm2-135m, kind: specchat}}\n", encoding="utf-8")
         local = _generate(capsys)
         remote = _generate(capsys, "--models", str(models), "--pair", "served")
         assert remote["token_ids"] == local["token_ids"] and remote["text"] == local["text"]

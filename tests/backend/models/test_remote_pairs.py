@@ -18,7 +18,8 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_the_minimal_entry_of_the_issue_works_with_no_other_field(tmp_path: Path) -> None:
-    path = _write(tmp_path, "pairs:\n  - name: my-server\n    target: {server: http://127.0.0.1:8000/v1, model: NAME}\n")
+    path = _write(tmp_path, "pairs:\n  - name: my-server\n"
+                            "    target: {server: http://127.0.0.1:8000/v1, model: NAME}\n")
     pair = load_pairs_file(path)["my-server"]
     assert pair.remote == RemoteSpec(server="http://127.0.0.1:8000/v1", model="NAME")
     assert pair.remote.server_kind == "openai" and pair.remote.api_key_env is None

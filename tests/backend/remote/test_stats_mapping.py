@@ -13,6 +13,8 @@ from specchat.backend.remote.stats import (
     from_vllm,
     remote_stats,
     server_figures,
+    vllm_counters,
+    vllm_per_position_between,
 )
 
 # vLLM 0.33: the final usage chunk of a stream with stream_options.include_usage, on a server started with
@@ -116,3 +118,24 @@ def test_remote_stats_measure_time_here_and_leave_unknown_fields_none() -> None:
                  "acceptance_rate", "mean_accepted_length"):
         assert json_stats[name] is None, name
     assert RequestStats.from_dict(stats.to_dict()) == stats  # the history reads a remote reply back unchanged
+
+
+def test_vllm_prometheus_counters_give_the_per_position_acceptance_between_two_readings() -> None:
+    # vllm/v1/spec_decode/metrics.py: counters vllm:spec_decode_num_drafts / _num_draft_tokens /
+    # _num_accepted_tokens and _num_accepted_tokens_per_pos{position}; per-position acceptance is
+    # accepted_per_pos / num_drafts (its docstring's PromQL), exposed with the _total suffix of Prometheus counters.
+    def text(drafts: int, pos: tuple[int, ...]) -> str:
+        lines = ["# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+                 "# TYPE vllm:spec_decode_num_drafts_total counter",
+                 f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {float(drafts)}',
+                 f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {float(drafts * 3)}',
+                 f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {float(sum(pos))}']
+        lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{j}"}} '
+                  f"{float(n)}" for j, n in enumerate(pos)]
+        return "\n".join(lines) + "\n"
+
+    before, after = vllm_counters(text(10, (8, 5, 2))), vllm_counters(text(30, (24, 13, 6)))
+    assert before["vllm:spec_decode_num_drafts_total"] == 10 and before["per_position"] == {0: 8, 1: 5, 2: 2}
+    assert vllm_per_position_between(before, after) == (0.8, 0.4, 0.2)
+    assert vllm_per_position_between(after, after) == ()  # nothing drafted in between
+    assert vllm_counters("garbage\nvllm:spec_decode_num_drafts_total{x} NaN\n")["per_position"] == {}
