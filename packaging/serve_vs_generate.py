@@ -13,6 +13,10 @@ Both greedy, the same prompt and ``--max-new-tokens``; the token ids must be equ
 ratios served/local and the ratio of the medians; exits 1 when the median ratio is below ``--goal``.
 
     python packaging/serve_vs_generate.py --rounds 6 --max-new-tokens 128 [--drafter none]
+
+On a loaded CPU (more runnable threads than cores), torch's two OpenMP threads make a reply decoded in a process's
+main thread (`specchat generate`) many times slower than one decoded in a worker thread (the server's engine
+owner); ``OMP_NUM_THREADS=1`` in the environment (passed to both) takes that out of the comparison.
 """
 
 from __future__ import annotations
@@ -27,9 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_PROMPT = ("Rewrite this function with type hints and a docstring, keeping its logic:\n\n"
-                  "def total(items):\n    s = 0\n    for item in items:\n        s += item['price'] * item['qty']\n"
-                  "    return s\n")
+DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
 
 
 def start_server(env: dict[str, str]) -> tuple[subprocess.Popen, str]:

@@ -5,7 +5,8 @@ Contract: :meth:`EngineOwner.submit` puts a request in the queue and returns its
 :class:`Busy` when ``queue_size`` requests are already waiting (the server answers 503). The worker iterates
 ``engine.generate(request, job.cancel)`` (the engine API only) and hands each StepEvent to the job's own queue;
 an exception raised by the engine ends the job with that exception; then :data:`END`. A job cancelled while it
-waits is skipped. :meth:`close` stops the worker after the running job (cancelling it) and fails waiting ones.
+waits is skipped. :meth:`close` cancels the running job, ends the waiting ones and stops the worker. Requests carry
+no conversation key (app/serve/boundary.py), so each is prefilled whole and frees its KV blocks when it ends.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class EngineOwner:
         self.metrics = metrics or Metrics()
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._running = 0
+        self._current: Job | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name="specchat-serve-engine", daemon=True)
         self._thread.start()
@@ -112,7 +114,7 @@ class EngineOwner:
                 job.events.put(END)
                 continue
             with self._lock:
-                self._running = 1
+                self._running, self._current = 1, job
             try:
                 for event in self.engine.generate(job.request, job.cancel):
                     self.metrics.observe_step(event)
@@ -121,11 +123,14 @@ class EngineOwner:
                 job.events.put(error)
             finally:
                 with self._lock:
-                    self._running = 0
+                    self._running, self._current = 0, None
                 job.events.put(END)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop taking work: waiting jobs end at once, the worker stops after the running one."""
+        """Stop: waiting jobs end at once, the running one is cancelled (the engine stops at its next step)."""
+        with self._lock:
+            if self._current is not None:
+                self._current.cancel.set()
         while True:
             try:
                 job = self._jobs.get_nowait()

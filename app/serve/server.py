@@ -93,6 +93,14 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
         self.close_connection = True
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, an unknown method, too many headers) as JSON."""
+        text = message or self.responses.get(code, ("error",))[0]
+        try:
+            self._send_json(code, ApiError(code, f"{text}; send an HTTP/1.1 GET or POST to /v1/...", None).body())
+        except OSError:
+            self.close_connection = True
+
     def _send_error(self, error: ApiError, headers: dict[str, str] | None = None) -> None:
         self._send_json(error.status, error.body(), headers)
 

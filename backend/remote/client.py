@@ -17,7 +17,8 @@ Contract:
   connection dropped, a read timeout) ends with a last event ``finish_reason="error"`` whose message says so:
   the text streamed so far stays with the caller.
 - Timeouts: connect :data:`CONNECT_TIMEOUT_S`, then :data:`READ_TIMEOUT_S` between two chunks (a large model's
-  first token may take long); a failed connect is retried :data:`CONNECT_RETRIES` times, nothing else is.
+  first token may take long); a failed connect is retried :data:`CONNECT_RETRIES` times, nothing else is. The
+  server is addressed directly: proxy settings from the environment are not used.
 - ``cancel.set()`` closes the stream within :data:`CANCEL_POLL_S` even while a chunk is awaited (the socket is
   shut down), and the reply ends with ``finish_reason="cancelled"``.
 """

@@ -6,7 +6,7 @@ dict`` callable, run in a thread worker (the real one imports torch), one pair a
 as they arrive. Keys of that dict, all optional: ``memory_bytes`` (int), ``free_bytes`` (int), ``fits``
 (bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str); a
 remote pair's (a server runs it: no memory estimate) has ``remote`` True, ``reachable`` (bool) and
-``model_listed`` (bool | None) instead, shown as "server" and "up" / "DOWN" / "no model".
+``model_listed`` (bool | None) instead, shown as "server" and "up" / "DOWN" / "404" (model not listed).
 Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too, and so does
 a remote pair whose server did not answer.
 """
@@ -102,7 +102,7 @@ class PairPickerScreen(ModalScreen[str | None]):
         }
         if info.get("remote"):
             cells["memory"] = "server"
-            cells["fits"] = ("DOWN" if not info.get("reachable") else "no model" if info.get("model_listed") is False
+            cells["fits"] = ("DOWN" if not info.get("reachable") else "404" if info.get("model_listed") is False
                              else "up")
         for column, value in cells.items():
             table.update_cell(message.pair_name, column, value)

@@ -5,6 +5,7 @@ blocks back to zero), and the speculation fields other servers' clients read."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -139,3 +140,16 @@ def test_twenty_concurrent_clients_are_answered_or_refused_and_none_is_lost() ->
         assert requests.get("ok", 0) == codes.count(200) and requests.get("rejected", 0) == codes.count(503)
         assert server.owner.running == 0 and server.owner.waiting == 0
     assert engine.blocks_in_use() == 0
+
+
+def test_http_servers_own_refusals_are_json_too(served) -> None:
+    _, _, url = served
+    response = httpx.request("DELETE", url + "/models")
+    assert response.status_code == 501 and "error" in response.json()
+    host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"NONSENSE\r\n\r\n")
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 400") and '"error"' in answer and "<html" not in answer.lower()
+    no_length = httpx.post(url + "/chat/completions", content=iter([b"{}"]))  # streamed: chunked, no length
+    assert no_length.status_code == 411 and no_length.json()["error"]["param"] == "Content-Length"
