@@ -7,7 +7,8 @@ Textual. Settings validate themselves when they are built, so a value that passe
 Vocabulary: the *target* keeps its distribution; a *drafter* proposes γ tokens; a *step* is one target forward
 pass after prefill. Each emitted token has a :class:`TokenSource`:
 
-- ``TARGET``: a plain target token (no draft was verified in that step);
+- ``TARGET``: a plain target token (no draft was verified in that step), or a token of a remote server that
+  does not say how each token was produced (``specchat.backend.remote``);
 - ``ACCEPTED``: a draft token the target accepted;
 - ``RECOVERED``: the target's own token at the first rejected draft position;
 - ``BONUS``: the extra target token when every draft was accepted.
@@ -180,34 +181,37 @@ class RequestStats:
     - ``expected_speedup``: S(γ) from the policy's estimates, else from this request's own counts;
     - ``last_gamma``, ``last_policy``: the latest step's drafted length and state (the live view);
     - ``drafter``: the drafter that ran most speculating steps ("none" without any).
+
+    The fields typed ``... | None`` besides the rates are None when the engine cannot know them: a remote
+    server (``specchat.backend.remote``) that does not report a figure leaves it None (JSON null), never a guess.
     """
 
     new_tokens: int = 0
     wall_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float | None = 0.0
     ttft_s: float | None = None
-    prefill_tokens: int = 0
+    prefill_tokens: int | None = 0
     tok_s: float | None = None
-    steps: int = 0
-    spec_paused_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    steps: int | None = 0
+    spec_paused_steps: int | None = 0
+    drafted: int | None = 0
+    accepted: int | None = 0
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     per_position_acceptance: tuple[float | None, ...] = ()
     gamma: GammaSummary = field(default_factory=GammaSummary)
     prompt_tokens: int = 0
     drafter: str = "none"
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    overhead_s: float = 0.0
+    draft_s: float | None = 0.0
+    verify_s: float | None = 0.0
+    overhead_s: float | None = 0.0
     tokens_per_step: float | None = None
     alpha_hat: float | None = None
     expected_speedup: float | None = None
     accepted_length_histogram: tuple[int, ...] = ()
     spec_tok_s: float | None = None
     plain_tok_s: float | None = None
-    last_gamma: int = 0
+    last_gamma: int | None = 0
     last_policy: PolicyState | None = None
     policy: Mapping[str, Any] | None = None  # the γ policy's estimates (a single drafter), for diagnostics
 
@@ -271,7 +275,8 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
 
 
 _OPTIONAL_NUMBERS = {"ttft_s", "tok_s", "acceptance_rate", "mean_accepted_length", "tokens_per_step", "alpha_hat",
-                     "expected_speedup", "spec_tok_s", "plain_tok_s"}
+                     "expected_speedup", "spec_tok_s", "plain_tok_s", "prefill_s", "prefill_tokens", "steps",
+                     "spec_paused_steps", "drafted", "accepted", "draft_s", "verify_s", "overhead_s", "last_gamma"}
 
 
 @dataclass(slots=True)

@@ -9,6 +9,10 @@ written as ``?`` with one notice on stderr.
 ``read_prompts`` is the ``--prompts`` file's input boundary: every line is parsed with bounded size, depth and
 numbers (``backend/inputs.py``) and checked; anything else raises :class:`RequestError` naming the file, the
 line and what a line must look like, before any model loads.
+
+A remote pair (its target is a server) streams from that server through ``specchat.backend.remote``; its "stats"
+hold the same fields, null where the server does not report one. A reply that ended in an error (a server that
+broke off) is still printed, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -137,17 +141,24 @@ def _confirm_download(num_bytes: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import DEFAULT_PAIR, GenerationRequest, SamplingParams
-    from specchat.backend.engine.engine import load_engine
     from specchat.backend.models.config import get_pair, load_pairs
-    from specchat.backend.models.loading import capture_library_output
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
     if args.system is not None:
         prompts = [(pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
                    for pid, msgs in prompts]
-    with capture_library_output(progress=_progress):
-        engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+    if pair.remote is not None:
+        from specchat.backend.remote.client import RemoteEngine
+
+        engine = RemoteEngine(pair)
+    else:  # torch is imported only here
+        from specchat.backend.engine.engine import load_engine
+        from specchat.backend.models.loading import capture_library_output
+
+        with capture_library_output(progress=_progress):
+            engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+    failed = False
     out = _Stdout()
     try:
         for pid, messages in prompts:
@@ -159,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
                 request = GenerationRequest(messages=messages, sampling=sampling, drafter=args.drafter,
                                             gamma=args.gamma, conversation=f"generate:{pid}")
                 try:
-                    _one(engine, request, pid, sample, args.json, out)
+                    failed = _one(engine, request, pid, sample, args.json, out) or failed
                 except SpecchatError as error:  # name the prompt that failed (a file may hold thousands)
                     if not args.prompts:
                         raise
@@ -168,10 +179,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
         out.notice()
-    return 0
+    return 1 if failed else 0
 
 
-def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) -> None:
+def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
+    """Print one reply; returns whether it ended in an error."""
     token_ids: list[int] = []
     text: list[str] = []
     last = None
@@ -198,3 +210,4 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
               f"drafter {stats.drafter}, acceptance "
               f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}",
               file=sys.stderr)
+    return last.finish_reason == "error"

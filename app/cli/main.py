@@ -21,7 +21,8 @@ commands:
   (none)      open the chat UI on the last used pair (first time: the embedded default smollm2-135m)
   generate    headless generation; --json prints one JSON object per sample on stdout
   bench       measure every decoding mode against transformers in one run
-  models      list the model pairs of models.yaml with memory estimates
+  models      list the model pairs of models.yaml with memory estimates (remote pairs: reachable?)
+  serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
 
 Run `specchat COMMAND --help` for a command's options.
 """
@@ -74,6 +75,12 @@ def _pair_name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a pair name (see `specchat models`), got an empty name")
     return text
+
+
+def _port(text: str) -> int:
+    if not (text.isascii() and text.strip().isdigit()) or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
+    return int(text)
 
 
 def _gamma(text: str) -> int | str:
@@ -147,6 +154,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_global_options(models, suppress_defaults=True)
     models.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS,
                         help="show only this pair")
+
+    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE
+
+    serve = sub.add_parser("serve", help="serve a pair over an OpenAI-compatible API",
+                           description="Serve one local pair over the OpenAI chat completions API (streaming, "
+                                       "/v1/models, /metrics), with its speculation statistics per request.")
+    _add_global_options(serve, suppress_defaults=True)
+    serve.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="the pair to serve")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                           "only)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--api-key-env", metavar="VAR", default=None,
+                       help="require the API key held in environment variable VAR (Authorization: Bearer KEY)")
+    serve.add_argument("--queue", type=_positive_int, default=DEFAULT_QUEUE, metavar="N",
+                       help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})")
+    serve.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                       help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS})")
+    serve.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                       help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})")
     return parser
 
 
@@ -183,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import bench as command
         elif args.command == "models":
             from specchat.app.cli import models as command
+        elif args.command == "serve":
+            from specchat.app.cli import serve as command
         else:
             from specchat.app.cli import chat as command
         return command.run(args)

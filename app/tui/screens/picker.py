@@ -7,8 +7,11 @@ under the table names the target and says when a pair is gated). Sizes are binar
 models` prints them (1.11 GiB). The estimates come from the app's ``pair_info(pair) ->
 dict`` callable, run in a thread worker (the real one imports torch), one pair at a time, filling the table in
 as they arrive. Keys of that dict, all optional: ``memory_bytes`` (int), ``free_bytes`` (int), ``fits``
-(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str).
-Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too.
+(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str); a
+remote pair's (a server runs it: no memory estimate) has ``remote`` True, ``reachable`` (bool) and
+``model_listed`` (bool | None) instead, shown as "server" and "up" / "DOWN" / "404" (model not listed).
+Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too, and so does
+a remote pair whose server did not answer.
 """
 
 from __future__ import annotations
@@ -122,6 +125,10 @@ class PairPickerScreen(ModalScreen[str | None]):
             "download": human_bytes(info["download_bytes"]) if info.get("download_bytes") else "—",
             "gated": "gated" if info.get("gated") else "",
         }
+        if info.get("remote"):
+            cells["memory"] = "server"
+            cells["fits"] = ("DOWN" if not info.get("reachable") else "404" if info.get("model_listed") is False
+                             else "up")
         for column, value in cells.items():
             if column in self.widths:
                 table.update_cell(message.pair_name, column, value)
@@ -141,7 +148,11 @@ class PairPickerScreen(ModalScreen[str | None]):
                              f"target {pair.target.source} · drafter {drafter_label(pair, long=True)} · γ {pair.gamma}")
         if info.get("gated"):
             text.append(" · gated: accept its licence on the Hugging Face hub first", style="yellow")
-        if info.get("error"):
+        if info.get("remote"):
+            state = "answers" if info.get("reachable") else "does not answer"
+            text.append(f"\nruns on its server, which {state}" + (f": {info['error']}" if info.get("error") else ""),
+                        style="yellow" if info.get("error") else "")
+        elif info.get("error"):
             text.append(f"\nestimate unavailable: {info['error']}", style="yellow")
         elif info.get("free_bytes") is not None:
             text.append(f"\nneeds about {human_bytes(info.get('memory_bytes'))}, "
@@ -160,6 +171,8 @@ class PairPickerScreen(ModalScreen[str | None]):
                 "gated") else ""
             checks.append(("Download needed", f"{name} needs a download of {human_bytes(info['download_bytes'])} "
                                               f"from the Hugging Face hub.{gated} Download it now?", "Download"))
+        if info.get("remote") and info.get("error"):
+            checks.append(("Server problem", f"{name}: {info['error']}. Open it anyway?", "Open anyway"))
         if info.get("fits") is False:
             checks.append(("It may not fit", f"{name} needs about {human_bytes(info.get('memory_bytes'))} but only "
                                              f"{human_bytes(info.get('free_bytes'))} is free. Try anyway?",

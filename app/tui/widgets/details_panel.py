@@ -30,9 +30,14 @@ def bar(value: float | None, width: int = BAR_WIDTH) -> Text:
 
 
 def step_counts(stats: RequestStats) -> tuple[int, int]:
-    """(speculating steps, plain steps) of the reply."""
+    """(speculating steps, plain steps) of the reply; a remote server that reports no steps counts none."""
     speculating = sum(stats.accepted_length_histogram)
-    return speculating, max(0, stats.steps - speculating)
+    return speculating, max(0, (stats.steps or 0) - speculating)
+
+
+def count(value: int | None) -> str:
+    """A counter, or "—" when the engine (a remote server) does not report it."""
+    return "—" if value is None else str(value)
 
 
 def measured_speedup(stats: RequestStats) -> float | None:
@@ -46,7 +51,7 @@ def measured_speedup(stats: RequestStats) -> float | None:
 def render_details(live: LiveView) -> Text:
     stats = live.stats
     text = Text("Speculation details\n", style="bold")
-    text.append(f"drafter {live.drafter or stats.drafter or '—'} · γ {stats.last_gamma}\n\n", style="dim")
+    text.append(f"drafter {live.drafter or stats.drafter or '—'} · γ {count(stats.last_gamma)}\n\n", style="dim")
     positions = stats.per_position_acceptance
     text.append("Per-position acceptance\n", style="bold")
     if not positions:
@@ -67,12 +72,12 @@ def render_details(live: LiveView) -> Text:
     text.append("\nCounters\n", style="bold")
     for label, value in (
         ("tokens", str(stats.new_tokens)),
-        ("steps", str(stats.steps)),
-        ("drafted", str(stats.drafted)),
-        ("accepted", str(stats.accepted)),
+        ("steps", count(stats.steps)),
+        ("drafted", count(stats.drafted)),
+        ("accepted", count(stats.accepted)),
         ("acceptance", pct(stats.acceptance_rate)),
         ("τ (tokens/step)", num(stats.mean_accepted_length, 2)),
-        ("paused steps", str(stats.spec_paused_steps)),
+        ("paused steps", count(stats.spec_paused_steps)),
         ("first token", f"{num(stats.ttft_s, 2)} s"),
         ("tok/s (reply)", num(stats.tok_s)),
     ):

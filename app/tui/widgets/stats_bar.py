@@ -324,7 +324,7 @@ class StatsBar(Horizontal):
         text.append(f"  acc {pct(stats.acceptance_rate)}")
         text.append(f"  τ {num(stats.mean_accepted_length, 2)}")
         if streaming:
-            text.append(f"  γ {stats.last_gamma}")
+            text.append(f"  γ {'—' if stats.last_gamma is None else stats.last_gamma}")
             label = policy_label(live)
             if label:
                 style = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}.get(stats.last_policy, "dim")
