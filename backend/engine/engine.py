@@ -124,15 +124,17 @@ class Engine:
             self.remember_replies = enabled
             if not enabled:
                 return 0
-            newest: list[str] = []
-            chars = 0
-            for text in reversed(list(replies)):  # ~4 characters a token: read no more than the bound holds
-                if chars >= 4 * self.reply_memory.max_tokens:
+            # Newest first, up to three quarters of the bound (what it keeps after dropping old replies), so
+            # seeding never rebuilds the index; then remembered oldest first.
+            newest: list[list[int]] = []
+            budget = (self.reply_memory.max_tokens * 3) // 4
+            for text in reversed(list(replies)):
+                if budget <= 0:
                     break
-                newest.append(text)
-                chars += len(text)
-            for text in reversed(newest):
-                self.reply_memory.remember(self.tokenizer.encode(text, add_special_tokens=False))
+                ids = self.tokenizer.encode(text, add_special_tokens=False)[-budget:]
+                newest.append(ids)
+                budget -= len(ids)
+            self.reply_memory.remember_all(reversed(newest))
             return self.reply_memory.num_tokens
 
     def blocks_in_use(self) -> int:

@@ -74,10 +74,15 @@ def test_dropping_the_oldest_sequences_rebuilds_the_rest() -> None:
 
 def test_reply_memory_is_bounded_and_drops_the_oldest() -> None:
     memory = ReplyMemory(max_tokens=100, key_len=2)
+    rebuilds = []
+    drop = memory.index.drop_oldest
+    memory.index.drop_oldest = lambda count: (rebuilds.append(count), drop(count))
     for i in range(30):
         memory.remember([i, i + 1000, i + 2000, i + 3000, i + 4000])
-    assert memory.num_tokens <= 100 and memory.index.num_sequences == 20
-    assert memory.index.sequences()[0][0] == 10  # the ten oldest replies went
+        assert memory.num_tokens <= 100
+    # Full at reply 20: the six oldest go (down to 75 tokens), again at reply 26; the newest are kept.
+    assert rebuilds == [6, 6] and memory.index.num_sequences == 18
+    assert [seq[0] for seq in memory.index.sequences()] == list(range(12, 30))
     memory.remember(list(range(500)))  # a reply longer than the whole budget keeps its end
     assert memory.num_tokens == 100 and memory.index.sequences() == [list(range(400, 500))]
     memory.clear()
