@@ -42,7 +42,7 @@ def count(value: int | None) -> str:
 
 def tree_line(stats: RequestStats) -> str:
     """The latest tree draft (the suffix drafter): its size and shape, and the branch the target followed."""
-    shape = (f"tree {stats.tree_nodes} nodes · depth {stats.tree_depth} · "
+    shape = (f"tree {stats.tree_nodes} node{'s' if stats.tree_nodes != 1 else ''} · depth {stats.tree_depth} · "
              f"{stats.tree_width} branch{'es' if stats.tree_width != 1 else ''}")
     if not stats.tree_accepted:
         return f"{shape}; no branch matched"
