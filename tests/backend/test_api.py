@@ -70,7 +70,7 @@ def test_request_stats_round_trip_and_the_json_contract() -> None:
 
 @pytest.mark.parametrize("damage", [
     {"new_tokens": "many"}, {"gamma": [1, 2]}, {"per_position_acceptance": "x"}, {"last_policy": "dancing"},
-    {"tok_s": float("nan")}, {"drafter": 7}, {"steps": None}, {"policy": [1]}, {"unknown_field": 1},
+    {"tok_s": float("nan")}, {"drafter": 7}, {"steps": "x"}, {"policy": [1]}, {"unknown_field": 1},
     {"seed": 1.5}, {"seed": "7"},
 ])
 def test_request_stats_from_a_damaged_row_keeps_what_it_can(damage) -> None:
