@@ -35,10 +35,10 @@ class RequestError(SpecchatError):
     """A generation request is invalid: bad sampling settings, empty prompt, unknown drafter, ..."""
 
 
-class ModelOutputError(SpecchatError):
-    """The model's output cannot be decoded (NaN logits): the reply stops instead of emitting garbage."""
-
-
 class RemoteError(SpecchatError):
     """A remote pair's server could not be reached, refused a request (API key, model, busy) or broke off a reply:
     names the server and what to do."""
+
+
+class ModelOutputError(SpecchatError):
+    """The model's output cannot be decoded (NaN logits): the reply stops instead of emitting garbage."""

@@ -210,6 +210,7 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         rate = stats.acceptance_rate
         print(f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
               f"drafter {stats.drafter}, acceptance "
-              f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}, seed {stats.seed}",
+              f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}, "
+              f"seed {stats.seed}",
               file=sys.stderr)
     return last.finish_reason == "error"
