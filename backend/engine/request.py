@@ -284,7 +284,7 @@ class RequestState:
             name, draft, draft_ids = None, None, []
             logits = self._target_logits([pending], keep=1)
         verify_s = time.perf_counter() - t_verify
-        result: VerifyResult = verify(logits, draft_ids, self.rule, self.produced)
+        result: VerifyResult = verify(logits, draft_ids, self.rule, self._positions(1 + len(draft_ids)))
         conv.seq.commit(1 + result.accepted)
         conv.cached.extend([pending] + draft_ids[: result.accepted])
         tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
