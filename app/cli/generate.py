@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
                 seed = None if args.seed is None else args.seed + sample
                 sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                           repetition_penalty=args.repetition_penalty, seed=seed,
-                                          max_new_tokens=args.max_new_tokens)
+                                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
                 request = GenerationRequest(messages=messages, sampling=sampling, drafter=args.drafter,
                                             gamma=args.gamma, conversation=f"generate:{pid}")
                 try:

@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_number, default=None, metavar="P")
     gen.add_argument("--repetition-penalty", type=_number, default=None, metavar="R")
     gen.add_argument("--seed", type=_whole, default=None, metavar="S")
+    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                     help="end the reply where TEXT appears (repeatable; the text is cut there)")
     gen.add_argument("--samples", type=_positive_int, default=1, metavar="N",
                      help="samples per prompt (the prompt is prefilled once and reused)")
     gen.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",

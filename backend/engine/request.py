@@ -304,7 +304,7 @@ class RequestState:
         verify_s = time.perf_counter() - t_verify
         result: VerifyResult
         if parents is None:
-            result = verify(logits, draft_ids, self.rule, self.produced)
+            result = verify(logits, draft_ids, self.rule, self._positions(1 + len(draft_ids)))
         else:
             result = verify_tree(self._tree_decider(logits), draft_ids, parents)
             start = conv.seq.length + 1  # the pending token is at conv.seq.length; node i was written at start + i

@@ -68,16 +68,16 @@ def verify(
     target_logits: torch.Tensor,  # [k+1 (or more), V] processed target logits (sliced, penalised per row)
     draft_ids: Sequence[int],  # [k]
     rule: SamplingRule,
-    first_position: int,  # the reply position row 0 decides
+    positions: Sequence[int],  # [k+1] the reply position each row decides (the engine: produced, produced+1, ..)
 ) -> VerifyResult:
-    """Decide the target's tokens at rows 0..k (reply positions ``first_position`` ..) and verify the draft
-    against them. Rows beyond k+1 are ignored (a drafter that proposed fewer than γ tokens)."""
+    """Decide the target's tokens at rows 0..k and verify the draft against them. Rows beyond k+1 are ignored (a
+    drafter that proposed fewer than γ tokens)."""
     k = len(draft_ids)
-    if target_logits.dim() != 2 or target_logits.shape[0] < k + 1:
+    if target_logits.dim() != 2 or target_logits.shape[0] < k + 1 or len(positions) != k + 1:
         shape = tuple(target_logits.shape)
-        raise ValueError(f"verify: need [{k + 1}, V] target logits for {k} drafts, got {shape}")
-    targets = pick(target_logits[: k + 1], rule, range(first_position, first_position + k + 1))
-    return verify_tokens(targets, draft_ids)
+        raise ValueError(f"verify: need [{k + 1}, V] target logits and {k + 1} positions for {k} drafts, got "
+                         f"{shape} and {len(positions)}")
+    return verify_tokens(pick(target_logits[: k + 1], rule, positions), draft_ids)
 
 
 def verify_tree(

@@ -65,10 +65,13 @@ def tiny_engine(family: str = "llama", *, drafter: str = "prompt-lookup", draft_
     return Engine(target, draft, pair, kv_tokens=kv_tokens)
 
 
-def hf_greedy(family: str, prompt: list[int], max_new_tokens: int, **overrides) -> list[int]:
-    """transformers generate() greedy on a fresh copy of the same tiny model (its own attention and cache)."""
+def hf_greedy(family: str, prompt: list[int], max_new_tokens: int, *, repetition_penalty: float | None = None,
+              **overrides) -> list[int]:
+    """transformers generate() greedy on a fresh copy of the same tiny model (its own attention and cache), with
+    transformers' own repetition penalty when given."""
     attn = "eager" if family == "gemma2" else "sdpa"  # Gemma 2 has no SDPA path (softcapping)
     model = build_tiny(family, attn_implementation=attn, **overrides)
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=2, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                         repetition_penalty=repetition_penalty, eos_token_id=2, pad_token_id=0,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     return out[0, len(prompt):].tolist()

@@ -1,23 +1,34 @@
 """The engine on the embedded default model (SmolLM2-135M-Instruct), against transformers itself.
 
-- greedy plain and greedy prompt-lookup output equal transformers ``generate()`` greedy, token for token, on
-  chat and code prompts;
-- with speculation forced on (fixed γ = 2, a drafter proposing from a known q), the sampled joint distribution
-  of the 2nd and 3rd tokens — the first ones verification decides — matches the target's exact
-  probabilities (chi-square; the sample count is in the test);
-- the same seed gives the same output.
+The engine is the ``smollm2-135m-nf4-draft`` pair's: the embedded target, prompt lookup, and a bitsandbytes nf4
+copy of the target as draft model (its own distribution, so drafts are accepted and rejected).
+
+- greedy, without a penalty and with repetition penalty 1.3 and 1.05: plain decoding equals transformers
+  ``generate()`` with the same penalty, token for token, on chat and code prompts, and prompt lookup, the draft
+  model and auto equal plain (issue 14, defect 1);
+- temperature 0.8, top-p 0.95, penalty 1.1 and a fixed seed: the same tokens for none, prompt-lookup,
+  draft-model and auto at γ 1, 4, 16 and auto (issue 14: the target's Gumbel-max choice keyed by reply
+  position);
+- with speculation forced on (γ 2, a drafter proposing at random among the likely tokens and one never
+  accepted), the sampled joint distribution of the 2nd and 3rd tokens — the first ones verification decides —
+  matches the target's exact probabilities at temperature 0.7, top-k 2 and penalty 1.3, computed with
+  transformers' own forward and processors (chi-square; the sample count is in the test).
 """
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 import torch
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.engine.engine import Engine
+from specchat.backend.engine.engine import load_engine
 from specchat.backend.models.config import load_pairs
 from specchat.backend.models.loading import load_model
 from specchat.backend.spec.drafters.base import Draft, StatelessHooks
@@ -29,123 +40,135 @@ CODE = [{"role": "user", "content": "Write a Python function `fib(n)` that retur
 EDIT = [{"role": "user", "content": (
     "Rename the parameter `xs` to `values` in this function and return the whole function:\n\n"
     "```python\ndef mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n```")}]
+DRAFTERS = ("prompt-lookup", "draft-model", "auto")
 
 
 @pytest.fixture(scope="module")
 def pair():
-    return load_pairs()["smollm2-135m"]
+    return load_pairs()["smollm2-135m-nf4-draft"]
 
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    target = load_model(pair.target, "cpu")
-    return Engine(target, None, pair)
+    engine = load_engine(pair, device="cpu")
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
 def hf_model(pair):
-    return load_model(pair.target, "cpu", attn_implementation="sdpa")
+    return load_model(pair.target, "cpu", attn_implementation="sdpa").model
 
 
-def generate_ids(engine, messages, **kw) -> tuple[list[int], dict]:
+def generate_ids(engine, messages, **kw) -> tuple[list[int], object]:
     events = list(engine.generate(GenerationRequest(messages=messages, **kw)))
     return [t for e in events for t in e.token_ids], events[-1].stats
 
 
-@pytest.mark.parametrize("messages", [CHAT, CODE, EDIT], ids=["chat", "code", "edit"])
-def test_greedy_plain_and_prompt_lookup_equal_transformers(engine, hf_model, messages):
+def prompt_ids(engine, messages) -> list[int]:
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+
+
+@pytest.mark.parametrize(("messages", "penalty"), [(CHAT, None), (CODE, None), (EDIT, None), (CHAT, 1.3),
+                                                   (CODE, 1.3), (CHAT, 1.05), (CODE, 1.05)],
+                         ids=["chat", "code", "edit", "chat-1.3", "code-1.3", "chat-1.05", "code-1.05"])
+def test_greedy_equals_transformers_for_every_drafter(engine, hf_model, messages, penalty):
+    """On bcb0966 prompt lookup with penalty 1.3 gave other tokens than plain decoding (the verification rows'
+    penalty context lacked the last γ committed tokens)."""
     n = 40
-    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                  return_dict=True)
+    prompt = prompt_ids(engine, messages)
     with torch.inference_mode():
-        out = hf_model.model.generate(**prompt, max_new_tokens=n, do_sample=False)
-    reference = out[0, prompt["input_ids"].shape[1]:].tolist()
-    greedy = SamplingParams(temperature=0, max_new_tokens=n)
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=n, do_sample=False, repetition_penalty=penalty)
+    reference = out[0, len(prompt):].tolist()
+    greedy = SamplingParams(temperature=0, repetition_penalty=penalty, max_new_tokens=n)
     plain, _ = generate_ids(engine, messages, sampling=greedy, drafter="none")
-    lookup, stats = generate_ids(engine, messages, sampling=greedy, drafter="prompt-lookup", gamma=4)
     assert plain == reference
-    assert lookup == reference
-    if messages is EDIT:  # the reply copies the function: prompt lookup must have found drafts
-        assert stats.drafted > 0 and stats.accepted > 0
+    drafted = 0
+    for drafter in DRAFTERS:
+        ids, stats = generate_ids(engine, messages, sampling=greedy, drafter=drafter, gamma=4)
+        assert ids == reference, drafter
+        drafted += stats.drafted
+    assert drafted > 0
 
 
-class UniformDrafter(StatelessHooks):
-    """Proposes 2 tokens drawn uniformly from a candidate set, with q = that uniform distribution."""
+def test_a_seed_gives_the_same_tokens_for_every_drafter_and_gamma(engine):
+    params = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1, max_new_tokens=32, seed=2024)
+    plain, stats = generate_ids(engine, EDIT, sampling=params, drafter="none")
+    assert stats.seed == 2024
+    accepted = rejected = 0
+    for drafter in DRAFTERS:
+        for gamma in (1, 4, 16, "auto"):
+            ids, stats = generate_ids(engine, EDIT, sampling=params, drafter=drafter, gamma=gamma)
+            assert ids == plain, (drafter, gamma)
+            accepted += stats.accepted
+            rejected += stats.drafted - stats.accepted
+    assert accepted > 0 and rejected > 0
+
+
+class RandomDrafter(StatelessHooks):
+    """Proposes tokens drawn uniformly from a candidate set (what it proposes never changes the output)."""
 
     name = "prompt-lookup"
 
-    def __init__(self, candidates: list[int], vocab: int, seed: int = 0):
+    def __init__(self, candidates: list[int], seed: int = 0):
         self.candidates = candidates
-        self.q = torch.zeros(vocab)
-        self.q[candidates] = 1.0 / len(candidates)
         self.rng = random.Random(seed)
 
-    def reset(self):
-        pass
-
-    def observe(self, n):
-        pass
-
     def propose(self, context, max_tokens):
-        ids = [self.rng.choice(self.candidates) for _ in range(max_tokens)]
-        return Draft(token_ids=ids, probs=self.q.expand(len(ids), -1).clone())
+        return Draft(token_ids=[self.rng.choice(self.candidates) for _ in range(max_tokens)])
 
 
-def test_rejection_sampling_keeps_the_target_distribution_on_the_real_model(engine):
-    """Top-k 2 at temperature 1: tokens 1-3 each have two choices, so (t2, t3) has at most 4 cells whose exact
-    probabilities come from 7 target forwards. 300 samples, chi-square at p > 0.001."""
+TEMPERATURE, TOP_K, PENALTY = 0.7, 2, 1.3
+
+
+def test_two_verified_positions_follow_the_target_on_the_real_model(engine, hf_model):
+    """Tokens 1-3 each have at most two choices (top-k 2), so (t2, t3) has at most 4 cells whose exact
+    probabilities come from 7 transformers forwards. 300 samples, chi-square at p > 0.001."""
     messages = [{"role": "user", "content": "Say something."}]
-    tok = engine.tokenizer
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt = prompt_ids(engine, messages)
 
-    def top2(prefix):  # exact warped distribution after `prefix` (temperature 1, top-k 2)
-        logits = _full_forward(engine, prefix)
-        p = torch.softmax(logits, -1)
-        vals, idx = p.topk(2)
-        return {int(i): float(v / vals.sum()) for v, i in zip(vals, idx)}
+    def top2(prefix: list[int]) -> dict[int, float]:  # p'(. | prefix) by transformers' forward and processors
+        ids = torch.tensor([prefix])
+        with torch.inference_mode():
+            scores = hf_model(ids).logits[:, -1, : engine.vocab_limit].float()
+        scores = RepetitionPenaltyLogitsProcessor(PENALTY)(ids, scores)
+        scores = TopKLogitsWarper(TOP_K)(ids, TemperatureLogitsWarper(TEMPERATURE)(ids, scores))
+        probs = torch.softmax(scores, -1)[0]
+        return {int(i): float(probs[i]) for i in torch.nonzero(probs > 0).flatten()}
 
     exact: dict[tuple[int, int], float] = {}
-    candidates: set[int] = set()
     for t1, p1 in top2(prompt).items():
         for t2, p2 in top2(prompt + [t1]).items():
             for t3, p3 in top2(prompt + [t1, t2]).items():
                 exact[(t2, t3)] = exact.get((t2, t3), 0.0) + p1 * p2 * p3
-                candidates.update((t2, t3))
-    junk = next(t for t in range(100, 200) if t not in candidates)  # always rejected: exercises the residual
+    candidates = sorted({t for key in exact for t in key})
+    junk = next(t for t in range(100, 200) if t not in candidates)  # never the target's token: always rejected
     original = engine.drafters["prompt-lookup"]
-    engine.drafters["prompt-lookup"] = UniformDrafter(sorted(candidates) + [junk], engine.vocab_limit)
+    engine.drafters["prompt-lookup"] = RandomDrafter(candidates + [junk])
     counts: dict[tuple[int, int], int] = {}
     samples = 300
-    drafted = 0
+    drafted = accepted = 0
     try:
         for s in range(samples):
+            sampling = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0, repetition_penalty=PENALTY,
+                                      max_new_tokens=4, seed=s)
             ids, stats = generate_ids(engine, messages, drafter="prompt-lookup", gamma=2, conversation="chi2",
-                                      sampling=SamplingParams(temperature=1.0, top_k=2, max_new_tokens=4, seed=s))
-            key = (ids[1], ids[2])
-            counts[key] = counts.get(key, 0) + 1
+                                      sampling=sampling)
+            counts[(ids[1], ids[2])] = counts.get((ids[1], ids[2]), 0) + 1
             drafted += stats.drafted
+            accepted += stats.accepted
     finally:
         engine.drafters["prompt-lookup"] = original
         engine.forget("chi2")
-    assert drafted >= 2 * samples  # every sample verified a 2-token draft
+    assert drafted >= 2 * samples and 0 < accepted < drafted  # every sample verified 2-token drafts
     assert set(counts) <= set(exact)
     chi2 = sum((counts.get(k, 0) - samples * p) ** 2 / (samples * p) for k, p in exact.items())
     dof = len(exact) - 1
-    # Wilson-Hilferty approximation of the chi-square quantile at 0.999.
-    z = 3.09
-    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-    assert chi2 < limit, f"chi2={chi2:.1f} (dof {dof}, limit {limit:.1f}); counts {counts}, exact {exact}"
-
-
-def _full_forward(engine, ids: list[int]) -> torch.Tensor:
-    """Last-position logits over the tokenizer's ids, computed through a scratch request's prefill path."""
-    from specchat.backend.engine.runner import forward_paged
-
-    seq = engine.cache.new_sequence()
-    try:
-        return forward_paged(engine.target.model, seq, ids, logits_to_keep=1)[0, : engine.vocab_limit].float()
-    finally:
-        seq.free()
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                            torch.tensor(chi2 / 2.0, dtype=torch.float64)))
+    assert p_value > 1e-3, f"chi2={chi2:.1f} (dof {dof}); counts {counts}, exact {exact}"
 
 
 def test_same_seed_same_sample(engine):

@@ -3,6 +3,7 @@ that loading really takes, for tiny models (float32, bfloat16, nf4) and for the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,9 @@ import pytest
 import torch
 from foundation_fixtures import local_spec, save_tiny_llama, word_tokenizer
 
+from specchat.backend.api import MAX_GAMMA
 from specchat.backend.errors import InsufficientMemoryError
+from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
 from specchat.backend.models import memory
 from specchat.backend.models.config import DEFAULT_PAIR, PairConfig, load_pairs
 from specchat.backend.models.loading import load_model, load_pair
@@ -74,6 +77,23 @@ def test_estimate_terms():
     big = estimate_pair(shipped["qwen2.5-14b-nf4"], CUDA)
     assert 8e9 < big.target_weights < 11e9  # 14.8B params in nf4, embeddings and head in bf16
     assert "KV caches" in est.describe(qwen.context_length)
+
+
+def test_estimate_counts_the_logits_rows_and_the_cuda_graphs():
+    """Issue 14, defect 8: bcb0966's estimate had no CUDA-graph term (the runner then kept float32 logits per
+    shape, ~1.2 GB for Qwen2.5-7B at 8k context) and counted 17 rows x 8 bytes of logits scratch, not the
+    decision's copies and noise at the largest γ."""
+    qwen = load_pairs()["qwen2.5-7b"]
+    s = qwen.target
+    gpu, cpu = estimate_pair(qwen, CUDA), estimate_pair(qwen, CPU)
+    assert cpu.graphs == 0 and gpu.graphs >= static_bytes(s.vocab_size, qwen.context_length)
+    assert static_bytes(s.vocab_size, qwen.context_length) >= DEFAULT_TOKEN_BUCKETS[-1] * s.vocab_size * 4
+    subtotal = gpu.target_weights + gpu.draft_weights + gpu.target_kv + gpu.draft_kv + gpu.scratch + gpu.graphs
+    assert gpu.total == subtotal + gpu.headroom and "CUDA graphs" in gpu.describe(qwen.context_length)
+    rows = memory.LOGIT_ROWS * s.vocab_size * (2 + memory.DECISION_BYTES)  # bf16 output + decision scratch
+    assert memory.LOGIT_ROWS == MAX_GAMMA + 1 and gpu.scratch >= rows
+    assert memory.scratch_bytes(s, CUDA, qwen.context_length) - rows == memory.scratch_bytes(
+        dataclasses.replace(s, vocab_size=0), CUDA, qwen.context_length)
 
 
 def test_free_memory_is_plausible():

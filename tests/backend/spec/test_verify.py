@@ -30,7 +30,7 @@ def forced_logits(argmaxes: list[int], vocab: int = VOCAB) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------- greedy
 def test_greedy_all_accepted_gives_bonus() -> None:
-    result = verify(forced_logits([3, 4, 5, 6]), [3, 4, 5], GREEDY, 0)
+    result = verify(forced_logits([3, 4, 5, 6]), [3, 4, 5], GREEDY, range(4))
     assert result.tokens == [3, 4, 5, 6] and result.sources == [A, A, A, B] and result.accepted == 3
 
 
@@ -39,28 +39,30 @@ def test_greedy_rejection_at_each_position(reject_at: int) -> None:
     target = [1, 2, 3, 4, 5]
     draft = target[:4]
     draft[reject_at] = 9  # the draft disagrees here only
-    result = verify(forced_logits(target), draft, GREEDY, 0)
+    result = verify(forced_logits(target), draft, GREEDY, range(5))
     assert result.accepted == reject_at
     assert result.tokens == target[: reject_at + 1]  # the recovered token is the target's argmax
     assert result.sources == [A] * reject_at + [R]
 
 
 def test_empty_draft_is_a_plain_step() -> None:
-    result = verify(forced_logits([7]), [], GREEDY, 0)
+    result = verify(forced_logits([7]), [], GREEDY, [0])
     assert result.tokens == [7] and result.sources == [T] and result.accepted == 0
 
 
 def test_eos_inside_draft_is_just_a_token() -> None:
-    result = verify(forced_logits([2, EOS, 4]), [2, EOS], GREEDY, 0)
+    result = verify(forced_logits([2, EOS, 4]), [2, EOS], GREEDY, range(3))
     assert result.tokens == [2, EOS, 4] and result.accepted == 2  # the engine, not verify, stops at EOS
 
 
 def test_short_draft_out_of_vocab_draft_and_shape_errors() -> None:
     logits = forced_logits([2, 3, 4, 5, 6])  # rows for γ = 4, but only 2 drafted: extra rows ignored
-    assert verify(logits, [2, 3], GREEDY, 0).tokens == [2, 3, 4]
-    assert verify(logits, [VOCAB + 3], GREEDY, 0).tokens == [2]  # an id the target cannot emit: rejected
-    with pytest.raises(ValueError, match="need \\[3, V\\]"):
-        verify(forced_logits([1, 2]), [1, 2], GREEDY, 0)
+    assert verify(logits, [2, 3], GREEDY, range(3)).tokens == [2, 3, 4]
+    assert verify(logits, [VOCAB + 3], GREEDY, range(2)).tokens == [2]  # an id the target cannot emit: rejected
+    with pytest.raises(ValueError, match="need \\[3, V\\] target logits and 3 positions"):
+        verify(forced_logits([1, 2]), [1, 2], GREEDY, range(3))
+    with pytest.raises(ValueError, match="and 3 positions"):
+        verify(logits, [1, 2], GREEDY, range(5))
     with pytest.raises(ValueError, match="need 3 target tokens"):
         verify_tokens([1, 2], [1, 2])
 
@@ -72,7 +74,7 @@ def test_sampled_output_is_the_targets_own_tokens_whatever_the_draft() -> None:
     rule = SamplingRule(temperature=0.8, top_p=0.95, seed=77)
     own = pick(logits, rule, range(20, 25))
     for draft in ([], own[:1], own[:4], [own[0], (own[1] + 1) % 40], [(own[0] + 1) % 40]):
-        result = verify(logits, draft, rule, 20)
+        result = verify(logits, draft, rule, range(20, 21 + len(draft)))
         assert result.tokens == own[: result.accepted + 1]
         assert result.accepted == next((i for i, (d, t) in enumerate(zip(draft, own)) if d != t), len(draft))
 

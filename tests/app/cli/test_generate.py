@@ -1,0 +1,67 @@
+"""`specchat generate --json` reports what plain decoding would have, whatever the drafter (issue 14).
+
+The engine is a tiny one (tests/support/engine_fixtures.py) put in place of the pair's load; its prompt-lookup
+drafter is scripted to propose the rest of the plain reply, so whole runs of tokens past a stop string are
+accepted in one step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from engine_fixtures import tiny_engine
+from tiny_models import one_thread  # noqa: F401  (one_thread: autouse)
+
+from specchat.app.cli.main import main
+from specchat.backend.engine import engine as engine_module
+from specchat.backend.spec.drafters.base import Draft, StatelessHooks
+
+PROMPT = " ".join(f"w{i}" for i in range(10, 30))
+
+
+class PerfectDrafter(StatelessHooks):
+    """Proposes the continuation of a known reply (the plain decoding's)."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply, self.start = reply, 0
+
+    def configure(self, rule, reply_start: int) -> None:
+        self.start = reply_start
+
+    def propose(self, context, max_tokens):
+        return Draft(token_ids=self.reply[len(context) - self.start:][:max_tokens])
+
+
+@pytest.fixture(autouse=True)
+def _isolate(isolated_dirs):
+    return isolated_dirs
+
+
+def generate(monkeypatch, capsys, *argv: str, reply: list[int] | None = None) -> dict:
+    engine = tiny_engine("llama", drafter="prompt-lookup")
+    if reply is not None:
+        engine.drafters["prompt-lookup"] = PerfectDrafter(reply)
+    monkeypatch.setattr(engine_module, "load_engine", lambda pair, **kw: engine)
+    code = main(["generate", "--prompt", PROMPT, "--json", "--temperature", "0", "--max-new-tokens", "30", *argv])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    (record,) = [json.loads(line) for line in out.splitlines()]
+    return record
+
+
+def test_a_stop_string_inside_a_speculative_step_reports_plain_decodings_tokens(monkeypatch, capsys):
+    full = generate(monkeypatch, capsys, "--drafter", "none")
+    words = full["text"].split()
+    assert len(words) > 10 and isinstance(full["seed"], int)
+    for stop in (words[3], f"{words[6]} {words[7]}"):
+        plain = generate(monkeypatch, capsys, "--drafter", "none", "--stop", stop)
+        drafted = generate(monkeypatch, capsys, "--drafter", "prompt-lookup", "--gamma", "8", "--stop", stop,
+                           reply=full["token_ids"])
+        assert plain["finish_reason"] == drafted["finish_reason"] == "stop"
+        assert plain["text"] == drafted["text"] and not plain["text"].rstrip().endswith(stop)
+        assert plain["token_ids"] == drafted["token_ids"] and len(plain["token_ids"]) < len(full["token_ids"])
+        assert plain["stats"]["new_tokens"] == drafted["stats"]["new_tokens"] == len(plain["token_ids"])
+        assert drafted["stats"]["accepted"] > 0
