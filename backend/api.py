@@ -36,7 +36,7 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scra
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
 DEFAULT_MAX_NEW_TOKENS = 512  # when neither the request nor the pair says
 
-DRAFTERS = ("none", "prompt-lookup", "draft-model", "auto")  # what a request may ask for
+DRAFTERS = ("none", "prompt-lookup", "suffix", "draft-model", "auto")  # what a request may ask for
 
 
 class TokenSource(enum.IntEnum):
@@ -57,7 +57,7 @@ class PolicyState(str, enum.Enum):
 
 
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled", "error"]
-DrafterName = Literal["none", "prompt-lookup", "draft-model", "auto"]
+DrafterName = Literal["none", "prompt-lookup", "suffix", "draft-model", "auto"]
 Gamma = int | Literal["auto"]
 
 
@@ -144,7 +144,8 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise RequestError(f"unknown drafter {self.drafter!r}; use none, prompt-lookup, draft-model or auto")
+            raise RequestError(f"unknown drafter {self.drafter!r}; use none, prompt-lookup, suffix, draft-model "
+                               "or auto")
         if self.gamma is not None:
             check_gamma(self.gamma)
         if not isinstance(self.sampling, SamplingParams):
@@ -188,7 +189,8 @@ class RequestStats:
       speculating / plain steps;
     - ``expected_speedup``: S(γ) from the policy's estimates, else from this request's own counts;
     - ``last_gamma``, ``last_policy``: the latest step's drafted length and state (the live view);
-    - ``drafter``: the drafter that ran most speculating steps ("none" without any).
+    - ``drafter``: the drafter that ran most speculating steps ("none" without any); for a tree draft
+      ``drafted`` counts the nodes verified and ``tree_*`` describe the latest tree.
 
     The fields typed ``... | None`` besides the rates are None when the engine cannot know them: a remote
     server (``specchat.backend.remote``) that does not report a figure leaves it None (JSON null), never a guess.
@@ -226,6 +228,13 @@ class RequestStats:
     draft_prefill_tokens: int = 0
     draft_reused_tokens: int = 0
     seed: int | None = None
+    # The latest tree draft (the suffix drafter): its nodes, depth, leaves (width), how deep the target's path
+    # went into it and through which child of the pending token (1 = the drafter's most likely); 0 without one.
+    tree_nodes: int = 0
+    tree_depth: int = 0
+    tree_width: int = 0
+    tree_accepted: int = 0
+    tree_branch: int = 0
 
     def to_json_stats(self) -> dict[str, Any]:
         """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""
@@ -319,7 +328,7 @@ class StepEvent:
     verify_s: float  # the target forward pass (prefill for the first event)
     overhead_s: float  # everything else: sampling, verification bookkeeping, detokenisation
     policy: PolicyState
-    drafter: str  # the drafter in use: "none", "prompt-lookup" or "draft-model"
+    drafter: str  # the drafter in use: "none", "prompt-lookup", "suffix" or "draft-model"
     is_prefill: bool = False
     prefill_tokens: int = 0  # tokens actually prefilled (after prefix reuse), first event only
     finish_reason: FinishReason | None = None

@@ -32,8 +32,9 @@ from specchat.backend.inputs import InputError, parse_json, shown
 from specchat.backend.paths import config_dir
 
 SETTINGS_FILE = "settings.json"
-DrafterChoice = Literal["pair", "prompt-lookup", "none"]
-DRAFTER_CHOICES: dict[str, str] = {"pair": "Pair default", "prompt-lookup": "Prompt lookup", "none": "Off"}
+DrafterChoice = Literal["pair", "prompt-lookup", "suffix", "none"]
+DRAFTER_CHOICES: dict[str, str] = {"pair": "Pair default", "prompt-lookup": "Prompt lookup", "suffix": "Suffix tree",
+                                   "none": "Off"}
 MAX_NEW_TOKENS_LIMIT = 32768
 MAX_SETTINGS_BYTES = 1 << 20  # the file; a system prompt of a few pages is ~10 kB
 MAX_SYSTEM_PROMPT_CHARS = 200_000
@@ -56,6 +57,7 @@ class Settings:
     system_prompt: str = ""
     theme: str | None = None
     last_pair: str | None = None
+    draft_from_history: bool = True  # the suffix drafter also matches earlier replies (read when a pair loads)
 
     def sampling(self) -> SamplingParams:
         """The request's sampling parameters (``None`` fields are resolved by the engine)."""
@@ -134,6 +136,14 @@ def _text(name: str, limit: int, *, optional: bool, printable: bool) -> Callable
     return check
 
 
+def _flag(name: str) -> Callable[[Any], bool]:
+    def check(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise SettingsError(f"setting {name!r}: expected true or false, got {shown(value)}")
+        return value
+    return check
+
+
 # One check per field: the value normalised, or SettingsError naming the field, the value and the accepted form.
 _CHECKS: dict[str, Callable[[Any], Any]] = {
     "temperature": _sampling("temperature", float, "outside 0 (greedy) .. 10"),
@@ -145,6 +155,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "system_prompt": _text("system_prompt", MAX_SYSTEM_PROMPT_CHARS, optional=False, printable=False),
     "theme": _text("theme", MAX_NAME_CHARS, optional=True, printable=True),
     "last_pair": _text("last_pair", MAX_NAME_CHARS, optional=True, printable=True),
+    "draft_from_history": _flag("draft_from_history"),
 }
 
 

@@ -2,7 +2,10 @@
 history and builds the :class:`~specchat.app.tui.app.SpecchatApp` with the real backend's engine factory and
 pair estimates (wiring.py), so the UI itself reaches the backend only through its API and these callables.
 
-Contract: ``run(args)`` (``args.models``, ``args.device``, ``args.pair``) returns the app's exit code. An unknown
+Contract: ``run(args)`` (``args.models``, ``args.device``, ``args.pair``, ``args.no_history``) returns the app's
+exit code. With ``--no-history`` no history is opened (nothing read, nothing saved) and the suffix drafter
+matches only the open conversation; otherwise each loaded pair's suffix drafter is seeded with the newest
+earlier replies (when the "earlier replies" setting is on). An unknown
 ``--pair`` is refused before anything opens, with the same ConfigError as `specchat generate --pair`. A history
 that cannot be opened disables history for the session (a notification says why) instead of stopping the app;
 a damaged one that was moved aside, or a read-only one, is reported the same way. Logging and warnings go to
@@ -16,13 +19,34 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from specchat.app.chat.history.store import ChatStore
-from specchat.app.cli.wiring import LOG_FILE, default_engine_factory, default_pair_info, route_library_output
+from specchat.app.chat.settings import load_settings, settings_path
+from specchat.app.cli.wiring import (
+    LOG_FILE,
+    REPLY_MEMORY_CHARS,
+    default_engine_factory,
+    default_pair_info,
+    route_library_output,
+)
 from specchat.app.tui.app import SpecchatApp
 from specchat.backend.errors import SpecchatError
 from specchat.backend.models.config import get_pair, load_pairs
 from specchat.backend.paths import log_dir
+
+
+def earlier_replies(store: ChatStore) -> Callable[[], list[str] | None]:
+    """What seeds a loaded pair's suffix drafter: the newest replies in the history (read at each load, so a
+    pair chosen later also knows this session's replies), or None while the "earlier replies" setting is off."""
+    def replies() -> list[str] | None:
+        if not load_settings(settings_path())[0].draft_from_history:
+            return None
+        try:
+            return store.recent_replies(REPLY_MEMORY_CHARS)
+        except SpecchatError:
+            return []  # an unreadable history drafts from the conversation only; the app reports the history
+    return replies
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,17 +56,21 @@ def run(args: argparse.Namespace) -> int:
         get_pair(pairs, args.pair)  # unknown: the error `specchat generate --pair` gives, before the UI starts
     device = getattr(args, "device", None)
     notices: list[str] = []
-    store: ChatStore | None
-    try:
-        store = ChatStore()
-    except SpecchatError as error:
-        store = None
-        notices.append(f"History is disabled for this session: {error}")
+    store: ChatStore | None = None
+    if getattr(args, "no_history", False):
+        notices.append("History is off (--no-history): this session's chats are not saved, and earlier replies "
+                       "are not used for drafting.")
     else:
-        notices.extend(m for m in (store.recovery_message, store.read_only_message) if m)
+        try:
+            store = ChatStore()
+        except SpecchatError as error:
+            notices.append(f"History is disabled for this session: {error}")
+        else:
+            notices.extend(m for m in (store.recovery_message, store.read_only_message) if m)
     log_path = log_dir() / LOG_FILE
     with route_library_output(log_path):
-        app = SpecchatApp(pairs, engine_factory=default_engine_factory(device), pair_info=default_pair_info(device),
+        factory = default_engine_factory(device, None if store is None else earlier_replies(store))
+        app = SpecchatApp(pairs, engine_factory=factory, pair_info=default_pair_info(device),
                           store=store, initial_pair=getattr(args, "pair", None), log_path=log_path,
                           startup_notices=notices)
         result = app.run()

@@ -141,6 +141,26 @@ def _confirm_download(num_bytes: int) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
+def _history_replies() -> list[str] | None:
+    """The newest replies of the chat history (an existing one only: generate never creates it), or None when
+    the "earlier replies" setting is off. A history that cannot be read gives none (the reply is the same)."""
+    from specchat.app.chat.history.store import DB_NAME, ChatStore
+    from specchat.app.chat.settings import load_settings
+    from specchat.app.cli.wiring import REPLY_MEMORY_CHARS
+    from specchat.backend.paths import data_dir
+
+    if not load_settings()[0].draft_from_history:
+        return None
+    if not (data_dir() / DB_NAME).is_file():
+        return []
+    try:
+        with ChatStore() as store:
+            return store.recent_replies(REPLY_MEMORY_CHARS)
+    except SpecchatError as error:
+        print(f"specchat: earlier replies are not used for drafting: {error}", file=sys.stderr)
+        return []
+
+
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import DEFAULT_PAIR, GenerationRequest, SamplingParams
     from specchat.backend.models.config import get_pair, load_pairs
@@ -160,6 +180,9 @@ def run(args: argparse.Namespace) -> int:
 
         with capture_library_output(progress=_progress):
             engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+        from specchat.app.cli.wiring import seed_reply_memory
+
+        seed_reply_memory(engine, None if getattr(args, "no_history", False) else _history_replies, _progress)
     failed = False
     out = _Stdout()
     try:

@@ -107,15 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_global_options(parser, suppress_defaults=False)
     parser.add_argument("--pair", metavar="NAME", type=_pair_name, default=None,
                         help="model pair to open (see `specchat models`)")
+    parser.add_argument("--no-history", action="store_true",
+                        help="neither read nor save chats this session; the suffix drafter drafts from the "
+                             "conversation only")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate replies without the UI",
                          description="Generate replies headlessly (scripts, benchmarks, checks).")
     _add_global_options(gen, suppress_defaults=True)
     gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
-    drafters = ["none", "prompt-lookup", "draft-model", "auto"]
+    drafters = ["none", "prompt-lookup", "suffix", "draft-model", "auto"]
     gen.add_argument("--drafter", type=_one_of(drafters), choices=drafters, default=None,
-                     help="override the pair's drafter (auto: pick drafter and gamma for you)")
+                     help="override the pair's drafter (suffix: trees of continuations seen in the conversation "
+                          "and in earlier replies; auto: pick drafter and gamma for you)")
+    gen.add_argument("--no-history", action="store_true",
+                     help="do not read the chat history (the suffix drafter then drafts from the conversation only)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one user message")
     src.add_argument("--prompts", metavar="FILE.jsonl",

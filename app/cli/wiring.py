@@ -2,7 +2,10 @@
 
 Contract:
 - :func:`default_engine_factory` returns an ``EngineFactory`` (app/tui/seams.py): ``factory(pair, progress,
-  confirm_download) -> EngineAPI`` (a remote pair's is a ``specchat.backend.remote.client.RemoteEngine``). It
+  confirm_download) -> EngineAPI`` (a remote pair's is a ``specchat.backend.remote.client.RemoteEngine``). A local
+  engine's suffix drafter is given the earlier replies ``replies()`` returns (the local history, oldest first),
+  or none and no memory of this session's replies when ``replies`` is None (``--no-history``) or returns None
+  (the "earlier replies" setting is off). It
   imports ``specchat.backend.engine.engine`` inside the call, i.e. in the
   app's loader thread, so the UI never pays for importing torch. ``confirm_download(total_bytes) -> bool``
   comes from the app (a dialog, or the picker's earlier yes).
@@ -22,7 +25,7 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +36,12 @@ if TYPE_CHECKING:
     from specchat.backend.models.config import PairConfig
 
 LOG_FILE = "specchat.log"
+# Characters of earlier replies read for the suffix drafter: about what its memory holds (200,000 tokens).
+REPLY_MEMORY_CHARS = 800_000
 
 
-def default_engine_factory(device: str | None) -> EngineFactory:
+def default_engine_factory(device: str | None,
+                           replies: Callable[[], list[str] | None] | None = None) -> EngineFactory:
     def factory(pair: PairConfig, progress: Progress, confirm_download: ConfirmDownload) -> EngineAPI:
         if pair.remote is not None:  # nothing to load: the server runs the model
             from specchat.backend.remote.client import RemoteEngine
@@ -48,9 +54,21 @@ def default_engine_factory(device: str | None) -> EngineFactory:
         with capture_library_output():
             from specchat.backend.engine.engine import load_engine
 
-            return load_engine(pair, device=device, progress=progress, confirm_download=confirm_download)
+            engine = load_engine(pair, device=device, progress=progress, confirm_download=confirm_download)
+        seed_reply_memory(engine, replies, progress)
+        return engine
 
     return factory
+
+
+def seed_reply_memory(engine: Any, replies: Callable[[], list[str] | None] | None, progress: Progress) -> None:
+    """Give the engine's suffix drafter the earlier replies (``replies()``), or switch its memory off."""
+    texts = replies() if replies is not None else None
+    if texts is None:
+        engine.use_reply_memory(False)
+        return
+    progress("reading earlier replies for the suffix drafter", None)
+    engine.use_reply_memory(True, texts)
 
 
 def default_pair_info(device: str | None) -> PairInfo:

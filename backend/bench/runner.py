@@ -2,14 +2,17 @@
 
 Modes (names used in tables, JSON and ``--modes``):
 
-- specchat: ``plain`` (no drafter), ``prompt-lookup``, ``draft-model`` (pairs with a draft), ``auto`` (the
-  engine picks drafter and γ); a drafter mode may fix γ with a suffix: ``prompt-lookup:4``;
+- specchat: ``plain`` (no drafter), ``prompt-lookup``, ``suffix`` (trees from the conversation; the reply
+  memory is off in the bench, so each prompt is measured alone), ``draft-model`` (pairs with a draft), ``auto``
+  (the engine picks drafter and γ); a drafter mode may fix γ with a suffix: ``prompt-lookup:4``;
 - transformers ``generate()``: ``hf-plain``, ``hf-prompt-lookup`` (``prompt_lookup_num_tokens=10``),
   ``hf-assisted`` (``assistant_model=`` the pair's draft).
 
 Protocol: one warm-up generation per mode (which also measures each mode's speed, for the time estimate),
 then for each prompt every mode in an order rotated by one per prompt, so drift in machine speed spreads
-over all modes. Every mode gets the same prompt ids (the chat template rendered once) and the same seed.
+over all modes. Every mode gets the same prompt ids (the chat template rendered once) and the same seed. A
+multi-turn prompt (``BenchPrompt.turns``) runs as one conversation per mode: each later user message follows
+that mode's own reply (the same reply in every mode when greedy), and its row sums the turns.
 Nothing is cached between runs: every number comes from the generations of this run.
 
 The runner takes a ready :class:`Engine`; where its models come from (a models.yaml pair, or random weights
@@ -35,7 +38,7 @@ from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
 from specchat.backend.spec.stats import StepCounts
 
-SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "draft-model", "auto")
+SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "suffix", "draft-model", "auto")
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
 WARMUP_TOKENS = 32
 
@@ -44,12 +47,12 @@ WARMUP_TOKENS = 32
 class Mode:
     name: str
     runner: str  # "specchat" | "hf"
-    drafter: str  # specchat: none | prompt-lookup | draft-model | auto; hf: plain | prompt-lookup | assisted
+    drafter: str  # specchat: none | prompt-lookup | suffix | draft-model | auto; hf: plain | prompt-lookup | assisted
     gamma: int | str | None = None  # specchat only; None: the pair's γ
 
 
 def default_modes(has_draft: bool) -> list[str]:
-    names = ["plain", "prompt-lookup"] + (["draft-model"] if has_draft else []) + ["auto"]
+    names = ["plain", "prompt-lookup", "suffix"] + (["draft-model"] if has_draft else []) + ["auto"]
     return names + ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
 
 
@@ -69,9 +72,9 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
         base, _, gamma_text = name.partition(":")
         gamma: int | str | None = None
         if gamma_text:
-            if base not in ("prompt-lookup", "draft-model", "auto"):
-                raise RequestError(f"mode {shown(name)}: only prompt-lookup, draft-model and auto take a :GAMMA "
-                                   "suffix")
+            if base not in ("prompt-lookup", "suffix", "draft-model", "auto"):
+                raise RequestError(f"mode {shown(name)}: only prompt-lookup, suffix, draft-model and auto take a "
+                                   ":GAMMA suffix")
             if gamma_text != "auto" and not (gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4
                                              and 1 <= int(gamma_text) <= MAX_GAMMA):
                 raise RequestError(f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got "
@@ -169,6 +172,9 @@ class BenchRunner:
     def __init__(self, engine, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0,
                  seed: int = 0) -> None:
         self.engine, self.modes = engine, modes
+        # Each prompt is measured alone: with the reply memory on, the suffix drafter would draft a prompt's
+        # reply from an earlier mode's identical reply to it.
+        engine.use_reply_memory(False)
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.pair_name = engine.pair.name
         self.eos_ids = sorted(engine.eos_ids)
@@ -191,17 +197,20 @@ class BenchRunner:
         return len(self.prompt_ids(prompt))
 
     def fits(self, prompt: BenchPrompt) -> bool:
-        """Whether the prompt plus max_new_tokens (and a verification step) fits the pair's context."""
-        return len(self.prompt_ids(prompt)) + self.max_new_tokens + 12 <= self.engine.context_length
+        """Whether the prompt plus max_new_tokens (and a verification step) fits the pair's context; for a
+        multi-turn prompt, every turn's reply and message (~4 characters a token, plus the template's)."""
+        later = sum(len(turn) // 3 + 16 for turn in prompt.turns)
+        replies = (1 + len(prompt.turns)) * self.max_new_tokens
+        return len(self.prompt_ids(prompt)) + later + replies + 12 <= self.engine.context_length
 
     # -- one generation ---------------------------------------------------------------------------------
 
-    def _specchat(self, mode: Mode, ids: list[int], max_new: int, seed: int):
+    def _specchat(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
         request = GenerationRequest(
             prompt_ids=list(ids),
             sampling=SamplingParams(temperature=self.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0,
                                     max_new_tokens=max_new, seed=seed),
-            drafter=mode.drafter, gamma=mode.gamma)
+            drafter=mode.drafter, gamma=mode.gamma, conversation=conversation)
         tokens: list[int] = []
         tally = StepCounts()
         ttft = None
@@ -220,7 +229,7 @@ class BenchRunner:
         reason = last.finish_reason if last is not None else None
         return tokens, wall, ttft, reason, tally, (last.stats if last is not None else None)
 
-    def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int):
+    def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
         with quiet_transformers():
             result = hf_generate(self.hf_target, ids, method=mode.drafter, max_new_tokens=max_new,
                                  temperature=self.temperature, seed=seed, eos_token_ids=self.eos_ids,
@@ -233,10 +242,37 @@ class BenchRunner:
                 max_new_tokens: int | None = None) -> Row:
         ids = self.prompt_ids(prompt)
         run = self._specchat if mode.runner == "specchat" else self._hf
-        tokens, wall, ttft, reason, tally, stats = run(mode, ids, max_new_tokens or self.max_new_tokens, seed)
+        max_new = max_new_tokens or self.max_new_tokens
+        if not prompt.turns:
+            tokens, wall, ttft, reason, tally, stats = run(mode, ids, max_new, seed)
+            return Row(pair=self.pair_name, family=prompt.family, category=prompt.category, prompt_id=prompt.id,
+                       mode=mode.name, order=order, prompt_tokens=len(ids), token_ids=tokens, wall_s=wall,
+                       ttft_s=ttft, finish_reason=reason, tally=tally, engine_stats=stats)
+        # A multi-turn prompt: one conversation (specchat reuses its cache between turns), each later user
+        # message sent after the reply; the row sums the turns (tokens, time, steps), its ttft is the first's.
+        messages = prompt.message_dicts()
+        key = f"bench:{mode.name}:{prompt.id}"
+        all_tokens: list[int] = []
+        total_wall, first_ttft, prompt_tokens, tally = 0.0, None, 0, StepCounts()
+        try:
+            for turn in (None, *prompt.turns):
+                if turn is not None:
+                    reply = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
+                    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn}]
+                    ids = render(self.engine.tokenizer, messages)
+                tokens, wall, ttft, reason, turn_tally, stats = run(mode, ids, max_new, seed, key)
+                all_tokens += tokens
+                total_wall += wall
+                first_ttft = ttft if first_ttft is None else first_ttft
+                prompt_tokens += len(ids)
+                if turn_tally is not None:
+                    tally.merge(turn_tally)
+        finally:
+            self.engine.forget(key)
         return Row(pair=self.pair_name, family=prompt.family, category=prompt.category, prompt_id=prompt.id,
-                   mode=mode.name, order=order, prompt_tokens=len(ids), token_ids=tokens, wall_s=wall,
-                   ttft_s=ttft, finish_reason=reason, tally=tally, engine_stats=stats)
+                   mode=mode.name, order=order, prompt_tokens=prompt_tokens, token_ids=all_tokens, wall_s=total_wall,
+                   ttft_s=first_ttft, finish_reason=reason, tally=tally if mode.runner == "specchat" else None,
+                   engine_stats=stats)
 
     # -- the protocol -----------------------------------------------------------------------------------
 

@@ -5,8 +5,11 @@ Suites:
 - ``spec-bench``: the 480 public Spec-Bench questions shipped in ``data/spec_bench.jsonl`` (see
   ``data/SPEC_BENCH_NOTICE.md``), in six families: ``mt-bench`` (its 8 categories; first turns only, so every
   mode sees the same input), ``translation``, ``summarization``, ``qa``, ``math-reasoning``, ``rag``;
-- ``edit``: the fixed code-edit set ``data/code_edit.jsonl`` (one family, ``code-edit``; categories rename,
-  type-hints, docstring) — functions with a request to edit them and return them whole;
+- ``edit``: the fixed code-edit set ``data/code_edit.jsonl`` (family ``code-edit``; categories rename,
+  type-hints, docstring) — functions with a request to edit them and return them whole — and the multi-turn
+  set ``data/code_edit_multiturn.jsonl`` (family ``code-edit-multiturn``): the same function edited three
+  times in one conversation (rename, then type hints, then a docstring), each turn after the reply to the
+  last, as an editor agent works;
 - ``all``: both;
 - a family name (``mt-bench``, ``code-edit``, ...): that family alone.
 
@@ -26,6 +29,7 @@ from specchat.backend.errors import ConfigError
 DATA_DIR = Path(__file__).with_name("data")
 SPEC_BENCH_FILE = DATA_DIR / "spec_bench.jsonl"
 CODE_EDIT_FILE = DATA_DIR / "code_edit.jsonl"
+MULTI_EDIT_FILE = DATA_DIR / "code_edit_multiturn.jsonl"
 
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 # Spec-Bench category -> family name used in tables (MT-bench's eight categories form one family).
@@ -38,17 +42,20 @@ _SPEC_BENCH_FAMILY = {c: "mt-bench" for c in MT_BENCH_CATEGORIES} | {
 }
 SPEC_BENCH_FAMILIES = ("mt-bench", "translation", "summarization", "qa", "math-reasoning", "rag")
 CODE_EDIT_FAMILY = "code-edit"
-SUITES = ("spec-bench", "edit", "all") + SPEC_BENCH_FAMILIES + (CODE_EDIT_FAMILY,)
+MULTI_EDIT_FAMILY = "code-edit-multiturn"
+EDIT_FAMILIES = (CODE_EDIT_FAMILY, MULTI_EDIT_FAMILY)
+SUITES = ("spec-bench", "edit", "all") + SPEC_BENCH_FAMILIES + EDIT_FAMILIES
 
 
 @dataclass(frozen=True, slots=True)
 class BenchPrompt:
-    """One benchmark prompt: a single-turn chat."""
+    """One benchmark prompt: a chat's first turn, and the user's later turns (each sent after the reply)."""
 
     id: str
     family: str
     category: str
     messages: tuple[tuple[str, str], ...]  # (role, content) pairs; hashable so prompts can key dicts
+    turns: tuple[str, ...] = ()  # later user messages of a multi-turn prompt
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
@@ -92,8 +99,9 @@ def load_spec_bench(path: Path = SPEC_BENCH_FILE) -> list[BenchPrompt]:
     return prompts
 
 
-def load_code_edit(path: Path = CODE_EDIT_FILE) -> list[BenchPrompt]:
-    """The code-edit set (the `specchat generate --prompts` format plus a ``category`` field)."""
+def load_code_edit(path: Path = CODE_EDIT_FILE, family: str = CODE_EDIT_FAMILY) -> list[BenchPrompt]:
+    """A code-edit set (the `specchat generate --prompts` format plus a ``category`` field and, for multi-turn
+    prompts, ``turns``: the later user messages)."""
     prompts = []
     for number, row in _read_jsonl(path):
         messages = row.get("messages")
@@ -102,11 +110,15 @@ def load_code_edit(path: Path = CODE_EDIT_FILE) -> list[BenchPrompt]:
             for m in messages
         ):
             raise ConfigError(f"{path}:{number}: 'messages' must be a list of {{role, content}} objects")
+        turns = row.get("turns", [])
+        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+            raise ConfigError(f"{path}:{number}: 'turns' must be a list of user messages (strings)")
         prompts.append(BenchPrompt(
             id=str(row.get("id", f"edit-{number}")),
-            family=CODE_EDIT_FAMILY,
+            family=family,
             category=str(row.get("category", "edit")),
             messages=tuple((m["role"], m["content"]) for m in messages),
+            turns=tuple(turns),
         ))
     return prompts
 
@@ -156,6 +168,8 @@ def load_suite(suite: str, limit: int | None) -> list[BenchPrompt]:
         prompts += load_spec_bench()
     if suite in ("edit", "all", CODE_EDIT_FAMILY):
         prompts += load_code_edit()
-    if suite in SPEC_BENCH_FAMILIES or suite == CODE_EDIT_FAMILY:
+    if suite in ("edit", "all", MULTI_EDIT_FAMILY):
+        prompts += load_code_edit(MULTI_EDIT_FILE, MULTI_EDIT_FAMILY)
+    if suite in SPEC_BENCH_FAMILIES or suite in EDIT_FAMILIES:
         prompts = [p for p in prompts if p.family == suite]
     return select(prompts, limit)

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from specchat.backend.api import MAX_GAMMA, GenerationRequest, StepEvent, check_gamma
 from specchat.backend.engine.prompting import fit_to_context, validate_messages
@@ -33,6 +33,7 @@ from specchat.backend.models.loading import LoadedModel
 from specchat.backend.spec.drafters.base import Drafter
 from specchat.backend.spec.drafters.draft_model import DraftModelDrafter
 from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
+from specchat.backend.spec.drafters.suffix import ReplyMemory, SuffixDrafter
 from specchat.backend.spec.policy import GammaPolicy
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,13 @@ class Engine:
         self.cache = self.runner.cache
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()
         self._lock = threading.Lock()
-        self.drafters: dict[str, Drafter] = {"prompt-lookup": PromptLookupDrafter(eos_token_ids=self.eos_ids)}
+        # Earlier replies the suffix drafter matches against (bounded; empty when history is off).
+        self.reply_memory = ReplyMemory()
+        self.remember_replies = True
+        self.drafters: dict[str, Drafter] = {
+            "prompt-lookup": PromptLookupDrafter(eos_token_ids=self.eos_ids),
+            "suffix": SuffixDrafter(memory=self.reply_memory, eos_token_ids=self.eos_ids),
+        }
         self.draft_runner: ModelRunner | None = None
         if draft is not None:
             self.draft_runner = ModelRunner(draft, kv_tokens=tokens)
@@ -107,6 +114,28 @@ class Engine:
                 drafter.reset()  # the draft model's cache blocks go back too
             for runner in filter(None, (self.runner, self.draft_runner)):
                 runner.close()  # frees the CUDA graphs' memory pool
+
+    def use_reply_memory(self, enabled: bool, replies: Iterable[str] = ()) -> int:
+        """Turn the suffix drafter's memory of earlier replies on (seeded with ``replies``, oldest first: the
+        local chat history) or off (emptied; finished replies are not kept: ``--no-history``). Only the newest
+        replies that fit the memory's bound are tokenised. Returns the tokens it holds."""
+        with self._lock:
+            self.reply_memory.clear()
+            self.remember_replies = enabled
+            if not enabled:
+                return 0
+            # Newest first, up to three quarters of the bound (what it keeps after dropping old replies), so
+            # seeding never rebuilds the index; then remembered oldest first.
+            newest: list[list[int]] = []
+            budget = (self.reply_memory.max_tokens * 3) // 4
+            for text in reversed(list(replies)):
+                if budget <= 0:
+                    break
+                ids = self.tokenizer.encode(text, add_special_tokens=False)[-budget:]
+                newest.append(ids)
+                budget -= len(ids)
+            self.reply_memory.remember_all(reversed(newest))
+            return self.reply_memory.num_tokens
 
     def blocks_in_use(self) -> int:
         """Blocks held in the target pool (conversations kept for reuse included)."""
@@ -157,11 +186,12 @@ class Engine:
         sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
         drafter_name = request.drafter or self.pair.drafter
         if drafter_name == "draft-model" and "draft-model" not in self.drafters:
-            raise RequestError(f"pair {self.pair.name!r} has no draft model; use --drafter prompt-lookup or none, "
-                               "or pick a pair with a draft model")
+            raise RequestError(f"pair {self.pair.name!r} has no draft model; use --drafter prompt-lookup, suffix or "
+                               "none, or pick a pair with a draft model")
         gamma = request.gamma if request.gamma is not None else self.pair.gamma
         gamma = check_gamma(gamma)
         conv = self._conversation(request.conversation)
+        state: RequestState | None = None
         try:
             budget = self.context_length - 1
             prompt, notice = self._prompt_ids(request, conv if request.conversation else None, budget)
@@ -177,6 +207,8 @@ class Engine:
         finally:
             if request.conversation is None:
                 conv.seq.free()
+            if state is not None and self.remember_replies:
+                self.reply_memory.remember(state.context[len(state.prompt):])
 
 
 def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, confirm_download=None) -> Engine:

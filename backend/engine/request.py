@@ -33,7 +33,7 @@ from specchat.backend.spec.drafters.base import Draft, Drafter
 from specchat.backend.spec.policy import GammaPolicy
 from specchat.backend.spec.sampling import SeenIds, apply_repetition_penalty, pick
 from specchat.backend.spec.stats import SpecStats
-from specchat.backend.spec.verify import VerifyResult, verify
+from specchat.backend.spec.verify import VerifyResult, verify, verify_tree
 
 
 @dataclass
@@ -122,10 +122,12 @@ class RequestState:
         """The reply positions the next pass's rows decide: the pending token is at ``produced - 1``."""
         return range(self.produced, self.produced + rows)
 
-    def _target_logits(self, ids: list[int], keep: int) -> torch.Tensor:  # [keep, V] processed logits
+    def _target_logits(self, ids: list[int], keep: int, parents: list[int] | None = None) -> torch.Tensor:
+        """[keep, V] logits over the tokenizer's ids, penalised per row for a chain; a tree's (``parents``) rows
+        are penalised by :meth:`_tree_decider`, along the followed path only."""
         runner = self.target.runner
         try:
-            logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep)
+            logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents)
         except BaseException as error:
             # Nothing of this pass was committed: give back the blocks it reserved, keep the history intact.
             self.conv.seq.truncate(self.conv.seq.length)
@@ -139,11 +141,25 @@ class RequestState:
                 "new conversation, or choose a smaller context_length, a quantized or smaller pair "
                 "(`specchat models`)") from error
         logits = logits[:, : self.target.vocab_limit].float()  # over the tokenizer's ids only
-        if self.s.repetition_penalty:
+        if self.s.repetition_penalty and parents is None:
             drafts = ids[len(ids) - keep + 1:]  # row j sees the drafts before it (none for a prefill row)
             logits = apply_repetition_penalty(logits, self._penalty_context(), self.s.repetition_penalty,
                                               draft_ids=drafts)
         return logits
+
+    def _tree_decider(self, logits: torch.Tensor):
+        """The target's token at a row of a tree pass, given the accepted tokens before it: the row's penalty
+        sees the context plus exactly those tokens (its ancestors), its reply position is ``produced`` plus
+        their number (its depth)."""
+        def decide(row: int, path: list[int]) -> int:
+            rows = logits[row:row + 1]
+            if self.s.repetition_penalty:
+                context = self._penalty_context()
+                if path:
+                    context = torch.cat([context, torch.tensor(path, dtype=context.dtype, device=context.device)])
+                rows = apply_repetition_penalty(rows, context, self.s.repetition_penalty)
+            return pick(rows, self.rule, [self.produced + len(path)])[0]
+        return decide
 
     def _cut(self, tokens: list[int], sources: list[TokenSource]) -> tuple[list[int], list[TokenSource], list[str]]:
         """Detokenise ``tokens`` and drop any after an EOS, the token limit or the end of a stop string: the
@@ -274,26 +290,34 @@ class RequestState:
         name, gamma, draft, message = self._propose(cap)
         draft_s = time.perf_counter() - t_step
         draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
+        # A tree's first γ nodes are a tree too (a parent comes before its children).
+        parents = list(draft.parents[:gamma]) if draft is not None and draft.is_tree and draft_ids else None
         t_verify = time.perf_counter()
         try:
-            logits = self._target_logits([pending] + draft_ids, keep=1 + len(draft_ids))  # [1 + k, V]
+            logits = self._target_logits([pending] + draft_ids, keep=1 + len(draft_ids), parents=parents)
         except KVCacheFullError:
             if not draft_ids:
                 raise
             # No room for the draft: the last few positions are still worth a plain step each.
-            name, draft, draft_ids = None, None, []
+            name, draft, draft_ids, parents = None, None, [], None
             logits = self._target_logits([pending], keep=1)
         verify_s = time.perf_counter() - t_verify
-        result: VerifyResult = verify(logits, draft_ids, self.rule, self._positions(1 + len(draft_ids)))
+        result: VerifyResult
+        if parents is None:
+            result = verify(logits, draft_ids, self.rule, self._positions(1 + len(draft_ids)))
+        else:
+            result = verify_tree(self._tree_decider(logits), draft_ids, parents)
+            start = conv.seq.length + 1  # the pending token is at conv.seq.length; node i was written at start + i
+            conv.seq.cache.move(conv.seq, [start + i for i in result.path], list(range(start, start + result.accepted)))
         conv.seq.commit(1 + result.accepted)
-        conv.cached.extend([pending] + draft_ids[: result.accepted])
+        conv.cached.extend([pending] + result.tokens[: result.accepted])
         tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
         self.produced += len(tokens)
         self.context.extend(tokens)
         self.seen.add(tokens)
         if name is not None:
             self.policies[name].observe(gamma=gamma, proposed=len(draft_ids), accepted=result.accepted,
-                                        draft_s=draft_s, verify_s=verify_s)
+                                        draft_s=draft_s, verify_s=verify_s, tried=result.tried)
             if name in self.candidates:
                 self.spec.drafters[name].observe(result.accepted)
         elif self.candidates:  # a plain step measures T_target(1) for every candidate's policy
@@ -307,7 +331,9 @@ class RequestState:
                             drafter=name or self.drafter_used, message=message)
         self.stats.observe_step(drafter=name or self.drafter_used, gamma=len(draft_ids), accepted=result.accepted,
                                 emitted=len(tokens), policy=state, draft_s=draft_s, verify_s=verify_s,
-                                overhead_s=event.overhead_s)
+                                overhead_s=event.overhead_s, tried=result.tried)
+        if parents is not None:
+            self.stats.observe_tree(parents, result.path)
         event.stats = self._report()
         return tokens[-1], event
 

@@ -35,10 +35,16 @@ log = logging.getLogger(__name__)
 
 
 def forward_paged(model, seq: Sequence, input_ids: list[int] | torch.Tensor, *, logits_to_keep: int = 1,
-                  graphs: cuda_graphs.GraphRunner | None = None) -> torch.Tensor:  # [logits_to_keep, vocab] float
+                  graphs: cuda_graphs.GraphRunner | None = None,
+                  parents: list[int] | None = None) -> torch.Tensor:  # [logits_to_keep, vocab] float
     """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The static
-    forward of ``graphs`` when given and it takes the step, else the eager one."""
-    if graphs is not None and isinstance(logits_to_keep, int):
+    forward of ``graphs`` when given and it takes the step, else the eager one.
+
+    ``parents`` (a tree of drafts after the pending token ``input_ids[0]``: ``parents[i]`` is the index of draft
+    i's parent among the drafts, -1 for the pending token): each draft attends to the committed prefix and its
+    own ancestors at position ``start + depth``; its K/V are written at slot ``start + 1 + i`` (move the accepted
+    path into place with ``PagedKVCache.move`` before committing it). Graph runners decline trees."""
+    if graphs is not None and parents is None and isinstance(logits_to_keep, int):
         n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if 1 <= logits_to_keep <= n:
             logits = graphs.try_forward(seq, input_ids, logits_to_keep)
@@ -62,10 +68,17 @@ def forward_paged(model, seq: Sequence, input_ids: list[int] | torch.Tensor, *, 
         raise KVCacheUsageError(
             f"forward_paged: logits_to_keep must be in 1..{n} (the new tokens), got {logits_to_keep!r}"
         )
+    if parents is not None and len(parents) != n - 1:
+        raise KVCacheUsageError(f"forward_paged: {n} tokens need {n - 1} parents (one per draft), got {len(parents)}")
     seq.reserve(n)
     plan = seq.plan(n)
-    ctx = attention.PagedContext(seq.cache, plan)
-    positions = torch.arange(plan.start, plan.kv_len, device=device)
+    if parents is None:
+        ctx = attention.PagedContext(seq.cache, plan)
+        positions = torch.arange(plan.start, plan.kv_len, device=device)
+    else:
+        depths, visible = attention.tree_tensors(parents, device)
+        ctx = attention.PagedContext(seq.cache, plan, tree=(depths, visible))
+        positions = plan.start + depths
     with torch.inference_mode():
         out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=ctx,
                     logits_to_keep=logits_to_keep)
@@ -110,10 +123,12 @@ class ModelRunner:
             return "cuda-graphs"
         return "cpu-packed" if self.packed_layers else "eager"
 
-    def forward(self, seq: Sequence, input_ids: list[int] | torch.Tensor, *,
-                logits_to_keep: int = 1) -> torch.Tensor:  # [logits_to_keep, vocab] float
-        """One forward over ``input_ids`` after ``seq``'s committed tokens (reserves, writes, never commits)."""
-        return forward_paged(self.model, seq, input_ids, logits_to_keep=logits_to_keep, graphs=self.graphs)
+    def forward(self, seq: Sequence, input_ids: list[int] | torch.Tensor, *, logits_to_keep: int = 1,
+                parents: list[int] | None = None) -> torch.Tensor:  # [logits_to_keep, vocab] float
+        """One forward over ``input_ids`` after ``seq``'s committed tokens (reserves, writes, never commits);
+        ``parents``: a tree of drafts (see :func:`forward_paged`)."""
+        return forward_paged(self.model, seq, input_ids, logits_to_keep=logits_to_keep, graphs=self.graphs,
+                             parents=parents)
 
     def close(self) -> None:
         """Release the CUDA graphs (their memory pool) and their block."""

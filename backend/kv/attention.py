@@ -76,14 +76,40 @@ def check_supported(config) -> None:
         )
 
 
+def tree_tensors(parents: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``tree`` of a :class:`PagedContext` for a pass over the pending token and a tree of drafts:
+    ``parents[i]`` is draft i's parent among the drafts (-1: the pending token), parents before children.
+    Returns ``depths`` [1 + len(parents)] (the pending token at depth 0) and ``visible`` [n, n]."""
+    n = 1 + len(parents)
+    depth = [0] * n
+    visible = [[False] * n for _ in range(n)]
+    visible[0][0] = True
+    for i, parent in enumerate(parents, start=1):
+        above = parent + 1  # the pending token is row 0
+        if not 0 <= above < i:
+            raise KVCacheUsageError(f"tree_tensors: draft {i - 1}'s parent {parent} is not an earlier draft or -1")
+        depth[i] = depth[above] + 1
+        visible[i] = list(visible[above])
+        visible[i][i] = True
+    return (torch.tensor(depth, dtype=torch.long, device=device),
+            torch.tensor(visible, dtype=torch.bool, device=device))
+
+
 class PagedContext:
-    """Per-forward state shared by all layers: the cache, the slot plan and the masks (built lazily, once)."""
+    """Per-forward state shared by all layers: the cache, the slot plan and the masks (built lazily, once).
 
-    __slots__ = ("cache", "plan", "_layouts")
+    ``tree`` (a tree of drafts verified in one pass): ``(depths, visible)``, ``depths`` long ``[num_new]`` (the
+    new tokens' positions are ``start + depths``) and ``visible`` bool ``[num_new, num_new]``, True where new token
+    i may see new token j (j is i or one of its ancestors). Every new token sees the whole committed prefix.
+    """
 
-    def __init__(self, cache: PagedKVCache, plan: SlotPlan) -> None:
+    __slots__ = ("cache", "plan", "tree", "_layouts")
+
+    def __init__(self, cache: PagedKVCache, plan: SlotPlan,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.cache = cache
         self.plan = plan
+        self.tree = tree
         self._layouts: dict[tuple[int | None, bool], tuple[int, torch.Tensor | None, bool]] = {}
 
     def layout(self, window: int | None, explicit: bool) -> tuple[int, torch.Tensor | None, bool]:
@@ -102,7 +128,11 @@ class PagedContext:
         # Keys older than every query's window are not read at all (a shorter slice, fewer FLOPs).
         first = 0 if window is None else max(0, start - window + 1)
         mask, causal = None, False
-        if n > 1:
+        if self.tree is not None:
+            mask = self._tree_mask(first, window)
+            if explicit:
+                mask = ~mask
+        elif n > 1:
             if not explicit and first == 0 and start == 0 and (window is None or window >= n):
                 causal = True
             else:
@@ -117,6 +147,19 @@ class PagedContext:
         out = (first, mask, causal)
         self._layouts[key] = out
         return out
+
+    def _tree_mask(self, first: int, window: int | None) -> torch.Tensor:  # [num_new, kv_len - first] bool
+        if self.tree is None:
+            raise KVCacheUsageError("PagedContext._tree_mask: this forward has no tree")
+        depths, visible = self.tree
+        start, device = self.plan.start, self.cache.device
+        committed = torch.ones(len(depths), start - first, dtype=torch.bool, device=device)
+        mask = torch.cat([committed, visible], dim=1)
+        if window is not None:
+            q_pos = (start + depths)[:, None]
+            k_pos = torch.cat([torch.arange(first, start, device=device), start + depths])[None, :]
+            mask = mask & (k_pos > q_pos - window)
+        return mask
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool, scale: float) -> torch.Tensor:

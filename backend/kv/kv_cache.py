@@ -128,6 +128,25 @@ class PagedKVCache:
             self.k[:, :, dst * bs : (dst + 1) * bs].copy_(self.k[:, :, src * bs : (src + 1) * bs])
             self.v[:, :, dst * bs : (dst + 1) * bs].copy_(self.v[:, :, src * bs : (src + 1) * bs])
 
+    def move(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
+        """Copy every layer's K/V of positions ``src`` of ``seq`` to positions ``dst`` (both within its reserved
+        slots): the accepted path of a verified tree moves to consecutive positions. All sources are read before
+        any destination is written, so the two may overlap."""
+        if len(src) != len(dst):
+            raise KVCacheUsageError(f"PagedKVCache.move: {len(src)} sources for {len(dst)} destinations")
+        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        if not pairs:
+            return
+        for position in (p for pair in pairs for p in pair):
+            if not 0 <= position < seq.capacity:
+                raise KVCacheUsageError(f"PagedKVCache.move: position {position} is outside the sequence's "
+                                        f"{seq.capacity} reserved slots")
+        source = torch.tensor([seq.slot(s) for s, _ in pairs], dtype=torch.long, device=self.device)
+        target = torch.tensor([seq.slot(d) for _, d in pairs], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            for pool in (self.k, self.v):
+                pool.index_copy_(2, target, pool.index_select(2, source))
+
     def write(self, layer: int, plan: SlotPlan, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the new tokens' K/V of ``layer``; key/value ``[1, num_kv_heads, num_new, head_dim]``."""
         k_pool, v_pool = self.k_layers[layer], self.v_layers[layer]

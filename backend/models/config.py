@@ -32,7 +32,7 @@ from specchat.backend.paths import config_dir, expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "nf4", "int8")
-DRAFTERS = ("prompt-lookup", "draft-model", "none")
+DRAFTERS = ("prompt-lookup", "suffix", "draft-model", "none")
 REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
 # what they contain). openai: the plain OpenAI API; specchat: `specchat serve`.
@@ -97,7 +97,7 @@ class PairConfig:
     name: str
     description: str
     target: ModelSpec | RemoteSpec  # RemoteSpec: a remote pair
-    drafter: str  # "prompt-lookup" | "draft-model" | "none"; "server" for a remote pair
+    drafter: str  # "prompt-lookup" | "suffix" | "draft-model" | "none"; "server" for a remote pair
     draft: ModelSpec | None  # required iff drafter == "draft-model"
     gamma: int | str  # int >= 1 or "auto"
     context_length: int  # 0 for a remote pair (the server's)

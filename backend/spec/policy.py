@@ -293,11 +293,16 @@ class GammaPolicy:
         self._plain_while_paused = 0
         self._probing = 0
 
-    def observe(self, *, gamma: int, accepted: int, draft_s: float, verify_s: float, proposed: int) -> None:
+    def observe(self, *, gamma: int, accepted: int, draft_s: float, verify_s: float, proposed: int,
+                tried: int | None = None) -> None:
         """Record one step: γ asked for, tokens really ``proposed`` (<= γ) and ``accepted`` (<= proposed), the
-        drafting time and the target pass time (over proposed + 1 tokens). A step with proposed 0 is plain."""
+        drafting time and the target pass time (over proposed + 1 tokens). A step with proposed 0 is plain.
+        A tree of ``proposed`` nodes gives ``tried``, the positions judged along the followed path (accepted,
+        plus one where no child matched): acceptance counts those positions, the pass time all the nodes."""
         if not 0 <= accepted <= proposed:
             raise ValueError(f"GammaPolicy.observe: need 0 <= accepted <= proposed, got {accepted}, {proposed}")
+        if tried is not None and not accepted <= tried <= min(accepted + 1, proposed):
+            raise ValueError(f"GammaPolicy.observe: tried {tried} must be accepted ({accepted}) or one more")
         n = proposed + 1
         self._speedup_cache = None
         if verify_s > 0.0:
@@ -309,14 +314,15 @@ class GammaPolicy:
             if draft_s > 0.0:
                 self._draft.add(draft_s / proposed)
             self._succ = self._succ * self.decay + accepted
-            self._fail = self._fail * self.decay + (1.0 if accepted < proposed else 0.0)
+            judged = min(accepted + 1, proposed) if tried is None else tried
+            self._fail = self._fail * self.decay + (1.0 if accepted < judged else 0.0)
             pos_succ, pos_fail, decay = self._pos_succ, self._pos_fail, self.decay
             for k in range(len(pos_succ)):
                 pos_succ[k] *= decay
                 pos_fail[k] *= decay
                 if k < accepted:
                     pos_succ[k] += 1.0
-                elif k == accepted and k < proposed:
+                elif k == accepted and k < judged:
                     pos_fail[k] += 1.0
             self._drafted_steps += 1
             self._drafted_since_plain += 1

@@ -78,11 +78,15 @@ class StepCounts:
     overhead_s: float = 0.0
 
     def observe(self, *, drafter: str, gamma: int, accepted: int, emitted: int, draft_s: float, verify_s: float,
-                overhead_s: float = 0.0, paused: bool = False, no_draft: bool = False) -> None:
+                overhead_s: float = 0.0, paused: bool = False, no_draft: bool = False,
+                tried: int | None = None) -> None:
         """One step: ``gamma`` tokens drafted by ``drafter`` (0: plain), ``accepted`` of them kept, ``emitted``
-        tokens yielded (accepted + 1, fewer when EOS or the token limit cut the step)."""
+        tokens yielded (accepted + 1, fewer when EOS or the token limit cut the step). A tree of ``gamma`` nodes
+        gives ``tried``: the positions judged along the followed path (accepted, plus one where no child
+        matched); a chain judged ``min(accepted + 1, gamma)``."""
         if not 0 <= accepted <= gamma:
             raise ValueError(f"StepCounts.observe: need 0 <= accepted <= gamma, got {accepted}, {gamma}")
+        judged = min(accepted + 1, gamma) if tried is None else tried
         key = (drafter if gamma else "none", gamma)
         self.steps[key] += 1
         self.draft_s[key] = self.draft_s.get(key, 0.0) + draft_s
@@ -103,13 +107,13 @@ class StepCounts:
         if len(reached) < gamma:
             reached.extend([0] * (gamma - len(reached)))
             taken.extend([0] * (gamma - len(taken)))
-        for i in range(min(accepted + 1, gamma)):
+        for i in range(judged):
             reached[i] += 1
         for i in range(accepted):
             taken[i] += 1
         self.drafted += gamma
         self.accepted += accepted
-        self.rejected_steps += accepted < gamma
+        self.rejected_steps += accepted < judged
         self.accepted_lengths[accepted] += 1
         self.spec_emitted += emitted
         self.spec_time_s += step_s
@@ -240,6 +244,7 @@ class SpecStats:
         self.last_policy: PolicyState | None = None
         self.policy_estimate: float | None = None  # the γ policy's S, preferred over the counts' own
         self.policy_estimates: Mapping[str, Any] | None = None
+        self.tree = (0, 0, 0, 0, 0)  # the latest tree draft: nodes, depth, leaves, accepted depth, branch
 
     def _emit(self, n: int) -> None:
         if n <= 0:
@@ -260,14 +265,25 @@ class SpecStats:
         self._emit(emitted)
 
     def observe_step(self, *, drafter: str, gamma: int, accepted: int, emitted: int, policy: PolicyState,
-                     draft_s: float, verify_s: float, overhead_s: float) -> None:
+                     draft_s: float, verify_s: float, overhead_s: float, tried: int | None = None) -> None:
         """One target pass after prefill (see :meth:`StepCounts.observe`)."""
         self.counts.observe(drafter=drafter, gamma=gamma, accepted=accepted, emitted=emitted, draft_s=draft_s,
                             verify_s=verify_s, overhead_s=overhead_s, paused=policy is PolicyState.PAUSED,
-                            no_draft=policy is PolicyState.NO_DRAFT)
+                            no_draft=policy is PolicyState.NO_DRAFT, tried=tried)
         self.last_gamma = gamma
         self.last_policy = policy
         self._emit(emitted)
+
+    def observe_tree(self, parents: Sequence[int], path: Sequence[int]) -> None:
+        """The shape of the tree the last step verified (``parents`` as in a Draft) and the accepted ``path``
+        (node indices): kept for the live view (RequestStats.tree_*)."""
+        depth: list[int] = []
+        for parent in parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        leaves = len(parents) - len({p for p in parents if p >= 0})
+        roots = [i for i, p in enumerate(parents) if p < 0]
+        branch = roots.index(path[0]) + 1 if path else 0
+        self.tree = (len(parents), max(depth, default=0), leaves, len(path), branch)
 
     def observe_draft_context(self, drafter: str, *, prefilled: int, reused: int) -> None:
         """A drafter with a cache read the context: ``prefilled`` ids fed, ``reused`` found cached. The first
@@ -327,4 +343,6 @@ class SpecStats:
             draft_prefill_tokens=self.draft_context[0] if self.draft_context else 0,
             draft_reused_tokens=self.draft_context[1] if self.draft_context else 0,
             seed=self.seed,
+            tree_nodes=self.tree[0], tree_depth=self.tree[1], tree_width=self.tree[2], tree_accepted=self.tree[3],
+            tree_branch=self.tree[4],
         )

@@ -22,8 +22,8 @@ column) never equals a target token, so it is rejected.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,16 @@ class VerifyResult:
     tokens: list[int]
     sources: list[TokenSource]
     accepted: int
+    path: list[int] = field(default_factory=list)  # tree drafts: the accepted nodes' indices, root first
+    tried: int | None = None  # tree drafts: positions tried (accepted, plus one if a child set was refused)
+
+    @property
+    def positions_tried(self) -> int:
+        """Draft positions the target judged: a chain's ``min(accepted + 1, k)``, a tree's ``tried``."""
+        if self.tried is not None:
+            return self.tried
+        rejected = self.sources and self.sources[-1] is TokenSource.RECOVERED
+        return self.accepted + (1 if rejected else 0)
 
 
 def verify_tokens(target_tokens: Sequence[int], draft_ids: Sequence[int]) -> VerifyResult:
@@ -68,3 +78,40 @@ def verify(
         raise ValueError(f"verify: need [{k + 1}, V] target logits and {k + 1} positions for {k} drafts, got "
                          f"{shape} and {len(positions)}")
     return verify_tokens(pick(target_logits[: k + 1], rule, positions), draft_ids)
+
+
+def verify_tree(
+    decide: Callable[[int, list[int]], int],  # (row, accepted tokens so far) -> the target's token at that row
+    draft_ids: Sequence[int],  # [n] the tree's nodes
+    parents: Sequence[int],  # [n] parents[i]: node i's parent index, -1 for a child of the pending token
+) -> VerifyResult:
+    """Follow the target's own token through a tree of drafts: from the pending token (row 0), move to the child
+    whose token equals the target's token at that row, until no child does.
+
+    Row ``i + 1`` of the pass conditions on node i and its ancestors; ``decide`` is asked only for the rows on
+    the followed path (each row's repetition penalty and reply position depend on the path: its length is the
+    depth). The emitted tokens are then exactly the target's tokens along its own path, as for a chain: the
+    accepted nodes, then the target's token where the path stops (RECOVERED when that node had children and
+    none matched, BONUS at a leaf). Two children with the same token: the first one is followed."""
+    if len(parents) != len(draft_ids):
+        raise ValueError(f"verify_tree: {len(draft_ids)} nodes need {len(draft_ids)} parents, got {len(parents)}")
+    children: dict[int, dict[int, int]] = {}
+    for node, (token, parent) in enumerate(zip(draft_ids, parents)):
+        if not -1 <= parent < node:
+            raise ValueError(f"verify_tree: node {node}'s parent {parent} does not come before it")
+        children.setdefault(parent, {}).setdefault(int(token), node)
+    node = -1
+    path: list[int] = []
+    tokens: list[int] = []
+    while True:
+        token = int(decide(node + 1, tokens))
+        following = children.get(node, {}).get(token)
+        if following is None:
+            has_children = node in children
+            source = (TokenSource.TARGET if not draft_ids else TokenSource.RECOVERED if has_children
+                      else TokenSource.BONUS)
+            return VerifyResult(tokens=tokens + [token], sources=[TokenSource.ACCEPTED] * len(path) + [source],
+                                accepted=len(path), path=path, tried=len(path) + has_children)
+        path.append(following)
+        tokens.append(token)
+        node = following

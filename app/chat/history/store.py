@@ -290,6 +290,21 @@ class ChatStore:
             log.warning("%s: chat %s: skipped %d unreadable message(s)", self.path, chat_id, messages.count(None))
         return [m for m in messages if m is not None]
 
+    def recent_replies(self, max_chars: int) -> list[str]:
+        """The newest assistant replies of every chat, oldest first, up to about ``max_chars`` characters (the
+        suffix drafter's memory of earlier replies is seeded with them). Unreadable rows are skipped."""
+        replies: list[str] = []
+        total = 0
+        with self._read("read earlier replies") as conn:
+            for (content,) in conn.execute("SELECT content FROM messages WHERE role = 'assistant' ORDER BY id DESC"):
+                if not isinstance(content, str) or not content:
+                    continue
+                replies.append(content)
+                total += len(content)
+                if total >= max_chars:
+                    break
+        return replies[::-1]
+
     def add_message(
         self, chat_id: int, role: str, content: str, stats: dict | None = None, complete: bool = True
     ) -> int:

@@ -1,4 +1,4 @@
-"""The settings modal: sampling, max new tokens, drafter, γ, system prompt.
+"""The settings modal: sampling, max new tokens, drafter, γ, earlier replies for drafting, system prompt.
 
 Contract: dismissed with a validated :class:`Settings` (Save) or None (Cancel / Escape). A bad value keeps
 the dialog open, marks the field and says what is accepted; nothing is saved until every field is valid.
@@ -18,6 +18,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
 from specchat.app.chat.settings import DRAFTER_CHOICES, Settings, SettingsError, validate_settings
+from specchat.backend.api import MAX_GAMMA
 
 GAMMA_MODES = {"pair": "Pair default", "auto": "Auto (adaptive)", "fixed": "Fixed"}
 
@@ -67,6 +68,10 @@ class SettingsScreen(ModalScreen[Settings | None]):
                         yield Select([(label, key) for key, label in modes.items()], value=gamma_mode,
                                      allow_blank=False, id="gamma_mode", compact=True)
                         yield Input(_text(s.gamma) if gamma_mode == "fixed" else "4", id="gamma", compact=True)
+                    yield Label("Earlier replies")
+                    yield Select([("Suffix drafter matches them (next load)", "on"), ("Not used for drafting", "off")],
+                                 value="on" if s.draft_from_history else "off", allow_blank=False,
+                                 id="draft_from_history", compact=True)
                 yield Label("System prompt")
                 yield TextArea(s.system_prompt, id="system_prompt", soft_wrap=True)
             yield Static("", id="settings-error", markup=False)
@@ -99,7 +104,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
         gamma_mode = self.query_one("#gamma_mode", Select).value
         gamma = None if gamma_mode == "pair" else "auto" if gamma_mode == "auto" else self._parse("gamma", int)
         if gamma_mode == "fixed" and gamma is None:
-            raise SettingsError("gamma: a fixed γ needs a number (1 .. 64)")
+            raise SettingsError(f"gamma: a fixed γ needs a number (1 .. {MAX_GAMMA})")
         max_new = self._parse("max_new_tokens", int)
         if max_new is None:
             raise SettingsError("max new tokens: a number is required (1 .. 32768)")
@@ -112,6 +117,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
             drafter=self.query_one("#drafter", Select).value,
             gamma=gamma,
             system_prompt=self.query_one("#system_prompt", TextArea).text,
+            draft_from_history=self.query_one("#draft_from_history", Select).value == "on",
         ))
 
     def action_save(self) -> None:

@@ -40,6 +40,16 @@ def count(value: int | None) -> str:
     return "—" if value is None else str(value)
 
 
+def tree_line(stats: RequestStats) -> str:
+    """The latest tree draft (the suffix drafter): its size and shape, and the branch the target followed."""
+    shape = (f"tree {stats.tree_nodes} node{'s' if stats.tree_nodes != 1 else ''} · depth {stats.tree_depth} · "
+             f"{stats.tree_width} branch{'es' if stats.tree_width != 1 else ''}")
+    if not stats.tree_accepted:
+        return f"{shape}; no branch matched"
+    return f"{shape}; followed branch {stats.tree_branch} for {stats.tree_accepted} token" + (
+        "s" if stats.tree_accepted != 1 else "")
+
+
 def measured_speedup(stats: RequestStats) -> float | None:
     """Tokens/s of speculating steps over plain steps; None unless each kind has ``MIN_STEPS`` steps."""
     speculating, plain = step_counts(stats)
@@ -54,6 +64,8 @@ def render_details(live: LiveView) -> Text:
     text.append(f"drafter {live.drafter or stats.drafter or '—'} · γ {count(stats.last_gamma)}\n", style="dim")
     if stats.seed is not None:  # the same request with this seed replays the reply (`generate --seed`)
         text.append(f"seed {stats.seed}\n", style="dim")
+    if stats.tree_nodes:
+        text.append(tree_line(stats) + "\n", style="dim")
     text.append("\n")
     positions = stats.per_position_acceptance
     text.append("Per-position acceptance\n", style="bold")

@@ -32,11 +32,19 @@ class Draft:
     """The proposed new ids, and how much of the context the drafter had to read first.
 
     ``prefilled``: context ids the drafter fed to its model before drafting (0 for prompt lookup);
-    ``reused``: context ids it already held (its cache's common prefix with the context)."""
+    ``reused``: context ids it already held (its cache's common prefix with the context).
+    ``parents`` None: a chain (each id follows the one before). A tree: ``parents[i]`` is the index of id i's
+    parent in ``token_ids`` (-1: it follows the last committed token); a parent always comes before its children.
+    """
 
     token_ids: list[int]
     prefilled: int = 0
     reused: int = 0
+    parents: list[int] | None = None  # [len(token_ids)] for a tree draft
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None and any(p != i - 1 for i, p in enumerate(self.parents))
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -44,7 +52,7 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
-    name: str  # "prompt-lookup" | "draft-model"
+    name: str  # "prompt-lookup" | "suffix" | "draft-model"
 
     def reset(self) -> None: ...
 

@@ -30,6 +30,7 @@ from specchat.backend.bench.stats import Row, aggregate, compare_tokens, mark_eq
 from specchat.backend.bench.suites import (
     CODE_EDIT_FAMILY,
     MT_BENCH_CATEGORIES,
+    MULTI_EDIT_FAMILY,
     SPEC_BENCH_FAMILIES,
     BenchPrompt,
     load_code_edit,
@@ -77,11 +78,12 @@ def test_select_small_families_and_bad_limit():
         select(prompts, 0)
 
 
-def test_suite_all_has_seven_families_and_unknown_suite_is_an_error():
+def test_suite_all_has_eight_families_and_unknown_suite_is_an_error():
     prompts = load_suite("all", 2)
-    assert len(prompts) == 14
-    assert {p.family for p in prompts} == set(SPEC_BENCH_FAMILIES) | {CODE_EDIT_FAMILY}
-    assert {p.family for p in load_suite("edit", None)} == {CODE_EDIT_FAMILY}
+    assert len(prompts) == 16
+    assert {p.family for p in prompts} == set(SPEC_BENCH_FAMILIES) | {CODE_EDIT_FAMILY, MULTI_EDIT_FAMILY}
+    assert {p.family for p in load_suite("edit", None)} == {CODE_EDIT_FAMILY, MULTI_EDIT_FAMILY}
+    assert {p.family for p in load_suite("code-edit", None)} == {CODE_EDIT_FAMILY}
     mt_bench = load_suite("mt-bench", 8)
     assert len(mt_bench) == 8 and {p.family for p in mt_bench} == {"mt-bench"}
     assert len({p.category for p in mt_bench}) == 8  # one per MT-bench category, round-robin
@@ -195,7 +197,8 @@ def test_report_table_json_and_png(tmp_path):
 
 
 def test_modes_default_and_parsing():
-    assert default_modes(False) == ["plain", "prompt-lookup", "auto", "hf-plain", "hf-prompt-lookup"]
+    assert default_modes(False) == ["plain", "prompt-lookup", "suffix", "auto", "hf-plain", "hf-prompt-lookup"]
+    assert parse_modes(["suffix:8"], has_draft=False, pair_name="x") == [Mode("suffix:8", "specchat", "suffix", 8)]
     assert "hf-assisted" in default_modes(True) and "draft-model" in default_modes(True)
     modes = parse_modes(["plain", "prompt-lookup:4", "auto", "hf-assisted"], has_draft=True, pair_name="x")
     assert modes == [Mode("plain", "specchat", "none"), Mode("prompt-lookup:4", "specchat", "prompt-lookup", 4),
@@ -251,7 +254,7 @@ def test_tiny_bench_end_to_end(tmp_path):
                                     context_length=2048),
     ]
     # The code-edit family (2 prompts): suite selection over every family is tested above without models.
-    args = argparse.Namespace(pair=None, suite="edit", limit=2, max_new_tokens=6, modes=None, out=str(tmp_path),
+    args = argparse.Namespace(pair=None, suite="code-edit", limit=2, max_new_tokens=6, modes=None, out=str(tmp_path),
                               temperature=0.0, seed=0, models=None, device=None, synthetic=None)
     out = Console(file=io.StringIO(), width=200, record=True)
     err = Console(file=io.StringIO(), width=200)
@@ -302,7 +305,7 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path):
 
     # 2 warm-ups, then prompt 1 in both modes; Ctrl-C during prompt 2.
     engine = _InterruptedAfter(engine_fixtures.tiny_engine("llama", context_length=2048), 4)
-    args = argparse.Namespace(pair=None, suite="edit", limit=2, max_new_tokens=4, modes=["plain", "prompt-lookup"],
+    args = argparse.Namespace(pair=None, suite="code-edit", limit=2, max_new_tokens=4, modes=["plain", "prompt-lookup"],
                               out=str(tmp_path), temperature=0.0, seed=0, models=None, device=None, synthetic=None)
     quiet = Console(file=io.StringIO())
     with pytest.raises(KeyboardInterrupt):
@@ -320,7 +323,7 @@ def test_bench_on_the_embedded_default(tmp_path):
     tokens identical across specchat and transformers on a code-edit prompt."""
     from specchat.app.cli import bench as cmd_bench
 
-    args = argparse.Namespace(pair=None, suite="edit", limit=1, max_new_tokens=12,
+    args = argparse.Namespace(pair=None, suite="code-edit", limit=1, max_new_tokens=12,
                               modes=["plain", "prompt-lookup", "hf-plain", "hf-prompt-lookup"], out=str(tmp_path),
                               temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
     assert cmd_bench.run(args) == 0
@@ -329,3 +332,27 @@ def test_bench_on_the_embedded_default(tmp_path):
     assert all(r["new_tokens"] == 12 and r["tok_s"] > 0 for r in rows)
     assert not [r["mode"] for r in rows if r["mismatch"]]
     assert (tmp_path / "speedup.png").exists() and "smollm2-135m · code-edit" in (tmp_path / "bench.txt").read_text()
+
+
+def test_multi_turn_edits_are_one_conversation_per_mode():
+    """Each later turn follows the mode's own reply in the same conversation: the cache is reused between
+    turns, the row sums the turns, and greedy modes agree token for token."""
+    import engine_fixtures
+
+    from specchat.backend.bench.runner import BenchRunner, parse_modes
+
+    prompts = load_suite(MULTI_EDIT_FAMILY, 1)
+    (prompt,) = prompts
+    assert prompt.turns and "type hints" in prompt.turns[0] and "docstring" in prompt.turns[1]
+    engine = engine_fixtures.tiny_engine("llama", drafter="prompt-lookup", context_length=2048)
+    runner = BenchRunner(engine, parse_modes(["plain", "prompt-lookup", "suffix"], has_draft=False,
+                                             pair_name="tiny"), max_new_tokens=8)
+    rows = runner.run(prompts)
+    assert len(rows) == 3 and not [r.mode for r in rows if r.mismatch]
+    first_turn = len(runner.prompt_ids(prompt))
+    for row in rows:
+        assert row.new_tokens > 8  # three turns of up to 8 tokens each
+        assert row.prompt_tokens > 3 * first_turn  # the later turns carry the conversation
+        assert row.engine_stats.prefill_tokens < row.prompt_tokens - 2 * first_turn  # the last turn reused it
+    assert engine.blocks_in_use() == 0  # each mode's conversation is forgotten after its row
+    assert engine.reply_memory.num_tokens == 0  # the bench measures every prompt alone

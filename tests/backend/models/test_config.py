@@ -147,7 +147,8 @@ def test_bool_is_not_a_number(tmp_path):
 
 def test_unknown_drafter(tmp_path):
     path = write(tmp_path, pair_yaml(drafter="medusa"))
-    assert_names(error_of(path), str(path), "pair 'p1'", "'drafter'", "'medusa'", "prompt-lookup, draft-model, none")
+    assert_names(error_of(path), str(path), "pair 'p1'", "'drafter'", "'medusa'",
+                 "prompt-lookup, suffix, draft-model, none")
 
 
 def test_unknown_field_is_rejected(tmp_path):
