@@ -26,7 +26,7 @@ from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.paths import config_dir
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "nf4", "int8")
+QUANTIZATIONS = ("none", "nf4", "int8", "int4-torch", "int8-torch")
 DRAFTERS = ("prompt-lookup", "draft-model", "none")
 # Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution).
 PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
@@ -42,7 +42,7 @@ class ModelSpec:
     kind: str  # resolved: "packaged" | "hub" | "local" | "gguf"
     revision: str | None
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
-    quantization: str  # "none" | "nf4" | "int8"
+    quantization: str  # "none" | "nf4" | "int8" (bitsandbytes) | "int4-torch" | "int8-torch" (PyTorch kernels)
     params: int  # parameter count
     num_layers: int
     num_kv_heads: int
