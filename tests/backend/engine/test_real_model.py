@@ -1,7 +1,9 @@
-"""The engine on the embedded default model (SmolLM2-135M-Instruct), against transformers itself.
+"""The engine on the embedded model (SmolLM2-135M-Instruct), against transformers itself.
 
-- greedy plain and greedy prompt-lookup output equal transformers ``generate()`` greedy, token for token, on
-  chat and code prompts;
+- the float32 pair (``smollm2-135m-f32``): greedy plain and greedy prompt-lookup output equal transformers
+  ``generate()`` greedy, token for token, on chat and code prompts;
+- the int4 default (``smollm2-135m``, the GGUF's own 4-bit weights): greedy output is the same for every
+  drafter (none, prompt lookup at fixed and adaptive γ, an int4 draft model) on chat, code and edit prompts;
 - with speculation forced on (fixed γ = 2, a drafter proposing from a known q), the sampled joint distribution
   of the 2nd and 3rd tokens — the first ones verification decides — matches the target's exact
   probabilities (chi-square; the sample count is in the test);
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -33,7 +36,7 @@ EDIT = [{"role": "user", "content": (
 
 @pytest.fixture(scope="module")
 def pair():
-    return load_pairs()["smollm2-135m"]
+    return load_pairs()["smollm2-135m-f32"]
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,29 @@ def test_greedy_plain_and_prompt_lookup_equal_transformers(engine, hf_model, mes
     assert lookup == reference
     if messages is EDIT:  # the reply copies the function: prompt lookup must have found drafts
         assert stats.drafted > 0 and stats.accepted > 0
+
+
+@pytest.fixture(scope="module")
+def int4_engine():
+    pair = load_pairs()["smollm2-135m"]
+    assert pair.target.quantization == "int4-torch"
+    target = load_model(pair.target, "cpu")
+    twin = dataclasses.replace(pair, name="int4-twin", drafter="draft-model", draft=pair.target)
+    engine = Engine(target, load_model(pair.target, "cpu"), twin)
+    assert engine.runner.path == "cpu-compact"
+    return engine
+
+
+@pytest.mark.parametrize("messages", [CHAT, CODE, EDIT], ids=["chat", "code", "edit"])
+def test_int4_default_greedy_output_is_the_same_for_every_drafter(int4_engine, messages):
+    greedy = SamplingParams(temperature=0, max_new_tokens=48)
+    plain, _ = generate_ids(int4_engine, messages, sampling=greedy, drafter="none")
+    for drafter, gamma in [("prompt-lookup", 4), ("prompt-lookup", "auto"), ("draft-model", 3)]:
+        ids, stats = generate_ids(int4_engine, messages, sampling=greedy, drafter=drafter, gamma=gamma)
+        assert ids == plain, (drafter, gamma)
+        if drafter == "draft-model":  # the twin proposes what the target decides: verification took many at once
+            assert stats.accepted > 0
+    assert "Paris" in int4_engine.tokenizer.decode(plain) or messages is not CHAT
 
 
 class UniformDrafter(StatelessHooks):
