@@ -39,7 +39,8 @@ def run(args) -> int:
     names = list(args.pair or [default_pair_name(pairs)])
     configs = [get_pair(pairs, name) for name in names]  # unknown names fail before anything loads
     for config in configs:  # so do modes a pair cannot run (draft-model without a draft, typos)
-        parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name)
+        parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name,
+                    llamacpp_missing=_llamacpp_missing(config.target))
     _check_args(args)
     err = Console(stderr=True)
 
@@ -50,6 +51,14 @@ def run(args) -> int:
                            progress=lambda message, fraction: err.print(f"  {message}", highlight=False))
 
     return execute(args, len(configs), load, err=err)
+
+
+def _llamacpp_missing(spec) -> str | None:
+    """Why llama.cpp modes cannot run on this target (None: they can)."""
+    from specchat.backend.bench.llamacpp import unavailable
+    from specchat.backend.models.loading import gguf_path
+
+    return unavailable(gguf_path(spec))
 
 
 def _check_args(args) -> tuple[int, int, float]:
@@ -67,6 +76,7 @@ def _check_args(args) -> tuple[int, int, float]:
 def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None,
             out: Console | None = None) -> int:
     """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
+    from specchat.backend.bench.bounds import bandwidth_bounds, describe
     from specchat.backend.bench.report import aggregate_with_overall, print_report, write_chart, write_json
     from specchat.backend.bench.runner import BenchRunner, environment, parse_modes, release_memory
     from specchat.backend.bench.stats import mark_equality
@@ -90,7 +100,11 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
     for index in range(num_pairs):
         engine, runner = load(index), None
         try:
-            modes = parse_modes(args.modes, has_draft=engine.draft is not None, pair_name=engine.pair.name)
+            missing = _llamacpp_missing(engine.target.spec)
+            modes = parse_modes(args.modes, has_draft=engine.draft is not None, pair_name=engine.pair.name,
+                                llamacpp_missing=missing)
+            if missing is not None and not args.modes:
+                err.print(f"[yellow]llama.cpp modes left out: {escape(missing)}[/yellow]", highlight=False)
             runner = BenchRunner(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
             fitting = [p for p in prompts if runner.fits(p)]
             skipped = [p.id for p in prompts if p not in fitting]
@@ -99,6 +113,8 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                           f"({engine.context_length} tokens): {', '.join(skipped)}[/yellow]")
             if not fitting:
                 continue
+            bounds = bandwidth_bounds(engine, runner.llamacpp.gguf if runner.llamacpp is not None else None)
+            err.print(describe(bounds), highlight=False)
             lengths = sorted(fitting, key=lambda p: len(runner.prompt_ids(p)))
             err.print(f"Warming up {len(modes)} modes on {engine.pair.name} ...")
             warm = runner.warm_up(lengths[len(lengths) // 2])
@@ -130,6 +146,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             runs.append({"pair": engine.pair.name, "modes": [m.name for m in modes], "prompts": len(fitting),
                          "skipped_prompts": skipped, "warmup": [w.to_dict() for w in warm],
                          "estimate_s": estimate, "elapsed_s": time.perf_counter() - run_start,
+                         "bandwidth_bound": bounds,
                          "interrupted": interrupted})
         finally:
             engine.close()

@@ -54,7 +54,9 @@ def build_tables(aggs: list[Aggregate], *, greedy: bool) -> list[Table]:
         note = f"{used}/{total} prompts" + ("" if used == total else " (the others not comparable: lengths differ)")
         table = Table(title=escape(f"{pair} · {family} · {note}"), title_justify="left")
         table.add_column("mode", no_wrap=True)
-        for header, justify in (("tokens", "right"), ("tok/s", "right"),
+        llamacpp = any(a.x_llamacpp_plain is not None for a in lines)
+        for header, justify in (("tokens", "right"), ("tok/s", "right"), ("ttft s", "right"),
+                                *((("×llama.cpp", "right"),) if llamacpp else ()),
                                 ("×hf-plain", "right"), ("×matching hf", "right"), ("accept", "right"),
                                 ("τ", "right"), ("exp ×plain", "right"), ("meas ×plain", "right"),
                                 ("tokens = plain/hf" if greedy else "tokens", "left")):
@@ -68,7 +70,8 @@ def build_tables(aggs: list[Aggregate], *, greedy: bool) -> list[Table]:
                 check = f"[red]{a.mismatches}/{a.prompts_total} differ[/red]"
             else:
                 check = "ok"
-            table.add_row(escape(a.mode), str(a.tokens), _num(a.tok_s, ".1f"), _ratio(a.x_hf_plain), matching,
+            table.add_row(escape(a.mode), str(a.tokens), _num(a.tok_s, ".1f"), _num(a.ttft_s, ".2f"),
+                          *((_ratio(a.x_llamacpp_plain),) if llamacpp else ()), _ratio(a.x_hf_plain), matching,
                           _num(None if a.acceptance_rate is None else 100 * a.acceptance_rate, ".0f", "%"),
                           _num(a.mean_accepted_length, ".2f"), _num(a.x_plain_expected, ".2f", "×"),
                           _num(a.x_plain_measured, ".2f", "×"), check)
@@ -99,7 +102,9 @@ def print_report(console: Console, aggs: list[Aggregate], rows: list[Row], *, gr
     for table in build_tables(aggs, greedy=greedy):
         console.print(table)
     console.print(
-        "tok/s: total tokens / total seconds, prefill included, per family. ×matching hf: plain↔hf-plain, "
+        "tok/s: total tokens / total seconds, prefill included, per family; ttft s: mean time to the first "
+        "token; ×llama.cpp: tok/s over llama.cpp plain on the same GGUF (its modes are checked against its own "
+        "plain decoding). ×matching hf: plain↔hf-plain, "
         "prompt-lookup↔hf-prompt-lookup, draft-model↔hf-assisted, auto↔the fastest transformers mode. "
         "exp ×plain: the engine II formula from measured per-position acceptance and target pass times T(n); "
         "meas ×plain: measured decode tok/s (prefill excluded) over specchat plain.")

@@ -5,7 +5,9 @@ Modes (names used in tables, JSON and ``--modes``):
 - specchat: ``plain`` (no drafter), ``prompt-lookup``, ``draft-model`` (pairs with a draft), ``auto`` (the
   engine picks drafter and γ); a drafter mode may fix γ with a suffix: ``prompt-lookup:4``;
 - transformers ``generate()``: ``hf-plain``, ``hf-prompt-lookup`` (``prompt_lookup_num_tokens=10``),
-  ``hf-assisted`` (``assistant_model=`` the pair's draft).
+  ``hf-assisted`` (``assistant_model=`` the pair's draft);
+- llama.cpp on the pair's GGUF (``llamacpp.py``, the optional extra ``bench``): ``llamacpp-plain``,
+  ``llamacpp-prompt-lookup``; in the default modes when llama-cpp-python is installed and the target is a GGUF.
 
 Protocol: one warm-up generation per mode (which also measures each mode's speed, for the time estimate),
 then for each prompt every mode in an order rotated by one per prompt, so drift in machine speed spreads
@@ -36,26 +38,30 @@ from specchat.backend.spec.stats import StepCounts
 
 SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "draft-model", "auto")
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
+LLAMACPP_MODES = ("llamacpp-plain", "llamacpp-prompt-lookup")
 WARMUP_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
 class Mode:
     name: str
-    runner: str  # "specchat" | "hf"
+    runner: str  # "specchat" | "hf" | "llamacpp"
     drafter: str  # specchat: none | prompt-lookup | draft-model | auto; hf: plain | prompt-lookup | assisted
     gamma: int | str | None = None  # specchat only; None: the pair's γ
 
 
-def default_modes(has_draft: bool) -> list[str]:
+def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
     names = ["plain", "prompt-lookup"] + (["draft-model"] if has_draft else []) + ["auto"]
-    return names + ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
+    names += ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
+    return names + (list(LLAMACPP_MODES) if llamacpp else [])
 
 
-def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str) -> list[Mode]:
-    """Modes from ``--modes`` names (None: every mode the pair allows). RequestError names a bad one."""
+def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
+                llamacpp_missing: str | None = "not checked") -> list[Mode]:
+    """Modes from ``--modes`` names (None: every mode the pair allows, llama.cpp's when ``llamacpp_missing``
+    is None). RequestError names a bad one, and why a llama.cpp mode cannot run."""
     modes: list[Mode] = []
-    for name in names or default_modes(has_draft):
+    for name in names or default_modes(has_draft, llamacpp_missing is None):
         base, _, gamma_text = name.partition(":")
         gamma: int | str | None = None
         if gamma_text:
@@ -70,8 +76,12 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str) -> 
                         "auto" if base == "auto" and gamma is None else gamma)
         elif base in HF_MODES and not gamma_text:
             mode = Mode(name, "hf", base.removeprefix("hf-"))
+        elif base in LLAMACPP_MODES and not gamma_text:
+            if llamacpp_missing is not None and llamacpp_missing != "not checked":
+                raise RequestError(f"mode {name!r}: {llamacpp_missing}")
+            mode = Mode(name, "llamacpp", base.removeprefix("llamacpp-"))
         else:
-            known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES)
+            known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES + LLAMACPP_MODES)
             raise RequestError(f"unknown bench mode {name!r}; use {known} (a drafter mode may add :GAMMA)")
         if base in ("draft-model", "hf-assisted") and not has_draft:
             raise RequestError(f"mode {name!r} needs a draft model, and pair {pair_name!r} has none; leave it "
@@ -145,6 +155,7 @@ class BenchRunner:
         self.hf_target = sdpa_twin(engine.target.model) if needs_hf else None
         needs_assistant = any(m.runner == "hf" and m.drafter == "assisted" for m in modes)
         self.hf_draft = sdpa_twin(engine.draft.model) if needs_assistant else None
+        self.llamacpp = _llamacpp(engine, modes)
         self._ids: dict[str, list[int]] = {}
 
     def prompt_ids(self, prompt: BenchPrompt) -> list[int]:
@@ -191,10 +202,18 @@ class BenchRunner:
         reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
         return tokens, result.wall_s, result.ttft_s, reason, None, None
 
+    def _llamacpp(self, mode: Mode, ids: list[int], max_new: int, seed: int):
+        assert self.llamacpp is not None  # noqa: S101 - built for every llamacpp mode in __init__
+        result = self.llamacpp.generate(mode.drafter, ids, max_new_tokens=max_new, temperature=self.temperature,
+                                        seed=seed, eos_ids=self.eos_ids)
+        tokens = result.token_ids
+        reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
+        return tokens, result.wall_s, result.ttft_s, reason, None, None
+
     def run_one(self, mode: Mode, prompt: BenchPrompt, *, order: int, seed: int,
                 max_new_tokens: int | None = None) -> Row:
         ids = self.prompt_ids(prompt)
-        run = self._specchat if mode.runner == "specchat" else self._hf
+        run = {"specchat": self._specchat, "hf": self._hf, "llamacpp": self._llamacpp}[mode.runner]
         tokens, wall, ttft, reason, tally, stats = run(mode, ids, max_new_tokens or self.max_new_tokens, seed)
         return Row(pair=self.pair_name, family=prompt.family, category=prompt.category, prompt_id=prompt.id,
                    mode=mode.name, order=order, prompt_tokens=len(ids), token_ids=tokens, wall_s=wall,
@@ -237,3 +256,21 @@ class BenchRunner:
                     on_row(row)
         mark_equality(rows, greedy=self.temperature <= 0)
         return rows
+
+
+def _llamacpp(engine, modes: list[Mode]):
+    """llama.cpp on the target's GGUF, when a llama.cpp mode is asked for (parse_modes checked it can run)."""
+    drafters = tuple(m.drafter for m in modes if m.runner == "llamacpp")
+    if not drafters:
+        return None
+    import torch
+
+    from specchat.backend.bench.llamacpp import LlamaCpp, unavailable
+    from specchat.backend.models.loading import gguf_path
+
+    gguf = gguf_path(engine.target.spec)
+    reason = unavailable(gguf)
+    if reason is not None or gguf is None:
+        raise RequestError(f"llama.cpp modes cannot run: {reason}")
+    return LlamaCpp(gguf, drafters=drafters, context_length=engine.context_length,
+                    threads=torch.get_num_threads())

@@ -240,11 +240,12 @@ def test_hf_modes_produce_tokens_and_greedy_lookup_equals_plain():
 # -- end to end -------------------------------------------------------------------------------------------------
 
 
-def test_tiny_bench_end_to_end(tmp_path):
+def test_tiny_bench_end_to_end(tmp_path, monkeypatch):
     import engine_fixtures
 
     from specchat.app.cli import bench as cmd_bench
 
+    monkeypatch.setattr(cmd_bench, "_llamacpp_missing", lambda spec: "not installed")  # tested on its own below
     engines = [
         engine_fixtures.tiny_engine("llama", drafter="prompt-lookup", context_length=2048),
         engine_fixtures.tiny_engine("llama", drafter="draft-model", draft_family="llama", draft_seed=1,
@@ -329,3 +330,100 @@ def test_bench_on_the_embedded_default(tmp_path):
     assert all(r["new_tokens"] == 12 and r["tok_s"] > 0 for r in rows)
     assert not [r["mode"] for r in rows if r["mismatch"]]
     assert (tmp_path / "speedup.png").exists() and "smollm2-135m · code-edit" in (tmp_path / "bench.txt").read_text()
+
+
+# -- llama.cpp modes ----------------------------------------------------------------------------------------
+
+
+class _FakeLlama:
+    """Stands in for llama_cpp.Llama: emits 50, 51, ... until stopped; records its settings."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.resets = 0
+        _FakeLlama.made.append(kwargs)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def set_seed(self, seed: int) -> None:
+        self.seed = seed
+
+    def generate(self, tokens, **kwargs):
+        assert self.resets > 0 and kwargs["top_k"] == 1 and kwargs["temp"] == 0.0
+        yield from range(50, 10**6)
+
+
+@pytest.fixture
+def fake_llama_cpp(monkeypatch):
+    import sys
+    import types
+
+    from specchat.backend.bench import llamacpp
+
+    module = types.ModuleType("llama_cpp")
+    module.Llama = _FakeLlama
+    module.llama_speculative = types.SimpleNamespace(LlamaPromptLookupDecoding=lambda num_pred_tokens: ("pld",
+                                                                                                        num_pred_tokens))
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setattr(llamacpp, "unavailable", lambda gguf: None)
+    _FakeLlama.made = []
+    return module
+
+
+def test_llamacpp_modes_run_interleaved_on_the_pairs_gguf(tmp_path, fake_llama_cpp, monkeypatch):
+    import engine_fixtures
+
+    from specchat.app.cli import bench as cmd_bench
+    from specchat.backend.models.loading import packaged_gguf_path
+
+    monkeypatch.setattr(cmd_bench, "_llamacpp_missing", lambda spec: None)
+    engine = engine_fixtures.tiny_engine("llama", context_length=2048)
+    args = argparse.Namespace(pair=None, suite="edit", limit=1, max_new_tokens=5,
+                              modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"], out=str(tmp_path),
+                              temperature=0.0, seed=0, models=None, device=None, synthetic=None)
+    out = Console(file=io.StringIO(), width=220, record=True)
+    err = Console(file=io.StringIO(), width=220)
+    assert cmd_bench.execute(args, 1, lambda i: engine, err=err, out=out) == 0
+    assert [m["model_path"] for m in _FakeLlama.made] == [str(packaged_gguf_path())] * 2
+    assert [m["draft_model"] for m in _FakeLlama.made] == [None, ("pld", 10)]
+    assert all(m["n_threads"] == torch.get_num_threads() for m in _FakeLlama.made)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert rows["llamacpp-plain"]["new_tokens"] == 5 and rows["llamacpp-plain"]["ttft_s"] is not None
+    assert rows["llamacpp-prompt-lookup"]["vs_plain"] == "same"  # checked against llama.cpp's own plain
+    assert rows["plain"]["comparable"]  # llama.cpp's lengths do not decide specchat's comparability
+    bound = data["runs"][0]["bandwidth_bound"]
+    assert bound["read_bandwidth_GBps"] > 0 and bound["llamacpp"]["bytes_per_token"] > 0
+    assert "bandwidth bound" in err.file.getvalue()
+    assert "×llama.cpp" in (tmp_path / "bench.txt").read_text()
+    aggs = {a["mode"]: a for a in data["aggregates"] if a["family"] == "code-edit"}
+    assert aggs["llamacpp-plain"]["x_llamacpp_plain"] == pytest.approx(1.0)
+
+
+def test_llamacpp_modes_say_how_to_install_when_missing(monkeypatch):
+    from specchat.backend.bench import llamacpp
+
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec", lambda name: None)
+    reason = llamacpp.unavailable(None)
+    assert "pip install 'specchat[bench]'" in reason
+    with pytest.raises(RequestError, match="specchat\\[bench\\]"):
+        parse_modes(["llamacpp-plain"], has_draft=False, pair_name="p", llamacpp_missing=reason)
+    assert "llamacpp-plain" not in [m.name for m in parse_modes(None, has_draft=False, pair_name="p",
+                                                                llamacpp_missing=reason)]
+
+
+@pytest.mark.slow
+def test_llamacpp_on_the_embedded_gguf(tmp_path):
+    """The real llama.cpp on the embedded default's GGUF: greedy prompt lookup equals its plain decoding."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional extra: specchat[bench])")
+    from specchat.app.cli import bench as cmd_bench
+
+    args = argparse.Namespace(pair=None, suite="edit", limit=1, max_new_tokens=16,
+                              modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"], out=str(tmp_path),
+                              temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
+    assert cmd_bench.run(args) == 0
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    assert rows["llamacpp-plain"]["new_tokens"] == 16 and rows["llamacpp-prompt-lookup"]["vs_plain"] == "same"
