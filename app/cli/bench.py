@@ -5,9 +5,10 @@ limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic)
 run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per family on
 stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0.
 
-Defaults are sized for the embedded default on a 2-core CPU (~13-20 tok/s plain, ~15 tok/s in transformers):
-suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × 5 modes × ``DEFAULT_MAX_NEW_TOKENS`` 128 tokens =
-8,960 tokens, ~9-11 min of decoding plus the long-prompt prefills (summaries, RAG) and the warm-up.
+Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``DEFAULT_MAX_NEW_TOKENS``
+128 tokens, each run ``DEFAULT_REPEATS`` 2 times so the tables show how much a figure moves between runs
+(the spread column) instead of one number that noise alone can halve. The estimate printed after the warm-up
+covers the whole run (repeats included); the final line says how long it took against it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 DEFAULT_LIMIT = 2
 DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_REPEATS = 2
 
 
 def run(args) -> int:
@@ -61,6 +63,11 @@ def _llamacpp_missing(spec) -> str | None:
     return unavailable(gguf_path(spec))
 
 
+def _repeats(args) -> int:
+    value = getattr(args, "repeats", None)
+    return int(value) if value is not None else DEFAULT_REPEATS
+
+
 def _check_args(args) -> tuple[int, int, float]:
     from specchat.backend.api import MAX_TEMPERATURE
     from specchat.backend.errors import RequestError
@@ -95,6 +102,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             "greedy": temperature <= 0, "seed": args.seed, "modes": args.modes, "device": args.device,
             **environment()}
     rows, runs = [], []
+    estimated_s = 0.0
     started = time.perf_counter()
     interrupted = False
     for index in range(num_pairs):
@@ -118,17 +126,19 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             lengths = sorted(fitting, key=lambda p: len(runner.prompt_ids(p)))
             err.print(f"Warming up {len(modes)} modes on {engine.pair.name} ...")
             warm = runner.warm_up(lengths[len(lengths) // 2])
-            estimate = runner.estimate_s(fitting, warm)
+            estimate = {mode: seconds * _repeats(args) for mode, seconds in runner.estimate_s(fitting, warm).items()}
+            estimated_s += sum(estimate.values())
             speeds = ", ".join(f"{w.mode} {w.decode_tok_s:.1f}" for w in warm)
             err.print(f"Estimated time for {engine.pair.name}: ~{sum(estimate.values()) / 60:.1f} min "
-                      f"({len(fitting)} prompts × {len(modes)} modes, up to {max_new} new tokens each; "
+                      f"({len(fitting)} prompts × {len(modes)} modes × {_repeats(args)} runs, up to {max_new} new "
+                      "tokens each; "
                       f"warm-up decode tok/s: {speeds})", highlight=False)
             run_start = time.perf_counter()
             pair_rows: list = []
             progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
             with progress:
-                task = progress.add_task(engine.pair.name, total=len(fitting) * len(modes))
+                task = progress.add_task(engine.pair.name, total=len(fitting) * len(modes) * _repeats(args))
 
                 def start(prompt, mode, _progress=progress, _task=task):
                     _progress.update(_task, description=escape(f"{prompt.family} {prompt.id} · {mode.name}"))
@@ -138,7 +148,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                     _progress.advance(_task)
 
                 try:
-                    runner.run(fitting, on_start=start, on_row=done)
+                    runner.run(fitting, on_start=start, on_row=done, repeats=_repeats(args))
                 except KeyboardInterrupt:
                     interrupted = True
                     mark_equality(pair_rows, greedy=temperature <= 0)
@@ -156,6 +166,8 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
         if interrupted:
             break
     meta["elapsed_s"] = time.perf_counter() - started
+    meta["estimated_s"] = estimated_s
+    meta["repeats"] = _repeats(args)
     meta["interrupted"] = interrupted
     aggs = aggregate_with_overall(rows)
     greedy = temperature <= 0
@@ -167,7 +179,8 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
     if aggs:
         write_chart(out_dir / "speedup.png", aggs)
     err.print(f"Wrote {out_dir / 'bench.json'}, {out_dir / 'bench.txt'}"
-              + (f", {out_dir / 'speedup.png'}" if aggs else "") + f" in {meta['elapsed_s'] / 60:.1f} min")
+              + (f", {out_dir / 'speedup.png'}" if aggs else "") + f"; took {meta['elapsed_s'] / 60:.1f} min "
+              f"(estimated {estimated_s / 60:.1f} min after the warm-up, which it does not count)")
     if interrupted:
         raise KeyboardInterrupt
     return 0

@@ -241,19 +241,23 @@ class BenchRunner:
                 for w in warm}
 
     def run(self, prompts: list[BenchPrompt], *, on_start: Callable[[BenchPrompt, Mode], None] | None = None,
-            on_row: Callable[[Row], None] | None = None) -> list[Row]:
-        """Every mode on every prompt, mode order rotated per prompt; rows get equality marks."""
+            on_row: Callable[[Row], None] | None = None, repeats: int = 1) -> list[Row]:
+        """Every mode on every prompt, ``repeats`` times (the same seed each time), mode order rotated per
+        prompt and repeat; rows get equality marks."""
         rows: list[Row] = []
         count = len(self.modes)
-        for index, prompt in enumerate(prompts):
-            order = self.modes[index % count:] + self.modes[:index % count]
-            for position, mode in enumerate(order):
-                if on_start is not None:
-                    on_start(prompt, mode)
-                row = self.run_one(mode, prompt, order=position, seed=self.seed + index)
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
+        for repeat in range(repeats):
+            for index, prompt in enumerate(prompts):
+                shift = (index + repeat * len(prompts)) % count
+                order = self.modes[shift:] + self.modes[:shift]
+                for position, mode in enumerate(order):
+                    if on_start is not None:
+                        on_start(prompt, mode)
+                    row = self.run_one(mode, prompt, order=position, seed=self.seed + index)
+                    row.repeat = repeat
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
         mark_equality(rows, greedy=self.temperature <= 0)
         return rows
 

@@ -45,6 +45,7 @@ class Row:
     vs_plain: str | None = None  # token equality with specchat plain (greedy): "same", "differs at 12", ...
     vs_hf_plain: str | None = None  # the same against transformers plain
     comparable: bool = True  # every mode produced as many tokens on this prompt
+    repeat: int = 0  # which of the run's repeats (bench --repeats) this row belongs to
 
     @property
     def new_tokens(self) -> int:
@@ -123,6 +124,8 @@ class Aggregate:
     decode_tok_s: float | None  # prefill excluded: Σ(tokens - 1) / Σ(wall - ttft)
     mismatches: int  # rows whose tokens differ from plain or hf-plain (llama.cpp's: from llamacpp-plain; greedy)
     ttft_s: float | None = None  # mean time to the first token
+    tok_s_min: float | None = None  # the lowest and highest tok/s of one repeat's rows (None with one repeat)
+    tok_s_max: float | None = None
     x_llamacpp_plain: float | None = None  # tok/s over llama.cpp plain decoding's, same prompts
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
@@ -132,6 +135,17 @@ class Aggregate:
     x_match: float | None = None
     x_plain_measured: float | None = None  # decode tok/s over specchat plain's
     x_plain_expected: float | None = None  # the formula with measured acceptance and pass times
+
+
+def _spread(rows: list[Row]) -> tuple[float | None, float | None]:
+    """(min, max) over repeats of each repeat's tok/s (its tokens / its seconds); None with one repeat."""
+    repeats: dict[int, list[Row]] = {}
+    for row in rows:
+        repeats.setdefault(row.repeat, []).append(row)
+    if len(repeats) < 2:
+        return None, None
+    rates = [sum(r.new_tokens for r in rs) / max(sum(r.wall_s for r in rs), 1e-9) for rs in repeats.values()]
+    return min(rates), max(rates)
 
 
 def _matching_mode(mode: str) -> str | None:
@@ -164,6 +178,7 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
                                           if decode_wall > 0 else None),
                             mismatches=sum(r.mismatch for r in mode_rows),
                             ttft_s=(sum(r.ttft_s for r in timed) / len(timed)) if timed else None)
+            agg.tok_s_min, agg.tok_s_max = _spread(chosen)
             if any(r.tally is not None for r in chosen):
                 tally = StepCounts()
                 for r in chosen:

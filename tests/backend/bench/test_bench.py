@@ -191,6 +191,45 @@ def test_report_table_json_and_png(tmp_path):
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _chart(tmp_path, aggs, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    write_chart(tmp_path / "speedup.png", aggs)
+    ax = figures[0].axes[0]
+    return [t.get_text() for t in ax.get_legend().get_texts()], [t.get_text() for t in ax.texts], ax.get_title()
+
+
+def test_chart_shows_absolute_speeds_and_a_hatching_entry_only_when_drawn(tmp_path, monkeypatch):
+    """Fails on the old chart: ratios only, and a hatching caption with no hatched bar."""
+    same = [_row(m, "a", [1, 2, 3], w) for m, w in (("plain", 1.0), ("prompt-lookup", 0.5), ("hf-plain", 2.0))]
+    mark_equality(same, greedy=True)
+    legend, labels, title = _chart(tmp_path, aggregate(same), monkeypatch)
+    assert not any("differ" in t or "hatch" in t for t in legend + [title])
+    assert "2.00×\n3.0" in labels and "6.0" in labels[1]  # plain: 3 tok/s, 2× hf-plain's 1.5; lookup 6 tok/s
+    assert "transformers plain qa 1.5 tok/s" in title  # the baseline's own tok/s
+    differ = [_row("plain", "a", [1, 2, 3], 1.0), _row("prompt-lookup", "a", [1, 9, 3], 0.5),
+              _row("hf-plain", "a", [1, 2, 3], 2.0)]
+    mark_equality(differ, greedy=True)
+    legend, _, _ = _chart(tmp_path, aggregate(differ), monkeypatch)
+    assert "tokens differ from plain" in legend
+
+
+def test_bench_help_shows_the_defaults():
+    from specchat.app.cli import bench as cmd_bench
+    from specchat.app.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["bench"].format_help().split())
+    for option, default in (("--limit", cmd_bench.DEFAULT_LIMIT),
+                            ("--max-new-tokens", cmd_bench.DEFAULT_MAX_NEW_TOKENS),
+                            ("--repeats", cmd_bench.DEFAULT_REPEATS), ("--suite", "all"), ("--out", "bench_out"),
+                            ("--temperature", 0), ("--seed", 0)):
+        assert re.search(re.escape(option) + r" .*?\(default: " + re.escape(str(default)) + r"\)", text), option
+
+
 # -- modes ------------------------------------------------------------------------------------------------------
 
 
@@ -261,9 +300,11 @@ def test_tiny_bench_end_to_end(tmp_path, monkeypatch):
     rows = data["rows"]
     expected_modes = {"tiny-prompt-lookup": set(default_modes(False)), "tiny-draft-model": set(default_modes(True))}
     for pair, modes in expected_modes.items():
-        pair_rows = [r for r in rows if r["pair"] == pair]
+        every = [r for r in rows if r["pair"] == pair]
+        assert len(every) == 2 * 2 * len(modes)  # the default 2 repeats × every prompt × every mode
+        pair_rows = [r for r in every if r["repeat"] == 0]
         assert {r["mode"] for r in pair_rows} == modes
-        assert len(pair_rows) == 2 * len(modes)  # every prompt × every mode
+        assert len(pair_rows) == 2 * len(modes)
         for prompt in ("edit-rename-1", "edit-type-hints-1"):  # interleaved: each prompt's modes in a row
             orders = [r["order"] for r in pair_rows if r["prompt_id"] == prompt]
             assert sorted(orders) == list(range(len(modes)))
@@ -275,7 +316,13 @@ def test_tiny_bench_end_to_end(tmp_path, monkeypatch):
     # Greedy decoding is lossless: every mode gave plain's tokens, and plain gave transformers' tokens.
     assert not [(r["pair"], r["prompt_id"], r["mode"]) for r in rows if r["mismatch"]]
     assert "Estimated time" in err.file.getvalue()
+    assert re.search(r"took \d+\.\d min \(estimated \d+\.\d min", err.file.getvalue())
+    assert data["meta"]["repeats"] == 2 and data["meta"]["estimated_s"] > 0
+    spreads = [a for a in data["aggregates"] if a["tok_s_min"] is not None]
+    assert spreads and all(a["tok_s_min"] <= a["tok_s"] * 1.0001 and a["tok_s"] <= a["tok_s_max"] * 1.0001
+                           for a in spreads)
     text = (tmp_path / "bench.txt").read_text()
+    assert "spread" in text and "ttft s" in text
     assert "tiny-draft-model · code-edit" in text and "hf-assisted" in text
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 
