@@ -102,3 +102,25 @@ def test_q8_embedding_is_exact():
     expected = (codes.view(50, 2, 32).float() * scales[..., None]).view(50, 64)
     assert torch.equal(emb(ids)[0], expected[ids[0]])
     assert torch.equal(emb.dequantized(), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_int4_and_int8_on_cuda_match_their_dequantised_weight(group_size):
+    """The tinygemm int4 kernel (as gpt-fast uses it) and the int8 kernel on CUDA (packaging/device_check.sh)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(group_size)
+    weight = torch.randn(256, 512, generator=g)
+    codes, scale, zero = quantize_int4(weight, group_size)
+    layer = Int4Linear.from_codes(codes, scale, zero, group_size=group_size, device="cuda")
+    dq = ((codes.view(256, -1, group_size).float() - 8) * scale.bfloat16().float()[..., None]
+          + zero.bfloat16().float()[..., None]).view(256, 512)
+    for rows in (1, 5, 33):
+        x = torch.randn(rows, 512, generator=g)
+        ref = _reference(x, dq)
+        torch.testing.assert_close(layer(x.cuda()).cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    int8 = Int8Linear.from_weight(weight, device="cuda")
+    x = torch.randn(3, 512, generator=g)
+    ref = _reference(x, int8.dequantized().cpu())
+    torch.testing.assert_close(int8(x.cuda()).cpu(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
