@@ -135,7 +135,19 @@ def from_gguf(gguf: GgufFile, config: Any, quantization: str, device: torch.devi
         notes = _fill(model, build, config, progress)
     finally:
         torch.set_num_threads(threads)
+    _return_freed_memory()
     return model, notes
+
+
+def _return_freed_memory() -> None:
+    """Give the loader's transient buffers (unpacked codes, the float head it re-quantises) back to the OS:
+    glibc keeps freed heap pages resident otherwise (~30 MB for the embedded default)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _fill(model: nn.Module, build: _Builder, config: Any, progress: Progress | None) -> list[str]:
