@@ -108,3 +108,43 @@ def test_an_unsupported_architecture_is_refused(tmp_path):
     config.model_type = "gemma2"
     with pytest.raises(ModelLoadError, match="quantization: none"):
         from_gguf(read_gguf(path), config, "int4-torch", CPU)
+
+
+@pytest.mark.slow
+def test_the_embedded_files_q4_1_blocks_are_kept_exactly(capsys):
+    """Every Q4_1 tensor of the embedded GGUF: (q - 8)·d + (m + 8·d) equals the file's d·q + m bit for bit with
+    float32 scale and zero; with the bfloat16 ones the kernels take, each weight stays within 2^-8 of its
+    block's |(q - 8)·d| + |m + 8·d| (the error is printed, for README "Speed on CPU"). The tied Q8_0
+    embedding re-quantised to an int8 head per row: within half a row step plus the scale's rounding."""
+    from specchat.backend.models.loading import packaged_gguf_path
+
+    g = read_gguf(packaged_gguf_path())
+    worst = total = count = 0.0
+    moved = weights = 0
+    q41 = [t for t in g.tensors.values() if t.ggml_type == gguf_file.Q4_1]
+    assert len(q41) >= 7 * 30
+    for tensor in q41:
+        codes, d, m = gguf_file.q4_blocks(tensor)
+        want = torch.from_numpy(gguf.quants.dequantize(tensor.raw, gguf.GGMLQuantizationType.Q4_1)).reshape(
+            tensor.shape).view(codes.shape[0], -1, 32)
+        q = codes.view(codes.shape[0], -1, 32).float() - 8
+        zero = m + 8 * d
+        assert torch.equal(q * d[..., None] + zero[..., None], want), tensor.name
+        fast = q * d.bfloat16().float()[..., None] + zero.bfloat16().float()[..., None]
+        error = (fast - want).abs()
+        assert (error <= ((q.abs() * d[..., None]) + zero.abs()[..., None]) * 2**-8).all(), tensor.name
+        relative = error / d.abs().clamp_min(1e-12)[..., None]
+        worst, total, count = max(worst, relative.max().item()), total + relative.sum().item(), count + error.numel()
+        moved += int((error > 0).sum())
+        weights += error.numel()
+    head = g.tensors["token_embd.weight"]
+    codes8, d8 = gguf_file.q8_0_blocks(head)
+    embedding = (codes8.view(codes8.shape[0], -1, 32).float() * d8[..., None]).view(codes8.shape)
+    layer = Int8Linear.from_weight(embedding)
+    head_error = (layer.dequantized() - embedding).abs()
+    row_max = embedding.abs().amax(-1, keepdim=True)
+    assert (head_error <= row_max / 254 + row_max * 2**-8).all()
+    with capsys.disabled():
+        print(f"\nQ4_1 with bfloat16 scales: {moved / weights:.1%} of {weights} weights move, by at most "
+              f"{worst:.2%} of their block's d, mean {total / count:.2%}; int8 head from Q8_0: mean |error| "
+              f"{head_error.mean():.2e}, max {head_error.max():.2e} (mean |w| {embedding.abs().mean():.2e})")
