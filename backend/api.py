@@ -7,7 +7,8 @@ Textual. Settings validate themselves when they are built, so a value that passe
 Vocabulary: the *target* keeps its distribution; a *drafter* proposes γ tokens; a *step* is one target forward
 pass after prefill. Each emitted token has a :class:`TokenSource`:
 
-- ``TARGET``: a plain target token (no draft was verified in that step);
+- ``TARGET``: a plain target token (no draft was verified in that step), or a token of a remote server that
+  does not say how each token was produced (``specchat.backend.remote``);
 - ``ACCEPTED``: a draft token the target accepted;
 - ``RECOVERED``: the target's own token at the first rejected draft position;
 - ``BONUS``: the extra target token when every draft was accepted.
@@ -127,7 +128,8 @@ class GenerationRequest:
     Give either ``messages`` (rendered with the tokenizer's chat template, ``add_generation_prompt=True``) or
     ``prompt_ids`` (used as they are). ``conversation`` names a cache slot: requests with the same key reuse
     the longest common token prefix already in the paged cache (multi-turn chat); ``None`` uses a scratch
-    sequence freed at the end.
+    sequence freed at the end. ``prefill_progress`` asks for progress events while the prompt is read (see
+    :class:`StepEvent`); a consumer that does not ask never sees one, and an engine may not send any.
     """
 
     messages: list[dict[str, str]] | None = None
@@ -136,6 +138,7 @@ class GenerationRequest:
     drafter: DrafterName | None = None  # None: the pair's drafter
     gamma: Gamma | None = None  # None: the pair's gamma
     conversation: str | None = None
+    prefill_progress: bool = False  # yield prefill progress events (StepEvent.prefill_done)
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
@@ -178,34 +181,37 @@ class RequestStats:
     - ``expected_speedup``: S(γ) from the policy's estimates, else from this request's own counts;
     - ``last_gamma``, ``last_policy``: the latest step's drafted length and state (the live view);
     - ``drafter``: the drafter that ran most speculating steps ("none" without any).
+
+    The fields typed ``... | None`` besides the rates are None when the engine cannot know them: a remote
+    server (``specchat.backend.remote``) that does not report a figure leaves it None (JSON null), never a guess.
     """
 
     new_tokens: int = 0
     wall_s: float = 0.0
-    prefill_s: float = 0.0
+    prefill_s: float | None = 0.0
     ttft_s: float | None = None
-    prefill_tokens: int = 0
+    prefill_tokens: int | None = 0
     tok_s: float | None = None
-    steps: int = 0
-    spec_paused_steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
+    steps: int | None = 0
+    spec_paused_steps: int | None = 0
+    drafted: int | None = 0
+    accepted: int | None = 0
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     per_position_acceptance: tuple[float | None, ...] = ()
     gamma: GammaSummary = field(default_factory=GammaSummary)
     prompt_tokens: int = 0
     drafter: str = "none"
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    overhead_s: float = 0.0
+    draft_s: float | None = 0.0
+    verify_s: float | None = 0.0
+    overhead_s: float | None = 0.0
     tokens_per_step: float | None = None
     alpha_hat: float | None = None
     expected_speedup: float | None = None
     accepted_length_histogram: tuple[int, ...] = ()
     spec_tok_s: float | None = None
     plain_tok_s: float | None = None
-    last_gamma: int = 0
+    last_gamma: int | None = 0
     last_policy: PolicyState | None = None
     policy: Mapping[str, Any] | None = None  # the γ policy's estimates (a single drafter), for diagnostics
 
@@ -269,7 +275,8 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
 
 
 _OPTIONAL_NUMBERS = {"ttft_s", "tok_s", "acceptance_rate", "mean_accepted_length", "tokens_per_step", "alpha_hat",
-                     "expected_speedup", "spec_tok_s", "plain_tok_s"}
+                     "expected_speedup", "spec_tok_s", "plain_tok_s", "prefill_s", "prefill_tokens", "steps",
+                     "spec_paused_steps", "drafted", "accepted", "draft_s", "verify_s", "overhead_s", "last_gamma"}
 
 
 @dataclass(slots=True)
@@ -280,6 +287,10 @@ class StepEvent:
     tokens completed (never a split UTF-8 character; may be "" when a token is held back for a stop string or
     an incomplete character). Times are seconds of this step. ``stats`` is the request's statistics after this
     step; the last event of a request has ``finish_reason`` set and ``stats`` holds the totals.
+
+    A *prefill progress event* (only for a request with ``prefill_progress``) comes before each prefill pass:
+    ``prefill_done`` prompt tokens read so far of ``prefill_tokens``, no tokens, ``stats`` None. It is not a
+    step: it changes no statistics.
     """
 
     token_ids: list[int]
@@ -298,6 +309,7 @@ class StepEvent:
     finish_reason: FinishReason | None = None
     message: str | None = None  # a user-facing notice (context full, drafter failed and was switched off, ...)
     stats: RequestStats | None = None
+    prefill_done: int | None = None  # a prefill progress event: prompt tokens read so far (None otherwise)
 
 
 class EngineAPI(Protocol):

@@ -33,3 +33,8 @@ class KVCacheFullError(SpecchatError):
 
 class RequestError(SpecchatError):
     """A generation request is invalid: bad sampling settings, empty prompt, unknown drafter, ..."""
+
+
+class RemoteError(SpecchatError):
+    """A remote pair's server could not be reached, refused a request (API key, model, busy) or broke off a reply:
+    names the server and what to do."""

@@ -10,7 +10,8 @@
 
 Defaults come from platformdirs with the app name "specchat". The functions only compute paths; they never
 create folders (callers ``mkdir(parents=True, exist_ok=True)`` when they write). Tests point all of them at a
-temporary folder through the environment variables, so no test touches the real user folders.
+temporary folder through the environment variables, so no test touches the real user folders. :func:`expand`
+expands ``~`` in a path a user typed without ever raising.
 """
 
 from __future__ import annotations
@@ -23,9 +24,18 @@ import platformdirs
 APP_NAME = "specchat"
 
 
+def expand(path: str | os.PathLike[str]) -> Path:
+    """``path`` with a leading ``~`` / ``~user`` expanded; left as written when that home cannot be found
+    (``Path.expanduser`` raises ``RuntimeError`` there), so the caller's "not found" message names it."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        return Path(path)
+
+
 def _override(variable: str) -> Path | None:
     value = os.environ.get(variable, "").strip()
-    return Path(value).expanduser() if value else None
+    return expand(value) if value else None
 
 
 def cache_dir() -> Path:

@@ -3,3 +3,14 @@ app/<folder>. Helpers shared across folders (tiny random-weight models, tiny eng
 app harness) live in tests/support, which pytest puts on sys.path (pyproject's ``pythonpath``); each folder's
 conftest.py holds the fixtures its tests share.
 """
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The reliability tests' figures (tests/support/reliability.py): inputs fuzzed, kills, soak readings."""
+    from reliability import summary_lines
+
+    lines = summary_lines()
+    if lines:
+        terminalreporter.section("reliability figures")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -1,37 +1,34 @@
-"""`/edit PATH` and `/file PATH`: attach a local text file, ask for changes, show a diff, write it back safely.
+"""`/edit PATH...` and `/file PATH`: attach local text files and build the prompts that ask for changes.
 
 Contract:
 - :func:`load_edit_target` reads a UTF-8 text file of at most ``MAX_FILE_BYTES`` (256 KiB) and remembers its
-  bytes' SHA-256 and mtime; every refusal (missing, a folder, not a regular file, too big, unreadable, binary,
-  not UTF-8) raises :class:`EditError` naming the path and what to do. :func:`check_writable` says before the
-  model runs whether the file could be saved. ``/file`` (:func:`build_file_context`) validates the same way.
-- Text is handled with ``\\n`` line ends; a CRLF file and a UTF-8 BOM are restored when writing.
+  bytes' SHA-256 and mtime; every refusal (a NUL byte in the path, missing, a folder, not a regular file, too
+  big, unreadable, binary, not UTF-8) raises :class:`EditError` naming the path and what to do.
+  :func:`check_writable` says before the model runs whether the file could be saved. ``/file``
+  (:func:`build_file_context`) validates the same way.
+- A symlink is resolved when loaded: ``EditTarget.path`` is the real file (the only one an edit writes), and
+  ``EditTarget.link`` the path as given when it differs, so every dialog can name both.
+- Text is handled with ``\\n`` line ends (``EditTarget.text``); the file's own line ends, mixed ones included,
+  stay in ``EditTarget.original`` and are put back line by line when writing (``edit_files.py``).
+- :func:`build_edit_prompt` asks for SEARCH/REPLACE blocks (the format of aider's "diff" edit format): each
+  block copies the lines it changes, so the reply is mostly copied text, which prompt lookup drafts well.
+  ``edit_plan.py`` parses and applies them exactly; ``edit_files.py`` writes the result.
 - :func:`extract_code_block` takes the reply's largest fenced block (``` or ~~~, any info string, an unclosed
   block at the end of a partial reply included); it never raises on any text.
-- :func:`apply_edit` writes only ``target.path`` (symlinks resolved at load: the link stays a link), after the
-  UI's confirmation: it refuses when the file's content changed since it was loaded, copies the original to
-  ``<name>.specchat-bak-<timestamp>`` (never overwriting anything), then replaces the file atomically
-  (``specchat.backend.files.write_atomic``: the old or the new content, never a part), keeping its permission
-  bits and, where allowed, its owner. Model output is only ever written as file content, never executed or
-  interpreted.
 """
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import os
 import re
 import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from specchat.backend.errors import SpecchatError
-from specchat.backend.files import write_atomic
 
 MAX_FILE_BYTES = 256 * 1024
-BACKUP_MARK = ".specchat-bak"
 
 _LANGUAGES = {
     ".py": "python", ".pyi": "python", ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript",
@@ -57,17 +54,30 @@ class EditError(SpecchatError):
 
 @dataclass(frozen=True, slots=True)
 class EditTarget:
-    path: Path  # absolute, symlinks resolved: the only file apply_edit writes
+    path: Path  # absolute, symlinks resolved: the only file an edit writes
     text: str  # the content, "\n" line ends
     encoding: str  # "utf-8" or "utf-8-sig" (a BOM to restore)
     mtime: float  # st_mtime when loaded (shown to the user; changes are detected by sha256)
     sha256: str  # of the bytes on disk when loaded
-    newline: str = "\n"  # "\r\n" for a CRLF file: restored on write
+    newline: str = "\n"  # the most common line end ("\r\n" for a CRLF file): the one new lines get
     display: str = ""  # the path as the user typed it, for messages
+    original: str = ""  # the decoded content with its own line ends (mixed ones kept)
+    link: str = ""  # the absolute path as given, when it is (or goes through) a symlink; "" otherwise
 
     @property
     def language(self) -> str:
         return language_for(self.path)
+
+    @property
+    def shown(self) -> str:
+        """The path as the user typed it (the real path when none was kept)."""
+        return self.display or str(self.path)
+
+    @property
+    def mixed_newlines(self) -> bool:
+        """Both CRLF and bare LF line ends: each line keeps its own when the file is written."""
+        crlf = self.original.count("\r\n")
+        return 0 < crlf < self.original.count("\n")
 
 
 def language_for(path: Path) -> str:
@@ -82,10 +92,12 @@ def _size(n: int) -> str:
 def load_edit_target(path: str | os.PathLike[str], *, command: str = "/edit") -> EditTarget:
     """Read and validate a file for ``/edit`` (or ``/file``: pass ``command`` for the messages)."""
     shown = str(path)
+    where = f"{command} {shown!r}" if "\0" in shown else f"{command} {shown}"
+    if "\0" in shown:
+        raise EditError(f"{where}: the path contains a NUL byte, which no file name can hold. Type the path again.")
     given = Path(path).expanduser()
     if not given.is_absolute():
         given = Path.cwd() / given
-    where = f"{command} {shown}"
     try:
         real = given.resolve(strict=True)
         st = real.stat()
@@ -134,7 +146,8 @@ def load_edit_target(path: str | os.PathLike[str], *, command: str = "/edit") ->
             f"{where}: {real} is not UTF-8 text (invalid byte at offset {exc.start}); {command} works on UTF-8 "
             "text files only. Convert it to UTF-8 or choose another file."
         ) from None
-    newline = "\r\n" if "\r\n" in text else "\n"
+    crlf = text.count("\r\n")
+    newline = "\r\n" if crlf and crlf * 2 >= text.count("\n") else "\n"
     return EditTarget(
         path=real,
         text=text.replace("\r\n", "\n"),
@@ -143,6 +156,8 @@ def load_edit_target(path: str | os.PathLike[str], *, command: str = "/edit") ->
         sha256=hashlib.sha256(data).hexdigest(),
         newline=newline,
         display=shown,
+        original=text,
+        link=str(given) if os.path.abspath(given) != str(real) else "",
     )
 
 
@@ -168,22 +183,33 @@ def _fence_for(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
-def build_edit_prompt(target: EditTarget, request: str) -> str:
-    """The user message for ``/edit PATH request``: the request, then the whole file in a fenced block."""
+SEARCH, DIVIDER, REPLACE = "<<<<<<< SEARCH", "=======", ">>>>>>> REPLACE"
+
+
+def build_edit_prompt(targets: EditTarget | list[EditTarget], request: str) -> str:
+    """The user message for ``/edit PATH... request``: how to answer (SEARCH/REPLACE blocks), the request, then
+    each whole file in a fenced block."""
+    targets = [targets] if isinstance(targets, EditTarget) else list(targets)
+    if not targets:
+        raise EditError("/edit: attach a file first, e.g. /edit src/main.py add type hints")
     if not request.strip():
-        raise EditError(
-            f"/edit {target.display or target.path}: say what to change after the path, e.g. "
-            f"/edit {target.display or target.path} add type hints"
-        )
-    fence, lang, name = _fence_for(target.text), target.language, target.path.name
-    body = target.text if target.text.endswith("\n") or not target.text else target.text + "\n"
-    return (
-        f"Edit the file `{name}` as requested below. Reply with the complete updated file in one fenced code block "
-        f"tagged `{lang}` (the whole file, not only the changed part), keep everything the request does not ask "
-        "to change exactly as it is, and put any explanation after the block.\n\n"
-        f"Request: {request.strip()}\n\n"
-        f"Current `{name}`:\n{fence}{lang}\n{body}{fence}\n"
-    )
+        shown = targets[0].shown
+        raise EditError(f"/edit {shown}: say what to change after the path, e.g. /edit {shown} add type hints")
+    first = targets[0]
+    which = f"`{first.path.name}`" if len(targets) == 1 else "the files below"
+    parts = [
+        f"Edit {which} as requested. Answer with SEARCH/REPLACE blocks, one per change, each like this:\n\n"
+        f"{first.path.name}\n{SEARCH}\n(lines copied exactly from the current file)\n{DIVIDER}\n"
+        f"(the new lines that replace them)\n{REPLACE}\n\n"
+        "Copy the SEARCH lines character for character, with their indentation, and include enough of them to "
+        "match one place only. Change nothing the request does not ask for. Explain after the blocks.\n\n"
+        f"Request: {request.strip()}\n"
+    ]
+    for target in targets:
+        fence, lang = _fence_for(target.text), target.language
+        body = target.text if target.text.endswith("\n") or not target.text else target.text + "\n"
+        parts.append(f"\nCurrent `{target.path.name}`:\n{fence}{lang}\n{body}{fence}\n")
+    return "".join(parts)
 
 
 def build_file_context(path: str | os.PathLike[str]) -> str:
@@ -200,6 +226,7 @@ class CodeBlock:
     language: str  # the first word of the info string ("" when none)
     text: str  # the content, every line ending in "\n"
     closed: bool  # False: the reply ended inside the block (partial reply)
+    line: int = -1  # the opening fence's line in the reply (0-based)
 
 
 def code_blocks(reply: str) -> list[CodeBlock]:
@@ -212,7 +239,7 @@ def code_blocks(reply: str) -> list[CodeBlock]:
         if not match or (match.group(2)[0] == "`" and "`" in match.group(3)):
             i += 1
             continue
-        indent, fence, info = len(match.group(1)), match.group(2), match.group(3).strip()
+        start, indent, fence, info = i, len(match.group(1)), match.group(2), match.group(3).strip()
         closing = re.compile(r"^ {0,3}" + re.escape(fence[0]) + "{" + str(len(fence)) + r",}[ \t]*$")
         body: list[str] = []
         i += 1
@@ -224,7 +251,7 @@ def code_blocks(reply: str) -> list[CodeBlock]:
         closed = i < len(lines)
         if not closed and body and body[-1] == "":
             body.pop()  # the reply's trailing newline is not a line of the block
-        blocks.append(CodeBlock(info.split()[0] if info else "", "".join(f"{b}\n" for b in body), closed))
+        blocks.append(CodeBlock(info.split()[0] if info else "", "".join(f"{b}\n" for b in body), closed, start))
         i += 1
     return blocks
 
@@ -238,90 +265,3 @@ def extract_code_block(reply: str, language: str | None = None) -> str | None:
     if not blocks:
         return None
     return max(reversed(blocks), key=lambda b: len(b.text)).text
-
-
-def _match_final_newline(target: EditTarget, new_text: str) -> str:
-    # A fenced block always ends its last line; keep the file's own convention instead.
-    if target.text and not target.text.endswith("\n") and new_text.endswith("\n"):
-        return new_text[:-1]
-    return new_text
-
-
-def unified_diff(target: EditTarget, new_text: str) -> str:
-    """A unified diff from the loaded file to ``new_text`` ("" when identical)."""
-    new_text = _match_final_newline(target, new_text.replace("\r\n", "\n"))
-    old_lines, new_lines = target.text.splitlines(keepends=True), new_text.splitlines(keepends=True)
-    out = []
-    name = target.display or target.path.name
-    for line in difflib.unified_diff(old_lines, new_lines, f"a/{name}", f"b/{name}"):
-        out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
-    return "".join(out)
-
-
-def apply_edit(target: EditTarget, new_text: str) -> Path:
-    """Write ``new_text`` to ``target.path`` (only there) after a backup; returns the backup's path."""
-    shown = target.display or str(target.path)
-    try:
-        current = target.path.read_bytes()
-        st = target.path.stat()
-    except OSError as exc:
-        raise EditError(
-            f"/edit {shown}: cannot read {target.path} again before saving: {exc.strerror or exc}. Nothing was written."
-        ) from None
-    if hashlib.sha256(current).hexdigest() != target.sha256:
-        raise EditError(
-            f"/edit {shown}: {target.path} changed on disk since it was attached (modified "
-            f"{time.strftime('%H:%M:%S', time.localtime(st.st_mtime))}); specchat will not overwrite those changes. "
-            f"Nothing was written: run /edit {shown} again to edit the current version."
-        )
-    check_writable(target)
-    text = _match_final_newline(target, new_text.replace("\r\n", "\n")).replace("\n", target.newline)
-    try:
-        payload = text.encode(target.encoding)
-    except UnicodeEncodeError as exc:
-        raise EditError(
-            f"/edit {shown}: the new version cannot be saved as UTF-8 (character {exc.start}: {exc.reason}). "
-            "Nothing was written; ask the model again."
-        ) from None
-    backup = _write_backup(target, current, st)
-    try:
-        write_atomic(target.path, payload, mode=stat.S_IMODE(st.st_mode))
-    except OSError as exc:
-        raise EditError(
-            f"/edit {shown}: could not write {target.path}: {exc.strerror or exc}. The file is unchanged; "
-            f"the backup is {backup}."
-        ) from None
-    if hasattr(os, "chown") and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-        try:
-            os.chown(target.path, st.st_uid, st.st_gid)
-        except OSError:
-            pass  # not allowed (not root): the new file is ours, as any editor would leave it
-    return backup
-
-
-def _write_backup(target: EditTarget, data: bytes, st: os.stat_result) -> Path:
-    """Copy the original bytes to a new ``<name>.specchat-bak-<timestamp>[-n]`` (O_EXCL: never overwrites)."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    shown = target.display or target.path
-    for n in range(1, 1000):
-        backup = target.path.with_name(f"{target.path.name}{BACKUP_MARK}-{stamp}{'' if n == 1 else f'-{n}'}")
-        try:
-            fd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IMODE(st.st_mode) | stat.S_IWUSR)
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            raise EditError(
-                f"/edit {shown}: could not create the backup {backup}: {exc.strerror or exc}. Nothing was written."
-            ) from None
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError as exc:
-            backup.unlink(missing_ok=True)
-            raise EditError(
-                f"/edit {shown}: could not write the backup {backup}: {exc.strerror or exc}. Nothing was written."
-            ) from None
-        return backup
-    raise EditError(f"/edit {shown}: 999 backups from this second already exist next to it; remove some.")

@@ -1,29 +1,44 @@
 """User settings of the chat app, validated and persisted as JSON in the config dir.
 
-Contract: :func:`load_settings` never raises for a bad file: it returns the defaults and a warning naming the
-file and the problem (the app shows it as a notification and keeps running). :func:`validate_settings` raises
-:class:`SettingsError` naming the field, the value and the accepted range. ``None`` in a sampling field means
-"the pair's default" (models.yaml, else the model's generation_config). :func:`save_settings` writes the file
+Contract: :func:`load_settings` is the file's input boundary and never raises, whatever the file holds (any
+bytes, any JSON: non-finite or 5,000-digit numbers, lists where text belongs, deep nesting, a folder or a pipe
+in its place): an unreadable file gives the defaults, a bad field gives that field's default, and the warning
+names the file, each bad field, its value and the accepted form (the app shows it as a notification and keeps
+running). What it returns passes :func:`validate_settings`, which raises :class:`SettingsError` naming the
+field, the value and the accepted range (the settings screen's check). ``None`` in a sampling field means "the
+pair's default" (models.yaml, else the model's generation_config). :func:`save_settings` writes the file
 owner-only (0600) with ``specchat.backend.files.write_atomic``: a crash or a failed save leaves the previous
-file whole and no temporary file behind.
+file whole; a failed save leaves no temporary file, and the next load removes those of a killed process. A
+file or folder without write permission (decided from the mode bits, as root too) is left alone: the save
+raises :class:`SettingsError` saying so.
 """
 
 from __future__ import annotations
 
+import errno
 import json
-from dataclasses import asdict, dataclass, fields, replace
+import math
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from specchat.backend.api import MAX_GAMMA, MAX_TEMPERATURE, DrafterName, SamplingParams
+from specchat.backend.api import MAX_GAMMA, SAMPLING_LIMITS, DrafterName, SamplingParams
 from specchat.backend.errors import SpecchatError
-from specchat.backend.files import write_atomic
+from specchat.backend.files import read_only_reason, remove_stale_temporaries, write_atomic
+from specchat.backend.inputs import InputError, parse_json, shown
 from specchat.backend.paths import config_dir
 
 SETTINGS_FILE = "settings.json"
 DrafterChoice = Literal["pair", "prompt-lookup", "none"]
 DRAFTER_CHOICES: dict[str, str] = {"pair": "Pair default", "prompt-lookup": "Prompt lookup", "none": "Off"}
 MAX_NEW_TOKENS_LIMIT = 32768
+MAX_SETTINGS_BYTES = 1 << 20  # the file; a system prompt of a few pages is ~10 kB
+MAX_SYSTEM_PROMPT_CHARS = 200_000
+MAX_NAME_CHARS = 200  # theme, last_pair
+_MAX_WHOLE = 2**63 - 1
 
 
 class SettingsError(SpecchatError):
@@ -57,72 +72,159 @@ def settings_path() -> Path:
 
 
 def _number(name: str, value: Any, kind: type) -> Any:
+    """``value`` as a finite ``kind`` (a whole float such as 5.0 is an int); None stays None."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SettingsError(f"setting {name!r}: expected a number, got {value!r}")
-    if kind is int and float(value) != int(value):
-        raise SettingsError(f"setting {name!r}: expected a whole number, got {value!r}")
-    return kind(value)
+        raise SettingsError(f"setting {name!r}: expected a number, got {shown(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SettingsError(f"setting {name!r}: expected a finite number, got {value}")
+    if kind is int:
+        if isinstance(value, float) and not value.is_integer():
+            raise SettingsError(f"setting {name!r}: expected a whole number, got {shown(value)}")
+        if abs(value) > _MAX_WHOLE:
+            raise SettingsError(f"setting {name!r}: {shown(value)} is too large (at most {_MAX_WHOLE})")
+        return int(value)
+    return float(value)
+
+
+def _sampling(name: str, kind: type, expected: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        value = _number(name, value, kind)
+        if value is not None and not SAMPLING_LIMITS[name][0](value):
+            raise SettingsError(f"setting {name!r}: {shown(value)} is {expected}")
+        return value
+    return check
+
+
+def _max_new_tokens(value: Any) -> int:
+    number = _number("max_new_tokens", value, int)
+    if number is None or not 1 <= number <= MAX_NEW_TOKENS_LIMIT:
+        raise SettingsError(f"setting 'max_new_tokens': {shown(number)} is outside 1 .. {MAX_NEW_TOKENS_LIMIT}")
+    return number
+
+
+def _drafter(value: Any) -> str:
+    if not isinstance(value, str) or value not in DRAFTER_CHOICES:
+        raise SettingsError(f"setting 'drafter': {shown(value)} is not one of {', '.join(DRAFTER_CHOICES)}")
+    return value
+
+
+def _gamma(value: Any) -> int | str | None:
+    if value is None or value == "auto":
+        return value
+    number = _number("gamma", value, int)
+    if not 1 <= number <= MAX_GAMMA:
+        raise SettingsError(f"setting 'gamma': {shown(number)} is outside 1 .. {MAX_GAMMA} (or use 'auto')")
+    return number
+
+
+def _text(name: str, limit: int, *, optional: bool, printable: bool) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if value is None and optional:
+            return None
+        if not isinstance(value, str):
+            raise SettingsError(f"setting {name!r}: expected text, got {shown(value)}")
+        if len(value) > limit:
+            raise SettingsError(f"setting {name!r}: {len(value):,} characters long (at most {limit:,})")
+        if printable and not value.isprintable():
+            raise SettingsError(f"setting {name!r}: {shown(value)} holds control characters; use a plain name")
+        # A lone surrogate (JSON "\ud800") is not text: it cannot be drawn, saved as UTF-8 or tokenised.
+        return value.encode("utf-8", "replace").decode("utf-8")
+    return check
+
+
+# One check per field: the value normalised, or SettingsError naming the field, the value and the accepted form.
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "temperature": _sampling("temperature", float, "outside 0 (greedy) .. 10"),
+    "top_p": _sampling("top_p", float, "outside (0, 1] (1 turns top-p off)"),
+    "top_k": _sampling("top_k", int, "negative (0 turns top-k off)"),
+    "max_new_tokens": _max_new_tokens,
+    "drafter": _drafter,
+    "gamma": _gamma,
+    "system_prompt": _text("system_prompt", MAX_SYSTEM_PROMPT_CHARS, optional=False, printable=False),
+    "theme": _text("theme", MAX_NAME_CHARS, optional=True, printable=True),
+    "last_pair": _text("last_pair", MAX_NAME_CHARS, optional=True, printable=True),
+}
 
 
 def validate_settings(settings: Settings) -> Settings:
     """Return ``settings`` with numbers normalised; raise :class:`SettingsError` on the first bad field."""
-    temperature = _number("temperature", settings.temperature, float)
-    if temperature is not None and not 0.0 <= temperature <= MAX_TEMPERATURE:
-        raise SettingsError(f"setting 'temperature': {temperature} is outside 0 (greedy) .. {MAX_TEMPERATURE:g}")
-    top_p = _number("top_p", settings.top_p, float)
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise SettingsError(f"setting 'top_p': {top_p} is outside (0, 1] (1 turns top-p off)")
-    top_k = _number("top_k", settings.top_k, int)
-    if top_k is not None and top_k < 0:
-        raise SettingsError(f"setting 'top_k': {top_k} is negative (0 turns top-k off)")
-    max_new = _number("max_new_tokens", settings.max_new_tokens, int)
-    if max_new is None or not 1 <= max_new <= MAX_NEW_TOKENS_LIMIT:
-        raise SettingsError(f"setting 'max_new_tokens': {max_new!r} is outside 1 .. {MAX_NEW_TOKENS_LIMIT}")
-    if settings.drafter not in DRAFTER_CHOICES:
-        raise SettingsError(f"setting 'drafter': {settings.drafter!r} is not one of {', '.join(DRAFTER_CHOICES)}")
-    gamma = settings.gamma
-    if gamma is not None and gamma != "auto":
-        gamma = _number("gamma", gamma, int)
-        if not 1 <= gamma <= MAX_GAMMA:
-            raise SettingsError(f"setting 'gamma': {gamma} is outside 1 .. {MAX_GAMMA} (or use 'auto')")
-    if not isinstance(settings.system_prompt, str):
-        raise SettingsError(f"setting 'system_prompt': expected text, got {settings.system_prompt!r}")
-    for name in ("theme", "last_pair"):
-        value = getattr(settings, name)
-        if value is not None and not isinstance(value, str):
-            raise SettingsError(f"setting {name!r}: expected text, got {value!r}")
-    return replace(settings, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new,
-                   gamma=gamma)
+    return replace(settings, **{name: check(getattr(settings, name)) for name, check in _CHECKS.items()})
+
+
+def _read(path: Path) -> tuple[Any, str | None]:
+    """The file's JSON value, or (None, why it cannot be used). Never raises, never blocks on a pipe."""
+    try:
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            return None, f"is {kind}"
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_SETTINGS_BYTES + 1)
+    except OSError as error:
+        return None, f"could not be read ({error.strerror or error})"
+    if len(data) > MAX_SETTINGS_BYTES:
+        return None, f"is larger than {MAX_SETTINGS_BYTES >> 20} MiB"
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark some editors add
+    except UnicodeDecodeError as error:
+        return None, f"is not UTF-8 text (byte {data[error.start]:#04x} at offset {error.start})"
+    try:
+        return parse_json(text, max_chars=MAX_SETTINGS_BYTES, non_finite=True), None  # the field is named below
+    except InputError as error:
+        return None, f"is not valid JSON ({error})"
 
 
 def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
     """Read the settings file. Returns (settings, warning); a missing file is not a warning."""
     path = path or settings_path()
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    remove_stale_temporaries(path)  # of a save that was killed
+    if not os.path.lexists(path):
         return Settings(), None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        return Settings(), f"Settings file {path} could not be read ({error}); using the defaults."
-    if not isinstance(raw, dict):
-        return Settings(), f"Settings file {path} does not hold a JSON object; using the defaults."
-    known = {f.name for f in fields(Settings)}
-    try:
-        # Unknown keys (a newer version's settings) are ignored rather than fatal.
-        return validate_settings(Settings(**{k: v for k, v in raw.items() if k in known})), None
-    except SettingsError as error:
-        return Settings(), f"Settings file {path}: {error}; using the defaults."
+    raw, problem = _read(path)
+    if problem is None and not isinstance(raw, dict):
+        problem = "does not hold a JSON object"
+    if problem is not None:
+        return Settings(), f"Settings file {path} {problem}; using the defaults."
+    values, errors, bad = {}, [], []
+    for name, check in _CHECKS.items():
+        if name not in raw:  # unknown keys (a newer version's settings) are ignored rather than fatal
+            continue
+        try:
+            values[name] = check(raw[name])
+        except SettingsError as error:
+            errors.append(str(error))
+            bad.append(repr(name))
+    if not errors:
+        return Settings(**values), None
+    more = f"; also bad: {', '.join(bad[3:])}" if len(errors) > 3 else ""
+    return Settings(**values), (f"Settings file {path}: {'; '.join(errors[:3])}{more}; "
+                                f"{'that setting uses its' if len(errors) == 1 else 'those settings use their'} "
+                                "default.")
+
+
+def _save_error(path: Path, error: OSError) -> SettingsError:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        advice = "the disk is full: free some space and change a setting again"
+    elif error.errno == errno.EROFS:
+        advice = "the file system is read-only: set SPECCHAT_CONFIG_DIR to a writable folder"
+    else:
+        advice = "check the directory's permissions or set SPECCHAT_CONFIG_DIR"
+    return SettingsError(f"could not save the settings to {path}: {error.strerror or error}; {advice}. The "
+                         "change applies to this session.")
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> None:
-    """Write the settings atomically; :class:`SettingsError` if the directory cannot be written."""
+    """Write the settings atomically; :class:`SettingsError` if they cannot be written (read-only, disk full)."""
     path = path or settings_path()
+    reason = read_only_reason(path)
+    if reason is not None:
+        raise SettingsError(f"the settings are not saved: {reason}. The change applies to this session; make it "
+                            "writable (chmod u+w) to keep settings.")
     text = json.dumps(asdict(settings), indent=2)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, text, mode=0o600)
     except OSError as error:
-        raise SettingsError(f"could not save the settings to {path}: {error}. Check the directory's "
-                            "permissions or set SPECCHAT_CONFIG_DIR.") from error
+        raise _save_error(path, error) from error

@@ -1,5 +1,8 @@
 """`specchat bench`: every decoding mode against transformers, in one run, on the pair(s) asked for.
 
+A remote pair (its target is a server) runs mode ``server`` (and, on `specchat serve`, the specchat drafter
+modes) through backend/bench/remote.py; transformers modes are refused for it by name.
+
 Contract: ``run(args) -> int`` with the namespace of app/cli/main.py's bench parser (pair: list | None, suite,
 limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic). Prints an estimate of the
 run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per family on
@@ -14,6 +17,7 @@ covers the whole run (repeats included); the final line says how long it took ag
 from __future__ import annotations
 
 import io
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,26 +32,33 @@ DEFAULT_REPEATS = 2
 
 
 def run(args) -> int:
+    _check_args(args)  # the bench arguments' boundary: before anything loads
     if getattr(args, "synthetic", None):
         # Random-weight models with real shapes on the device (issue 8): a separate measurement, its own table.
         from specchat.backend.bench.synthetic import run_synthetic
 
         return run_synthetic(args)
     from specchat.backend.bench.runner import parse_modes
-    from specchat.backend.engine.engine import load_engine
     from specchat.backend.models.config import default_pair_name, get_pair, load_pairs
 
     pairs = load_pairs(args.models)
     names = list(args.pair or [default_pair_name(pairs)])
     configs = [get_pair(pairs, name) for name in names]  # unknown names fail before anything loads
-    for config in configs:  # so do modes a pair cannot run (draft-model without a draft, typos)
-        parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name,
-                    llamacpp_missing=_llamacpp_missing(config.target))
-    _check_args(args)
+    for config in configs:  # so do modes a pair cannot run (draft-model without a draft, hf-* on a remote, typos)
+        remote_kind = config.remote.server_kind if config.remote is not None else None
+        parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name, remote_kind=remote_kind,
+                    llamacpp_missing=_llamacpp_missing(config.target) if remote_kind is None else None)
     err = Console(stderr=True)
 
     def load(index: int):
         config = configs[index]
+        if config.remote is not None:
+            from specchat.backend.remote.client import RemoteEngine
+
+            err.print(f"Pair [bold]{config.name}[/bold] runs on {config.remote.server}")
+            return RemoteEngine(config)
+        from specchat.backend.engine.engine import load_engine
+
         err.print(f"Loading pair [bold]{config.name}[/bold] ...")
         return load_engine(config, device=args.device,
                            progress=lambda message, fraction: err.print(f"  {message}", highlight=False))
@@ -69,7 +80,8 @@ def _repeats(args) -> int:
 
 
 def _check_args(args) -> tuple[int, int, float]:
-    from specchat.backend.api import MAX_TEMPERATURE
+    """(limit, max new tokens, temperature); RequestError naming the option for a value the run cannot use."""
+    from specchat.backend.api import MAX_SEED, MAX_TEMPERATURE
     from specchat.backend.errors import RequestError
 
     limit = args.limit if args.limit is not None else DEFAULT_LIMIT
@@ -77,13 +89,34 @@ def _check_args(args) -> tuple[int, int, float]:
     temperature = float(args.temperature or 0.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise RequestError(f"--temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature}")
+    seed = getattr(args, "seed", 0)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise RequestError(f"--seed must be a whole number from 0 to 2**64 - 1, got {seed}")
+    out = Path(getattr(args, "out", None) or "bench_out")
+    try:
+        os.fsencode(out)
+    except UnicodeEncodeError:
+        raise RequestError(f"--out {str(out)!r}: not a usable folder name; name a folder for bench.json") from None
+    if out.exists() and not out.is_dir():
+        raise RequestError(f"--out {out} is a file, not a folder; name a folder for bench.json and the chart")
     return limit, max_new, temperature
+
+
+def _server_positions(runner, before) -> dict:
+    """vLLM's per-position acceptance over this run, from its /metrics before and after (remote vLLM pairs)."""
+    after = runner.server_counters() if before is not None else None
+    if after is None:
+        return {}
+    from specchat.backend.remote.stats import vllm_per_position_between
+
+    return {"server_per_position_acceptance": list(vllm_per_position_between(before, after))}
 
 
 def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None,
             out: Console | None = None) -> int:
     """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
     from specchat.backend.bench.bounds import bandwidth_bounds, describe
+    from specchat.backend.bench.remote import RemoteBenchRunner
     from specchat.backend.bench.report import aggregate_with_overall, print_report, write_chart, write_json
     from specchat.backend.bench.runner import BenchRunner, environment, parse_modes, release_memory
     from specchat.backend.bench.stats import mark_equality
@@ -108,12 +141,15 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
     for index in range(num_pairs):
         engine, runner = load(index), None
         try:
-            missing = _llamacpp_missing(engine.target.spec)
+            remote = engine.pair.remote
+            missing = _llamacpp_missing(engine.target.spec) if remote is None else None
             modes = parse_modes(args.modes, has_draft=engine.draft is not None, pair_name=engine.pair.name,
+                                remote_kind=remote.server_kind if remote is not None else None,
                                 llamacpp_missing=missing)
             if missing is not None and not args.modes:
                 err.print(f"[yellow]llama.cpp modes left out: {escape(missing)}[/yellow]", highlight=False)
-            runner = BenchRunner(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
+            kind = RemoteBenchRunner if remote is not None else BenchRunner
+            runner = kind(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
             fitting = [p for p in prompts if runner.fits(p)]
             skipped = [p.id for p in prompts if p not in fitting]
             if skipped:
@@ -121,9 +157,12 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                           f"({engine.context_length} tokens): {', '.join(skipped)}[/yellow]")
             if not fitting:
                 continue
-            bounds = bandwidth_bounds(engine, runner.llamacpp.gguf if runner.llamacpp is not None else None)
-            err.print(describe(bounds), highlight=False)
-            lengths = sorted(fitting, key=lambda p: len(runner.prompt_ids(p)))
+            bounds = None
+            if remote is None:
+                llamacpp = getattr(runner, "llamacpp", None)
+                bounds = bandwidth_bounds(engine, llamacpp.gguf if llamacpp is not None else None)
+                err.print(describe(bounds), highlight=False)
+            lengths = sorted(fitting, key=runner.prompt_length)
             err.print(f"Warming up {len(modes)} modes on {engine.pair.name} ...")
             warm = runner.warm_up(lengths[len(lengths) // 2])
             estimate = {mode: seconds * _repeats(args) for mode, seconds in runner.estimate_s(fitting, warm).items()}
@@ -133,6 +172,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                       f"({len(fitting)} prompts × {len(modes)} modes × {_repeats(args)} runs, up to {max_new} new "
                       "tokens each; "
                       f"warm-up decode tok/s: {speeds})", highlight=False)
+            counters = runner.server_counters() if remote is not None else None
             run_start = time.perf_counter()
             pair_rows: list = []
             progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -157,7 +197,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                          "skipped_prompts": skipped, "warmup": [w.to_dict() for w in warm],
                          "estimate_s": estimate, "elapsed_s": time.perf_counter() - run_start,
                          "bandwidth_bound": bounds,
-                         "interrupted": interrupted})
+                         "interrupted": interrupted, **_server_positions(runner, counters)})
         finally:
             engine.close()
             # Drop this pair's models (and their transformers twins) before the next pair loads.

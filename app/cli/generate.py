@@ -2,33 +2,57 @@
 
 With ``--json`` stdout carries one JSON object per sample and nothing else; progress, notices and library
 output go to stderr. Without it, the reply text streams to stdout and a one-line summary goes to stderr.
+Whatever stdout's encoding (ascii, cp1252, latin-1, ...), nothing is lost to a UnicodeEncodeError: JSON is
+written ASCII-only (``\\u`` escapes, exact) unless stdout is UTF-8, and text characters the encoding lacks are
+written as ``?`` with one notice on stderr.
+
+``read_prompts`` is the ``--prompts`` file's input boundary: every line is parsed with bounded size, depth and
+numbers (``backend/inputs.py``) and checked; anything else raises :class:`RequestError` naming the file, the
+line and what a line must look like, before any model loads.
+
+A remote pair (its target is a server) streams from that server through ``specchat.backend.remote``; its "stats"
+hold the same fields, null where the server does not report one. A reply that ended in an error (a server that
+broke off) is still printed, and the exit code is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import sys
-from pathlib import Path
 
+from specchat.app.tui.bridge import step_name
 from specchat.backend.api import RequestStats
 from specchat.backend.errors import RequestError, SpecchatError
+from specchat.backend.inputs import InputError, parse_json, shown
+
+MAX_LINE_CHARS = 64 << 20  # one --prompts line: more text than any context holds
+MAX_FILE_BYTES = 1 << 30
+_LINE_FORM = '{"id": ..., "messages": [{"role": ..., "content": ...}]}'
 
 
 def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
     """Parse a --prompts file; errors name the file, the line and what is wrong."""
     from specchat.backend.engine.prompting import validate_messages
 
+    name = path if path.isprintable() and len(path) <= 300 else shown(path)  # as messages show it
     try:
-        raw_lines = Path(path).read_bytes().splitlines()
+        with open(path, "rb") as handle:  # a pipe works too (--prompts <(...))
+            data = handle.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise RequestError(f"--prompts file {path} does not exist") from None
-    except OSError as error:
-        raise RequestError(f"cannot read --prompts file {path}: {error.strerror or error}; check the path and "
-                           "its permissions") from None
+        raise RequestError(f"--prompts file {name} does not exist") from None
+    except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path
+        reason = getattr(error, "strerror", None) or error
+        raise RequestError(f"cannot read --prompts file {name}: {reason}; check the path and its "
+                           "permissions") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise RequestError(f"--prompts file {name} is larger than {MAX_FILE_BYTES >> 20} MiB; split it into "
+                           "several files")
+    raw_lines = data.splitlines()
     prompts = []
     for number, raw in enumerate(raw_lines, 1):
-        where = f"{path}:{number}"
+        where = f"{name}:{number}"
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -37,11 +61,11 @@ def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
         if not line.strip():
             continue
         try:
-            item = json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as error:
-            reason = error.msg if isinstance(error, json.JSONDecodeError) else "nested too deeply"
-            raise RequestError(f"{where}: not valid JSON ({reason}); each line must be "
-                               '{"id": ..., "messages": [{"role": ..., "content": ...}]}') from None
+            item = parse_json(line, max_chars=MAX_LINE_CHARS)
+        except InputError as error:
+            at = f" at column {error.column}" if error.column is not None else ""
+            raise RequestError(f"{where}: not valid JSON ({error.reason}{at}); each line must be "
+                               f"{_LINE_FORM}") from None
         if not isinstance(item, dict) or not isinstance(item.get("messages"), list) or not item["messages"]:
             raise RequestError(f'{where}: needs a non-empty "messages" list of {{"role", "content"}} objects')
         try:
@@ -52,38 +76,90 @@ def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
         pid = str(item.get("id", number)).encode("utf-8", "replace").decode("utf-8")
         prompts.append((pid, messages))
     if not prompts:
-        raise RequestError(f"--prompts file {path} has no prompts")
+        raise RequestError(f"--prompts file {name} has no prompts")
     return prompts
 
 
+class _Stdout:
+    """Writes to ``sys.stdout`` what its encoding can take (see the module docstring); ``replaced`` says whether
+    a character had to become ``?``."""
+
+    def __init__(self) -> None:
+        self.encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        try:
+            self.utf = codecs.lookup(self.encoding).name.startswith("utf")
+        except LookupError:
+            self.encoding, self.utf = "ascii", False
+        self.replaced = False
+
+    def write(self, text: str) -> None:
+        try:
+            text.encode(self.encoding)
+        except UnicodeEncodeError:
+            text = text.encode(self.encoding, "replace").decode(self.encoding)
+            self.replaced = True
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def json_line(self, record: dict) -> None:
+        self.write(json.dumps(record, ensure_ascii=not self.utf) + "\n")
+
+    def notice(self) -> None:
+        if self.replaced:
+            print(f"specchat: stdout's encoding ({self.encoding}) cannot show some characters of the reply; they "
+                  "were written as '?'. Set PYTHONIOENCODING=utf-8, or use --json (exact \\u escapes).",
+                  file=sys.stderr)
+
+
+_last_step: list[str] = []  # the step last printed when stderr is not a terminal
+
+
 def _progress(message: str, fraction: float | None) -> None:
+    """Loading progress on stderr: one line redrawn in place on a terminal; to a file or a pipe, one plain line
+    per step (no carriage returns or escape sequences, which only a terminal understands)."""
     suffix = f" {fraction:4.0%}" if fraction is not None else ""
-    print(f"\r\x1b[2K{message}{suffix}", end="" if fraction is not None and fraction < 1 else "\n",
-          file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        print(f"\r\x1b[2K{message}{suffix}", end="" if fraction is not None and fraction < 1 else "\n",
+              file=sys.stderr, flush=True)
+        return
+    step = step_name(message)
+    if _last_step[-1:] != [step]:
+        _last_step[:] = [step]
+        print(message, file=sys.stderr, flush=True)
 
 
 def _confirm_download(num_bytes: int) -> bool:
+    from specchat.backend.models.memory import format_bytes
+
     if not sys.stdin.isatty():
-        print(f"specchat: the pair needs a download of {num_bytes / 1e9:.1f} GB; run interactively to confirm, "
+        print(f"specchat: the pair needs a download of {format_bytes(num_bytes)}; run interactively to confirm, "
               "or download it first with `huggingface-cli download`", file=sys.stderr)
         return False
-    answer = input(f"Download {num_bytes / 1e9:.1f} GB from the Hugging Face hub? [y/N] ")
+    answer = input(f"Download {format_bytes(num_bytes)} from the Hugging Face hub? [y/N] ")
     return answer.strip().lower() in ("y", "yes")
 
 
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import DEFAULT_PAIR, GenerationRequest, SamplingParams
-    from specchat.backend.engine.engine import load_engine
     from specchat.backend.models.config import get_pair, load_pairs
-    from specchat.backend.models.loading import capture_library_output
 
-    pair = get_pair(load_pairs(args.models), args.pair or DEFAULT_PAIR)
+    pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
     if args.system is not None:
         prompts = [(pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
                    for pid, msgs in prompts]
-    with capture_library_output(progress=_progress):
-        engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+    if pair.remote is not None:
+        from specchat.backend.remote.client import RemoteEngine
+
+        engine = RemoteEngine(pair)
+    else:  # torch is imported only here
+        from specchat.backend.engine.engine import load_engine
+        from specchat.backend.models.loading import capture_library_output
+
+        with capture_library_output(progress=_progress):
+            engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+    failed = False
+    out = _Stdout()
     try:
         for pid, messages in prompts:
             for sample in range(args.samples):
@@ -94,18 +170,20 @@ def run(args: argparse.Namespace) -> int:
                 request = GenerationRequest(messages=messages, sampling=sampling, drafter=args.drafter,
                                             gamma=args.gamma, conversation=f"generate:{pid}")
                 try:
-                    _one(engine, request, pid, sample, args.json)
+                    failed = _one(engine, request, pid, sample, args.json, out) or failed
                 except SpecchatError as error:  # name the prompt that failed (a file may hold thousands)
                     if not args.prompts:
                         raise
-                    raise type(error)(f"{args.prompts}: prompt {pid!r}: {error}") from None
+                    raise type(error)(f"{args.prompts}: prompt {shown(pid)}: {error}") from None
             engine.forget(f"generate:{pid}")
     finally:
         engine.close()
-    return 0
+        out.notice()
+    return 1 if failed else 0
 
 
-def _one(engine, request, pid: str, sample: int, as_json: bool) -> None:
+def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
+    """Print one reply; returns whether it ended in an error."""
     token_ids: list[int] = []
     text: list[str] = []
     last = None
@@ -115,8 +193,7 @@ def _one(engine, request, pid: str, sample: int, as_json: bool) -> None:
         if event.message:
             print(f"specchat: {event.message}", file=sys.stderr)
         if not as_json and event.text:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+            out.write(event.text)
         last = event
     stats = last.stats or RequestStats()
     if as_json:
@@ -125,11 +202,12 @@ def _one(engine, request, pid: str, sample: int, as_json: bool) -> None:
             "prompt_tokens": stats.prompt_tokens, "finish_reason": last.finish_reason,
             "drafter": stats.drafter, "stats": stats.to_json_stats(),
         }
-        print(json.dumps(record, ensure_ascii=False), flush=True)
+        out.json_line(record)
     else:
-        print(file=sys.stdout)
+        out.write("\n")
         rate = stats.acceptance_rate
         print(f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
               f"drafter {stats.drafter}, acceptance "
               f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}",
               file=sys.stderr)
+    return last.finish_reason == "error"

@@ -14,13 +14,15 @@ from collections.abc import Sequence
 
 from specchat import __version__
 from specchat.backend.bench.suites import SUITES
+from specchat.backend.inputs import shown
 
 EPILOG = """\
 commands:
   (none)      open the chat UI on the last used pair (first time: the embedded default smollm2-135m)
   generate    headless generation; --json prints one JSON object per sample on stdout
   bench       measure every decoding mode against transformers in one run
-  models      list the model pairs of models.yaml with memory estimates
+  models      list the model pairs of models.yaml with memory estimates (remote pairs: reachable?)
+  serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
 
 Run `specchat COMMAND --help` for a command's options.
 """
@@ -37,13 +39,48 @@ def _add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: b
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 written in digits 0-9, got {shown(text)}")
+    value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
     return value
+
+
+def _whole(text: str) -> int:
+    """An integer option (--top-k, --seed): ranges are checked where the value is used, naming the option."""
+    stripped = text.strip().removeprefix("-")
+    if not (stripped.isascii() and stripped.isdigit() and len(stripped) <= 40):
+        raise argparse.ArgumentTypeError(f"expected a whole number written in digits 0-9, got {shown(text)}")
+    return int(text)
+
+
+def _number(text: str) -> float:
+    """A float option (--temperature, --top-p, ...): NaN and infinities pass here and are refused by range."""
+    try:
+        return float(text) if len(text) <= 100 else float("nan")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
+
+
+def _one_of(choices: list[str]):
+    def check(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not one of {', '.join(choices)}")
+        return text
+    return check
+
+
+def _pair_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a pair name (see `specchat models`), got an empty name")
+    return text
+
+
+def _port(text: str) -> int:
+    if not (text.isascii() and text.strip().isdigit()) or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
+    return int(text)
 
 
 def _gamma(text: str) -> int | str:
@@ -51,8 +88,8 @@ def _gamma(text: str) -> int | str:
 
     if text == "auto":
         return text
-    if not (text.isascii() and text.strip().isdigit()):
-        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {text!r}")
+    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
+        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {shown(text)}")
     value = int(text)
     if not 1 <= value <= MAX_GAMMA:
         raise argparse.ArgumentTypeError(f"gamma must be between 1 and {MAX_GAMMA} (or 'auto'), got {value}")
@@ -68,14 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"specchat {__version__}")
     _add_global_options(parser, suppress_defaults=False)
-    parser.add_argument("--pair", metavar="NAME", default=None, help="model pair to open (see `specchat models`)")
+    parser.add_argument("--pair", metavar="NAME", type=_pair_name, default=None,
+                        help="model pair to open (see `specchat models`)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate replies without the UI",
                          description="Generate replies headlessly (scripts, benchmarks, checks).")
     _add_global_options(gen, suppress_defaults=True)
-    gen.add_argument("--pair", metavar="NAME", default=argparse.SUPPRESS)
-    gen.add_argument("--drafter", choices=["none", "prompt-lookup", "draft-model", "auto"], default=None,
+    gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
+    drafters = ["none", "prompt-lookup", "draft-model", "auto"]
+    gen.add_argument("--drafter", type=_one_of(drafters), choices=drafters, default=None,
                      help="override the pair's drafter (auto: pick drafter and gamma for you)")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one user message")
@@ -83,11 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help='one {"id": ..., "messages": [{"role": ..., "content": ...}]} per line')
     gen.add_argument("--system", metavar="TEXT", default=None, help="a system prompt (none is added otherwise)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N")
-    gen.add_argument("--temperature", type=float, default=None, metavar="T", help="0 is greedy")
-    gen.add_argument("--top-k", type=int, default=None, metavar="K")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P")
-    gen.add_argument("--repetition-penalty", type=float, default=None, metavar="R")
-    gen.add_argument("--seed", type=int, default=None, metavar="S")
+    gen.add_argument("--temperature", type=_number, default=None, metavar="T", help="0 is greedy")
+    gen.add_argument("--top-k", type=_whole, default=None, metavar="K")
+    gen.add_argument("--top-p", type=_number, default=None, metavar="P")
+    gen.add_argument("--repetition-penalty", type=_number, default=None, metavar="R")
+    gen.add_argument("--seed", type=_whole, default=None, metavar="S")
     gen.add_argument("--samples", type=_positive_int, default=1, metavar="N",
                      help="samples per prompt (the prompt is prefilled once and reused)")
     gen.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",
@@ -100,9 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Measure specchat's modes against transformers generate() (and llama.cpp "
                                        "on the pair's GGUF when llama-cpp-python is installed) in one run.")
     _add_global_options(bench, suppress_defaults=True)
-    bench.add_argument("--pair", metavar="NAME", action="append", default=argparse.SUPPRESS,
+    bench.add_argument("--pair", metavar="NAME", type=_pair_name, action="append", default=argparse.SUPPRESS,
                        help="pair to measure (repeatable; default: smollm2-135m)")
-    bench.add_argument("--suite", choices=list(SUITES), default="all",
+    bench.add_argument("--suite", type=_one_of(list(SUITES)), choices=list(SUITES), default="all",
                        help="prompt set: spec-bench, edit (code edits), all, or one family such as mt-bench "
                             "(default: all)")
     bench.add_argument("--limit", type=_positive_int, default=None, metavar="N",
@@ -117,14 +156,34 @@ def build_parser() -> argparse.ArgumentParser:
                             "llamacpp-plain; default: every mode the pair allows)")
     bench.add_argument("--out", metavar="DIR", default="bench_out",
                        help="where the JSON and PNG go (default: bench_out)")
-    bench.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default: 0)")
-    bench.add_argument("--seed", type=int, default=0, metavar="S", help="(default: 0)")
+    bench.add_argument("--temperature", type=_number, default=0.0, metavar="T", help="0 is greedy (default: 0)")
+    bench.add_argument("--seed", type=_whole, default=0, metavar="S", help="(default: 0)")
     bench.add_argument("--synthetic", metavar="NAME", default=None,
                        help="random-weight models with real shapes on the device (GPU speed check)")
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)
-    models.add_argument("--pair", metavar="NAME", default=argparse.SUPPRESS, help="show only this pair")
+    models.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS,
+                        help="show only this pair")
+
+    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE
+
+    serve = sub.add_parser("serve", help="serve a pair over an OpenAI-compatible API",
+                           description="Serve one local pair over the OpenAI chat completions API (streaming, "
+                                       "/v1/models, /metrics), with its speculation statistics per request.")
+    _add_global_options(serve, suppress_defaults=True)
+    serve.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="the pair to serve")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                           "only)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--api-key-env", metavar="VAR", default=None,
+                       help="require the API key held in environment variable VAR (Authorization: Bearer KEY)")
+    serve.add_argument("--queue", type=_positive_int, default=DEFAULT_QUEUE, metavar="N",
+                       help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})")
+    serve.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                       help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS})")
+    serve.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                       help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})")
     return parser
 
 
@@ -135,6 +194,19 @@ def _normalise(args: argparse.Namespace) -> argparse.Namespace:
     if args.command == "bench" and isinstance(args.pair, str):
         args.pair = [args.pair]
     return args
+
+
+MAX_ERROR_CHARS = 1000
+
+
+def one_line(text: str) -> str:
+    """``text`` as one printable line in any terminal encoding: control and line-break characters (a path or a
+    value may hold them) and lone surrogates (undecodable bytes of a command-line argument) are escaped."""
+    text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+    if len(text) > MAX_ERROR_CHARS:  # a value no message abbreviated (a 5,000-character path): keep both ends
+        text = f"{text[:MAX_ERROR_CHARS // 2]} ...({len(text) - MAX_ERROR_CHARS:,} characters)... " \
+               f"{text[-MAX_ERROR_CHARS // 2:]}"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -148,11 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import bench as command
         elif args.command == "models":
             from specchat.app.cli import models as command
+        elif args.command == "serve":
+            from specchat.app.cli import serve as command
         else:
             from specchat.app.cli import chat as command
         return command.run(args)
     except SpecchatError as error:
-        print(f"specchat: error: {error}", file=sys.stderr)
+        print(f"specchat: error: {one_line(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specchat: interrupted", file=sys.stderr)

@@ -5,7 +5,10 @@ available, else cpu) and ``args.pair`` (None: every pair; a name: only that pair
 Prints, per pair: name (``*`` marks the default), target, drafter (and draft model), where the weights come
 from, the estimated memory on the device, whether it fits in the free memory now, what is left to download,
 and whether the hub repo is gated; then each pair's description. Works offline: the estimate uses
-models.yaml's numbers and the download column only looks at the local Hugging Face cache.
+models.yaml's numbers and the download column only looks at the local Hugging Face cache. A remote pair (its
+target is a server) has no memory estimate: its FITS column says whether the server answers ``GET /models``
+now and lists the pair's model ("up", "DOWN", "no model"; one short request per remote pair, the only network
+use), and each problem is printed under the table.
 User errors (bad file, unknown pair, bad device) propagate as SpecchatError; the CLI prints them on one line
 and exits with 2.
 """
@@ -40,6 +43,17 @@ def _download(pair: Any, is_cached: Any, format_bytes: Any) -> str:
     return format_bytes(total) if total else "unknown"
 
 
+def _remote_row(pair: Any, default: str, problems: list[str]) -> list[str]:
+    from specchat.backend.remote.client import check_server
+
+    check = check_server(pair.remote, pair.name)
+    if check["error"]:
+        problems.append(f"{pair.name}: {check['error']}")
+    state = "DOWN" if not check["reachable"] else "no model" if check["model_listed"] is False else "up"
+    return ["*" if pair.name == default else "", pair.name, pair.target.source, "server",
+            f"remote {pair.remote.server_kind}", "-", state, "none", "-"]
+
+
 def _table(rows: list[list[str]], out: TextIO) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -68,19 +82,25 @@ def run(args: Any, out: TextIO | None = None) -> int:
     print(f"Device {device}: {format_bytes(free)} free. * = default pair.", file=out)
     print(file=out)
     rows = [["", "NAME", "TARGET", "DRAFTER", "FROM", "MEMORY", "FITS", "DOWNLOAD", "GATED"]]
+    problems: list[str] = []
     for pair in shown:
+        if pair.remote is not None:
+            rows.append(_remote_row(pair, default, problems))
+            continue
         estimate = estimate_pair(pair, device)
-        gated = any(s is not None and s.gated for s in (pair.target, pair.draft))
+        gated = any(s is not None and getattr(s, "gated", False) for s in (pair.target, pair.draft))
         quant = f" {pair.target.quantization}" if pair.target.quantization != "none" else ""
         rows.append(["*" if pair.name == default else "", pair.name, pair.target.source + quant, _drafter(pair),
                      _origin(pair), format_bytes(estimate.total), "yes" if estimate.total <= free else "no",
                      _download(pair, is_cached, format_bytes), "yes" if gated else "no"])
     _table(rows, out)
+    for problem in problems:
+        print(f"  ! {problem}", file=out)
     print(file=out)
     for pair in shown:
         text = pair.description or "(no description)"
         print(textwrap.fill(text, width=100, initial_indent=f"  {pair.name}: ", subsequent_indent="    "), file=out)
-    if any(s is not None and s.gated for p in shown for s in (p.target, p.draft)):
+    if any(s is not None and getattr(s, "gated", False) for p in shown for s in (p.target, p.draft)):
         print("\nGated: accept the licence on huggingface.co, then log in with `hf auth login` "
               "(older huggingface_hub: `huggingface-cli login`).", file=out)
     print(f"\nMemory: weights + KV caches for each pair's context_length + scratch + 8% headroom, on {device}. "

@@ -2,12 +2,14 @@
 
 Contract:
 - :func:`default_engine_factory` returns an ``EngineFactory`` (app/tui/seams.py): ``factory(pair, progress,
-  confirm_download) -> EngineAPI``. It imports ``specchat.backend.engine.engine`` inside the call, i.e. in the
+  confirm_download) -> EngineAPI`` (a remote pair's is a ``specchat.backend.remote.client.RemoteEngine``). It
+  imports ``specchat.backend.engine.engine`` inside the call, i.e. in the
   app's loader thread, so the UI never pays for importing torch. ``confirm_download(total_bytes) -> bool``
   comes from the app (a dialog, or the picker's earlier yes).
 - :func:`default_pair_info` returns a ``PairInfo``: ``pair_info(pair) -> dict`` for the picker (keys documented
   in screens/picker.py), from ``specchat.backend.models.memory`` and the local HF cache (run in a thread worker:
-  it imports torch; it never touches the network).
+  it imports torch; it never touches the network), or for a remote pair the server's reachability
+  (``specchat.backend.remote.client.check_server``: one ``GET /models`` with a short timeout).
 - :func:`route_library_output` (a context manager, for the whole app run) sends Python logging and warnings
   to ``<log dir>/specchat.log`` instead of the terminal; stray prints are caught by Textual and forwarded to
   the same file by the app (``App.begin_capture_print``). ``specchat.backend.models.capture.capture_library_output``
@@ -35,6 +37,11 @@ LOG_FILE = "specchat.log"
 
 def default_engine_factory(device: str | None) -> EngineFactory:
     def factory(pair: PairConfig, progress: Progress, confirm_download: ConfirmDownload) -> EngineAPI:
+        if pair.remote is not None:  # nothing to load: the server runs the model
+            from specchat.backend.remote.client import RemoteEngine
+
+            progress(f"connecting to {pair.remote.server}", None)
+            return RemoteEngine(pair)
         from specchat.backend.models.capture import capture_library_output
 
         # The import itself (torch, transformers) may warn: capture it too; load_pair captures the loading.
@@ -48,6 +55,10 @@ def default_engine_factory(device: str | None) -> EngineFactory:
 
 def default_pair_info(device: str | None) -> PairInfo:
     def pair_info(pair: PairConfig) -> dict[str, Any]:
+        if pair.remote is not None:  # no memory here; is the server there, and does it serve the model?
+            from specchat.backend.remote.client import check_server
+
+            return {"remote": True, **check_server(pair.remote, pair.name)}
         from specchat.backend.models.hub import is_cached
         from specchat.backend.models.loading import resolve_device
         from specchat.backend.models.memory import estimate_pair, free_memory

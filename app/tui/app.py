@@ -71,6 +71,7 @@ class SpecchatApp(App[int]):
         self.engine_factory, self.pair_info, self.store = engine_factory, pair_info, store
         self.settings_path = settings_path
         self.settings, warning = load_settings(settings_path)
+        self._settings_unsaved = False  # a save failed and the user was told (told again only after a success)
         self.log_path = log_path
         self.notices = [*startup_notices, *([warning] if warning else [])]
         self.engine: EngineAPI | None = None
@@ -83,12 +84,12 @@ class SpecchatApp(App[int]):
         self.chat = ChatScreen()
 
     def _initial_pair(self, requested: str | None) -> str | None:
+        if requested and requested not in self.pairs:  # never another pair in its place
+            known = ", ".join(self.pairs) or "none"
+            raise SpecchatError(f"--pair {requested}: no such pair (known: {known}). See `specchat models`.")
         for name in (requested, self.settings.last_pair, DEFAULT_PAIR):
             if name and name in self.pairs:
                 return name
-        if requested:
-            known = ", ".join(self.pairs) or "none"
-            raise SpecchatError(f"--pair {requested}: no such pair (known: {known}). See `specchat models`.")
         return next(iter(self.pairs), None)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -131,11 +132,16 @@ class SpecchatApp(App[int]):
             self.update_settings(replace(self.settings, theme=theme.name))
 
     def update_settings(self, settings: Settings) -> None:
+        """Use ``settings`` now and save them; a failed save (read-only, disk full) is said once, not per change."""
         self.settings = settings
         try:
             save_settings(settings, self.settings_path)
         except SettingsError as error:
-            self.notify(str(error), title="Settings not saved", severity="error", timeout=10)
+            if not self._settings_unsaved:
+                self.notify(str(error), title="Settings not saved", severity="error", timeout=10)
+            self._settings_unsaved = True
+        else:
+            self._settings_unsaved = False
 
     # -- loading pairs -----------------------------------------------------------------------------------------
     def load_pair(self, name: str) -> None:
@@ -143,7 +149,7 @@ class SpecchatApp(App[int]):
         old, self.engine = self.engine, None
         self._previous_pair = self.current_pair_name
         self.loading_pair, self._load_started = name, time.monotonic()
-        self.chat.stats_bar.show_loading(name, "starting…", None)
+        self.chat.stats_bar.start_loading(name)
         # A daemon thread, not a Textual thread worker: those run in asyncio's default executor, which
         # App.run() joins on exit, so quitting during a multi-GB download would hang until it finished.
         threading.Thread(target=self._load, args=(self.pairs[name], old), name=f"specchat-load-{name}",
@@ -187,9 +193,8 @@ class SpecchatApp(App[int]):
 
     async def on_engine_loaded(self, message: EngineLoaded) -> None:
         self.engine, self.current_pair_name, self.loading_pair = message.engine, message.pair_name, None
-        self.chat.stats_bar.show_ready(message.pair_name, f"ready ({message.seconds:.1f} s)")
+        self.chat.stats_bar.show_ready(message.pair_name, f"ready in {message.seconds:.1f} s")
         self.chat.update_title()
-        self.chat.conv.set_pair(message.pair_name)
         if self.settings.last_pair != message.pair_name:
             self.update_settings(replace(self.settings, last_pair=message.pair_name))
         await self.chat.engine_ready()
@@ -249,7 +254,8 @@ class SpecchatApp(App[int]):
                 self.update_settings(settings)
                 self.notify("Settings saved; they apply from the next reply.", timeout=3)
 
-        self.push_screen(SettingsScreen(self.settings), chosen)
+        pair = self.pairs.get(self.current_pair_name or self.loading_pair or "")
+        self.push_screen(SettingsScreen(self.settings, pair), chosen)
 
     def action_history(self) -> None:
         if self.store is None:

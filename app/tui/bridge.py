@@ -9,6 +9,8 @@ Contract:
 - The UI thread calls :meth:`ReplyBuffer.drain` (idempotent, cheap) on each nudge, and once more after the
   worker has ended, and gets the new text, the new (token text, source) pairs, a :class:`LiveView` and,
   once, the :class:`ReplyOutcome`.
+- A request's prefill progress events (``StepEvent.prefill_done``) set ``LiveView.prefill``; they are not
+  steps and change neither the text nor the statistics.
 - Statistics are the engine's own (``StepEvent.stats``, a :class:`~specchat.backend.api.RequestStats`, computed
   by ``backend/spec/stats.py``): the UI counts nothing itself but tokens/s over the last second, so the live
   line, the reply's totals, `specchat generate --json` and the history show the same numbers.
@@ -16,6 +18,7 @@ Contract:
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -30,11 +33,13 @@ RATE_WINDOW_S = 1.0  # tokens/s shown live is measured over the last second
 @dataclass(frozen=True, slots=True)
 class LiveView:
     """What the UI shows of a reply now: the engine's statistics after the latest step, the drafter that step
-    used, and tokens/s over the last :data:`RATE_WINDOW_S` (None until two events arrived)."""
+    used, tokens/s over the last :data:`RATE_WINDOW_S` (None until two events arrived) and, while the prompt is
+    read, ``prefill`` = (tokens read, tokens to read, monotonic time the reading began)."""
 
     stats: RequestStats = field(default_factory=RequestStats)
     drafter: str = "none"
     window_tok_s: float | None = None
+    prefill: tuple[int, int, float] | None = None
 
 
 class RateWindow:
@@ -85,6 +90,7 @@ class ReplyBuffer:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
         self._text: list[str] = []
         self._tokens: list[tuple[str, TokenSource]] = []
         self._notices: list[str] = []
@@ -95,8 +101,14 @@ class ReplyBuffer:
 
     def push(self, event: StepEvent) -> None:
         with self._lock:
+            if event.prefill_done is not None:  # reading the prompt: no tokens, no statistics yet
+                started = self._live.prefill[2] if self._live.prefill is not None else self._clock()
+                self._live = LiveView(self._live.stats, event.drafter, None,
+                                      (event.prefill_done, event.prefill_tokens, started))
+                return
             self._rate.add(len(event.token_ids))
-            self._live = LiveView(event.stats or self._live.stats, event.drafter, self._rate.rate())
+            self._live = LiveView(event.stats or self._live.stats, event.drafter, self._rate.rate(),
+                                  self._live.prefill)
             if event.text:
                 self._text.append(event.text)
             texts = event.token_texts if len(event.token_texts) == len(event.sources) else [""] * len(event.sources)
@@ -165,20 +177,26 @@ def run_generation(engine: EngineAPI, request: GenerationRequest, cancel: thread
     notify()
 
 
+def step_name(message: str) -> str:
+    """A loader message without its counters ("Loading weights: 3/30" -> "Loading weights")."""
+    return re.sub(r":\s*\d.*$", "", message).strip() or message
+
+
 class ThrottledProgress:
     """A loader ``progress(message, fraction)`` callback that posts at most ~10 messages a second.
 
-    A change of message text always posts (stages are few); fraction-only updates are throttled.
+    A new step (:func:`step_name` of the message changes) always posts, as does a fraction of 1; updates within
+    a step (its fraction, its counters in the text) are throttled.
     """
 
     def __init__(self, post: Callable[[str, float | None], None], interval_s: float = 0.1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._post, self._interval, self._clock = post, interval_s, clock
-        self._last_text: str | None = None
+        self._last_step: str | None = None
         self._last_time = float("-inf")
 
     def __call__(self, message: str, fraction: float | None = None) -> None:
-        now = self._clock()
-        if message != self._last_text or now - self._last_time >= self._interval or fraction == 1.0:
-            self._last_text, self._last_time = message, now
+        now, step = self._clock(), step_name(message)
+        if step != self._last_step or now - self._last_time >= self._interval or fraction == 1.0:
+            self._last_step, self._last_time = step, now
             self._post(message, fraction)

@@ -63,3 +63,16 @@ class PromptSubmitted(Message):
     """The user pressed Enter in the prompt input."""
 
     text: str
+
+
+@dataclass
+class RecallLastMessage(Message):
+    """Up arrow in the empty prompt: put the last message back in the input to edit and resend it."""
+
+
+@dataclass
+class BranchFrom(Message):
+    """A message view asks for a new chat branching from it (its ``index`` among the chat's messages is found
+    by the screen)."""
+
+    view: Any

@@ -34,6 +34,7 @@ from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
+from specchat.backend.inputs import shown
 from specchat.backend.spec.stats import StepCounts
 
 SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "draft-model", "auto")
@@ -56,20 +57,30 @@ def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
     return names + (list(LLAMACPP_MODES) if llamacpp else [])
 
 
+REMOTE_MODE = "server"  # a remote pair: whatever speculation its server runs
+
+
 def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
-                llamacpp_missing: str | None = "not checked") -> list[Mode]:
+                remote_kind: str | None = None, llamacpp_missing: str | None = "not checked") -> list[Mode]:
     """Modes from ``--modes`` names (None: every mode the pair allows, llama.cpp's when ``llamacpp_missing``
-    is None). RequestError names a bad one, and why a llama.cpp mode cannot run."""
+    is None). RequestError names a bad one, and why a llama.cpp mode cannot run.
+
+    A remote pair (``remote_kind``: its server's kind) runs mode ``server``; `specchat serve` also takes the
+    specchat drafter modes (sent with the request); transformers modes run in this process and are refused."""
+    if remote_kind is not None:
+        return _remote_modes(names, pair_name, remote_kind)
     modes: list[Mode] = []
     for name in names or default_modes(has_draft, llamacpp_missing is None):
         base, _, gamma_text = name.partition(":")
         gamma: int | str | None = None
         if gamma_text:
             if base not in ("prompt-lookup", "draft-model", "auto"):
-                raise RequestError(f"mode {name!r}: only prompt-lookup, draft-model and auto take a :GAMMA suffix")
-            if gamma_text != "auto" and not (gamma_text.isascii() and gamma_text.isdigit()
+                raise RequestError(f"mode {shown(name)}: only prompt-lookup, draft-model and auto take a :GAMMA "
+                                   "suffix")
+            if gamma_text != "auto" and not (gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4
                                              and 1 <= int(gamma_text) <= MAX_GAMMA):
-                raise RequestError(f"mode {name!r}: gamma must be 1..{MAX_GAMMA} or 'auto', got {gamma_text!r}")
+                raise RequestError(f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got "
+                                   f"{shown(gamma_text)}")
             gamma = gamma_text if gamma_text == "auto" else int(gamma_text)
         if base in SPECCHAT_DRAFTERS:
             mode = Mode(name, "specchat", "none" if base == "plain" else base,
@@ -78,17 +89,39 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
             mode = Mode(name, "hf", base.removeprefix("hf-"))
         elif base in LLAMACPP_MODES and not gamma_text:
             if llamacpp_missing is not None and llamacpp_missing != "not checked":
-                raise RequestError(f"mode {name!r}: {llamacpp_missing}")
+                raise RequestError(f"mode {shown(name)}: {llamacpp_missing}")
             mode = Mode(name, "llamacpp", base.removeprefix("llamacpp-"))
         else:
             known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES + LLAMACPP_MODES)
-            raise RequestError(f"unknown bench mode {name!r}; use {known} (a drafter mode may add :GAMMA)")
+            raise RequestError(f"unknown bench mode {shown(name)}; use {known} (a drafter mode may add :GAMMA)")
         if base in ("draft-model", "hf-assisted") and not has_draft:
-            raise RequestError(f"mode {name!r} needs a draft model, and pair {pair_name!r} has none; leave it "
+            raise RequestError(f"mode {shown(name)} needs a draft model, and pair {pair_name!r} has none; leave it "
                                "out or pick a pair with a draft (see `specchat models`)")
         if any(m.name == name for m in modes):
-            raise RequestError(f"mode {name!r} is listed twice in --modes")
+            raise RequestError(f"mode {shown(name)} is listed twice in --modes")
         modes.append(mode)
+    return modes
+
+
+def _remote_modes(names: list[str] | None, pair_name: str, kind: str) -> list[Mode]:
+    modes = []
+    for name in names or [REMOTE_MODE]:
+        base = name.partition(":")[0]
+        if base in HF_MODES:
+            raise RequestError(f"mode {name!r} runs transformers in this process, and pair {pair_name!r} is remote "
+                               f"(its model is on its server); leave {name} out")
+        if name == REMOTE_MODE:
+            modes.append(Mode(name, "remote", REMOTE_MODE))
+        elif base in SPECCHAT_DRAFTERS and kind == "specchat":
+            local = parse_modes([name], has_draft=True, pair_name=pair_name)[0]
+            modes.append(Mode(name, "remote", local.drafter, local.gamma))
+        elif base in SPECCHAT_DRAFTERS:
+            raise RequestError(f"mode {name!r}: pair {pair_name!r} runs on a {kind} server, which speculates as it "
+                               f"was started; use --modes {REMOTE_MODE} (or kind: specchat for `specchat serve`)")
+        else:
+            raise RequestError(f"unknown bench mode {name!r} for remote pair {pair_name!r}; use {REMOTE_MODE}")
+        if sum(m.name == name for m in modes) > 1:
+            raise RequestError(f"mode {name!r} is listed twice in --modes")
     return modes
 
 
@@ -162,6 +195,10 @@ class BenchRunner:
         if prompt.id not in self._ids:
             self._ids[prompt.id] = render(self.engine.tokenizer, prompt.message_dicts())
         return self._ids[prompt.id]
+
+    def prompt_length(self, prompt: BenchPrompt) -> int:
+        """The prompt's size, for choosing the warm-up prompt (tokens here)."""
+        return len(self.prompt_ids(prompt))
 
     def fits(self, prompt: BenchPrompt) -> bool:
         """Whether the prompt plus max_new_tokens (and a verification step) fits the pair's context."""

@@ -46,10 +46,11 @@ class Row:
     vs_hf_plain: str | None = None  # the same against transformers plain
     comparable: bool = True  # every mode produced as many tokens on this prompt
     repeat: int = 0  # which of the run's repeats (bench --repeats) this row belongs to
+    reported_tokens: int | None = None  # a remote server's count when it sent no token ids (token_ids empty)
 
     @property
     def new_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) or (self.reported_tokens or 0)
 
     @property
     def tok_s(self) -> float:

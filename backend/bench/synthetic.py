@@ -31,8 +31,14 @@ from pathlib import Path
 
 import torch
 
-from specchat.backend.bench.synthetic_models import SYNTHETIC, SyntheticPair, build_loaded, weight_bytes_per_step
-from specchat.backend.errors import ConfigError
+from specchat.backend.bench.synthetic_models import (
+    SYNTHETIC,
+    SyntheticPair,
+    build_loaded,
+    synthetic_bytes,
+    weight_bytes_per_step,
+)
+from specchat.backend.errors import ConfigError, InsufficientMemoryError
 from specchat.backend.spec.stats import expected_tokens_table, speedup
 
 ALPHAS = (0.6, 0.8, 0.9)
@@ -236,6 +242,19 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def check_synthetic_fits(pair: SyntheticPair, device: torch.device) -> None:
+    """InsufficientMemoryError naming the need and the free memory, before anything is allocated (an 8B model in
+    float32 on a laptop's CPU would otherwise die in the allocator)."""
+    from specchat.backend.models.memory import format_bytes, free_memory
+
+    need, free = synthetic_bytes(pair, device), free_memory(device)
+    if need > free:
+        hint = "run it on a CUDA GPU (--device cuda), or use --synthetic tiny on CPU" if device.type == "cpu" else \
+            "free memory on the device or use a larger GPU"
+        raise InsufficientMemoryError(f"bench --synthetic {pair.name} needs about {format_bytes(need)} on {device} "
+                                      f"but only {format_bytes(free)} is free; {hint}")
+
+
 def run_synthetic(args) -> int:
     """The ``specchat bench --synthetic NAME`` command body."""
     from specchat.backend.models.loading import resolve_device
@@ -244,6 +263,7 @@ def run_synthetic(args) -> int:
     if name not in SYNTHETIC:
         raise ConfigError(f"bench --synthetic {name!r}: unknown name; known: {', '.join(SYNTHETIC)}")
     device = resolve_device(getattr(args, "device", None))
+    check_synthetic_fits(SYNTHETIC[name], device)
     result = measure(SYNTHETIC[name], device, new_tokens=getattr(args, "max_new_tokens", None),
                      seed=getattr(args, "seed", 0) or 0, progress=lambda m: print(m, flush=True))
     print(format_table(result))

@@ -135,3 +135,20 @@ def weight_bytes_per_step(model) -> int:
     if head is None or emb.weight is not head.weight:
         total -= emb.weight.numel() * emb.weight.element_size()
     return total
+
+
+def llama_params(fields: dict) -> int:
+    """Parameter count of a Llama-shaped config (embedding, layers, final norm, an untied head)."""
+    h, inter, layers = fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"]
+    heads, kv, hd = fields["num_attention_heads"], fields["num_key_value_heads"], fields["head_dim"]
+    per_layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter + 2 * h
+    embeddings = fields["vocab_size"] * h * (1 if fields.get("tie_word_embeddings") else 2)
+    return embeddings + layers * per_layer + h
+
+
+def synthetic_bytes(pair: SyntheticPair, device: torch.device) -> int:
+    """Memory ``measure`` needs on ``device``: both models in the compute dtype (an nf4 draft counted unquantized,
+    an upper bound), the bandwidth tensor, and a tenth more for activations, caches and allocator slack."""
+    dtype_bytes = 2 if device.type == "cuda" else 4
+    weights = (llama_params(pair.target) + llama_params(pair.draft)) * dtype_bytes
+    return int((weights + pair.bandwidth_bytes) * 1.1)

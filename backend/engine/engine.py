@@ -172,7 +172,7 @@ class Engine:
             speculation = Speculation(self.drafters, self.policies, self.disabled_drafters,
                                       self.disabled_drafters.__setitem__)
             state = RequestState(target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start)
-            yield from state.run(notice)
+            yield from state.run(notice, request.prefill_progress)
         finally:
             if request.conversation is None:
                 conv.seq.free()

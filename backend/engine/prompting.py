@@ -7,7 +7,9 @@ the previous turn.
 
 When the conversation no longer fits, the oldest turns are dropped in large chunks (down to about half the
 context) and the number dropped is remembered, so the following turns drop the same turns and keep
-reusing the cache: one re-prefill per overflow, not one per turn.
+reusing the cache: one re-prefill per overflow, not one per turn. How many to drop is found by a binary search
+over the turns (a render is linear in the conversation's length, so a search that drops one turn per render
+would be quadratic): about log2(turns) + 2 renders, whatever the conversation's length.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specchat.backend.errors import RequestError
+from specchat.backend.inputs import shown
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -24,10 +27,10 @@ def validate_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
     clean: list[dict[str, str]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise RequestError(f"message {i} must be an object with 'role' and 'content', got {message!r:.80}")
+            raise RequestError(f"message {i} must be an object with 'role' and 'content', got {shown(message)}")
         role, content = message["role"], message["content"]
-        if role not in _ROLES:
-            raise RequestError(f"message {i} has role {role!r}; use one of {', '.join(_ROLES)}")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise RequestError(f"message {i} has role {shown(role)}; use one of {', '.join(_ROLES)}")
         if not isinstance(content, str):
             raise RequestError(f"message {i} content must be text, got {type(content).__name__}")
         # Lone surrogates (from invalid UTF-8 decoded with surrogateescape) cannot be tokenised: replace them.
@@ -71,16 +74,27 @@ def fit_to_context(
     ids = render(tokenizer, system + rest[dropped:])
     if len(ids) <= budget:
         return ids, dropped, None
-    # Drop in large chunks: aim for half the budget so that the next several turns fit again.
-    target = budget // 2
-    while len(rest) - dropped > 1:
-        dropped += 1
-        # Keep user/assistant alternation: never start on an assistant message.
-        while len(rest) - dropped > 1 and rest[dropped]["role"] != "user":
-            dropped += 1
-        ids = render(tokenizer, system + rest[dropped:])
-        if len(ids) <= target:
-            break
+    # Drop in large chunks: aim for half the budget so that the next several turns fit again. A conversation
+    # may only start on a user message (alternation kept), or be cut down to its last message.
+    target, last = budget // 2, len(rest) - 1
+    starts = [d for d in range(dropped + 1, last) if rest[d]["role"] == "user"] + ([last] if last > dropped else [])
+    renders: dict[int, list[int]] = {}
+
+    def rendered(index: int) -> list[int]:
+        if index not in renders:
+            renders[index] = render(tokenizer, system + rest[starts[index]:])
+        return renders[index]
+
+    # The first start whose rendering fits in the target (fewer messages never render longer), else the last.
+    low, high = 0, len(starts) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if len(rendered(middle)) <= target:
+            high = middle
+        else:
+            low = middle + 1
+    if starts:
+        dropped, ids = starts[low], rendered(low)
     if len(ids) > budget:
         raise RequestError(
             f"the message is too long for the context: {len(ids)} tokens, the pair allows {budget} for the "

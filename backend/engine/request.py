@@ -230,7 +230,7 @@ class RequestState:
             return "context"
         return None
 
-    def run(self, notice: str | None) -> Iterator[StepEvent]:
+    def run(self, notice: str | None, prefill_progress: bool = False) -> Iterator[StepEvent]:
         conv = self.conv
         t0 = time.perf_counter()
         todo = self.prompt[len(conv.cached):]
@@ -239,6 +239,13 @@ class RequestState:
             if self.cancel.is_set():
                 yield self._final(None, "cancelled", None)
                 return
+            if prefill_progress:  # not a step: no tokens, no statistics (backend/api.py, StepEvent)
+                yield StepEvent(token_ids=[], sources=[], token_texts=[], text="", gamma=0, accepted=0, draft_s=0.0,
+                                verify_s=0.0, overhead_s=0.0, policy=PolicyState.OFF, drafter=self.drafter_used,
+                                prefill_tokens=len(todo), prefill_done=start)
+                if self.cancel.is_set():
+                    yield self._final(None, "cancelled", None)
+                    return
             chunk = todo[start:start + PREFILL_CHUNK]
             self.context = self.prompt[: len(conv.cached) + len(chunk)]
             logits = self._target_logits(chunk)[-1:]

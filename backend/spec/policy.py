@@ -30,9 +30,12 @@ The expected speed-up of drafting γ tokens over plain decoding, with measured i
 - T_d, the drafter's time per proposed token, is a running median too (prior ``draft_cost_prior`` · T_t(1)).
 
 :meth:`GammaPolicy.choose` returns the γ maximising S, or 0 while PAUSED. After ``warmup_steps`` drafted steps,
-a best S below ``min_speedup − margin`` (with T_t(1) measured) pauses speculation; after ``probe_after`` plain
-steps it probes again for ``probe_steps`` drafted steps (with γ at least ``probe_gamma``, the old α̂ shrunk
-to a couple of pseudo-counts so the probe's evidence decides) and resumes if the best S then reaches ``min_speedup``;
+a best S below ``min_speedup − margin`` (with T_t(1) measured) pauses speculation, and so does not one token
+accepted in those steps, whatever S says: over a long context a pass over γ+1 tokens costs about one over 1,
+so S stays near 1 however low α̂ falls (the prior keeps it above 0) while each drafted step still costs
+drafting and bookkeeping for nothing. After ``probe_after`` plain steps it probes again for ``probe_steps``
+drafted steps (with γ at least ``probe_gamma``, the old α̂ shrunk to a couple of pseudo-counts so the probe's
+evidence decides) and resumes if the best S then reaches ``min_speedup`` and the probe had a token accepted;
 otherwise it pauses again and doubles ``probe_after`` (up to ``max_probe_after``). ``fixed_gamma`` keeps
 speculation on at that γ always (the estimates are still kept for display).
 
@@ -123,6 +126,7 @@ class GammaPolicy:
         self._pos_fail = [0.0] * self.max_gamma  # per draft position k: decayed rejections at k
         self._drafted_steps = 0  # drafted steps ever observed (alpha_hat is None before the first)
         self._since_start = 0  # drafted steps since speculation (re)started
+        self._accepted_since_start = 0  # tokens accepted in those steps
         self._probing = 0  # drafted steps left in the current probe
         self._plain_while_paused = 0
         self._drafted_since_plain = 0  # drafted steps since T_t(1) was last measured
@@ -282,6 +286,7 @@ class GammaPolicy:
         self.state = PolicyState.SPECULATING
         self._probing = self.probe_steps
         self._since_start = 0
+        self._accepted_since_start = 0
 
     def _pause(self) -> None:
         self.state = PolicyState.PAUSED
@@ -324,16 +329,19 @@ class GammaPolicy:
         if proposed == 0:
             return  # nothing was drafted: no evidence about speculation
         self._since_start += 1
+        self._accepted_since_start += accepted
         best = self._best()[1]
         if self._probing:
             self._probing -= 1
             if self._probing:
                 return
-            if best >= self.min_speedup:
+            if best >= self.min_speedup and self._accepted_since_start:
                 self.probe_after = self.base_probe_after  # it pays again: back to speculating
             else:
                 self.probe_after = min(self.probe_after * 2, self.max_probe_after)
                 self._pause()
             return
-        if self._since_start >= self.warmup_steps and 1 in self._target and best < self.min_speedup - self.margin:
+        if self._since_start >= self.warmup_steps and not self._accepted_since_start:
+            self._pause()  # nothing accepted: speculation cannot pay (see the module docstring)
+        elif self._since_start >= self.warmup_steps and 1 in self._target and best < self.min_speedup - self.margin:
             self._pause()

@@ -1,6 +1,6 @@
 """The app's layers point one way: cli -> tui -> chat -> the backend's API. Read from the source (every import,
 including those inside functions): app/tui and app/chat import from the backend only ``api``, ``errors``,
-``paths`` and ``files`` (and ``models.config`` for annotations, under TYPE_CHECKING); everything else of the
+``paths``, ``files`` and ``inputs`` (and ``models.config`` for annotations, under TYPE_CHECKING); everything else of the
 backend (loading, memory, hub, the engine) reaches the UI through the callables app/cli passes in
 (app/tui/seams.py). No package __init__ imports its submodules."""
 
@@ -13,7 +13,7 @@ import pytest
 
 APP = Path(__file__).resolve().parents[2] / "app"
 BACKEND_FOR_THE_UI = {"specchat.backend.api", "specchat.backend.errors", "specchat.backend.paths",
-                      "specchat.backend.files"}
+                      "specchat.backend.files", "specchat.backend.inputs"}
 ANNOTATIONS_ONLY = {"specchat.backend.models.config"}
 
 
@@ -62,3 +62,13 @@ def test_the_ui_reaches_the_backend_only_through_its_api(path: Path) -> None:
 def test_package_inits_import_nothing_of_their_own(path: Path) -> None:
     package = "specchat." + ".".join(("app", *path.parent.relative_to(APP).parts))
     assert not [m for m, _ in _imports(path) if m == package or m.startswith(package + ".")], path
+
+
+@pytest.mark.parametrize("path", _modules("serve"), ids=lambda p: str(p.relative_to(APP)))
+def test_the_server_reaches_the_engine_only_through_its_api(path: Path) -> None:
+    """app/serve serves any EngineAPI: it imports nothing of the app but itself, and of the backend only the API."""
+    for module, _ in _imports(path):
+        if module.startswith("specchat.app"):
+            assert module.startswith("specchat.app.serve"), f"{path}: imports {module}"
+        if module.startswith("specchat.backend"):
+            assert module in BACKEND_FOR_THE_UI, f"{path}: imports {module}; the server gets the engine from app/cli"

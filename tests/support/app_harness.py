@@ -57,3 +57,9 @@ def notifications(app: Any) -> list[str]:
 
 async def settle() -> None:
     await asyncio.sleep(0)
+
+
+def screen_text(app: Any) -> str:
+    """What the terminal shows now, as text: one line per row (what a user reads, clipped as they see it)."""
+    strips = app.screen._compositor.render_strips()
+    return "\n".join("".join(segment.text for segment in strip) for strip in strips)

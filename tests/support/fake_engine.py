@@ -8,7 +8,9 @@ then one RECOVERED (a rejection) or BONUS (all accepted) token; every ``pause_ev
 PAUSED step (one TARGET token). The first event is the prefill (one TARGET token). Every event carries the
 request's statistics, counted by the engine's own ``SpecStats`` (``backend/spec/stats.py``) on a fake clock
 when ``wall_s`` fixes the times; the last one carries ``finish_reason``. It honours ``cancel`` between steps and
-``max_new_tokens``; it can sleep per step, raise at a given step, or end with "context".
+``max_new_tokens``; it can sleep per step, raise at a given step, or end with "context". With ``prefill_passes``
+it reads a prompt of ``prefill_tokens`` in that many passes of ``prefill_delay_s`` each, yielding a prefill
+progress event before each when the request asks (``prefill_progress``), and honours ``cancel`` between them.
 """
 
 from __future__ import annotations
@@ -84,13 +86,15 @@ class FakeEngine:
                  step_delay_s: float = 0.0, fail_at_step: int | None = None,
                  error: BaseException | None = None, end_with_context: bool = False,
                  notice_at_step: int | None = None, expected_speedup: float | None = 1.8,
-                 wall_s: float | None = None) -> None:
+                 wall_s: float | None = None, prefill_passes: int = 0, prefill_tokens: int = 5000,
+                 prefill_delay_s: float = 0.0) -> None:
         self.pair, self.context_length, self.tokenizer = pair, pair.context_length, None
         self.reply, self.gamma, self.accept_pattern, self.pause_every = reply, gamma, accept_pattern, pause_every
         self.step_delay_s, self.fail_at_step, self.error = step_delay_s, fail_at_step, error
         self.end_with_context, self.notice_at_step = end_with_context, notice_at_step
         self.expected_speedup = expected_speedup
         self.wall_s = wall_s  # fixed stats times (snapshot tests); None: measured
+        self.prefill_passes, self.prefill_tokens, self.prefill_delay_s = prefill_passes, prefill_tokens, prefill_delay_s
         self.requests: list[GenerationRequest] = []
         self.forgotten: list[str] = []
         self.closed = False
@@ -124,6 +128,18 @@ class FakeEngine:
             raise self.error or SpecchatError("fake failure before the first token")
         text = self.reply(request) if callable(self.reply) else self.reply
         pieces = split_tokens(text)
+        drafter = request.drafter or self.pair.drafter
+        passes = range(0, self.prefill_tokens, -(-self.prefill_tokens // self.prefill_passes)) if self.prefill_passes \
+            else range(0)
+        for done in passes:
+            if cancel.is_set():
+                yield self._event([], [], gamma=0, accepted=0, policy=PolicyState.OFF, drafter=drafter,
+                                  finish_reason="cancelled", stats=SpecStats().report(drafter=drafter))
+                return
+            if request.prefill_progress:
+                yield self._event([], [], gamma=0, accepted=0, policy=PolicyState.OFF, drafter=drafter,
+                                  prefill_tokens=self.prefill_tokens, prefill_done=done)
+            cancel.wait(self.prefill_delay_s)
         limit = request.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         drafter = request.drafter or self.pair.drafter
         fixed = request.gamma if isinstance(request.gamma, int) else None

@@ -4,25 +4,25 @@ file, or to ``<title>.md`` in a folder).
 Contract: the document starts with ``# <title>``, then the pair, the start date and the message count, then
 one ``## <role> · <date>`` section per message; a reply saved incomplete is marked "reply interrupted", and a
 reply's scalar statistics follow it on one line (lists and dicts are left out). The file is written with
-``specchat.backend.files.write_atomic`` (an existing file is replaced whole or not at all); a failure raises
-:class:`~.records.StoreError` naming the path.
+``specchat.backend.files.write_atomic`` (an existing file is replaced whole or not at all); a read-only file or
+folder (mode bits) is not written; a failure raises :class:`~.records.StoreError` naming the path.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
-from specchat.app.chat.history.records import ChatSummary, StoredMessage, StoreError
+from specchat.app.chat.history.records import ChatSummary, StoredMessage, StoreError, format_time
 from specchat.app.chat.history.store import ChatStore
-from specchat.backend.files import write_atomic
+from specchat.backend.files import read_only_reason, write_atomic
+from specchat.backend.paths import expand
 
 _ROLE_HEADINGS = {"system": "System", "user": "You", "assistant": "Assistant"}
 
 
 def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+    return format_time(ts)
 
 
 def _stats_line(stats: dict) -> str:
@@ -55,10 +55,13 @@ def export_markdown(store: ChatStore, chat_id: int, path: Path | str) -> Path:
     """Write the chat as Markdown to ``path`` (a folder: ``<folder>/<title>.md``); returns the file written."""
     summary = store.chat(chat_id)
     text = render_markdown(summary, store.messages(chat_id))
-    target = Path(path).expanduser()
+    target = expand(path)
     if target.is_dir():
         stem = re.sub(r"[^\w.-]+", "-", summary.title).strip("-.")[:60] or "chat"
         target = target / f"{stem}.md"
+    reason = read_only_reason(target)  # the user's permissions hold for root too
+    if reason is not None:
+        raise StoreError(f"could not export the chat to {target}: {reason}. Choose a folder you can write to.")
     try:
         write_atomic(target, text)
     except OSError as exc:

@@ -3,7 +3,13 @@
 Contract:
 - The file is ``<data dir>/history.sqlite3`` unless a path is given; the data dir is
   ``specchat.backend.paths.data_dir()`` (which honours ``SPECCHAT_DATA_DIR``). The file is created owner-only
-  (0600; SQLite gives its -wal/-shm files the same mode) and a missing folder is created 0700.
+  (0600; SQLite gives its -wal/-shm files the same mode) and a missing folder is created 0700 (access.py).
+- A file or folder the user made read-only (mode bits, also as root) is opened read-only and never changed:
+  ``read_only`` is True, ``read_only_message`` says so for the UI, reads work and every write raises
+  :class:`StoreError` without touching the file.
+- Rows are read through ``records.summary_from_row`` / ``message_from_row``: whatever an older or damaged store
+  left (invalid UTF-8, text or huge numbers as times, unknown roles, deeply nested stats) is shown as unreadable
+  or skipped, never raised.
 - WAL journal and a 10 s ``busy_timeout``: several specchat processes read and write the same history at once.
   Every write is one ``BEGIN IMMEDIATE`` transaction, so a second writer waits for the lock instead of failing.
   ``synchronous=NORMAL``: a committed write survives the process being killed (``kill -9``); a power cut may
@@ -23,7 +29,6 @@ User-facing failures (unwritable folder, database locked too long, newer schema)
 from __future__ import annotations
 
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -31,13 +36,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from specchat.app.chat.history.records import ROLES, ChatSummary, StoredMessage, StoreError, dump_stats, load_stats
-from specchat.backend.paths import data_dir
+from specchat.app.chat.history import access
+from specchat.app.chat.history.access import BUSY_TIMEOUT_MS
+from specchat.app.chat.history.records import (
+    ROLES,
+    ChatSummary,
+    StoredMessage,
+    StoreError,
+    dump_stats,
+    message_from_row,
+    summary_from_row,
+)
+from specchat.backend.paths import data_dir, expand
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "history.sqlite3"
-BUSY_TIMEOUT_MS = 10_000
 
 # MIGRATIONS[i] upgrades a version-i database to version i + 1. Append only; never edit a released entry.
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -64,33 +78,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
-_CORRUPTION_CODES = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
-
-
-def _is_corruption(exc: sqlite3.Error) -> bool:
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return (code & 0xFF) in _CORRUPTION_CODES
-    text = str(exc).lower()
-    return "not a database" in text or "malformed" in text
-
-
 class _Corrupt(Exception):
     pass
-
-
-def _set_wal(conn: sqlite3.Connection) -> str:
-    """Switch to WAL; returns the journal mode in force. Switching needs an exclusive lock and SQLite may answer
-    "database is locked" at once, without calling the busy handler, while another process is creating the same
-    file: retry for up to the busy timeout."""
-    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
-    while True:
-        try:
-            return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
 
 
 class ChatStore:
@@ -98,65 +87,52 @@ class ChatStore:
 
     def __init__(self, path: Path | None = None) -> None:
         in_data_dir = path is None
-        self.path = (data_dir() / DB_NAME) if path is None else Path(path).expanduser()
+        self.path = (data_dir() / DB_NAME) if path is None else expand(path)
         self.recovered_from: Path | None = None  # where a damaged database was moved, if it was
         self.recovery_message: str | None = None  # the message to show the user about it
         self._lock = threading.RLock()
-        self._prepare_dir(tighten=in_data_dir)
+        self.read_only_reason = access.prepare(self.path, tighten=in_data_dir)  # None: writable
         try:
-            self._conn: sqlite3.Connection | None = self._open()
+            try:
+                self._conn: sqlite3.Connection | None = self._open()
+            except StoreError as exc:
+                reason = access.unwritable_reason(self.path, exc.__cause__)
+                if self.read_only or reason is None:
+                    raise
+                self.read_only_reason = reason  # a full disk at start: show the chats, save nothing
+                self._conn = self._open()
         except _Corrupt as exc:
-            self._move_aside(str(exc))
+            if self.read_only:
+                raise StoreError(f"the history file {self.path} is damaged ({exc}) and read-only "
+                                 f"({self.read_only_reason}); it was left as it is. Move it away or make it "
+                                 "writable, and start specchat again.") from None
+            moved = access.move_aside(self.path, str(exc))
+            if moved is not None:
+                self.recovered_from, self.recovery_message = moved
             self._conn = self._open()
 
+    @property
+    def read_only(self) -> bool:
+        return self.read_only_reason is not None
+
+    @property
+    def read_only_message(self) -> str | None:
+        """What the UI tells the user about a read-only history (None when writable)."""
+        if self.read_only_reason is None:
+            return None
+        return (f"The chat history is read-only ({self.read_only_reason}): your chats are shown, but nothing new "
+                "is saved. Make it writable (chmod u+w) to save chats.")
+
     # -- opening ---------------------------------------------------------------------------------------------
-    def _prepare_dir(self, *, tighten: bool) -> None:
-        folder = self.path.parent
-        try:
-            if not folder.exists():
-                folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-                os.chmod(folder, 0o700)
-            elif tighten and folder.stat().st_uid == os.geteuid() and folder.stat().st_mode & 0o077:
-                os.chmod(folder, 0o700)  # specchat's own data folder: owner only
-        except OSError as exc:
-            raise StoreError(
-                f"cannot create the history folder {folder}: {exc.strerror or exc}. Make it writable, or set "
-                "SPECCHAT_DATA_DIR to a folder you can write."
-            ) from exc
-
-    def _create_private(self) -> None:
-        """Create the database file 0600 before SQLite does (SQLite would use the umask: often 0644)."""
-        try:
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise StoreError(
-                f"cannot create the history file {self.path}: {exc.strerror or exc}. Make its folder writable, "
-                "or set SPECCHAT_DATA_DIR to a folder you can write."
-            ) from exc
-        for suffix in ("", "-wal", "-shm"):
-            file = Path(f"{self.path}{suffix}")
-            try:
-                st = file.stat()
-                if st.st_mode & 0o077 and st.st_uid == os.geteuid():
-                    os.chmod(file, 0o600)
-            except OSError:
-                pass  # absent side file, or not ours: SQLite reports real access problems below
-
     def _open(self) -> sqlite3.Connection:
-        self._create_private()
-        try:
-            conn = sqlite3.connect(
-                self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
-            )
-        except sqlite3.Error as exc:
-            raise StoreError(f"cannot open the history file {self.path}: {exc}. Check its permissions.") from exc
+        conn = access.connect(self.path, read_only=self.read_only)
         try:
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-            if _set_wal(conn) != "wal":
-                log.warning("%s: this file system does not support WAL; concurrent writers will wait longer", self.path)
-            conn.execute("PRAGMA synchronous = NORMAL")
+            if not self.read_only:
+                if access.set_wal(conn) != "wal":
+                    log.warning("%s: this file system does not support WAL; concurrent writers will wait longer",
+                                self.path)
+                conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
             check = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
             if check != ["ok"]:
@@ -164,7 +140,7 @@ class ChatStore:
             self._migrate(conn)
         except sqlite3.Error as exc:
             conn.close()
-            if _is_corruption(exc):
+            if access.is_corruption(exc):
                 raise _Corrupt(str(exc)) from exc
             raise StoreError(
                 f"cannot open the history file {self.path}: {exc}. If another specchat is busy with it, wait and "
@@ -176,8 +152,13 @@ class ChatStore:
         return conn
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
-        if conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version == SCHEMA_VERSION:
             return
+        if self.read_only:
+            raise StoreError(f"the history file {self.path} has schema {version} (this specchat uses "
+                             f"{SCHEMA_VERSION}) and is read-only ({self.read_only_reason}), so it cannot be "
+                             "upgraded. Make it writable once, or use a specchat of its version.")
         conn.execute("BEGIN IMMEDIATE")
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process may have migrated
@@ -196,34 +177,6 @@ class ChatStore:
                 conn.execute("ROLLBACK")
             raise
 
-    def _move_aside(self, reason: str) -> None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-        n = 1
-        while dest.exists():
-            n += 1
-            dest = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
-        try:
-            os.replace(self.path, dest)
-            for suffix in ("-wal", "-shm"):  # the journal belongs to the damaged file: keep them together
-                side = Path(f"{self.path}{suffix}")
-                if side.exists():
-                    os.replace(side, Path(f"{dest}{suffix}"))
-        except FileNotFoundError:
-            return  # another specchat moved it aside first (and tells its user)
-        except OSError as exc:
-            raise StoreError(
-                f"the history file {self.path} is damaged ({reason}) and could not be moved aside: "
-                f"{exc.strerror or exc}. Move it away yourself (nothing was deleted) and start specchat again."
-            ) from exc
-        self.recovered_from = dest
-        self.recovery_message = (
-            f"The chat history {self.path} was damaged ({reason}). It was moved to {dest} — nothing was "
-            "deleted — and a new, empty history was started. Older chats may be recoverable from that file "
-            "with the sqlite3 shell's .recover command."
-        )
-        log.warning("%s", self.recovery_message)
-
     # -- transactions ------------------------------------------------------------------------------------------
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -240,6 +193,9 @@ class ChatStore:
 
     @contextmanager
     def _write(self, what: str) -> Iterator[sqlite3.Connection]:
+        if self.read_only_reason is not None:
+            raise StoreError(f"could not {what}: the history {self.path} is read-only ({self.read_only_reason}); "
+                             "make it writable (chmod u+w) to save chats.")
         with self._lock:
             conn = self._connection()
             try:
@@ -286,7 +242,7 @@ class ChatStore:
                 " (SELECT COUNT(*) FROM messages m WHERE m.chat_id = c.id)"
                 " FROM chats c ORDER BY c.updated_at DESC, c.id DESC"
             ).fetchall()
-        return [ChatSummary(*row) for row in rows]
+        return [summary_from_row(row) for row in rows]
 
     def chat(self, chat_id: int) -> ChatSummary:
         with self._read("read a chat") as conn:
@@ -296,7 +252,7 @@ class ChatStore:
                 " (SELECT COUNT(*) FROM messages WHERE chat_id = chats.id) FROM chats WHERE id = ?",
                 (chat_id,),
             ).fetchone()
-        return ChatSummary(*row)
+        return summary_from_row(row)
 
     def last_chat_id(self) -> int | None:
         with self._read("find the last chat") as conn:
@@ -329,7 +285,10 @@ class ChatStore:
                 "SELECT id, role, content, stats, created_at, complete FROM messages WHERE chat_id = ? ORDER BY id",
                 (chat_id,),
             ).fetchall()
-        return [StoredMessage(r[0], r[1], r[2], load_stats(r[3]), r[4], bool(r[5])) for r in rows]
+        messages = [message_from_row(row) for row in rows]
+        if None in messages:
+            log.warning("%s: chat %s: skipped %d unreadable message(s)", self.path, chat_id, messages.count(None))
+        return [m for m in messages if m is not None]
 
     def add_message(
         self, chat_id: int, role: str, content: str, stats: dict | None = None, complete: bool = True
@@ -363,6 +322,13 @@ class ChatStore:
                 (content, dump_stats(stats), None if complete is None else int(complete), message_id),
             )
             self._touch(conn, row[0], time.time())
+
+    def delete_messages_from(self, chat_id: int, message_id: int) -> int:
+        """Delete message ``message_id`` of the chat and every later one (edit and resend); how many went."""
+        with self._write("remove messages") as conn:
+            count = conn.execute("DELETE FROM messages WHERE chat_id = ? AND id >= ?", (chat_id, message_id)).rowcount
+            self._touch(conn, chat_id, time.time())
+            return int(count)
 
     def delete_last_assistant(self, chat_id: int) -> int | None:
         """Delete the chat's last message if it is an assistant reply (regenerate); returns its id or None."""

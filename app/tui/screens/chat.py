@@ -20,14 +20,17 @@ Contract:
   the cancel event, waits for the worker thread to end, drains what is left and finishes the reply (the
   partial text is kept, shown and saved) before anything else starts.
 - A reply is saved while it streams (StreamingSaver, ≤ 0.5 s behind) and at its end with its stats.
-- Errors become notifications that say what to do; the screen and the history stay usable.
+- A reply asks the engine for prefill progress: until its first token, the stats bar and the reply's totals
+  line say "reading prompt 2,300 / 4,936 tokens" (redrawn each second for the time so far); Esc stops it
+  between two passes over the prompt.
+- Errors become notifications that say what to do (Ctrl+R retries, Up edits the message and sends it again);
+  the reply's totals line keeps what went wrong. The screen and the history stay usable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,16 +51,15 @@ from specchat.app.tui.screens.chat_actions import WELCOME, ChatActionsMixin
 from specchat.app.tui.widgets.details_panel import DetailsPanel
 from specchat.app.tui.widgets.message_view import AssistantMessage, MessageView, UserMessage
 from specchat.app.tui.widgets.prompt_input import PromptInput
-from specchat.app.tui.widgets.stats_bar import StatsBar, reply_totals
+from specchat.app.tui.widgets.stats_bar import StatsBar, prefill_line, reply_totals
 from specchat.backend.api import GenerationRequest
-from specchat.backend.errors import KVCacheFullError, SpecchatError
 
 if TYPE_CHECKING:
+    from specchat.app.chat.edit_files import AppliedEdit
     from specchat.app.chat.editing import EditTarget
     from specchat.app.chat.history.saver import StreamingSaver
     from specchat.backend.api import EngineAPI
 
-log = logging.getLogger(__name__)
 COMPLETE_REASONS = frozenset({"eos", "stop", "length", "context"})
 UI_CPU_BUDGET = 0.03  # share of one core the UI thread may use while a reply streams
 STATS_INTERVAL_S = (0.1, 0.25)  # the worker's nudges; each redraws the stats bar (one line, no layout pass)
@@ -86,7 +88,7 @@ class ActiveReply:
     turn: Turn
     view: AssistantMessage
     saver: StreamingSaver | None
-    edit_target: EditTarget | None
+    edit: tuple[list[EditTarget], str] | None  # the /edit files and request this reply answers
     buffer: ReplyBuffer = field(default_factory=ReplyBuffer)
     cancel: threading.Event = field(default_factory=threading.Event)
     worker: Worker | None = None
@@ -100,6 +102,12 @@ class ChatScreen(ChatActionsMixin, Screen):
         # Not in the footer: showing it only while a reply streams would recompose the footer (a layout pass
         # of the screen, ~0.1 s) as each reply starts; the stats bar says "esc stop" while one streams.
         Binding("escape", "stop", "Stop", show=False),
+        # The app's F-keys again, first: the footer lists the screen's keys before the app's, and at 80 columns
+        # the last ones do not fit.
+        Binding("f1", "app.help", "Help"),
+        Binding("f2", "app.pick_pair", "Pair"),
+        Binding("f3", "app.settings", "Settings"),
+        Binding("f4", "app.history", "History"),
         Binding("ctrl+r", "regenerate", "Regenerate"),
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+t", "toggle_tokens", "Token view"),
@@ -112,14 +120,16 @@ class ChatScreen(ChatActionsMixin, Screen):
         super().__init__(id="chat")
         self.conv = Conversation(None, self._history_error)
         self.token_view = False
-        self.pending_files: list[tuple[str, str]] = []  # (name shown, context text)
-        self.pending_edit: EditTarget | None = None
+        self.pending_files: list[tuple[str, str, str]] = []  # (name shown, context text, path)
+        self.pending_edits: list[EditTarget] = []
+        self.applied_edits: list[AppliedEdit] = []  # this session's applied /edit, for /undo
+        self.resend_from: int | None = None  # the turn an edited last message replaces (Up in the empty input)
         self._active: ActiveReply | None = None
         self._replies: dict[int, ActiveReply] = {}
         self._ids = itertools.count(1)
         self._drain_lock = asyncio.Lock()
         self._waiting_reply = False  # a reply to start once the model has loaded
-        self._waiting_edit: EditTarget | None = None  # the /edit target of that reply
+        self._waiting_edit: tuple[list[EditTarget], str] | None = None  # the /edit files of that reply
         self._last = LiveView()  # the last finished reply's, for the details panel
         self.stats_interval, self.text_interval = STATS_INTERVAL_S[0], TEXT_INTERVAL_S[0]
         self._cpu_mark = (time.thread_time(), time.monotonic())
@@ -139,6 +149,7 @@ class ChatScreen(ChatActionsMixin, Screen):
         yield Footer()
 
     def on_mount(self) -> None:
+        self.set_interval(1.0, self._tick)
         self.conv.store = self.app.store
         self.query_one("#details").display = False
         self.query_one("#attachments").display = False
@@ -190,41 +201,46 @@ class ChatScreen(ChatActionsMixin, Screen):
                 self.query_one(PromptInput).clear()
             return
         self.query_one(PromptInput).clear()
+        if self.resend_from is not None:
+            index, self.resend_from = self.resend_from, None
+            await self.replace_from(index)
         await self.send(text[1:] if text.startswith("//") else text)
 
     async def send(self, request: str) -> None:
         """Send ``request`` (with any pending attachments) and start the reply."""
         from specchat.app.chat.editing import EditError, build_edit_prompt
 
-        files, edit = self.pending_files, self.pending_edit
-        parts = [context for _, context in files]
+        files, edits = self.pending_files, self.pending_edits
+        parts = [context for _, context, _ in files]
         meta: dict[str, Any] = {}
-        if edit is not None:
+        if edits:
             try:
-                parts.append(build_edit_prompt(edit, request))
+                parts.append(build_edit_prompt(edits, request))
             except EditError as error:
                 self.notify(str(error), title="/edit", severity="error", timeout=8)
                 return
-            meta["edit"] = str(edit.path)
+            meta["edit"] = [str(t.path) for t in edits]
         else:
             parts.append(request)
-        if files or edit is not None:
+        if files or edits:
             meta["request"] = request
-            meta["attachments"] = [name for name, _ in files] + ([edit.display or edit.path.name] if edit else [])
-        self.pending_files, self.pending_edit = [], None
+            meta["attachments"] = [name for name, _, _ in files] + [t.shown for t in edits]
+            if files:
+                meta["files"] = [path for _, _, path in files]
+        self.pending_files, self.pending_edits, self.resend_from = [], [], None
         self.update_attachments()
         await self.stop_generation()
         turn = self.conv.add_user("\n\n".join(parts), self.app.current_pair_name or "", meta)
         self.update_title()
         await self._mount_messages(UserMessage(turn.display, turn.content))
         self.query_one("#conversation", VerticalScroll).anchor()  # a new message follows the reply again
-        await self.start_reply(edit)
+        await self.start_reply((edits, request) if edits else None)
 
-    async def start_reply(self, edit_target: EditTarget | None = None) -> None:
+    async def start_reply(self, edit: tuple[list[EditTarget], str] | None = None) -> None:
         engine = self.app.engine
         if engine is None:
             if self.app.loading_pair:
-                self._waiting_reply, self._waiting_edit = True, edit_target
+                self._waiting_reply, self._waiting_edit = True, edit
                 self.notify(f"{self.app.loading_pair} is still loading; the reply starts when it is ready.",
                             timeout=4)
             else:
@@ -234,12 +250,12 @@ class ChatScreen(ChatActionsMixin, Screen):
         settings = self.app.settings
         request = GenerationRequest(messages=self.conv.request_messages(settings.system_prompt),
                                     sampling=settings.sampling(), drafter=settings.request_drafter(),
-                                    gamma=settings.gamma, conversation=self.conv.key)
+                                    gamma=settings.gamma, conversation=self.conv.key, prefill_progress=True)
         turn, saver = self.conv.start_reply()
         view = AssistantMessage(header=f"Assistant · {self.app.current_pair_name}", token_view=self.token_view)
         await self._mount_messages(view)
         view.start_stream()
-        reply = ActiveReply(next(self._ids), turn, view, saver, edit_target)
+        reply = ActiveReply(next(self._ids), turn, view, saver, edit)
         self._replies[reply.reply_id] = reply
         self._active = reply
         self._cpu_mark = (time.thread_time(), time.monotonic())
@@ -285,6 +301,8 @@ class ChatScreen(ChatActionsMixin, Screen):
                 self._adapt_intervals(now)
                 await reply.view.show_pending()
             self.stats_bar.show_live(delta.live, streaming=delta.outcome is None)
+            if delta.outcome is None:
+                self._show_prefill(reply)
             details = self._widget(DetailsPanel)
             if details.display:
                 details.update_stats(delta.live)
@@ -292,6 +310,22 @@ class ChatScreen(ChatActionsMixin, Screen):
                 self.notify(notice, severity="warning", timeout=8)
             if delta.outcome is not None:
                 await self._finish(reply, delta.outcome)
+
+    def _show_prefill(self, reply: ActiveReply) -> None:
+        """Until the first token: say in the reply how much of the prompt has been read."""
+        prefill = reply.live.prefill
+        if prefill is not None and not reply.live.stats.new_tokens:
+            done, total, started = prefill
+            reply.view.show_status(f"{prefill_line(done, total, time.monotonic() - started)} · Esc stops")
+        elif reply.view.totals:
+            reply.view.show_status("")
+
+    def _tick(self) -> None:
+        """Each second: while a reply reads its prompt, redraw its progress (the time so far moves on)."""
+        reply = self._active
+        if reply is not None and reply.live.prefill is not None and not reply.live.stats.new_tokens:
+            self.stats_bar.show_live(reply.live, streaming=True)
+            self._show_prefill(reply)
 
     def _adapt_intervals(self, now: float) -> None:
         """Every second: pace the redraws to the UI thread's CPU share since the last check."""
@@ -312,37 +346,17 @@ class ChatScreen(ChatActionsMixin, Screen):
         if outcome.stats is not None:  # the engine's totals (a stop before its last event keeps the latest stats)
             reply.live = LiveView(outcome.stats, reply.live.drafter, None)
         live, stats = reply.live, reply.live.stats
-        await reply.view.finish(reply_totals(stats, outcome.finish_reason))
+        error = (outcome.message or "unknown error") if outcome.finish_reason == "error" else None
+        await reply.view.finish(reply_totals(stats, outcome.finish_reason, error))
         complete = outcome.finish_reason in COMPLETE_REASONS
         self.conv.finish_reply(reply.turn, reply.saver, reply.view.text, stats, finish_reason=outcome.finish_reason,
-                               pair=self.app.current_pair_name or "", complete=complete)
+                               pair=self.app.current_pair_name or "", complete=complete, error=error)
         self._last = live
         self.stats_bar.show_live(live, streaming=False)
         self.query_one(DetailsPanel).update_stats(live)
         self._report(outcome)
-        if reply.edit_target is not None and outcome.finish_reason in COMPLETE_REASONS:
-            self.offer_edit(reply.edit_target, reply.view.text)
-
-    def _report(self, outcome: ReplyOutcome) -> None:
-        reason, error = outcome.finish_reason, outcome.error
-        if reason == "error":
-            if isinstance(error, KVCacheFullError):
-                self.notify(f"{error} Start a new chat (Ctrl+N) or shorten the conversation; the partial reply "
-                            "was kept.", title="Context full", severity="error", timeout=12)
-            elif error is None or isinstance(error, SpecchatError):
-                reason_text = (outcome.message or "unknown error").rstrip(".")
-                self.notify(f"{reason_text}. The partial reply was kept; fix the cause and press Ctrl+R to retry.",
-                            title="Reply failed", severity="error", timeout=12)
-            else:
-                log.error("unexpected error during a reply", exc_info=error)
-                self.notify(f"Internal error: {type(error).__name__}: {error}. The partial reply was kept; the "
-                            f"traceback is in {self.app.log_path}.", title="Reply failed", severity="error",
-                            timeout=12)
-        elif reason == "context":
-            self.notify(outcome.message or "The conversation no longer fits in the model's context. Start a new "
-                        "chat (Ctrl+N) to go on.", title="Context full", severity="warning", timeout=12)
-        elif outcome.message:
-            self.notify(outcome.message, timeout=6)
+        if reply.edit is not None and outcome.finish_reason in COMPLETE_REASONS:
+            self.offer_edit(reply.edit[0], reply.view.text, reply.edit[1])
 
     async def stop_generation(self) -> None:
         """Cancel the running reply, wait for its worker thread to end, and finish it (partial text kept)."""
@@ -350,6 +364,8 @@ class ChatScreen(ChatActionsMixin, Screen):
         if reply is None:
             return
         reply.cancel.set()
+        if reply.live.prefill is not None and not reply.live.stats.new_tokens:
+            reply.view.show_status("stopping after the current pass over the prompt…")  # Esc was heard
         if reply.worker is not None:
             try:
                 await reply.worker.wait()

@@ -73,23 +73,31 @@ class TextPromptScreen(ModalScreen[str | None]):
 
 
 class DiffScreen(ModalScreen[bool]):
-    """Shows the unified diff of an edit; Apply writes the file (the caller does, after dismiss(True))."""
+    """The diff of an edit, one section per file (its heading names the real file a symlink points to), and
+    notes to read before applying; Apply writes the files (the caller does, after dismiss(True))."""
 
     BINDINGS = [Binding("escape", "dismiss(False)", "Cancel"), Binding("a", "dismiss(True)", "Apply")]
 
-    def __init__(self, path: str, diff: str) -> None:
+    def __init__(self, sections: list[tuple[str, str]], notes: list[str] | None = None) -> None:
         super().__init__(classes="dialog-screen")
-        self.path, self.diff = path, diff
+        self.sections, self.notes = sections, list(notes or [])
+        self.diff = "".join(diff for _, diff in sections)
 
     def compose(self) -> ComposeResult:
-        added = sum(1 for line in self.diff.splitlines() if line.startswith("+") and not line.startswith("+++"))
-        removed = sum(1 for line in self.diff.splitlines() if line.startswith("-") and not line.startswith("---"))
+        lines = self.diff.splitlines()
+        added = sum(1 for line in lines if line.startswith("+") and not line.startswith("+++"))
+        removed = sum(1 for line in lines if line.startswith("-") and not line.startswith("---"))
+        what = self.sections[0][0] if len(self.sections) == 1 else f"{len(self.sections)} files"
         with Vertical(classes="dialog wide"):
-            yield Label(f"Apply this edit to {self.path}?  (+{added} −{removed})", classes="dialog-title",
-                        markup=False)
+            yield Label(f"Apply this edit to {what}?  (+{added} −{removed})", classes="dialog-title", markup=False)
+            for note in self.notes:
+                yield Static(f"⚠ {note}", classes="dialog-note", markup=False)
             with VerticalScroll(id="diff-scroll"):
-                yield Static(Syntax(self.diff, "diff", theme="ansi_dark", word_wrap=False), id="diff")
-            yield Static("A backup of the current file is kept next to it. a: apply · Esc: cancel",
+                for heading, diff in self.sections:
+                    if len(self.sections) > 1:
+                        yield Static(heading, classes="diff-heading", markup=False)
+                    yield Static(Syntax(diff, "diff", theme="ansi_dark", word_wrap=False), classes="diff")
+            yield Static("A backup of each file is kept next to it; /undo puts them back. a: apply · Esc: cancel",
                          classes="dialog-hint")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Apply", variant="success", id="apply")

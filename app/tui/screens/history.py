@@ -2,12 +2,13 @@
 
 Contract: dismissed with a :class:`HistoryResult` — the chat to open (or None) and the ids deleted while the
 screen was open (the chat screen starts a new chat if the open one was deleted). Store errors are shown as
-notifications; the list is reloaded after each change.
+notifications; the list is reloaded after each change. Columns are sized to the terminal: the date and time
+("2025-05-01 14:03"), the message count and each chat's own pair (the pairs that wrote its replies) show
+whole; a title too long for what is left ends in "…".
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Label, Static
 
 from specchat.app.chat.history.export import export_markdown
+from specchat.app.chat.history.records import format_time
 from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from specchat.backend.errors import SpecchatError
 
@@ -35,7 +37,7 @@ class HistoryResult:
 
 
 def when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+    return format_time(ts)  # a damaged row's time reads "unknown date"
 
 
 async def export_chat(screen: Screen, store: ChatStore, chat_id: int, title: str) -> None:
@@ -46,7 +48,7 @@ async def export_chat(screen: Screen, store: ChatStore, chat_id: int, title: str
     if target is None:
         return
     try:
-        written = export_markdown(store, chat_id, Path(target).expanduser())
+        written = export_markdown(store, chat_id, target)  # it expands ~ (never raising)
     except SpecchatError as error:
         screen.app.notify(str(error), title="Export failed", severity="error", timeout=8)
         return
@@ -66,6 +68,7 @@ class HistoryScreen(ModalScreen[HistoryResult]):
         self.store, self.current_chat = store, current_chat
         self.result = HistoryResult()
         self.titles: dict[int, str] = {}
+        self.title_width = 40
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide", id="history"):
@@ -76,8 +79,16 @@ class HistoryScreen(ModalScreen[HistoryResult]):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        for column in ("title", "pair", "messages", "updated"):
-            table.add_column(column, key=column)
+        try:
+            chats = self.store.list_chats()
+        except SpecchatError:
+            chats = []  # reload() reports it
+        dialog = min(130, self.app.size.width * 9 // 10)  # styles.tcss: .dialog.wide
+        pair = min(max((len(c.pair) for c in chats), default=4), 30)
+        fixed = {"pair": max(pair, 4), "messages": 8, "updated": 16}
+        self.title_width = max(12, dialog - 6 - sum(fixed.values()) - 2 * (len(fixed) + 1))
+        for column, width in {"title": self.title_width, **fixed}.items():
+            table.add_column(column, key=column, width=width)
         self.reload()
         table.focus()
 
@@ -94,8 +105,11 @@ class HistoryScreen(ModalScreen[HistoryResult]):
         for chat in chats:
             marker = "● " if chat.id == self.current_chat else "  "
             # Text cells: titles are user text and must not be parsed as markup
-            table.add_row(Text(marker + chat.title), Text(chat.pair), str(chat.message_count),
-                          when(chat.updated_at), key=str(chat.id))
+            title = marker + chat.title
+            if len(title) > self.title_width:
+                title = title[: self.title_width - 1] + "…"
+            table.add_row(Text(title), Text(chat.pair), str(chat.message_count), when(chat.updated_at),
+                          key=str(chat.id))
         self.query_one("#history-empty", Static).update("" if chats else "No saved chats yet.")
         if chats:
             table.move_cursor(row=min(row, len(chats) - 1))

@@ -2,12 +2,14 @@
 
 Contract: dismissed with a validated :class:`Settings` (Save) or None (Cancel / Escape). A bad value keeps
 the dialog open, marks the field and says what is accepted; nothing is saved until every field is valid.
-Empty sampling fields mean "the pair's default".
+Empty sampling fields mean "the pair's default", and each says what that is for the pair in use (its
+models.yaml value, else "the model's default": the model's generation_config, which the UI does not read).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -27,23 +29,34 @@ def _text(value: object) -> str:
 class SettingsScreen(ModalScreen[Settings | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, pair: Any = None) -> None:
         super().__init__(classes="dialog-screen")
-        self.settings = settings
+        self.settings, self.pair = settings, pair
+
+    def pair_default(self, name: str) -> str:
+        """What an empty field means for the pair in use, e.g. "pair default: 0.2"."""
+        if self.pair is None:
+            return "pair default"
+        value = (getattr(self.pair, "sampling", None) or {}).get(name)
+        return f"{self.pair.name} default: {value}" if value is not None else "the model's default"
 
     def compose(self) -> ComposeResult:
         s = self.settings
         gamma_mode = "pair" if s.gamma is None else "auto" if s.gamma == "auto" else "fixed"
+        modes = dict(GAMMA_MODES)
+        if self.pair is not None:
+            modes["pair"] = f"Pair default ({self.pair.gamma})"
         with Vertical(classes="dialog wide", id="settings"):
             yield Label("Settings  (empty = the pair's default · Ctrl+S saves · Esc cancels)", classes="dialog-title")
             with VerticalScroll(id="settings-scroll"):
                 with Grid(id="settings-grid"):
                     yield Label("Temperature (0 = greedy)")
-                    yield Input(_text(s.temperature), placeholder="pair default", id="temperature", compact=True)
+                    yield Input(_text(s.temperature), placeholder=self.pair_default("temperature"), id="temperature",
+                                compact=True)
                     yield Label("Top-p (0..1]")
-                    yield Input(_text(s.top_p), placeholder="pair default", id="top_p", compact=True)
+                    yield Input(_text(s.top_p), placeholder=self.pair_default("top_p"), id="top_p", compact=True)
                     yield Label("Top-k (0 = off)")
-                    yield Input(_text(s.top_k), placeholder="pair default", id="top_k", compact=True)
+                    yield Input(_text(s.top_k), placeholder=self.pair_default("top_k"), id="top_k", compact=True)
                     yield Label("Max new tokens")
                     yield Input(_text(s.max_new_tokens), id="max_new_tokens", compact=True)
                     yield Label("Drafter")
@@ -51,7 +64,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
                                  allow_blank=False, id="drafter", compact=True)
                     yield Label("γ (draft tokens per step)")
                     with Horizontal(id="gamma-row"):
-                        yield Select([(label, key) for key, label in GAMMA_MODES.items()], value=gamma_mode,
+                        yield Select([(label, key) for key, label in modes.items()], value=gamma_mode,
                                      allow_blank=False, id="gamma_mode", compact=True)
                         yield Input(_text(s.gamma) if gamma_mode == "fixed" else "4", id="gamma", compact=True)
                 yield Label("System prompt")

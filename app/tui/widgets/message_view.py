@@ -6,8 +6,10 @@ by a :class:`StreamTail`, which repaints without a layout pass of the screen (se
 tail must grow, its finished top-level Markdown blocks move to the Textual ``Markdown`` widget, which parses,
 highlights and mounts each once; at the end the rest follows. The message keeps the (token text, source) pairs
 for the accepted-token view, which colours each token by its :class:`TokenSource` under a legend. Code blocks
-copy themselves to the clipboard on click; a focused message copies itself with ``c`` and its last code block
-with ``b``.
+copy themselves to the clipboard on click; a focused message copies itself with ``c``, its last code block
+with ``b``, and ``f`` branches the chat from it (:class:`BranchFrom`: the screen decides). A user message is
+shown as the text that was typed or pasted, line breaks and indentation kept (not parsed as Markdown). While a
+reply waits for its first token its totals line says what is happening (``show_status``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from textual.containers import Vertical
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets._markdown import MarkdownFence
 
+from specchat.app.tui.messages import BranchFrom
 from specchat.app.tui.widgets.stream_tail import StreamTail, split_finished
 from specchat.backend.api import TokenSource
 
@@ -92,7 +95,11 @@ class MessageView(Vertical, can_focus=True):
     BINDINGS = [
         Binding("c", "copy_message", "Copy message"),
         Binding("b", "copy_code", "Copy code block"),
+        Binding("f", "branch", "Branch from here"),
     ]
+
+    def action_branch(self) -> None:
+        self.post_message(BranchFrom(self))
 
     def message_text(self) -> str:
         raise NotImplementedError
@@ -121,15 +128,21 @@ class UserMessage(MessageView):
     def message_text(self) -> str:
         return self.content
 
+    def code_blocks(self) -> list[str]:
+        from specchat.app.chat.editing import code_blocks
+
+        return [block.text for block in code_blocks(self.display_text)]
+
     def compose(self) -> ComposeResult:
         yield Label("You", classes="role")
-        lines = self.display_text.splitlines()
+        lines = self.display_text.split("\n")
+        body = Static(Text(self.display_text), classes="user-text", markup=False)
         if len(lines) > LONG_USER_LINES:
             title = f"{lines[0][:70]} … ({len(lines)} lines)"
             with Collapsible(title=Text(title), collapsed=True):
-                yield ChatMarkdown(self.display_text)
+                yield body
         else:
-            yield ChatMarkdown(self.display_text)
+            yield body
 
 
 class AssistantMessage(MessageView):
@@ -206,6 +219,12 @@ class AssistantMessage(MessageView):
         self._apply_view()
         self.totals = totals
         self.query_one("#totals", Static).update(totals)
+
+    def show_status(self, text: str) -> None:
+        """A note in the totals line while no token has come yet ("reading prompt ..."); "" clears it."""
+        if self.streaming and text != self.totals:
+            self.totals = text
+            self.query_one("#totals", Static).update(text)
 
     def set_token_view(self, on: bool) -> None:
         self.token_view = on

@@ -1,16 +1,27 @@
-"""The live statistics bar (tokens/s, acceptance, τ, γ, drafter and policy state, a tokens/s sparkline) and
+"""The live statistics bar (tokens/s, acceptance, τ, γ, drafter and step state, a tokens/s sparkline) and
 the presenters that format statistics for it and for a reply's totals line.
 
-Contract: the bar is updated from the UI thread at most ~10 times a second (once per drained reply buffer);
-it also shows model loading progress. Every number is the engine's (:class:`RequestStats`, the same object
-`specchat generate --json` prints and the history stores) except the live tokens/s, measured over the last
-second by the bridge (``backend``'s tok_s counts the whole reply, prefill included).
+Contract: the bar is updated from the UI thread at most ~10 times a second (once per drained reply buffer).
+Every number is the engine's (:class:`RequestStats`, the same object `specchat generate --json` prints and
+the history stores) except the live tokens/s, measured over the last second by the bridge (``backend``'s
+tok_s counts the whole reply, prefill included). Labels say what the latest step did while a reply streams
+(speculating with γ drafted, no draft found, paused, plain decoding) and, between replies, what the last
+reply did ("last reply: ..."): never "speculating" while idle.
+
+While a reply reads its prompt (an engine that reports prefill progress), the bar says "reading prompt
+2,300 / 4,936 tokens", a percentage bar and the time so far. While a pair loads it shows the loader's current
+step (its name, a percentage bar when the loader gives a fraction, the step's time and the total); a line too
+long for the terminal wraps onto a second line rather than being cut. :class:`LoadSteps` keeps each step's
+time for the "ready" note.
 """
 
 from __future__ import annotations
 
+import re
+import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.segment import Segment
@@ -19,9 +30,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.strip import Strip
 from textual.widget import Widget
-from textual.widgets import ProgressBar
 
-from specchat.app.tui.bridge import LiveView
+from specchat.app.tui.bridge import LiveView, step_name
 from specchat.backend.api import PolicyState, RequestStats
 
 SPARK_SAMPLES = 60
@@ -29,6 +39,7 @@ SPARK_WIDTH = 30  # columns; each shows the highest of SPARK_SAMPLES // SPARK_WI
 SPARK_BARS = "▁▂▃▄▅▆▇█"
 FINISH_NOTES = {"cancelled": "stopped", "length": "max tokens reached", "context": "context full",
                 "error": "error", "stop": "stop string", "eos": ""}
+BAR_CELLS = 12  # the width of a percentage bar (loading, reading a prompt)
 
 
 def pct(value: float | None) -> str:
@@ -40,25 +51,49 @@ def num(value: float | None, digits: int = 1) -> str:
 
 
 def policy_label(live: LiveView) -> str:
-    policy = live.stats.last_policy
+    """What the latest step of a streaming reply did."""
+    policy, drafter = live.stats.last_policy, live.drafter
     if policy is None:
         return ""
-    if policy == PolicyState.OFF or live.drafter == "none":
+    if policy == PolicyState.OFF or drafter == "none":
         return "plain decoding"
     if policy == PolicyState.PAUSED:
-        return f"{live.drafter}: paused"
-    return f"{live.drafter}: speculating"
+        return f"{drafter}: paused (it did not pay)"
+    if policy == PolicyState.SPECULATING:
+        return f"{drafter}: speculating" if live.stats.last_gamma else f"{drafter}: no draft this step"
+    return f"{drafter}: {getattr(policy, 'value', policy)}"
 
 
-def reply_totals(stats: RequestStats, finish_reason: str) -> str:
-    """One line under a finished reply: tokens, time, tok/s, acceptance, τ, drafter, and how it ended."""
+def percent_bar(fraction: float, cells: int = BAR_CELLS) -> str:
+    filled = round(max(0.0, min(1.0, fraction)) * cells)
+    return "█" * filled + "░" * (cells - filled)
+
+
+def seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 60 else f"{int(value // 60)} min {int(value % 60):02d} s"
+
+
+def prefill_line(done: int, total: int, elapsed: float | None = None) -> str:
+    """"reading prompt 2,300 / 4,936 tokens 47%" (and the time so far)."""
+    fraction = done / total if total else 0.0
+    line = f"reading prompt {done:,} / {total:,} tokens {fraction * 100:.0f}%"
+    return line if elapsed is None else f"{line} · {seconds(elapsed)}"
+
+
+def reply_totals(stats: RequestStats, finish_reason: str, error: str | None = None) -> str:
+    """One line under a finished reply: tokens, time, tok/s, acceptance, τ, drafter, and how it ended (for an
+    error, what went wrong and what the user can do)."""
     parts = [f"{stats.new_tokens} tokens", f"{num(stats.wall_s, 2)} s", f"{num(stats.tok_s)} tok/s"]
     if stats.drafted:
         parts.append(f"acceptance {pct(stats.acceptance_rate)}")
         parts.append(f"τ {num(stats.mean_accepted_length, 2)}")
     if stats.drafter:
-        parts.append(stats.drafter)
+        parts.append("plain decoding" if stats.drafter == "none" else stats.drafter)
     note = FINISH_NOTES.get(finish_reason, finish_reason)
+    if finish_reason == "cancelled" and not stats.new_tokens:
+        note = "stopped while reading the prompt"
+    if finish_reason == "error":
+        note = f"error: {(error or 'unknown').rstrip('.')} · ↑ edits your message, Ctrl+R retries"
     if note:
         parts.append(note)
     return " · ".join(parts)
@@ -69,7 +104,9 @@ def stored_totals(meta: Mapping[str, Any] | None) -> str:
     ``finish_reason``; an older or damaged row shows what can be read of it)."""
     if not meta:
         return ""
-    return reply_totals(RequestStats.from_dict(meta), str(meta.get("finish_reason", "")))
+    error = meta.get("error")
+    return reply_totals(RequestStats.from_dict(meta), str(meta.get("finish_reason", "")),
+                        error if isinstance(error, str) else None)
 
 
 def sparkline(samples: list[float], width: int = SPARK_WIDTH) -> Text:
@@ -83,27 +120,78 @@ def sparkline(samples: list[float], width: int = SPARK_WIDTH) -> Text:
     return Text("".join(SPARK_BARS[min(last, round(value / top * last))] if value > 0 else " " for value in columns))
 
 
-class StatsLine(Widget):
-    """One line of a fixed size: the statistics on the left, the tokens/s sparkline on the right.
+def short_step(name: str) -> str:
+    """A step's name for the "ready" note: without what it reads from or runs on, nor remarks in brackets."""
+    name = re.sub(r"\s*\([^)]*\)", "", name)
+    return re.sub(r"\s+(?:from|on|to)\s+\S.*$", "", name).strip() or name
 
-    An update repaints this line only: no layout pass of the whole screen (as ``Static.update`` would do),
-    no second region (as Textual's Sparkline widget would be), and the line is drawn straight from Rich
-    segments (Textual's Content pipeline took ~1.5 ms a line). It is redrawn up to ten times a second while
-    the engine decodes on the same cores, so every millisecond here is taken from decoding.
+
+@dataclass
+class LoadSteps:
+    """The steps of one load as the loader names them, with the time each took (a clock for tests)."""
+
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(default=0.0)
+    steps: list[tuple[str, float]] = field(default_factory=list)  # (name, start time)
+    message: str = ""
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+
+    def report(self, message: str, fraction: float | None) -> None:
+        name = step_name(message)
+        if not self.steps or self.steps[-1][0] != name:
+            self.steps.append((name, self.clock()))
+        self.message, self.fraction = message, fraction
+
+    def step_elapsed(self) -> float:
+        return self.clock() - (self.steps[-1][1] if self.steps else self.started)
+
+    def total(self) -> float:
+        return self.clock() - self.started
+
+    def durations(self) -> list[tuple[str, float]]:
+        """(step, seconds) of every step so far, the current one up to now."""
+        ends = [start for _, start in self.steps[1:]] + [self.clock()]
+        return [(name, end - start) for (name, start), end in zip(self.steps, ends)]
+
+
+class StatsLine(Widget):
+    """The statistics on the left, the tokens/s sparkline on the right: one line, or two when the text needs
+    them (a long loader message on a narrow terminal: wrapped, never cut).
+
+    An update repaints this widget only: no layout pass of the whole screen (as ``Static.update`` would do),
+    unless the number of lines changes; no second region (as Textual's Sparkline widget would be); the line
+    is drawn straight from Rich segments (Textual's Content pipeline took ~1.5 ms a line). It is redrawn up
+    to ten times a second while the engine decodes on the same cores, so every millisecond here is taken from
+    decoding.
     """
+
+    MAX_LINES = 2
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.text = Text()
         self.spark = Text()
-        self._strip: tuple[int, Strip] | None = None  # (width, the line drawn for it)
+        self._lines: tuple[int, list[Strip]] | None = None  # (width, the lines drawn for it)
+        self._line_count = 1
 
     def set(self, text: Text | str, spark: Text | None = None) -> None:
         self.text = Text(text) if isinstance(text, str) else text
         if spark is not None:
             self.spark = spark
-        self._strip = None
+        self._lines = None
+        width = self.size.width
+        count = 1 if not width or self.text.cell_len <= width else min(
+            self.MAX_LINES, len(self.text.wrap(self.app.console, width)))
+        if count != self._line_count:
+            self._line_count = count
+            self.styles.height = count  # a layout pass only when the number of lines changes
         self.refresh()
+
+    def on_resize(self) -> None:
+        self.set(self.text)
 
     def line_text(self, width: int) -> Text:
         """The statistics, then the sparkline flush right when ``width`` leaves room for it."""
@@ -114,36 +202,41 @@ class StatsLine(Widget):
         spark.stylize("green")
         return Text.assemble(self.text, " " * gap, spark)
 
-    def render(self) -> Text:  # what the line shows (render_line draws it)
+    def render(self) -> Text:  # what the widget shows (render_line draws it)
         return self.line_text(self.size.width)
+
+    def _draw(self, width: int) -> list[Strip]:
+        text = self.line_text(width)
+        lines = [text] if text.cell_len <= width else list(text.wrap(self.app.console, width))[: self.MAX_LINES]
+        strips = []
+        for line in lines:
+            line = line.copy()
+            line.truncate(width)
+            segments = list(line.render(self.app.console, end=""))  # one line: no wrapping pass, no newline
+            strips.append(Strip(Segment.apply_style(segments, self.rich_style)).adjust_cell_length(width,
+                                                                                                  self.rich_style))
+        return strips
 
     def render_line(self, y: int) -> Strip:
         width = self.size.width
-        if y != 0:
-            return Strip.blank(width, self.rich_style)
-        if self._strip is None or self._strip[0] != width:
-            text = self.line_text(width).copy()
-            text.truncate(width)
-            segments = list(text.render(self.app.console, end=""))  # one line: no wrapping pass, no newline
-            strip = Strip(Segment.apply_style(segments, self.rich_style)).adjust_cell_length(width, self.rich_style)
-            self._strip = (width, strip)
-        return self._strip[1]
+        if self._lines is None or self._lines[0] != width:
+            self._lines = (width, self._draw(width))
+        lines = self._lines[1]
+        return lines[y] if y < len(lines) else Strip.blank(width, self.rich_style)
 
 
 class StatsBar(Horizontal):
-    """One line at the bottom: live statistics (or loading progress) and the tokens/s sparkline."""
+    """The bottom line: live statistics, a prompt being read, or loading progress, and the sparkline."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._samples: deque[float] = deque([0.0] * SPARK_SAMPLES, maxlen=SPARK_SAMPLES)
         self.pair_name = ""
+        self.load: LoadSteps | None = None
+        self._ticker: Any = None
 
     def compose(self) -> ComposeResult:
         yield StatsLine(id="stats-text")
-        yield ProgressBar(total=1.0, show_eta=False, show_percentage=True, id="load-progress")
-
-    def on_mount(self) -> None:
-        self.query_one("#load-progress").display = False
 
     def _set(self, text: Text | str, spark: Text | None = None) -> None:
         self.query_one("#stats-text", StatsLine).set(text, spark)
@@ -155,22 +248,60 @@ class StatsBar(Horizontal):
         line = self.query_one("#stats-text", StatsLine)
         line.set(line.text, sparkline(list(self._samples)))
 
+    # -- loading -----------------------------------------------------------------------------------------------
+    def start_loading(self, pair_name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        """A load begins: its steps are timed from now; the line ticks every 0.5 s until it ends."""
+        self.pair_name, self.load = pair_name, LoadSteps(clock)
+        self.load.report("starting", None)
+        if self._ticker is None:
+            self._ticker = self.set_interval(0.5, self._draw_loading)
+        self._draw_loading()
+
     def show_loading(self, pair_name: str, text: str, fraction: float | None) -> None:
-        self.pair_name = pair_name
-        bar = self.query_one("#load-progress", ProgressBar)
-        bar.display = True
-        bar.update(total=None if fraction is None else 1.0, progress=fraction or 0.0)
-        self._set(Text.assemble(("⟳ ", "bold yellow"), (f"{pair_name}: ", "bold"), text))
+        if self.load is None or self.pair_name != pair_name:
+            self.start_loading(pair_name)
+        if self.load is not None:
+            self.load.report(text, fraction)
+        self._draw_loading()
+
+    def _draw_loading(self) -> None:
+        load = self.load
+        if load is None:
+            return
+        text = Text.assemble(("⟳ ", "bold yellow"), (self.pair_name, "bold"), " · ", load.message)
+        if load.fraction is not None:
+            text.append(f"  {percent_bar(load.fraction)} {load.fraction * 100:3.0f}%", style="cyan")
+        elapsed = f"  {seconds(load.step_elapsed())}"
+        if len(load.steps) > 1:
+            elapsed += f" (total {seconds(load.total())})"
+        text.append(elapsed, style="dim")
+        self._set(text, Text())
+
+    def _stop_loading(self) -> str:
+        """End the load display; the steps and their times ("" when there was no load)."""
+        if self._ticker is not None:
+            self._ticker.stop()
+            self._ticker = None
+        load, self.load = self.load, None
+        if load is None:
+            return ""
+        skip = ("starting", "Models loaded")
+        steps = [(short_step(n), d) for n, d in load.durations() if n not in skip and d >= 0.05]
+        return ", ".join(f"{name} {seconds(d)}" for name, d in steps)
 
     def show_ready(self, pair_name: str, note: str = "ready") -> None:
         self.pair_name = pair_name
-        self.query_one("#load-progress").display = False
-        self._set(Text.assemble(("● ", "bold green"), (pair_name, "bold"), f"  {note}"))
+        steps = self._stop_loading()
+        text = Text.assemble(("● ", "bold green"), (pair_name, "bold"), f"  {note}")
+        if steps:
+            text.append(f" · {steps}", style="dim")
+        self._set(text)
 
     def show_unloaded(self, note: str) -> None:
-        self.query_one("#load-progress").display = False
+        self._stop_loading()
         self._set(Text.assemble(("○ ", "bold red"), note))
 
+    # -- replies ----------------------------------------------------------------------------------------------
     def show_live(self, live: LiveView, *, streaming: bool) -> None:
         stats = live.stats
         spark = None
@@ -180,15 +311,26 @@ class StatsBar(Horizontal):
         text = Text()
         text.append("● " if streaming else "○ ", style="bold green" if streaming else "dim")
         text.append(self.pair_name, style="bold")
+        if streaming and live.prefill is not None and not stats.new_tokens:
+            done, total, started = live.prefill
+            text.append(f"  {prefill_line(done, total)}", style="bold cyan")
+            text.append(f" {percent_bar(done / total if total else 0.0)}", style="cyan")
+            text.append(f"  {seconds(max(0.0, time.monotonic() - started))}", style="dim")
+            text.append("  esc stop", style="dim")
+            self._set(text, spark)
+            return
         rate = (live.window_tok_s or stats.tok_s) if streaming else stats.tok_s
         text.append(f"  {num(rate)} tok/s", style="bold cyan")
         text.append(f"  acc {pct(stats.acceptance_rate)}")
         text.append(f"  τ {num(stats.mean_accepted_length, 2)}")
-        text.append(f"  γ {stats.last_gamma}")
-        label = policy_label(live)
-        if label:
-            style = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}.get(stats.last_policy, "dim")
-            text.append(f"  {label}", style=style)
         if streaming:
+            text.append(f"  γ {'—' if stats.last_gamma is None else stats.last_gamma}")
+            label = policy_label(live)
+            if label:
+                style = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}.get(stats.last_policy, "dim")
+                text.append(f"  {label}", style=style)
             text.append("  esc stop", style="dim")
+        elif stats.steps or stats.new_tokens:
+            drafter = stats.drafter if stats.drafter and stats.drafter != "none" else "plain decoding"
+            text.append(f"  last reply: {drafter}", style="dim")
         self._set(text, spark)

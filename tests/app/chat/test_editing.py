@@ -1,6 +1,6 @@
-"""`/edit` and `/file` (app/chat/editing.py): every refused input says which file and what to do; prompts, code
-block extraction (with a hypothesis robustness check), diffs, and apply with backup / refusal on a file that
-changed on disk."""
+"""`/edit` and `/file` (app/chat/editing.py, edit_plan.py, edit_files.py): every refused input says which file
+and what to do; prompts, code block extraction (with a hypothesis robustness check), diffs, and apply with
+backup / refusal on a file that changed on disk; path safety (NUL bytes, symlinks, mixed line ends)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specchat.app.chat.edit_files import apply_edit
+from specchat.app.chat.edit_plan import unified_diff
 from specchat.app.chat.editing import (
     MAX_FILE_BYTES,
     EditError,
-    apply_edit,
     build_edit_prompt,
     build_file_context,
     check_writable,
     code_blocks,
     extract_code_block,
     load_edit_target,
-    unified_diff,
 )
 from specchat.backend.errors import SpecchatError
 
@@ -187,11 +187,19 @@ def test_writable_file_passes(py_file: Path) -> None:
 
 
 # -- prompts --------------------------------------------------------------------------------------------------
-def test_edit_prompt_carries_the_request_and_the_whole_file(py_file: Path) -> None:
+def test_edit_prompt_asks_for_search_replace_blocks_and_carries_the_whole_file(py_file: Path) -> None:
     prompt = build_edit_prompt(load_edit_target(py_file), "add type hints")
     assert "Request: add type hints" in prompt
     assert f"```python\n{PY}```\n" in prompt
-    assert "complete updated file in one fenced code block tagged `python`" in prompt
+    assert "calc.py\n<<<<<<< SEARCH\n" in prompt and "\n=======\n" in prompt and "\n>>>>>>> REPLACE\n" in prompt
+    assert "Copy the SEARCH lines character for character" in prompt
+
+
+def test_edit_prompt_for_several_files(tmp_path: Path, py_file: Path) -> None:
+    other = tmp_path / "util.py"
+    other.write_text("X = 1\n")
+    prompt = build_edit_prompt([load_edit_target(py_file), load_edit_target(other)], "rename add")
+    assert "Edit the files below" in prompt and "Current `calc.py`" in prompt and "Current `util.py`" in prompt
 
 
 def test_prompt_fence_outlasts_fences_inside_the_file(tmp_path: Path) -> None:
@@ -280,7 +288,8 @@ NEW_PY = "def add(a: int, b: int) -> int:\n    return a + b\n"
 def test_unified_diff(py_file: Path) -> None:
     target = load_edit_target(py_file)
     diff = unified_diff(target, NEW_PY)
-    assert diff.startswith(f"--- a/{py_file}\n+++ b/{py_file}\n@@ ")
+    assert str(py_file).startswith("/")  # an absolute path: "a/" + the path without its "/" (was "a//tmp/...")
+    assert diff.startswith(f"--- a{py_file}\n+++ b{py_file}\n@@ ")
     assert "-def add(a, b):\n+def add(a: int, b: int) -> int:\n     return a + b\n" in diff
     assert unified_diff(target, PY) == ""
 
@@ -288,7 +297,7 @@ def test_unified_diff(py_file: Path) -> None:
 def test_diff_marks_a_missing_final_newline(tmp_path: Path) -> None:
     f = tmp_path / "a.txt"
     f.write_text("one\ntwo")
-    diff = unified_diff(load_edit_target(f), "one\nthree\n")  # a code block's final newline follows the file
+    diff = unified_diff(load_edit_target(f), "one\nthree")  # the plan keeps the file's missing final newline
     assert diff.endswith("-two\n\\ No newline at end of file\n+three\n\\ No newline at end of file\n")
 
 
@@ -312,8 +321,12 @@ def test_apply_that_cannot_write_leaves_the_file_the_backup_and_no_temporary_fil
         py_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = load_edit_target(py_file)
 
-    def boom(*args):
-        raise OSError(28, "No space left on device")
+    real_replace = os.replace
+
+    def boom(src, dst):  # the backup is written; replacing the file itself fails
+        if Path(dst) == py_file:
+            raise OSError(28, "No space left on device")
+        real_replace(src, dst)
 
     monkeypatch.setattr("os.replace", boom)
     with pytest.raises(EditError) as err:
@@ -367,3 +380,45 @@ def test_apply_through_a_symlink_edits_the_real_file(tmp_path: Path, py_file: Pa
     assert target.path == py_file and target.display == str(link)
     backup = apply_edit(target, NEW_PY)
     assert link.is_symlink() and py_file.read_text() == NEW_PY and backup.parent == py_file.parent
+
+
+# -- path safety (issue 20, item 10) -----------------------------------------------------------------------------
+def test_a_path_with_a_nul_byte_is_refused_with_an_edit_error(tmp_path: Path) -> None:
+    with pytest.raises(EditError, match=r"the path contains a NUL byte"):
+        load_edit_target(f"{tmp_path}/calc\0.py")
+    with pytest.raises(EditError, match=r"^/file .*NUL byte"):
+        build_file_context("notes\0.txt")
+
+
+def test_mixed_line_ends_are_kept_line_by_line(tmp_path: Path) -> None:
+    f = tmp_path / "mixed.txt"
+    f.write_bytes(b"one\r\ntwo\nthree\r\nfour\nfive")
+    target = load_edit_target(f)
+    assert target.mixed_newlines and target.text == "one\ntwo\nthree\nfour\nfive"
+    assert unified_diff(target, "one\ntwo\nTHREE\nfour\nfive") == (
+        f"--- a{f}\n+++ b{f}\n@@ -1,5 +1,5 @@\n one\n two\n-three\n+THREE\n four\n five\n"
+        "\\ No newline at end of file\n")
+    apply_edit(target, "one\ntwo\nTHREE\nfour\nnew\nfive")
+    assert f.read_bytes() == b"one\r\ntwo\nTHREE\r\nfour\nnew\r\nfive"  # unchanged lines keep their own end
+
+
+def test_a_crlf_file_stays_crlf_and_an_lf_file_lf(tmp_path: Path) -> None:
+    crlf, lf = tmp_path / "crlf.txt", tmp_path / "lf.txt"
+    crlf.write_bytes(b"a\r\nb\r\n")
+    lf.write_bytes(b"a\nb\n")
+    apply_edit(load_edit_target(crlf), "a\nB\nc\n")
+    apply_edit(load_edit_target(lf), "a\nB\nc\n")
+    assert crlf.read_bytes() == b"a\r\nB\r\nc\r\n" and lf.read_bytes() == b"a\nB\nc\n"
+
+
+def test_a_symlink_is_named_with_its_real_target(tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    real = outside / "real.py"
+    real.write_text(PY)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "link.py").symlink_to(real)
+    target = load_edit_target(project / "link.py")
+    assert target.path == real and target.link == str(project / "link.py")
+    assert load_edit_target(real).link == ""

@@ -68,3 +68,41 @@ def test_a_history_that_cannot_be_opened_is_a_notice(recorded, monkeypatch: pyte
     assert app.kwargs["store"] is None
     assert app.kwargs["startup_notices"] == [
         "History is disabled for this session: cannot create the history folder /nope: Permission denied."]
+
+
+def test_a_read_only_history_is_opened_and_said_once_at_start(recorded, isolated_dirs: Path) -> None:
+    """Issue 20 item 4: a 0444 history is read, never chmodded; the start notice is the only word about it."""
+    import os
+
+    db = isolated_dirs / "data" / "history.sqlite3"
+    with ChatStore(db) as store:
+        store.create_chat("kept", "p")
+    os.chmod(db, 0o444)
+    assert main([]) == 0
+    (app,) = recorded
+    assert app.store_open and app.kwargs["store"].read_only
+    (notice,) = app.kwargs["startup_notices"]
+    assert "read-only" in notice and "(mode 0444)" in notice and "chmod u+w" in notice
+    assert db.stat().st_mode & 0o777 == 0o444
+
+
+def test_an_unknown_pair_fails_like_generate_before_the_ui_starts(recorded, capsys: pytest.CaptureFixture) -> None:
+    """Issue 19: `specchat --pair nope` opened the default pair (the app fell back before it could refuse)."""
+    assert main(["--pair", "nope"]) == 2
+    ui_error = capsys.readouterr().err
+    assert not recorded  # no UI was built
+    assert main(["generate", "--pair", "nope", "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err == ui_error
+    assert ui_error.startswith("specchat: error: unknown pair 'nope': known pairs are smollm2-135m")
+
+
+def test_the_app_refuses_an_unknown_pair_even_when_a_last_pair_is_known(tmp_path: Path) -> None:
+    from specchat.app.chat.settings import Settings, save_settings
+    from specchat.app.tui.app import SpecchatApp
+    from specchat.backend.errors import SpecchatError
+    from specchat.backend.models.config import load_pairs
+
+    save_settings(Settings(last_pair="smollm2-135m"), tmp_path / "settings.json")
+    with pytest.raises(SpecchatError, match="--pair nope: no such pair"):
+        SpecchatApp(load_pairs(None), engine_factory=lambda *a: None, settings_path=tmp_path / "settings.json",
+                    initial_pair="nope")

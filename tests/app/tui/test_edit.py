@@ -1,13 +1,19 @@
-"""Pilot tests of /edit (diff shown, applied only after confirmation, backup kept) and /file."""
+"""Pilot tests of /edit (diff shown, applied only after confirmation, backup kept, refusals, /undo, several
+files, symlinks) and /file."""
 
 from __future__ import annotations
 
-from app_harness import make_app, notifications, ready, reply_done, send, wait_for
+import os
+import shutil
+import subprocess
+
+from app_harness import make_app, notifications, ready, reply_done, screen_text, send, wait_for
 from fake_engine import FakeEngineFactory
 from textual.widgets import Static
 
 from specchat.app.tui.screens.chat_actions import split_path_argument
 from specchat.app.tui.screens.dialogs import DiffScreen
+from specchat.app.tui.widgets.edit_note import EditNote
 from specchat.app.tui.widgets.message_view import UserMessage
 
 ORIGINAL = "def answer():\n    return 1\n"
@@ -92,3 +98,123 @@ async def test_file_context_and_attachment_errors(tmp_path, monkeypatch):
         await send(pilot, "/file notes.txt")
         await send(pilot, "/drop")
         assert not app.chat.query_one("#attachments", Static).display
+
+
+# -- issue 19: edits that cannot destroy a file ------------------------------------------------------------------
+CALC = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+FRAGMENT_REPLY = "Here is the updated function:\n\n```python\ndef sub(a: int, b: int) -> int:\n    return a - b\n```\n"
+BLOCK_REPLY = ("calc.py\n```python\n<<<<<<< SEARCH\ndef sub(a, b):\n    return a - b\n=======\n"
+               "def sub(a: int, b: int) -> int:\n    return a - b\n>>>>>>> REPLACE\n```\n")
+
+
+async def test_a_reply_holding_only_the_changed_function_is_refused_and_the_file_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "calc.py").write_text(CALC)
+    app = make_app(tmp_path, factory=FakeEngineFactory(reply=FRAGMENT_REPLY))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await send(pilot, "/edit calc.py add type hints to sub")
+        await wait_for(pilot, lambda: app.chat.query(EditNote), what="the refusal")
+        note = app.chat.query_one(EditNote)
+        assert note.kind == "refused" and "drops add, mul" in note.text and "Nothing was written" in note.text
+        assert not isinstance(app.screen, DiffScreen)
+        assert (tmp_path / "calc.py").read_text() == CALC and not list(tmp_path.glob("*.specchat-bak-*"))
+        assert any("/edit refused" in n for n in notifications(app))
+
+
+async def test_search_replace_blocks_apply_exactly_and_undo_restores_byte_for_byte(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    original = CALC.replace("\n", "\r\n", 2).encode()  # mixed line ends: kept as they are
+    (tmp_path / "calc.py").write_bytes(original)
+    git = shutil.which("git")
+    if git:
+        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t"}
+        for args in (["init", "-q"], ["add", "calc.py"], ["commit", "-qm", "start"]):
+            subprocess.run([git, "-C", str(tmp_path), *args], check=True, env=env, capture_output=True)
+    app = make_app(tmp_path, factory=FakeEngineFactory(reply=BLOCK_REPLY))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await send(pilot, "/edit calc.py add type hints to sub")
+        await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen), what="the diff")
+        prompt = app.engine.requests[0].messages[-1]["content"]
+        assert "<<<<<<< SEARCH" in prompt and CALC.replace("\n", "") in prompt.replace("\n", "").replace("\r", "")
+        assert "-def sub(a, b):\n+def sub(a: int, b: int) -> int:\n" in app.screen.diff
+        assert any("mixes CRLF and LF" in n for n in app.screen.notes)
+        await pilot.press("a")
+        await wait_for(pilot, lambda: any(n.kind == "applied" for n in app.chat.query(EditNote)))
+        edited = original.replace(b"def sub(a, b):", b"def sub(a: int, b: int) -> int:")
+        assert (tmp_path / "calc.py").read_bytes() == edited
+        applied = [n for n in app.chat.query(EditNote) if n.kind == "applied"][0]
+        assert "/undo takes it back" in applied.text
+        if git:
+            assert "git diff calc.py" in screen_text(app) and "+def sub(a: int, b: int) -> int:" in screen_text(app)
+        await send(pilot, "/undo")
+        assert (tmp_path / "calc.py").read_bytes() == original
+        assert any(n.kind == "undone" for n in app.chat.query(EditNote))
+        await send(pilot, "/undo")
+        assert "Nothing to undo" in notifications(app)[-1]
+
+
+async def test_one_request_edits_several_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "calc.py").write_text(CALC)
+    (tmp_path / "use.py").write_text("from calc import add\n\nprint(add(1, 2))\n")
+    reply = ("calc.py\n<<<<<<< SEARCH\ndef add(a, b):\n=======\ndef plus(a, b):\n>>>>>>> REPLACE\n\n"
+             "use.py\n<<<<<<< SEARCH\nfrom calc import add\n\nprint(add(1, 2))\n=======\n"
+             "from calc import plus\n\nprint(plus(1, 2))\n>>>>>>> REPLACE\n")
+    app = make_app(tmp_path, factory=FakeEngineFactory(reply=reply))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await send(pilot, "/edit calc.py use.py")
+        assert "editing calc.py" in str(app.chat.query_one("#attachments", Static).render())
+        await send(pilot, "rename add to plus")
+        await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen), what="the diff")
+        assert [heading for heading, _ in app.screen.sections] == ["calc.py", "use.py"]
+        assert "Apply this edit to 2 files?" in screen_text(app)
+        await pilot.press("a")
+        await wait_for(pilot, lambda: "plus" in (tmp_path / "use.py").read_text())
+        assert "def plus(a, b):" in (tmp_path / "calc.py").read_text()
+        assert app.store.messages(app.chat.conv.chat_id)[0].stats["edit"] == [
+            str(tmp_path / "calc.py"), str(tmp_path / "use.py")]
+
+
+async def test_the_dialog_names_the_real_file_behind_a_symlink(tmp_path, monkeypatch):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "calc.py").write_text(CALC)
+    (project / "link.py").symlink_to(elsewhere / "calc.py")
+    monkeypatch.chdir(project)
+    app = make_app(tmp_path, factory=FakeEngineFactory(reply=BLOCK_REPLY.replace("calc.py\n", "link.py\n", 1)))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await send(pilot, "/edit link.py add type hints to sub")
+        await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen), what="the diff")
+        title = str(app.screen.query_one(".dialog-title").render())
+        assert f"link.py → {elsewhere / 'calc.py'} (outside the current folder {project})" in title
+        assert "(outside the current" in screen_text(app)  # wrapped, not cut
+        assert any(f"the edit writes {elsewhere / 'calc.py'}" in n for n in app.screen.notes)
+        await pilot.press("a")
+        await wait_for(pilot, lambda: "a: int" in (elsewhere / "calc.py").read_text())
+        assert (project / "link.py").is_symlink()
+
+
+async def test_up_on_an_edit_request_attaches_the_file_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "calc.py").write_text(CALC)
+    app = make_app(tmp_path, factory=FakeEngineFactory(reply="I cannot."))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await send(pilot, "/edit calc.py type hints pls")
+        await reply_done(pilot)
+        await wait_for(pilot, lambda: app.chat.query(EditNote))  # refused: no blocks, no code
+        prompt = app.chat.query_one("#prompt")
+        prompt.focus()
+        await pilot.press("up")
+        assert prompt.text == "type hints pls" and [t.path.name for t in app.chat.pending_edits] == ["calc.py"]
+        prompt.text = "add type hints to every function"
+        await pilot.press("enter")
+        await reply_done(pilot)
+        assert len(app.chat.conv.turns) == 2
+        assert "Request: add type hints to every function" in app.engine.requests[-1].messages[-1]["content"]

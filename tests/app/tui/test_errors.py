@@ -132,7 +132,7 @@ async def test_a_download_at_start_up_is_asked_first_and_one_from_the_picker_onc
     app = make_app(tmp_path, factory=factory, initial_pair="big-pair")
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the download question")
-        assert "16.0 GB" in str(app.screen.query_one(".dialog-body").render())
+        assert "14.9 GiB" in str(app.screen.query_one(".dialog-body").render())
         await pilot.press("n")  # declined: nothing loads, the app goes on
         await wait_for(pilot, lambda: any("declined" in n for n in notifications(app)))
         assert app.engine is None and factory.confirmations == [("big-pair", False)]

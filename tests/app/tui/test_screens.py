@@ -29,8 +29,8 @@ async def test_picker_lists_pairs_and_switches_keeping_the_conversation(tmp_path
         table = picker.query_one(DataTable)
         await wait_for(pilot, lambda: len(picker.info) == 3, what="pair estimates")
         assert table.row_count == 3
-        assert list(map(str, table.get_row("big-pair")[3:])) == ["18.0 GB", "NO", "16.0 GB", "gated"]
-        assert list(map(str, table.get_row("plain")[1:5])) == ["none", "packaged:fake-target", "600.0 MB", "yes"]
+        assert list(map(str, table.get_row("big-pair")[3:])) == ["16.8 GiB", "NO", "14.9 GiB", "gated"]
+        assert list(map(str, table.get_row("plain")[1:5])) == ["none", "packaged:fake-target", "572 MiB", "yes"]
         assert "embedded default" in str(picker.query_one("#pair-description", Static).render())
         await pilot.press("down", "down", "enter")  # "plain": no download, fits: no question asked
         await wait_for(pilot, lambda: app.current_pair_name == "plain" and app.engine is not None)
@@ -39,7 +39,7 @@ async def test_picker_lists_pairs_and_switches_keeping_the_conversation(tmp_path
         await send(pilot, "again")
         await reply_done(pilot)
         assert [m["role"] for m in app.engine.requests[0].messages] == ["user", "assistant", "user"]
-        assert app.store.chat(app.chat.conv.chat_id).pair == "plain"
+        assert app.store.chat(app.chat.conv.chat_id).pair == "smollm2-135m, plain"  # the pairs that wrote it
 
 
 async def test_picker_asks_before_a_download_and_a_pair_that_does_not_fit(tmp_path):
@@ -53,7 +53,7 @@ async def test_picker_asks_before_a_download_and_a_pair_that_does_not_fit(tmp_pa
         await pilot.press("down", "enter")
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         body = str(app.screen.query_one(".dialog-body", Static).render())
-        assert "download of 16.0 GB" in body and "gated" in body
+        assert "download of 14.9 GiB" in body and "gated" in body
         await pilot.press("escape")  # declined: nothing loads
         await wait_for(pilot, lambda: app.screen is picker)
         assert factory.calls == ["smollm2-135m"]
@@ -61,7 +61,7 @@ async def test_picker_asks_before_a_download_and_a_pair_that_does_not_fit(tmp_pa
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen)
-                       and "18.0 GB" in str(app.screen.query_one(".dialog-body", Static).render()))
+                       and "16.8 GiB" in str(app.screen.query_one(".dialog-body", Static).render()))
         await pilot.press("y")
         await wait_for(pilot, lambda: factory.calls == ["smollm2-135m", "big-pair"] and app.engine is not None)
         assert app.current_pair_name == "big-pair"

@@ -30,9 +30,10 @@ def test_snapshot_finished_reply(tmp_path, snap_compare):
     """The header reads "specchat — smollm2-135m · Reverse a string in Python". Below: the user message, then
     the reply with a syntax-highlighted Python code block and the italic totals line
     "79 tokens · 1.00 s · 79.0 tok/s · acceptance 50% · τ 3.00 · prompt-lookup". The stats bar at the
-    bottom shows "79.0 tok/s  acc 50%  τ 3.00  γ 4  prompt-lookup: speculating" and a rising sparkline;
-    the prompt input (placeholder text) sits between them;
-    the footer lists Regenerate, New chat, Token view, Details, Help, Pair, Settings, History."""
+    bottom shows "79.0 tok/s  acc 50%  τ 3.00  last reply: prompt-lookup" (no γ nor "speculating" between
+    replies) and a rising sparkline; the prompt input (placeholder text) sits between them;
+    the footer lists Help, Pair, Settings, History (F1-F4 first), then Regenerate, New chat, Token view,
+    Details."""
     assert snap_compare(snapshot_app(tmp_path), terminal_size=SIZE, run_before=chat_with_reply)
 
 
@@ -51,22 +52,23 @@ def test_snapshot_accepted_token_view(tmp_path, snap_compare):
 
 def test_snapshot_details_panel(tmp_path, snap_compare):
     """A panel on the right titled "Speculation details": four per-position acceptance bars (positions 1-4,
-    falling from 79% to 56%), "expected 1.80×", "measured 2.17×" (pause_every=4 gives plain steps to compare
-    with), and the counters (79 tokens, 31 steps, 96 drafted, 47 accepted, 49%, τ 2.96, 7 paused steps,
-    first token 0.01 s, 79.0 tok/s); the reply's totals line wraps in the narrower conversation."""
+    falling), "expected 1.80×", "spec ÷ plain steps 2.27×" (pause_every=3 gives 22 speculating and 10 plain
+    steps, over the 8 of each it needs), and the counters (79 tokens, 32 steps, 10 paused steps, first token
+    0.01 s, 79.0 tok/s); the reply's totals line wraps in the narrower conversation."""
 
     async def run_before(pilot) -> None:
         await chat_with_reply(pilot)
         await pilot.press("ctrl+g")
 
-    assert snap_compare(snapshot_app(tmp_path, pause_every=4), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(snapshot_app(tmp_path, pause_every=3), terminal_size=SIZE, run_before=run_before)
 
 
 def test_snapshot_pair_picker(tmp_path, snap_compare):
-    """A centred modal "Choose a model pair" over the dimmed chat: a table with three rows — smollm2-135m
-    (marked ●, highlighted, prompt-lookup, 600.0 MB, fits yes), big-pair (draft-model, Org/Big-7B, 18.0 GB,
-    fits NO, download 16.0 GB, gated), plain (none, 600.0 MB, yes) — and below it the highlighted pair's
-    description, target, drafter, γ and "needs about 600.0 MB, 16.0 GB free on the device"."""
+    """A modal "Choose a model pair" as wide as the terminal over the dimmed chat: a table with three rows —
+    smollm2-135m (marked ●, highlighted, prompt-lookup, 572 MiB, fits yes), big-pair (draft-model, Org/Big-7B,
+    16.8 GiB, fits NO, download 14.9 GiB, gated), plain (none, 572 MiB, yes) — every column whole, and below it
+    the highlighted pair's description, target, drafter, γ and "needs about 572 MiB, 14.9 GiB free on the
+    device" (binary units, as `specchat models`)."""
 
     async def run_before(pilot) -> None:
         await ready(pilot)

@@ -118,7 +118,8 @@ def test_the_live_view_is_the_engines_latest_stats_plus_a_one_second_rate():
 
 def test_totals_lines_and_the_measured_speedup():
     stats = RequestStats(new_tokens=7, wall_s=0.5, tok_s=14.0, drafted=4, acceptance_rate=0.75,
-                         mean_accepted_length=2.5, drafter="prompt-lookup", spec_tok_s=30.0, plain_tok_s=20.0)
+                         mean_accepted_length=2.5, drafter="prompt-lookup", spec_tok_s=30.0, plain_tok_s=20.0,
+                         steps=16, accepted_length_histogram=(2, 3, 3))
     line = reply_totals(stats, "cancelled")
     assert line == "7 tokens · 0.50 s · 14.0 tok/s · acceptance 75% · τ 2.50 · prompt-lookup · stopped"
     assert stored_totals(None) == "" and "max tokens reached" in stored_totals({"finish_reason": "length"})
@@ -195,7 +196,7 @@ def test_conversation_without_history_builds_requests():
     assert conv.pop_last_reply() is reply and conv.pop_last_reply() is None
     assert title_for("\n  Fix the bug  \nmore") == "Fix the bug" and len(title_for("y" * 200)) == 60
     turn = Turn("user", "FILE + request", {"request": "fix it", "attachments": ["a.py"], "edit": "/x/a.py"})
-    assert turn.display == "*✎ edit a.py*\n\nfix it"
+    assert turn.display == "✎ edit a.py\n\nfix it" and turn.request == "fix it" and turn.paths("edit") == ["/x/a.py"]
 
 
 def test_sparkline_scales_to_the_highest_sample_and_keeps_its_width():
@@ -236,3 +237,83 @@ def test_warm_highlighting_builds_the_python_lexer_before_the_first_reply():
     warm_highlighting()
     assert "_tokens" in PythonLexer.__dict__  # compiled once per process; a fence now highlights at once
     assert "def" in str(CopyableFence.highlight("def f():\n    pass\n", "python"))
+
+
+# -- issue 19: labels that do not mislead -------------------------------------------------------------------------
+def test_step_labels_say_what_the_latest_step_did():
+    from specchat.app.tui.bridge import LiveView
+    from specchat.app.tui.widgets.stats_bar import policy_label
+
+    def label(policy, gamma, drafter="prompt-lookup"):
+        return policy_label(LiveView(RequestStats(last_policy=policy, last_gamma=gamma), drafter))
+
+    assert label(PolicyState.SPECULATING, 4) == "prompt-lookup: speculating"
+    assert label(PolicyState.SPECULATING, 0) == "prompt-lookup: no draft this step"  # was "speculating" beside γ 0
+    assert label(PolicyState.PAUSED, 0) == "prompt-lookup: paused (it did not pay)"
+    assert label(PolicyState.OFF, 0, "none") == "plain decoding"
+
+
+def test_the_step_speed_ratio_needs_enough_steps_of_each_kind():
+    # issue 19: "measured 1.32×" at 6% acceptance, from a handful of plain steps
+    few = RequestStats(drafted=50, accepted=3, acceptance_rate=0.06, steps=30, spec_tok_s=13.2, plain_tok_s=10.0,
+                       accepted_length_histogram=(25, 2))
+    assert measured_speedup(few) is None
+    many = RequestStats(steps=40, spec_tok_s=13.2, plain_tok_s=10.0, accepted_length_histogram=(20, 5))
+    assert measured_speedup(many) == pytest.approx(1.32)
+
+
+def test_a_failed_reply_totals_say_what_went_wrong_and_what_to_do():
+    line = reply_totals(RequestStats(drafter="none"), "error", "the model ran out of memory.")
+    assert line == ("0 tokens · 0.00 s · — tok/s · plain decoding · error: the model ran out of memory · "
+                    "↑ edits your message, Ctrl+R retries")
+    assert stored_totals({"finish_reason": "error", "error": "boom"}).endswith("error: boom · ↑ edits your message, "
+                                                                             "Ctrl+R retries")
+    assert reply_totals(RequestStats(), "cancelled").endswith("stopped while reading the prompt")
+
+
+def test_sizes_use_the_binary_units_of_specchat_models():
+    from specchat.app.tui.screens.picker import human_bytes
+    from specchat.backend.models.memory import format_bytes
+
+    for n in (0, 512, 1023, 1024, 1_200_000_000, 1_191_182_336, 15_000_000_000, 2**40 * 3):
+        assert human_bytes(n) == format_bytes(n)
+    assert human_bytes(1_191_182_336) == "1.11 GiB"  # the picker said "1.2 GB" for what `models` calls this
+
+
+def test_picker_columns_fit_80_and_120_columns():
+    from specchat.app.tui.screens.picker import CELL_PADDING, DIALOG_CHROME, column_widths
+
+    names = ["smollm2-135m", "smollm2-135m-nf4-draft", "qwen2.5-coder-7b"]
+    drafters, targets = ["prompt-lookup", "draft-model"], ["HuggingFaceTB/SmolLM2-1.7B-Instruct", "Qwen/Qwen2.5-7B"]
+    for width in (80, 120):
+        widths = column_widths(width - DIALOG_CHROME, names, drafters, targets)
+        assert {"pair", "drafter", "memory", "fits", "download"} <= set(widths)
+        assert sum(w + CELL_PADDING for w in widths.values()) <= width - DIALOG_CHROME
+        assert widths["pair"] >= len("● smollm2-135m-nf4-draft")
+    assert "target" in column_widths(120 - DIALOG_CHROME, names, drafters, targets)
+
+
+def test_loader_progress_is_throttled_within_a_step_but_each_new_step_shows():
+    clock, posted = Clock(), []
+    progress = ThrottledProgress(lambda text, fraction: posted.append(text), clock=clock)
+    for i in range(1, 31):
+        clock.now += 0.001
+        progress(f"Loading weights: {i}/30", i / 30)  # the text changes every call: still one step
+    progress("Reading the tokenizer", None)
+    assert posted == ["Loading weights: 1/30", "Loading weights: 30/30", "Reading the tokenizer"]
+
+
+def test_load_steps_time_each_step():
+    from specchat.app.tui.widgets.stats_bar import LoadSteps, short_step
+
+    clock = Clock()
+    steps = LoadSteps(clock)
+    steps.report("Hashing model.gguf", 0.1)
+    clock.now += 2.0
+    steps.report("Hashing model.gguf", 0.9)
+    steps.report("Reading the tokenizer from model.gguf (first start only)", None)
+    clock.now += 0.5
+    assert steps.durations() == [("Hashing model.gguf", 2.0), ("Reading the tokenizer from model.gguf (first start "
+                                                                  "only)", 0.5)]
+    assert steps.total() == 2.5 and steps.step_elapsed() == 0.5
+    assert short_step("Reading the tokenizer from model.gguf (first start only)") == "Reading the tokenizer"

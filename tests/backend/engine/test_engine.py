@@ -236,3 +236,39 @@ def test_settle_heap_collects_the_garbage_then_freezes_the_rest():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_prefill_progress_events_come_only_when_asked_and_change_nothing_else():
+    """A request with ``prefill_progress`` gets one event before each prefill pass (tokens read so far of the
+    total, no tokens, no statistics); the reply is the same, and a request that does not ask gets none."""
+    from specchat.backend.api import PREFILL_CHUNK
+
+    prompt = random_ids(2 * PREFILL_CHUNK + 40, seed=3)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
+    plain, plain_events = run(tiny_engine("llama", context_length=2048), prompt_ids=prompt, sampling=sampling)
+    ids, events = run(tiny_engine("llama", context_length=2048), prompt_ids=prompt, sampling=sampling,
+                      prefill_progress=True)
+    progress = [e for e in events if e.prefill_done is not None]
+    assert [(e.prefill_done, e.prefill_tokens) for e in progress] == [
+        (0, len(prompt)), (PREFILL_CHUNK, len(prompt)), (2 * PREFILL_CHUNK, len(prompt))]
+    assert events[:3] == progress and events[3].is_prefill  # all before the first token
+    assert all(not e.token_ids and e.stats is None and e.finish_reason is None for e in progress)
+    assert ids == plain and events[-1].stats.new_tokens == plain_events[-1].stats.new_tokens
+    assert all(e.prefill_done is None for e in plain_events)
+
+
+def test_cancel_while_the_prompt_is_read_stops_before_the_next_pass():
+    from specchat.backend.api import PREFILL_CHUNK
+
+    engine = tiny_engine("llama", context_length=2048)
+    cancel = threading.Event()
+    request = GenerationRequest(prompt_ids=random_ids(3 * PREFILL_CHUNK, seed=4), conversation="c",
+                                sampling=SamplingParams(temperature=0.0, max_new_tokens=5), prefill_progress=True)
+    events = []
+    for event in engine.generate(request, cancel):
+        events.append(event)
+        if event.prefill_done == PREFILL_CHUNK:
+            cancel.set()  # Esc after the first pass
+    assert events[-1].finish_reason == "cancelled" and not any(e.token_ids for e in events)
+    assert [e.prefill_done for e in events[:-1]] == [0, PREFILL_CHUNK]
+    assert len(engine._conversations["c"].cached) == PREFILL_CHUNK  # what was read stays for the next request

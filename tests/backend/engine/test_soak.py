@@ -16,6 +16,7 @@ import threading
 
 import pytest
 from engine_fixtures import tiny_engine
+from reliability import READINGS
 from tiny_models import VOCAB_SIZE, one_thread  # noqa: F401  (one_thread: autouse)
 
 from specchat.backend.api import GenerationRequest, SamplingParams
@@ -79,7 +80,7 @@ def soak(turns: int, seed: int, rss_bound: int) -> dict:
     drafter = RandomDrafter(seed)
     engine.drafters["prompt-lookup"] = drafter
     history: dict[str, list[dict]] = {}
-    counts = {"cancelled": 0, "stop": 0, "context": 0, "length": 0, "eos": 0, "overflow_notices": 0,
+    counts: dict = {"cancelled": 0, "stop": 0, "context": 0, "length": 0, "eos": 0, "overflow_notices": 0,
               "drafter_failures": 0, "rejections": 0, "accepted": 0}
     warm_rss = None
     for turn in range(turns):
@@ -110,6 +111,8 @@ def soak(turns: int, seed: int, rss_bound: int) -> dict:
         if key is not None:
             history[key] = messages + [{"role": "assistant", "content": "".join(text)}]
         assert engine.blocks_in_use() == expected_blocks(engine), f"turn {turn}"
+        if turn in (0, turns - 1):  # the readings reported for turn 1 and the last turn (tests/conftest.py)
+            counts[f"turn {turn + 1}"] = f"{engine.blocks_in_use()} blocks, RSS {rss_bytes() / 2**20:.1f} MiB"
         if turn == min(30, turns // 3):
             gc.collect()
             warm_rss = rss_bytes()
@@ -119,6 +122,9 @@ def soak(turns: int, seed: int, rss_bound: int) -> dict:
     engine.close()
     gc.collect()
     counts["rss_growth"] = rss_bytes() - warm_rss
+    for name in ("turn 1", f"turn {turns}"):
+        READINGS[f"soak {turns} turns: {name}"] = counts[name]
+    READINGS[f"soak {turns} turns: RSS growth after warm-up"] = f"{counts['rss_growth'] / 2**20:.1f} MiB"
     assert counts["rss_growth"] < rss_bound, counts
     return counts
 

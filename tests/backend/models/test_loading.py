@@ -139,6 +139,23 @@ def test_pickle_weights_refused_unless_allowed(tmp_path):
     torch.testing.assert_close(loaded.model.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
+def test_an_allowed_pickle_the_safe_unpickler_refuses_says_what_to_do(tmp_path):
+    """Issue 20 item 12: a checkpoint holding more than tensors fails in torch's weights-only unpickler; before,
+    its UnpicklingError reached the user as a traceback."""
+    import argparse
+
+    tok = word_tokenizer(WORDS)
+    model = save_tiny_llama(tmp_path / "m", tok, 32)
+    (tmp_path / "m" / "model.safetensors").unlink()
+    torch.save({**model.state_dict(), "args": argparse.Namespace(lr=1)}, tmp_path / "m" / "pytorch_model.bin")
+    spec = dataclasses.replace(local_spec(tmp_path / "m", model), allow_pickle=True)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(spec, "cpu")
+    text = str(info.value)
+    assert "cannot be loaded safely" in text and "argparse.Namespace" in text and "safetensors" in text
+    assert "add_safe_globals" not in text  # torch's advice is for programmers, not for specchat's users
+
+
 def test_remote_code_is_not_run_unless_the_pair_says_so(tmp_path):
     tok = word_tokenizer(WORDS)
     model = save_tiny_llama(tmp_path / "m", tok, 32)

@@ -20,7 +20,8 @@ import yaml
 from foundation_fixtures import local_spec, save_tiny_llama, word_tokenizer
 from tiny_models import one_thread  # noqa: F401  (one_thread: autouse)
 
-from specchat.app.chat.editing import apply_edit, load_edit_target
+from specchat.app.chat.edit_files import apply_edit
+from specchat.app.chat.editing import load_edit_target
 from specchat.app.cli.main import main
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine, load_engine

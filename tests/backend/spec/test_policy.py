@@ -103,6 +103,30 @@ def test_pauses_when_it_cannot_pay_then_probes_with_backoff() -> None:
     assert policy.expected_speedup() < 1.0
 
 
+@pytest.mark.parametrize("slope", [0.0, 0.002, 0.01])
+def test_nothing_accepted_pauses_within_the_first_steps_on_a_long_context(slope: float) -> None:
+    """Over a ~5,000-token context a pass over γ+1 tokens costs about one over 1 (attention over the context
+    dominates), so S(γ) stays near 1 however low α̂ falls; before the zero-acceptance rule prompt lookup drafted
+    on for the whole reply (issue 19: 294 tokens drafted, none accepted)."""
+    policy = GammaPolicy(max_gamma=31)
+    world = World(alpha=0.0, slope=slope, t1=2.8, draft_per_token=0.0005)
+    world.run(policy, 10)
+    paused_at = next((i for i, (_, _, state) in enumerate(world.log) if state is PolicyState.PAUSED), None)
+    assert paused_at is not None and paused_at < 6  # the warm-up's 4 drafted steps
+    assert all(g == 0 for g, _, _ in world.log[paused_at + 1:])
+    world.run(policy, 200)
+    drafted_steps = sum(1 for g, _, _ in world.log if g > 0)
+    assert drafted_steps <= 4 + 4 * 4  # warm-up, then short probes that back off (16, 32, 64, 128 plain steps)
+    assert policy.state is PolicyState.PAUSED
+
+
+def test_a_probe_without_an_accepted_token_does_not_resume() -> None:
+    policy = GammaPolicy(max_gamma=10, probe_after=16)
+    world = World(alpha=0.0, slope=0.0, t1=1.0)
+    world.run(policy, 4 + 16 + 4)  # warm-up, the pause, one probe
+    assert policy.state is PolicyState.PAUSED and policy.probe_after == 32
+
+
 def test_resumes_when_alpha_recovers() -> None:
     policy = GammaPolicy(max_gamma=10, probe_after=16, max_probe_after=64)
     world = World(alpha=0.1, slope=0.3)

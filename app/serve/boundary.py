@@ -1,0 +1,233 @@
+"""The input boundary of `specchat serve`: one HTTP request body in, a checked :class:`ChatCall` out, or an
+:class:`ApiError` that names the bad field. Nothing past this module sees an unchecked value.
+
+Contract: :func:`parse_chat_request` ``(body, served, limits)`` takes the raw bytes of a ``POST
+/v1/chat/completions`` body and the served model ids (pair names). It raises :class:`ApiError` (an HTTP status,
+a message that names the field and what to send, ``param`` = the field's path) for: a body that is not UTF-8
+JSON (400), a top level that is not an object (400), a missing or unknown ``model`` (400 / 404 with the served
+list), ``messages`` that are not a non-empty list of ``{"role": system|user|assistant, "content": text or text
+parts}`` (400), sampling values out of the engine's range (``specchat.backend.api.SAMPLING_LIMITS``: 400),
+``max_tokens`` over the server's limit (400), and OpenAI features the server does not offer when asked for
+(``n`` > 1, ``tools``, ``logprobs``, non-text ``response_format``: 400). Other unknown fields are ignored, as
+OpenAI-compatible servers do. The body size limit is checked by the server before reading (413).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from specchat.backend.api import DRAFTERS, GenerationRequest, SamplingParams, check_gamma, check_sampling_value
+from specchat.backend.errors import RequestError
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
+DEFAULT_MAX_TOKENS = 4096  # per reply; a request asking for more is refused (400)
+DEFAULT_QUEUE = 8  # requests waiting for the engine; one more is refused (503)
+MAX_STOP_STRINGS = 16
+ROLES = ("system", "user", "assistant")
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP ``status``, a message naming the field, and the field's path."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-style error object."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class ChatCall:
+    """One checked chat completions call."""
+
+    model: str
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=True, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _bad(param: str, value: Any, what: str) -> ApiError:
+    return ApiError(400, f"field '{param}' = {_shown(value)}: {what}", param)
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not a JSON number")
+
+
+def decode_json(body: bytes) -> Any:
+    """The body as JSON; ApiError 400 saying where it is malformed."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ApiError(400, f"the request body is not UTF-8 (byte {error.start}); send UTF-8 JSON", "body") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"the request body is not valid JSON ({error.msg} at line {error.lineno} column "
+                            f"{error.colno}); send a JSON object", "body") from None
+    except (ValueError, RecursionError) as error:
+        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+        raise ApiError(400, f"the request body is not valid JSON ({reason}); send a JSON object", "body") from None
+
+
+def _content(index: int, content: Any) -> str:
+    param = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: only text ones can be read here
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"{param}[{j}]", part, 'must be {"type": "text", "text": "..."} (this server reads '
+                                                   "text only)")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(param, content, "must be a string or a list of text parts")
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages", value, 'must be a non-empty list of {"role": ..., "content": ...} objects')
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise _bad(f"messages[{i}]", message, 'must be an object {"role": ..., "content": ...}')
+        role = message.get("role")
+        if role not in ROLES:
+            raise _bad(f"messages[{i}].role", role, "must be one of " + ", ".join(ROLES))
+        if "content" not in message or message["content"] is None:
+            raise _bad(f"messages[{i}].content", None, "is required (text)")
+        text = _content(i, message["content"]).encode("utf-8", "replace").decode("utf-8")  # lone surrogates
+        out.append({"role": str(role), "content": text})
+    if not any(m["role"] == "user" for m in out):
+        raise _bad("messages", f"{len(out)} message(s)", "has no user message; add one")
+    if out[-1]["role"] == "user" and not out[-1]["content"].strip():
+        raise _bad(f"messages[{len(out) - 1}].content", out[-1]["content"], "the last user message is empty")
+    return out
+
+
+def _number(body: Mapping[str, Any], key: str, ours: str) -> Any:
+    if key not in body or body[key] is None:
+        return None
+    value = body[key]
+    try:
+        check_sampling_value(ours, value)
+    except RequestError as error:
+        raise ApiError(400, f"field '{key}' = {_shown(value)}: {str(error).split(': ', 1)[-1]}", key) from None
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if (not isinstance(items, list) or len(items) > MAX_STOP_STRINGS
+            or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in items)):
+        raise _bad("stop", value, f"must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1-256 "
+                                  "characters")
+    return tuple(items)
+
+
+def _flag(body: Mapping[str, Any], key: str, param: str | None = None) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(param or key, value, "must be true or false")
+    return value
+
+
+def _unsupported(body: Mapping[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n not in (None, 1) or isinstance(n, bool):
+        raise _bad("n", n, "this server returns one choice per request; send n: 1 or leave it out")
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise _bad(key, body[key], "this server does not call tools; leave it out")
+    if body.get("logprobs") not in (None, False):
+        raise _bad("logprobs", body["logprobs"], "this server does not return log-probabilities; leave it out")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, Mapping)
+                                        or response_format.get("type") != "text"):
+        raise _bad("response_format", response_format, 'only {"type": "text"} is supported; leave it out')
+
+
+def _specchat(value: Any) -> tuple[Any, Any]:
+    if value is None:
+        return None, None
+    if not isinstance(value, Mapping) or set(value) - {"drafter", "gamma"}:
+        raise _bad("specchat", value, 'must be an object with optional "drafter" and "gamma"')
+    drafter, gamma = value.get("drafter"), value.get("gamma")
+    if drafter is not None and drafter not in DRAFTERS:
+        raise _bad("specchat.drafter", drafter, "must be one of " + ", ".join(DRAFTERS))
+    if gamma is not None:
+        try:
+            check_gamma(gamma)
+        except RequestError as error:
+            raise _bad("specchat.gamma", gamma, str(error)) from None
+    return drafter, gamma
+
+
+def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limits()) -> ChatCall:
+    """Check one chat completions body (see the module docstring)."""
+    data = decode_json(body)
+    if not isinstance(data, dict):
+        raise _bad("body", data, "must be a JSON object with model and messages")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model", model, "is required: one of " + ", ".join(served))
+    if model not in served:
+        raise ApiError(404, f"model '{model[:100]}' is not served here; models: {', '.join(served)} (GET /v1/models)",
+                       "model", "model_not_found")
+    messages = _messages(data.get("messages"))
+    _unsupported(data)
+    max_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = data.get(max_key)
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                   or not 1 <= max_tokens <= limits.max_tokens):
+        raise _bad(max_key, max_tokens, f"must be a whole number from 1 to {limits.max_tokens} (this server's limit)")
+    temperature = _number(data, "temperature", "temperature")
+    top_p = _number(data, "top_p", "top_p")
+    top_k = _number(data, "top_k", "top_k")
+    if isinstance(top_k, int) and top_k < 0:  # vLLM and SGLang use -1 for "no top-k"
+        top_k = 0
+    repetition_penalty = _number(data, "repetition_penalty", "repetition_penalty")
+    seed = _number(data, "seed", "seed")
+    for key in ("presence_penalty", "frequency_penalty"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value) or value != 0):
+            raise _bad(key, value, "is not supported; send 0 or leave it out (repetition_penalty is)")
+    stream = _flag(data, "stream")
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise _bad("stream_options", options, 'must be an object such as {"include_usage": true}')
+    include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
+    drafter, gamma = _specchat(data.get("specchat"))
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                  repetition_penalty=repetition_penalty,
+                                  max_new_tokens=max_tokens,  # None: the pair's default
+                                  seed=seed, stop=_stop(data.get("stop")))
+        request = GenerationRequest(messages=messages, sampling=sampling, drafter=drafter, gamma=gamma)
+    except RequestError as error:  # the checks above cover every field; this keeps the contract if they drift
+        raise ApiError(400, str(error), None) from None
+    return ChatCall(model, request, stream, include_usage, _flag(data, "return_token_ids"))

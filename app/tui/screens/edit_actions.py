@@ -1,0 +1,180 @@
+"""The chat screen's ``/edit`` and ``/undo`` (a mixin of :class:`ChatScreen`, split out for size).
+
+Contract:
+- ``/edit PATH [PATH...] [request]`` attaches files (each a target the reply may change; several ``/edit``
+  before a message add up); the message asks for SEARCH/REPLACE blocks (``app/chat/editing.py``).
+- When the reply ends, :meth:`offer_edit` plans it (``app/chat/edit_plan.py``, nothing written): a refused
+  plan becomes a note in the conversation and a notification, each saying why and that nothing was written.
+  Otherwise the diff dialog shows every file — a symlink as ``link → real file``, flagged when the real file
+  is outside the current folder — and notes (mixed line ends kept, a whole-file reply, code that no longer
+  parses). Only Apply writes (``app/chat/edit_files.py``: backups, atomic writes); the note that follows
+  shows ``git diff`` of each file git tracks. ``/undo`` puts back the last applied edit of this session,
+  byte for byte, from its backups; earlier ones follow on the next ``/undo``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from textual import work
+from textual.containers import VerticalScroll
+
+from specchat.app.tui.screens.dialogs import DiffScreen
+from specchat.app.tui.widgets.edit_note import EditNote
+from specchat.backend.errors import SpecchatError
+
+if TYPE_CHECKING:
+    from specchat.app.chat.edit_files import AppliedEdit
+    from specchat.app.chat.edit_plan import EditPlan
+    from specchat.app.chat.editing import EditTarget
+
+
+def split_path_argument(text: str) -> tuple[str, str]:
+    """``PATH [request]`` -> (path, request). A quoted path may hold spaces; an unquoted argument that names
+    an existing file is taken whole (spaces included); otherwise the path ends at the first space."""
+    text = text.strip()
+    if text[:1] in ("'", '"'):
+        end = text.find(text[0], 1)
+        if end > 0:
+            return text[1:end], text[end + 1:].strip()
+    if not text or Path(text).expanduser().exists():
+        return text, ""
+    path, _, request = text.partition(" ")
+    return path, request.strip()
+
+
+def split_paths(text: str) -> tuple[list[str], str]:
+    """``PATH [PATH...] [request]`` -> (paths, request): after the first path, each next word (or quoted
+    phrase) that names an existing file is one more path; the rest is the request."""
+    path, rest = split_path_argument(text)
+    paths = [path] if path else []
+    while rest:
+        following, after = split_path_argument(rest)
+        if not following or not Path(following).expanduser().is_file():
+            break
+        paths.append(following)
+        rest = after
+    return paths, rest
+
+
+def describe_target(target: EditTarget) -> str:
+    """The file as the dialog names it: as typed, then ``→ real path`` for a symlink, flagged when the real
+    file is outside the current folder."""
+    if not target.link:
+        return target.shown
+    outside = "" if target.path.is_relative_to(Path.cwd()) else f" (outside the current folder {Path.cwd()})"
+    return f"{target.shown} → {target.path}{outside}"
+
+
+def plan_notes(plan: EditPlan) -> list[str]:
+    notes = []
+    for change in plan.changes:
+        target, name = change.target, change.target.path.name
+        if target.link:
+            notes.append(f"{target.shown} is a symlink: the edit writes {target.path}.")
+        if target.mixed_newlines:
+            notes.append(f"{name} mixes CRLF and LF line ends: each line keeps its own, new lines get "
+                         f"{'CRLF' if target.newline == chr(13) + chr(10) else 'LF'}.")
+        if change.how == "whole file":
+            notes.append(f"The reply is a whole new {name} (not SEARCH/REPLACE blocks); it keeps every definition "
+                         "of the old one.")
+        notes.extend(change.notes)
+    return notes
+
+
+class EditActionsMixin:
+    pending_edits: list[EditTarget]
+    applied_edits: list[AppliedEdit]
+    app: Any
+    notify: Any
+    update_attachments: Any
+    send: Any
+
+    def attach_edit(self, paths: list[str], request: str) -> bool:
+        """``/edit PATH... [request]``: attach the files (each checked now); send at once when a request follows."""
+        from specchat.app.chat.editing import check_writable, load_edit_target
+
+        targets = []
+        for path in paths:
+            target = load_edit_target(path)
+            check_writable(target)
+            targets.append(target)
+        known = {t.path for t in self.pending_edits}
+        self.pending_edits.extend(t for t in targets if t.path not in known)
+        self.update_attachments()
+        return True
+
+    def _add_note(self, note: EditNote) -> None:
+        scroll = self.query_one("#conversation", VerticalScroll)  # type: ignore[attr-defined]
+        scroll.mount(note)
+        scroll.anchor()
+
+    @work(exclusive=True, group="edit")
+    async def offer_edit(self, targets: list[EditTarget], reply_text: str, request: str = "") -> None:
+        """Plan the reply against ``targets``, show the diff, and write the files if the user confirms."""
+        from specchat.app.chat.edit_files import apply_plan, git_diff
+        from specchat.app.chat.edit_plan import plan_edit, unified_diff
+
+        plan = plan_edit(targets, reply_text, request)
+        if not plan.ok:
+            self._add_note(EditNote("refused", f"/edit refused: {plan.message()}"))
+            self.notify(plan.message(), title="/edit refused", severity="warning", timeout=15)
+            return
+        sections = [(describe_target(c.target), unified_diff(c.target, c.text)) for c in plan.changes]
+        if not await self.app.push_screen_wait(DiffScreen(sections, plan_notes(plan))):
+            names = ", ".join(c.target.shown for c in plan.changes)
+            self.notify(f"{names} left unchanged (Review edit in Ctrl+P shows it again).", title="/edit", timeout=5)
+            return
+        try:
+            applied = apply_plan(plan)
+        except SpecchatError as error:
+            self._add_note(EditNote("refused", str(error)))
+            self.notify(str(error), title="/edit", severity="error", timeout=12)
+            return
+        self.applied_edits.append(applied)
+        diffs = await asyncio.to_thread(lambda: [(f, git_diff(f.path)) for f in applied.files])
+        shown = [(f"git diff {f.shown}", diff) for f, diff in diffs if diff]
+        self._add_note(EditNote("applied", f"Applied to {applied.describe()} · /undo takes it back", shown))
+        self.notify(f"Wrote {', '.join(str(f.path) for f in applied.files)}.", title="Edit applied", timeout=6)
+
+    def undo_last_edit(self) -> None:
+        from specchat.app.chat.edit_files import undo_edit
+
+        if not self.applied_edits:
+            self.notify("Nothing to undo: no /edit was applied in this session.", title="/undo", timeout=5)
+            return
+        applied = self.applied_edits[-1]
+        try:
+            restored = undo_edit(applied)
+        except SpecchatError as error:
+            self.notify(str(error), title="/undo", severity="error", timeout=12)
+            return
+        self.applied_edits.pop()
+        names = ", ".join(f"{f.shown} from {f.backup.name}" for f in applied.files)
+        self._add_note(EditNote("undone", f"/undo restored {names}"))
+        self.notify(f"Restored {len(restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
+
+    def last_edit_request(self) -> tuple[list[EditTarget], str] | None:
+        """The files (reloaded from disk) and request of the last user message, if it was an /edit request."""
+        from specchat.app.chat.editing import load_edit_target
+
+        turns = self.conv.turns  # type: ignore[attr-defined]
+        user = next((t for t in reversed(turns) if t.role == "user"), None)
+        if user is None or not user.paths("edit"):
+            return None
+        try:
+            return [load_edit_target(path) for path in user.paths("edit")], user.request
+        except SpecchatError as error:
+            self.notify(str(error), title="/edit", severity="error", timeout=8)
+            return None
+
+    def action_review_edit(self) -> None:
+        found = self.last_edit_request()
+        turns = self.conv.turns  # type: ignore[attr-defined]
+        last = turns[-1] if turns else None
+        if found is None or last is None or last.role != "assistant":
+            self.notify("The last reply is not an answer to an /edit request.", severity="warning", timeout=5)
+            return
+        self.offer_edit(found[0], last.content, found[1])
