@@ -51,6 +51,8 @@ class PolicyState(str, enum.Enum):
 
     SPECULATING = "speculating"  # a draft was proposed and verified this step
     PAUSED = "paused"  # a drafter is configured but the policy switched speculation off (it did not pay)
+    NO_DRAFT = "no-draft"  # a drafter is on but this pass verified no draft (none found, the last token, no room
+    #                        in the KV cache, the drafter failed, the policy's calibration step; the prefill)
     OFF = "off"  # no drafter (plain decoding was asked for)
 
 
@@ -161,7 +163,8 @@ class GammaSummary:
 # The `specchat generate --json` "stats" object: these fields, in this order, and no others.
 JSON_STATS_FIELDS = ("new_tokens", "wall_s", "prefill_s", "ttft_s", "prefill_tokens", "tok_s", "steps",
                      "spec_paused_steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
-                     "per_position_acceptance", "gamma")
+                     "per_position_acceptance", "gamma", "no_draft_steps", "draft_prefill_tokens",
+                     "draft_reused_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +175,12 @@ class RequestStats:
     all show these numbers. Rates with nothing to count are None (JSON null), never NaN. Definitions:
 
     - ``steps``: target passes after prefill; ``spec_paused_steps``: those run plain because the policy paused;
-      a speculating step drafted at least one token;
+      ``no_draft_steps``: those that verified no draft for another reason (:class:`PolicyState` NO_DRAFT); a
+      speculating step drafted at least one token;
+    - ``draft_prefill_tokens`` / ``draft_reused_tokens``: context ids the draft model fed to its cache / found
+      already there (a conversation's earlier turns) at its first draft of the request;
+    - ``seed``: the seed the reply was sampled with (the request's, or one drawn for it): the same request
+      with this seed replays the reply, whatever the drafter and γ;
     - ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` τ = 1 + accepted / speculating steps;
     - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it;
     - ``wall_s`` from the request's start to its last token, ``ttft_s`` to its first; ``tok_s`` = new_tokens /
@@ -214,6 +222,10 @@ class RequestStats:
     last_gamma: int | None = 0
     last_policy: PolicyState | None = None
     policy: Mapping[str, Any] | None = None  # the γ policy's estimates (a single drafter), for diagnostics
+    no_draft_steps: int = 0
+    draft_prefill_tokens: int = 0
+    draft_reused_tokens: int = 0
+    seed: int | None = None
 
     def to_json_stats(self) -> dict[str, Any]:
         """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""
@@ -257,6 +269,10 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(v is None or _is_number(v) for v in value):
             raise TypeError(name)
         return tuple(value)
+    if name == "seed":  # a whole number (JSON keeps it exact below 2**53; drawn seeds are)
+        if value is not None and not _is_int(value):
+            raise TypeError(name)
+        return value
     if name == "policy":
         if value is not None and not isinstance(value, Mapping):
             raise TypeError(name)

@@ -38,3 +38,7 @@ class RequestError(SpecchatError):
 class RemoteError(SpecchatError):
     """A remote pair's server could not be reached, refused a request (API key, model, busy) or broke off a reply:
     names the server and what to do."""
+
+
+class ModelOutputError(SpecchatError):
+    """The model's output cannot be decoded (NaN logits): the reply stops instead of emitting garbage."""

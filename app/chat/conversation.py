@@ -85,9 +85,10 @@ class Conversation:
         """The engine's conversation key (paged-cache prefix reuse across turns)."""
         return f"chat-{self.chat_id}" if self.chat_id is not None else f"scratch-{self._scratch}"
 
-    def _guard(self, what: str, call: Callable[[ChatStore], T]) -> T | None:
+    def _guard(self, what: str, call: Callable[[ChatStore], T], *, proves_saving: bool = True) -> T | None:
         """``call(store)``; None without a writable store or when it fails (reported through ``on_error`` once
-        until a later call succeeds)."""
+        until a later call succeeds). A small update that a full disk still allows (``proves_saving`` False:
+        the chat's pair) does not count as saving working again."""
         if self.store is None or self.store.read_only:
             return None
         try:
@@ -99,7 +100,8 @@ class Conversation:
                               "repeated for every message.")
             self._failing = True
             return None
-        self._failing = False
+        if proves_saving:
+            self._failing = False
         return result
 
     def new(self) -> None:
@@ -192,7 +194,7 @@ class Conversation:
 
     def set_pair(self, pair_name: str) -> None:
         if (chat_id := self.chat_id) is not None:
-            self._guard("record the pair", lambda store: store.set_pair(chat_id, pair_name))
+            self._guard("record the pair", lambda store: store.set_pair(chat_id, pair_name), proves_saving=False)
 
     def request_messages(self, system_prompt: str) -> list[dict[str, str]]:
         """The chat as chat-template messages, without an unfinished (empty) trailing reply."""

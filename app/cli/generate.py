@@ -1,7 +1,9 @@
 """`specchat generate`: headless generation for scripts, benchmarks and checks.
 
 With ``--json`` stdout carries one JSON object per sample and nothing else; progress, notices and library
-output go to stderr. Without it, the reply text streams to stdout and a one-line summary goes to stderr.
+output go to stderr. Without it, the reply text streams to stdout and a one-line summary goes to stderr. Both
+report the seed the reply was sampled with (``--seed``, else one drawn per sample): the same command with
+``--seed`` set to it replays the reply, whatever ``--drafter`` and ``--gamma``.
 Whatever stdout's encoding (ascii, cp1252, latin-1, ...), nothing is lost to a UnicodeEncodeError: JSON is
 written ASCII-only (``\\u`` escapes, exact) unless stdout is UTF-8, and text characters the encoding lacks are
 written as ``?`` with one notice on stderr.
@@ -198,7 +200,7 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
     stats = last.stats or RequestStats()
     if as_json:
         record = {
-            "id": pid, "sample": sample, "text": "".join(text), "token_ids": token_ids,
+            "id": pid, "sample": sample, "seed": stats.seed, "text": "".join(text), "token_ids": token_ids,
             "prompt_tokens": stats.prompt_tokens, "finish_reason": last.finish_reason,
             "drafter": stats.drafter, "stats": stats.to_json_stats(),
         }
@@ -208,6 +210,7 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         rate = stats.acceptance_rate
         print(f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
               f"drafter {stats.drafter}, acceptance "
-              f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}",
+              f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}, "
+              f"seed {stats.seed}",
               file=sys.stderr)
     return last.finish_reason == "error"

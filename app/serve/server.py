@@ -73,6 +73,9 @@ def make_server(engine: EngineAPI, config: ServeConfig, *, host: str = "127.0.0.
 class Handler(BaseHTTPRequestHandler):
     server: SpecchatServer
     protocol_version = "HTTP/1.1"
+    # A request line http.server cannot parse is taken as HTTP/0.9, which gets no status line or headers:
+    # answer such refusals as HTTP/1.1, so every client sees the status and the JSON error.
+    default_request_version = "HTTP/1.1"
     timeout = SOCKET_TIMEOUT_S
     server_version = "specchat-serve"
 

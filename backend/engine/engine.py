@@ -22,7 +22,8 @@ from collections.abc import Iterator
 
 from specchat.backend.api import MAX_GAMMA, GenerationRequest, StepEvent, check_gamma
 from specchat.backend.engine.prompting import fit_to_context, validate_messages
-from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target, resolve_sampling
+from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target
+from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention

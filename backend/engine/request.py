@@ -3,7 +3,14 @@
 Split from engine.py (which owns models, caches, conversations and the lock) so that each stays readable.
 Invariants between steps: ``conv.cached`` lists exactly the token ids whose K/V are committed in
 ``conv.seq``; ``pending`` is the last emitted token, not yet in the cache; ``context`` is the prompt plus
-every emitted token (the drafters' view of the conversation).
+every emitted token (the drafters' view of the conversation, and the repetition penalty's, ``seen``).
+
+Every token is decided by :func:`~specchat.backend.spec.sampling.pick` at its *reply position* (its index in
+the reply: 0 for the token the prefill pass decides, ``produced`` for the first row of a step): verification
+keeps a draft token iff it equals the target's own, so with a seed the reply is the same for every drafter and
+γ. Each step's state says why it was (not) speculating: SPECULATING (a draft was verified), PAUSED (every
+candidate drafter's policy is paused), NO_DRAFT (a drafter is on but nothing was verified: nothing found, the
+last token, no room in the KV cache, a drafter that failed, the policy's calibration step), OFF (no drafter).
 """
 
 from __future__ import annotations
@@ -16,27 +23,17 @@ from typing import Any
 
 import torch
 
-from specchat.backend.api import (
-    DEFAULT_MAX_NEW_TOKENS,
-    PREFILL_CHUNK,
-    FinishReason,
-    Gamma,
-    PolicyState,
-    RequestStats,
-    SamplingParams,
-    StepEvent,
-    TokenSource,
-    check_sampling_value,
-)
+from specchat.backend.api import PREFILL_CHUNK, FinishReason, Gamma, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
+from specchat.backend.engine.resolve import Sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.kv_cache import Sequence
 from specchat.backend.spec.drafters.base import Draft, Drafter
 from specchat.backend.spec.policy import GammaPolicy
-from specchat.backend.spec.sampling import apply_repetition_penalty, logits_to_probs, make_generator, sample
+from specchat.backend.spec.sampling import SeenIds, apply_repetition_penalty, pick
 from specchat.backend.spec.stats import SpecStats
-from specchat.backend.spec.verify import VerifyResult, verify_greedy, verify_sampling
+from specchat.backend.spec.verify import VerifyResult, verify
 
 
 @dataclass
@@ -81,56 +78,20 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 
-@dataclass(slots=True, frozen=True)
-class Sampling:
-    temperature: float
-    top_k: int | None
-    top_p: float | None
-    repetition_penalty: float | None
-    max_new_tokens: int
-    seed: int | None
-    stop: tuple[str, ...]
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
-
-
-def resolve_sampling(params: SamplingParams, pair, generation_config: dict) -> Sampling:
-    """Request settings, else the pair's defaults, else the model's generation_config; validated."""
-    defaults = dict(pair.sampling or {})
-
-    def pick(name: str, fallback):
-        value = getattr(params, name)
-        if value is None:
-            value = defaults.get(name, generation_config.get(name, fallback))
-        return value
-
-    do_sample = generation_config.get("do_sample", False)
-    temperature = pick("temperature", 0.7 if do_sample else 0.0)
-    top_k, top_p = pick("top_k", None), pick("top_p", None)
-    penalty = pick("repetition_penalty", None)
-    max_new = params.max_new_tokens if params.max_new_tokens is not None else defaults.get(
-        "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                        ("repetition_penalty", penalty), ("max_new_tokens", max_new)):
-        check_sampling_value(name, value)  # the pair's and the model's defaults pass the request's limits too
-    return Sampling(float(temperature), top_k or None, top_p if top_p and top_p < 1 else None,
-                    penalty if penalty and penalty != 1 else None, max_new, params.seed, tuple(params.stop))
-
-
 class RequestState:
     """The mutable state of one request; :meth:`run` is the generator the engine yields from."""
 
     def __init__(self, target: Target, spec: Speculation, conv: Conversation, prompt: list[int],
                  sampling: Sampling, drafter: str, gamma: Gamma, cancel: threading.Event, t_start: float) -> None:
         self.target, self.spec, self.conv, self.prompt, self.s = target, spec, conv, prompt, sampling
+        self.rule = sampling.rule
         self.cancel, self.t_start = cancel, t_start
-        self.generator = make_generator(sampling.seed, target.runner.device)
         self.context: list[int] = list(prompt)
+        self.seen = SeenIds(target.runner.device)  # the ids of ``context``: the repetition penalty's context
+        self.seen.add(prompt)
         self.produced = 0
         self.detok = IncrementalDetokenizer(target.tokenizer, sampling.stop, prompt_tail=prompt)
-        self.stats = SpecStats(t0=t_start)  # wall time counts from the request, prompt rendering included
+        self.stats = SpecStats(t0=t_start, seed=sampling.seed)  # wall time counts from the request
         if drafter == "none":
             self.candidates: list[str] = []
         elif drafter == "auto":
@@ -141,11 +102,8 @@ class RequestState:
         # A fixed γ gets a fresh policy that never pauses; "auto" shares the engine's learned one.
         self.policies = {n: GammaPolicy(fixed_gamma=self.fixed, max_gamma=max(self.fixed, 1)) if self.fixed
                          else spec.policies[n] for n in self.candidates}
-        for name in self.candidates:
-            drafter_obj = spec.drafters[name]
-            drafter_obj.reset()
-            drafter_obj.configure(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                                  generator=self.generator)
+        for name in self.candidates:  # drafters keep their state across requests (the draft model's cache)
+            spec.drafters[name].configure(self.rule, len(prompt))
         self.notices: list[str] = []
         for name in [n for n in self.candidates if n in spec.disabled]:
             self.candidates.remove(name)  # switched off by an earlier failure (out of memory): say so each time
@@ -155,10 +113,19 @@ class RequestState:
 
     # -- logits -> tokens -------------------------------------------------------------------------------
 
-    def _target_logits(self, ids: list[int]) -> torch.Tensor:
+    def _penalty_context(self) -> torch.Tensor:
+        """The ids every row of the next pass sees as context: the prompt and every emitted token (the pending
+        one included); row j of a verification also sees the drafts before it."""
+        return self.seen.tensor()
+
+    def _positions(self, rows: int) -> range:
+        """The reply positions the next pass's rows decide: the pending token is at ``produced - 1``."""
+        return range(self.produced, self.produced + rows)
+
+    def _target_logits(self, ids: list[int], keep: int) -> torch.Tensor:  # [keep, V] processed logits
         runner = self.target.runner
         try:
-            logits = runner.forward(self.conv.seq, ids, logits_to_keep=len(ids))
+            logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep)
         except BaseException as error:
             # Nothing of this pass was committed: give back the blocks it reserved, keep the history intact.
             self.conv.seq.truncate(self.conv.seq.length)
@@ -171,23 +138,23 @@ class RequestState:
                 f"generating ({_describe(error)}); the reply was stopped. Retry with a lower max_new_tokens or a "
                 "new conversation, or choose a smaller context_length, a quantized or smaller pair "
                 "(`specchat models`)") from error
-        logits = logits[:, : self.target.vocab_limit].float()  # [n, V] over the tokenizer's ids only
+        logits = logits[:, : self.target.vocab_limit].float()  # over the tokenizer's ids only
         if self.s.repetition_penalty:
-            logits = apply_repetition_penalty(logits, self.context[: len(self.context) - len(ids) + 1],
-                                              self.s.repetition_penalty, draft_ids=ids[1:])
+            drafts = ids[len(ids) - keep + 1:]  # row j sees the drafts before it (none for a prefill row)
+            logits = apply_repetition_penalty(logits, self._penalty_context(), self.s.repetition_penalty,
+                                              draft_ids=drafts)
         return logits
 
-    def _sample_plain(self, logits: torch.Tensor) -> int:  # logits [1, V]
-        if self.s.greedy:
-            return int(logits[0].argmax())
-        probs = logits_to_probs(logits, temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p)
-        return int(sample(probs, self.generator)[0])
-
-    def _verify(self, logits: torch.Tensor, draft: Draft) -> VerifyResult:  # logits [γ+1, V]
-        if self.s.greedy:
-            return verify_greedy(logits, draft.token_ids)
-        probs = logits_to_probs(logits, temperature=self.s.temperature, top_k=self.s.top_k, top_p=self.s.top_p)
-        return verify_sampling(probs, draft.token_ids, draft.probs, self.generator)
+    def _cut(self, tokens: list[int], sources: list[TokenSource]) -> tuple[list[int], list[TokenSource], list[str]]:
+        """Detokenise ``tokens`` and drop any after an EOS, the token limit or the end of a stop string: the
+        reply then holds exactly the tokens plain decoding would have emitted."""
+        texts: list[str] = []
+        for i, token in enumerate(tokens):
+            eos = token in self.target.eos_ids
+            texts.append("" if eos else self.detok.push(token))
+            if eos or self.produced + i + 1 >= self.s.max_new_tokens or self.detok.stopped:
+                return tokens[: i + 1], sources[: i + 1], texts
+        return tokens, sources, texts
 
     # -- the loop ---------------------------------------------------------------------------------------
 
@@ -204,10 +171,18 @@ class RequestState:
                 best, best_gamma, best_speedup = name, gamma, speedup
         return best, best_gamma
 
-    def _event(self, tokens: list[int], sources: list[TokenSource], *, gamma: int, accepted: int, draft_s: float,
-               verify_s: float, t_step: float, policy: PolicyState, drafter: str, is_prefill: bool = False,
-               prefill_tokens: int = 0, message: str | None = None) -> StepEvent:
-        texts = [self.detok.push(t) if t not in self.target.eos_ids else "" for t in tokens]
+    def _idle_state(self) -> PolicyState:
+        """The state of a pass that verified no draft: OFF without drafters, PAUSED when every candidate's
+        policy is paused, else NO_DRAFT."""
+        if not self.candidates:
+            return PolicyState.OFF
+        if all(self.policies[n].state is PolicyState.PAUSED for n in self.candidates):
+            return PolicyState.PAUSED
+        return PolicyState.NO_DRAFT
+
+    def _event(self, tokens: list[int], sources: list[TokenSource], texts: list[str], *, gamma: int, accepted: int,
+               draft_s: float, verify_s: float, t_step: float, policy: PolicyState, drafter: str,
+               is_prefill: bool = False, prefill_tokens: int = 0, message: str | None = None) -> StepEvent:
         return StepEvent(token_ids=tokens, sources=sources, token_texts=texts, text="".join(texts), gamma=gamma,
                          accepted=accepted, draft_s=draft_s, verify_s=verify_s,
                          overhead_s=max(time.perf_counter() - t_step - draft_s - verify_s, 0.0), policy=policy,
@@ -247,19 +222,20 @@ class RequestState:
                     yield self._final(None, "cancelled", None)
                     return
             chunk = todo[start:start + PREFILL_CHUNK]
-            self.context = self.prompt[: len(conv.cached) + len(chunk)]
-            logits = self._target_logits(chunk)[-1:]
+            logits = self._target_logits(chunk, keep=1)  # only the last chunk's row is used
             conv.seq.commit(len(chunk))
             conv.cached.extend(chunk)
         prefill_s = time.perf_counter() - t0
         if logits is None:  # the engine always leaves at least the prompt's last token to prefill
             raise RuntimeError("prefill fed no token: the conversation's cache holds the whole prompt")
-        pending = self._sample_plain(logits)
-        self.context = list(self.prompt) + [pending]
+        pending = pick(logits, self.rule, self._positions(1))[0]
+        tokens, sources, texts = self._cut([pending], [TokenSource.TARGET])
+        self.context.append(pending)
+        self.seen.add([pending])
         self.produced = 1
-        policy_state = PolicyState.SPECULATING if self.candidates else PolicyState.OFF
+        policy_state = self._idle_state()
         self.stats.observe_prefill(tokens=len(todo), seconds=prefill_s, policy=policy_state)
-        event = self._event([pending], [TokenSource.TARGET], gamma=0, accepted=0, draft_s=0.0, verify_s=prefill_s,
+        event = self._event(tokens, sources, texts, gamma=0, accepted=0, draft_s=0.0, verify_s=prefill_s,
                             t_step=t0, policy=policy_state, drafter=self.drafter_used, is_prefill=True,
                             prefill_tokens=len(todo),
                             message=" ".join(m for m in (notice, *self.notices) if m) or None)
@@ -276,59 +252,59 @@ class RequestState:
                 return
         yield self._final(event, reason, None)
 
+    def _propose(self, cap: int) -> tuple[str | None, int, Draft | None, str | None]:
+        """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step)."""
+        name, gamma = self._choose() if cap > 0 else (None, 0)
+        if name is None or gamma <= 0:
+            return None, 0, None, None
+        gamma = min(gamma, cap)
+        try:
+            draft = self.spec.drafters[name].propose(self.context, gamma)
+        except Exception as error:  # a failing drafter must not end the reply: continue without it
+            return None, 0, None, self._drop_drafter(name, error)
+        if draft.prefilled or draft.reused:
+            self.stats.observe_draft_context(name, prefilled=draft.prefilled, reused=draft.reused)
+        return name, gamma, draft, None
+
     def _step(self, pending: int) -> tuple[int, StepEvent]:
         conv = self.conv
         t_step = time.perf_counter()
         room = self.target.context_length - conv.seq.length - 1  # positions left after the pending token
         cap = min(self.s.max_new_tokens - self.produced, room) - 1  # γ that cannot overshoot either limit
-        name, gamma = self._choose() if cap > 0 else (None, 0)
-        gamma = min(gamma, cap)
-        draft, message = None, None
-        if name is not None and gamma > 0:
-            try:
-                draft = self.spec.drafters[name].propose(self.context, gamma)
-            except Exception as error:  # a failing drafter must not end the reply: continue without it
-                message = self._drop_drafter(name, error)
-                name, draft = None, None
+        name, gamma, draft, message = self._propose(cap)
         draft_s = time.perf_counter() - t_step
         draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
         t_verify = time.perf_counter()
         try:
-            logits = self._target_logits([pending] + draft_ids)  # [1 + k, V]
+            logits = self._target_logits([pending] + draft_ids, keep=1 + len(draft_ids))  # [1 + k, V]
         except KVCacheFullError:
             if not draft_ids:
                 raise
             # No room for the draft: the last few positions are still worth a plain step each.
             name, draft, draft_ids = None, None, []
-            logits = self._target_logits([pending])
+            logits = self._target_logits([pending], keep=1)
         verify_s = time.perf_counter() - t_verify
-        if draft_ids:
-            result = self._verify(logits, draft)
-        else:
-            result = VerifyResult(tokens=[self._sample_plain(logits[-1:])], sources=[TokenSource.TARGET], accepted=0)
+        result: VerifyResult = verify(logits, draft_ids, self.rule, self.produced)
         conv.seq.commit(1 + result.accepted)
         conv.cached.extend([pending] + draft_ids[: result.accepted])
-        tokens, sources = list(result.tokens), list(result.sources)
-        for i, token in enumerate(tokens):  # nothing after an EOS, nothing past max_new_tokens
-            if token in self.target.eos_ids or self.produced + i + 1 >= self.s.max_new_tokens:
-                tokens, sources = tokens[: i + 1], sources[: i + 1]
-                break
+        tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
         self.produced += len(tokens)
         self.context.extend(tokens)
+        self.seen.add(tokens)
         if name is not None:
             self.policies[name].observe(gamma=gamma, proposed=len(draft_ids), accepted=result.accepted,
                                         draft_s=draft_s, verify_s=verify_s)
             if name in self.candidates:
                 self.spec.drafters[name].observe(result.accepted)
-        elif self.candidates:  # a paused step measures T_target(1) for every candidate's policy
+        elif self.candidates:  # a plain step measures T_target(1) for every candidate's policy
             for policy in self.policies.values():
                 policy.observe(gamma=0, proposed=0, accepted=0, draft_s=0.0, verify_s=verify_s)
-        paused = bool(self.candidates) and name is None
-        state = (PolicyState.SPECULATING if name is not None
-                 else PolicyState.PAUSED if paused else PolicyState.OFF)
-        event = self._event(tokens, sources, gamma=len(draft_ids), accepted=result.accepted, draft_s=draft_s,
-                            verify_s=verify_s, t_step=t_step, policy=state, drafter=name or self.drafter_used,
-                            message=message)
+        state = PolicyState.SPECULATING if draft_ids else self._idle_state()
+        if message is not None and state is PolicyState.OFF:
+            state = PolicyState.NO_DRAFT  # the step whose drafter failed: the drafter did not pause
+        event = self._event(tokens, sources, texts, gamma=len(draft_ids), accepted=result.accepted,
+                            draft_s=draft_s, verify_s=verify_s, t_step=t_step, policy=state,
+                            drafter=name or self.drafter_used, message=message)
         self.stats.observe_step(drafter=name or self.drafter_used, gamma=len(draft_ids), accepted=result.accepted,
                                 emitted=len(tokens), policy=state, draft_s=draft_s, verify_s=verify_s,
                                 overhead_s=event.overhead_s)
@@ -356,8 +332,7 @@ class RequestState:
         reason, the request's totals and any text held back for a stop string that never completed."""
         if event is None:
             event = StepEvent(token_ids=[], sources=[], token_texts=[], text="", gamma=0, accepted=0,
-                              draft_s=0.0, verify_s=0.0, overhead_s=0.0,
-                              policy=PolicyState.SPECULATING if self.candidates else PolicyState.OFF,
+                              draft_s=0.0, verify_s=0.0, overhead_s=0.0, policy=self._idle_state(),
                               drafter=self.drafter_used)
         elif reason != "stop" and event.token_texts:
             tail = self.detok.flush()

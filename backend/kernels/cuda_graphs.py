@@ -8,6 +8,12 @@ Contract:
   the new tokens are written to, and the slots keys are gathered from (positions ``0 .. kvb-1`` in order).
   One host-to-device copy fills them; the causal / sliding-window masks are computed from the position
   buffer inside the forward, so nothing else moves.
+- Logits: a shape keeps either one row (a draft step, a catch-up or prefill pass: the lm_head runs on the last
+  real token only, picked by a static index) or all ``nb`` rows (a verification), keyed (nb, kvb, rows). Every
+  shape writes its float32 logits into ONE static buffer of ``max_nb`` x vocab rows shared by all graphs, and
+  :meth:`GraphRunner.try_forward` returns a copy of the rows asked for: no float32 logits per shape (for
+  Qwen2.5-7B at an 8k context those were ~1.2 GB; :func:`static_bytes` is what stays, which
+  ``backend/models/memory.py`` counts).
 - Padding is safe: padded tokens write their K/V into a *trash block* the runner takes from the pool for
   itself (never part of a sequence), sit at the last real position (so they see the same keys and never
   produce NaN rows), and their logits are dropped. Keys ``kv_len .. kvb-1`` are gathered from stale (valid)
@@ -39,6 +45,12 @@ from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
 
 DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
 DEFAULT_KV_STEP = 256
+
+
+def static_bytes(vocab: int, context: int, max_nb: int = DEFAULT_TOKEN_BUCKETS[-1]) -> int:
+    """Bytes a runner keeps outside its graphs' memory pool: the shared float32 logits buffer and the step's
+    index buffers (ids, positions, write slots, the kept row, and the read slots of ``context`` keys)."""
+    return max_nb * vocab * 4 + (3 * max_nb + 1 + context + DEFAULT_KV_STEP) * 8
 
 
 def graphs_wanted(device: torch.device) -> bool:
@@ -106,13 +118,13 @@ class StaticContext:
 
 
 class _Shape:
-    """One (nb, kvb) static forward: its context, output and (on CUDA) graph."""
+    """One (nb, kvb, rows) static forward: its context, how many logits rows it keeps and (on CUDA) graph."""
 
-    __slots__ = ("ctx", "logits", "graph")
+    __slots__ = ("ctx", "rows", "graph")
 
-    def __init__(self, ctx: StaticContext) -> None:
+    def __init__(self, ctx: StaticContext, rows: int) -> None:
         self.ctx = ctx
-        self.logits: torch.Tensor | None = None  # [nb, vocab] float, the graph's static output
+        self.rows = rows  # 1: the last real token's row only; nb: every row
         self.graph = None
 
 
@@ -135,7 +147,7 @@ class GraphRunner:
         self.trash_block = trash_block
         self.trash_slot = trash_block * cache.block_size
         dev = cache.device
-        size = 3 * self.max_nb + self.max_kv
+        size = 3 * self.max_nb + 1 + self.max_kv
         # One device buffer holds every per-step value (views below), so one copy fills a step.
         self._dev = torch.zeros(size, dtype=torch.long, device=dev)
         # Pinned on CUDA: the step's copy is asynchronous (a pageable copy synchronises the stream). The event
@@ -146,12 +158,16 @@ class GraphRunner:
         self.input_ids = self._dev[:nbm]                    # [max_nb]
         self.positions = self._dev[nbm : 2 * nbm]           # [max_nb]
         self.write_slots = self._dev[2 * nbm : 3 * nbm]     # [max_nb]
-        self.read_slots = self._dev[3 * nbm :]              # [max_kv]
+        self.keep_row = self._dev[3 * nbm : 3 * nbm + 1]    # [1] the last real token's row (one-row shapes)
+        self.read_slots = self._dev[3 * nbm + 1 :]          # [max_kv]
+        head = model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+        self._logits = torch.zeros(nbm, vocab, dtype=torch.float32, device=dev)  # every shape's output
         self._key_positions = torch.arange(self.max_kv, dtype=torch.long, device=dev)
         self._arange = torch.arange(nbm, dtype=torch.long)
         self._slots_key: tuple | None = None
         self._slots_host: torch.Tensor | None = None
-        self._shapes: dict[tuple[int, int], _Shape] = {}
+        self._shapes: dict[tuple[int, int, int], _Shape] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.disabled_reason: str | None = None
         self.stats = {"replays": 0, "eager_static": 0, "captures": 0, "fallbacks": 0}
@@ -198,8 +214,10 @@ class GraphRunner:
         h[m : m + nb] = (self._arange[:nb] + start).clamp_(max=kv_len - 1)
         h[2 * m : 2 * m + n] = slots[start:kv_len]
         h[2 * m + n : 2 * m + nb] = self.trash_slot
-        h[3 * m : 3 * m + kv_len] = slots[:kv_len]
-        self._dev[: 3 * m + kv_len].copy_(h[: 3 * m + kv_len], non_blocking=self._copied is not None)
+        h[3 * m] = n - 1
+        h[3 * m + 1 : 3 * m + 1 + kv_len] = slots[:kv_len]
+        end = 3 * m + 1 + kv_len
+        self._dev[:end].copy_(h[:end], non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
         if device_ids:
@@ -209,11 +227,13 @@ class GraphRunner:
         return StaticContext(self.cache, self.positions[:nb], self.write_slots[:nb], self.read_slots[:kvb],
                              self._key_positions[:kvb])
 
-    def _run(self, shape: _Shape, nb: int) -> torch.Tensor:  # [nb, vocab] float
+    def _run(self, shape: _Shape, nb: int) -> None:
+        """The forward; its logits rows land in the shared buffer (rows 0 .. shape.rows - 1)."""
         shape.ctx.begin()
+        keep = self.keep_row if shape.rows == 1 and nb > 1 else 0
         out = self.model(input_ids=self.input_ids[:nb][None], position_ids=self.positions[:nb][None],
-                         use_cache=False, paged=shape.ctx, logits_to_keep=0)
-        return out.logits[0].float()
+                         use_cache=False, paged=shape.ctx, logits_to_keep=keep)
+        self._logits[: shape.rows].copy_(out.logits[0])
 
     def _capture(self, shape: _Shape, nb: int) -> None:
         """Warm up on a side stream (writes go to the trash block), then record the forward."""
@@ -221,6 +241,7 @@ class GraphRunner:
         with torch.inference_mode():
             self._dev[2 * m : 3 * m].fill_(self.trash_slot)
             self._dev[m : 2 * m].zero_()
+            self.keep_row.zero_()
             self.read_slots.fill_(self.trash_slot)
             stream = torch.cuda.Stream(device=self.cache.device)
             stream.wait_stream(torch.cuda.current_stream(self.cache.device))
@@ -230,7 +251,7 @@ class GraphRunner:
             torch.cuda.current_stream(self.cache.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                shape.logits = self._run(shape, nb)
+                self._run(shape, nb)
         shape.graph = graph
         self.stats["captures"] += 1
 
@@ -242,11 +263,13 @@ class GraphRunner:
             self.stats["fallbacks"] += 1
             return None
         nb, kvb = self.token_bucket(n), self.kv_bucket(seq.length + n)
+        assert nb is not None and kvb is not None  # fits() checked both
+        rows = 1 if logits_to_keep == 1 else nb
         seq.reserve(n)
-        key = (nb, kvb)
+        key = (nb, kvb, rows)
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._shapes[key] = _Shape(self._context(nb, kvb))
+            shape = self._shapes[key] = _Shape(self._context(nb, kvb), rows)
             if self.capture:
                 try:
                     self._capture(shape, nb)
@@ -259,14 +282,15 @@ class GraphRunner:
         self._fill(seq, ids, n, nb)
         if shape.graph is not None:
             shape.graph.replay()
-            logits = shape.logits
             self.stats["replays"] += 1
         else:
             with torch.inference_mode():
-                logits = self._run(shape, nb)
+                self._run(shape, nb)
             self.stats["eager_static"] += 1
-        # A copy of the kept rows: the static output is overwritten by the next replay.
-        return logits[n - logits_to_keep : n].clone()
+        # A copy of the kept rows: the shared output is overwritten by the next forward.
+        if rows == 1:
+            return self._logits[:1].clone()
+        return self._logits[n - logits_to_keep : n].clone()
 
     def release(self) -> None:
         """Drop the graphs and give the trash block back to the pool."""

@@ -10,8 +10,14 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
 - scratch (the larger of the two models, which run one after the other): activations of one forward over
   :data:`specchat.backend.api.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
   attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
-  layer's K/V gathered from the paged cache (``2 x kv_heads x head_dim x context x bytes``), and float32
-  logits + probabilities of the :data:`SCRATCH_LOGIT_ROWS` positions a verification keeps;
+  layer's K/V gathered from the paged cache (``2 x kv_heads x head_dim x context x bytes``), and the logits
+  rows a pass keeps: :data:`LOGIT_ROWS` (a verification at the largest γ; a prefill chunk keeps one row, the
+  last) x vocab x (``bytes`` for the model's output + :data:`DECISION_BYTES` for the float32 copy, the
+  penalised copy and the Gumbel noise of ``backend/spec/sampling.py``);
+- CUDA graphs (CUDA only, per model; ``backend/kernels/cuda_graphs.py``): the runner's static buffers
+  (its shared float32 logits rows, :func:`~specchat.backend.kernels.cuda_graphs.static_bytes`) and the graphs'
+  private memory pool, which eager passes cannot reuse: a forward over the largest token bucket (activations,
+  attention scores, one layer's gathered K/V, its logits rows);
 - headroom: 8 % of the sum.
 
 On CPU the engine also keeps a oneDNN-packed copy of the float32 linear weights when that copy fits in the
@@ -30,12 +36,16 @@ from pathlib import Path
 
 import torch
 
-from specchat.backend.api import PREFILL_CHUNK
+from specchat.backend.api import MAX_GAMMA, PREFILL_CHUNK
 from specchat.backend.errors import InsufficientMemoryError
+from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
 from specchat.backend.models.config import ModelSpec, PairConfig
 
 HEADROOM = 0.08
-SCRATCH_LOGIT_ROWS = 17  # γ + 1 verified positions at the largest γ the adaptive policy tends to use
+LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a prefill chunk keeps one)
+# Per logit of a kept row, beyond the model's output: float32 copy (4), penalised copy (4), Gumbel noise: the
+# int64 hash and its scratch (16), the float64 noise (8) and the float64 scores (8).
+DECISION_BYTES = 40
 NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + float32 absmax per 64-weight block (no double quant)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")
@@ -48,6 +58,7 @@ class MemoryEstimate:
     target_kv: int
     draft_kv: int
     scratch: int
+    graphs: int  # CUDA graphs' static buffers and memory pool (0 off CUDA)
     headroom: int
     total: int  # bytes, the sum of all the above
 
@@ -55,7 +66,8 @@ class MemoryEstimate:
         """One line naming each term, for messages and `specchat models`."""
         return (f"target weights {format_bytes(self.target_weights)}, draft weights "
                 f"{format_bytes(self.draft_weights)}, KV caches {format_bytes(self.target_kv + self.draft_kv)} "
-                f"for {context_length} tokens, scratch {format_bytes(self.scratch)}, 8% headroom "
+                f"for {context_length} tokens, scratch {format_bytes(self.scratch)}"
+                f"{f', CUDA graphs {format_bytes(self.graphs)}' if self.graphs else ''}, 8% headroom "
                 f"{format_bytes(self.headroom)}")
 
 
@@ -111,14 +123,29 @@ def kv_bytes(spec: ModelSpec, device: torch.device, tokens: int) -> int:
     return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes(spec, device) * tokens
 
 
-def scratch_bytes(spec: ModelSpec, device: torch.device, context_length: int) -> int:
-    tokens = min(context_length, PREFILL_CHUNK)
+def _forward_bytes(spec: ModelSpec, device: torch.device, context_length: int, tokens: int, rows: int,
+                   per_logit: int) -> int:
+    """Activations of one forward over ``tokens`` new tokens against ``context_length`` keys, keeping ``rows``
+    logits rows of ``per_logit`` bytes each."""
     heads = max(spec.hidden_size // spec.head_dim, spec.num_kv_heads)
     activations = tokens * spec.hidden_size * 16 * dtype_bytes(spec, device)
     scores = heads * tokens * context_length * 4
     gathered_kv = 2 * spec.num_kv_heads * spec.head_dim * context_length * dtype_bytes(spec, device)  # one layer
-    logits = SCRATCH_LOGIT_ROWS * spec.vocab_size * 4 * 2
-    return activations + scores + gathered_kv + logits
+    return activations + scores + gathered_kv + rows * spec.vocab_size * per_logit
+
+
+def scratch_bytes(spec: ModelSpec, device: torch.device, context_length: int) -> int:
+    tokens = min(context_length, PREFILL_CHUNK)
+    return _forward_bytes(spec, device, context_length, tokens, LOGIT_ROWS, dtype_bytes(spec, device) + DECISION_BYTES)
+
+
+def graph_bytes(spec: ModelSpec, device: torch.device, context_length: int) -> int:
+    """What one model's CUDA-graph runner holds (0 off CUDA): static buffers plus its private pool."""
+    if torch.device(device).type != "cuda":
+        return 0
+    nb = DEFAULT_TOKEN_BUCKETS[-1]
+    pool = _forward_bytes(spec, device, context_length, nb, nb, dtype_bytes(spec, device))
+    return static_bytes(spec.vocab_size, context_length) + pool
 
 
 def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | None = None) -> MemoryEstimate:
@@ -131,10 +158,12 @@ def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | 
     draft_weights = weight_bytes(draft, device) if draft else 0
     draft_kv = kv_bytes(draft, device, tokens) if draft else 0
     scratch = max(scratch_bytes(pair.target, device, tokens), scratch_bytes(draft, device, tokens) if draft else 0)
-    subtotal = target_weights + target_kv + draft_weights + draft_kv + scratch
+    graphs = graph_bytes(pair.target, device, tokens) + (graph_bytes(draft, device, tokens) if draft else 0)
+    subtotal = target_weights + target_kv + draft_weights + draft_kv + scratch + graphs
     headroom = int(subtotal * HEADROOM)
     return MemoryEstimate(target_weights=target_weights, draft_weights=draft_weights, target_kv=target_kv,
-                          draft_kv=draft_kv, scratch=scratch, headroom=headroom, total=subtotal + headroom)
+                          draft_kv=draft_kv, scratch=scratch, graphs=graphs, headroom=headroom,
+                          total=subtotal + headroom)
 
 
 def _cgroup_available() -> int | None:

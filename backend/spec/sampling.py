@@ -1,19 +1,24 @@
-"""Logits -> probabilities -> token ids: temperature, top-k, top-p, repetition penalty, seeded sampling.
+"""Logits -> tokens: repetition penalty, temperature, top-k, top-p, and the seeded Gumbel-max choice.
 
 Contract (pure functions over tensors; no model, no state):
 
 - Settings arrive checked (``specchat.backend.api.SamplingParams`` validates itself against the limits defined
-  there). Temperature 0 means greedy: the engine takes the argmax and never calls :func:`logits_to_probs`.
-- :func:`logits_to_probs` turns logits into the distribution that is actually sampled. The target's logits
-  through it define p, the distribution speculation keeps exactly at any setting (verification corrects any
-  q towards p). The draft model samples through the *same* function with the same settings (and the same
-  repetition penalty) so that q stays close to p: that is what keeps acceptance high at temperature > 0.
+  there) and travel as a :class:`SamplingRule`. Temperature 0 means greedy (the argmax).
+- :func:`pick` is THE function that turns one position's processed logits row and (seed, reply position) into
+  the token: argmax over the ids top-k/top-p keep of ``logits + T · g``, g the Gumbel noise of
+  ``backend/spec/gumbel.py`` keyed by (seed, position, id). That is exactly a sample from
+  p' = :func:`logits_to_probs` (the Gumbel-max trick), and a fixed function of the seed, the position and the
+  row: the target decides every token with it, and verification accepts a drafted token iff it equals the
+  target's own (``backend/spec/verify.py``), so the same seed gives the same reply whatever was drafted. The
+  draft model picks with the same rule and noise (coupled drafts). ``logits + T · g`` is never divided by T,
+  so a tiny temperature cannot overflow: it degrades to the argmax.
+- :func:`logits_to_probs` is p', the distribution :func:`pick` samples from (the tests' exact probabilities).
+  Computed from ``(logits - max) / T``, so any temperature > 0 gives a finite distribution.
 - :func:`apply_repetition_penalty` penalises (CTRL / transformers style: positive logits divided by the penalty,
   negative ones multiplied) every id already in the context. In a verification chunk of γ+1 positions,
   position i sees the committed context *plus the draft tokens before it*; the function applies exactly that,
-  row by row, in one vectorised pass, so the penalised p at each position is the one plain decoding would
-  have used had it produced the same prefix.
-- :func:`make_generator` gives each request its own seeded generator; :func:`sample` draws from it.
+  row by row, in one vectorised pass. Results are clamped to float32's finite range (a penalty of 1e-30
+  cannot make an infinite logit).
 
 Order of operations (as transformers): repetition penalty on raw logits, then temperature, top-k, top-p.
 Ties at the k-th largest logit are all kept (as transformers' TopKLogitsWarper); top-p keeps the smallest set
@@ -22,24 +27,76 @@ of most likely tokens whose mass reaches top_p (at least one).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from specchat.backend.errors import RequestError
+from specchat.backend.errors import ModelOutputError, RequestError
+from specchat.backend.spec.gumbel import gumbel_noise
 
 _TOP_P_CANDIDATES = (256, 4096)  # top-p looks for its nucleus among this many most likely tokens first
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
-    """A generator for one request on ``device``. ``seed=None`` seeds it from OS entropy; the seed actually used is
-    ``generator.initial_seed()`` (worth reporting so a run can be replayed)."""
-    generator = torch.Generator(device=torch.device(device))
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(int(seed))
-    return generator
+@dataclass(frozen=True, slots=True)
+class SamplingRule:
+    """How a row of logits becomes a token: the request's settings (resolved and checked) and its seed."""
+
+    temperature: float = 0.0
+    top_k: int | None = None  # None: no top-k
+    top_p: float | None = None  # None: no top-p
+    repetition_penalty: float | None = None  # None: no penalty
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+GREEDY = SamplingRule()
+
+
+class SeenIds:
+    """The distinct ids of a growing token sequence (the repetition penalty's context), kept incrementally.
+
+    :meth:`sync` follows a sequence that usually only grows (a reply); when it changed in the middle (a new
+    conversation) the set is rebuilt. :meth:`tensor` is a LongTensor of the ids on ``device``, rebuilt only
+    after new ids arrived.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.clear()
+
+    def clear(self) -> None:
+        self._ids: set[int] = set()
+        self._seq: list[int] = []
+        self._tensor: torch.Tensor | None = None
+
+    def add(self, ids: Iterable[int]) -> None:
+        for token in ids:
+            self._seq.append(token)
+            if token not in self._ids:
+                self._ids.add(token)
+                self._tensor = None
+
+    def sync(self, sequence: Sequence[int]) -> None:
+        """Make the set that of ``sequence`` (cheap when it only grew since the last call)."""
+        n = len(self._seq)
+        grew = len(sequence) >= n and (n == 0 or (sequence[n - 1] == self._seq[-1] and sequence[0] == self._seq[0]))
+        if not grew:
+            self.clear()
+            n = 0
+        self.add(list(sequence[n:]))
+
+    def __contains__(self, token: int) -> bool:
+        return token in self._ids
+
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = torch.tensor(sorted(self._ids), dtype=torch.long, device=self.device)
+        return self._tensor
 
 
 def _ids_tensor(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -84,8 +141,41 @@ def apply_repetition_penalty(
         seen = seen | (before.float() @ is_draft.float() > 0)
     out = rows.to(torch.float32, copy=True)
     sub = out[:, cols]  # [n, U]
-    out[:, cols] = torch.where(seen, torch.where(sub < 0, sub * penalty, sub / penalty), sub)
+    penalised = torch.where(sub < 0, sub * penalty, sub / penalty).clamp_(-_FLOAT32_MAX, _FLOAT32_MAX)
+    out[:, cols] = torch.where(seen, penalised, sub)
     return out.squeeze(0) if squeeze else out
+
+
+def candidates(
+    logits: torch.Tensor,  # [n, V] float32, sliced to the tokenizer's ids and penalised
+    *,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # ([n, m] logits, -inf where dropped; [n, m] their ids) or None
+    """The ids top-k/top-p keep per row with their (unscaled) logits, or None when every id is kept.
+
+    Filtering works on a short, sorted list of candidates instead of the whole vocabulary: full passes over V
+    (and above all a full sort) are what sampling costs on CPU. Probabilities for top-p are computed from
+    ``(logits - max) / temperature`` (no overflow at any temperature > 0)."""
+    n, vocab = logits.shape
+    k = top_k if top_k is not None and 0 < top_k < vocab else None
+    p_top = top_p if top_p is not None and top_p < 1.0 else None
+    if k is None and p_top is None:
+        return None
+    if k is not None:
+        vals, idx = _top_k_with_ties(logits, k)  # [n, m] descending, -inf past each row's k-th value
+        probs_sorted = torch.softmax((vals - vals[:, :1]) / float(temperature), dim=-1)
+    else:
+        scaled = (logits - logits.max(dim=-1, keepdim=True).values) / float(temperature)
+        _, idx, probs_sorted = _nucleus_candidates(scaled, p_top or 1.0)
+        vals = logits.gather(1, idx)
+    if p_top is not None:
+        # Keep a token while the more likely tokens hold less than top_p (the most likely one always stays).
+        keep = (probs_sorted.cumsum(-1) - probs_sorted) < p_top
+        keep[:, 0] = True
+        vals = vals.masked_fill(~keep, float("-inf"))
+    return vals, idx
 
 
 def logits_to_probs(
@@ -95,37 +185,55 @@ def logits_to_probs(
     top_k: int | None,
     top_p: float | None,
 ) -> torch.Tensor:  # [n, V] float32, rows sum to 1
-    """The sampling distribution: softmax(top_p(top_k(logits / temperature))).
+    """p' = softmax(top_p(top_k(logits / temperature))): the distribution :func:`pick` samples exactly.
 
-    ``temperature`` must be > 0 (greedy is the engine's argmax). ``top_k`` None/0 and ``top_p`` None/1.0 disable
-    those filters. Slice padded output columns off *before* calling this: top-k/top-p must only ever select
-    real token ids, or the target and draft distributions would differ in ways verification cannot see.
-    """
-    if temperature == 0:
+    ``temperature`` must be > 0 (greedy is the argmax). ``top_k`` None/0 and ``top_p`` None/1.0 disable those
+    filters. Slice padded output columns off *before* calling this: top-k/top-p must only ever select real
+    token ids."""
+    if temperature <= 0:
         raise RequestError("sampling.temperature = 0 means greedy: take the argmax instead of logits_to_probs()")
     squeeze = logits.dim() == 1
     x = (logits.unsqueeze(0) if squeeze else logits).float()  # [n, V]
-    n, vocab = x.shape
-    k = top_k if top_k is not None and 0 < top_k < vocab else None
-    p_top = top_p if top_p is not None and top_p < 1.0 else None
-    if k is None and p_top is None:
-        probs = torch.softmax(x / float(temperature), dim=-1)
-        return probs.squeeze(0) if squeeze else probs
-    # Filtering works on a short, sorted list of candidates (vals, idx) instead of the whole vocabulary: full
-    # passes over V (and above all a full sort) are what sampling costs on CPU.
-    if k is not None:
-        vals, idx = _top_k_with_ties(x, k)  # [n, m] descending, -inf past each row's k-th value
-        vals = vals / float(temperature)
-        probs_sorted = torch.softmax(vals, dim=-1)  # [n, m] the distribution after top-k
+    kept = candidates(x, temperature=temperature, top_k=top_k, top_p=top_p)
+    if kept is None:
+        probs = torch.softmax((x - x.max(dim=-1, keepdim=True).values) / float(temperature), dim=-1)
     else:
-        vals, idx, probs_sorted = _nucleus_candidates(x / float(temperature), p_top or 1.0)
-    if p_top is not None:
-        # Keep a token while the more likely tokens hold less than top_p (the most likely one always stays).
-        keep = (probs_sorted.cumsum(-1) - probs_sorted) < p_top
-        keep[:, 0] = True
-        vals = vals.masked_fill(~keep, float("-inf"))
-    probs = torch.zeros_like(x).scatter_(1, idx, torch.softmax(vals, dim=-1))
+        vals, idx = kept
+        scaled = (vals - vals[:, :1]) / float(temperature)  # column 0 is each row's largest logit
+        probs = torch.zeros_like(x).scatter_(1, idx, torch.softmax(scaled, dim=-1))
     return probs.squeeze(0) if squeeze else probs
+
+
+def pick(logits: torch.Tensor, rule: SamplingRule, positions: Sequence[int]) -> list[int]:
+    """The token at each row: ``logits`` [n, V] float32 (sliced, penalised), row i at reply position
+    ``positions[i]``. Greedy: the argmax. Otherwise argmax over the kept ids of ``logits + T · g(seed, position,
+    id)``: an exact sample from :func:`logits_to_probs`' p', the same for a row whatever else is in the batch.
+
+    Raises :class:`ModelOutputError` for a row whose winner is NaN (the model produced NaN logits): never a
+    token drawn from a broken distribution."""
+    if logits.dim() != 2 or logits.shape[0] != len(positions):
+        raise ValueError(f"pick: need [{len(positions)}, V] logits for {len(positions)} positions, "
+                         f"got {tuple(logits.shape)}")
+    if rule.greedy:
+        token = logits.argmax(dim=-1)  # ties: the lowest id
+        best = logits.gather(1, token[:, None])[:, 0]
+    else:
+        kept = candidates(logits, temperature=rule.temperature, top_k=rule.top_k, top_p=rule.top_p)
+        if kept is None:
+            vals, ids = logits, torch.arange(logits.shape[1], device=logits.device)[None]
+        else:
+            vals, ids = kept
+        noise = gumbel_noise(rule.seed, positions, ids)  # [n, m] (float64; float32 on MPS)
+        scores = vals.to(noise.dtype) + rule.temperature * noise  # [n, m]
+        at = scores.argmax(dim=-1)
+        best = scores.gather(1, at[:, None])[:, 0]
+        token = at if kept is None else ids.gather(1, at[:, None])[:, 0]
+    out = torch.stack([token.to(best.dtype), best]).tolist()  # one device sync
+    if any(value != value for value in out[1]):  # NaN
+        raise ModelOutputError("the model produced NaN logits, so no token can be chosen; the reply was stopped. "
+                               "This is a numerical problem of the model or its dtype: try dtype: float32 or "
+                               "bfloat16 for the pair in models.yaml")
+    return [int(t) for t in out[0]]
 
 
 def _top_k_with_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,20 +264,3 @@ def _nucleus_candidates(x: torch.Tensor, top_p: float) -> tuple[torch.Tensor, to
     return vals, idx, torch.exp(vals - lse)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row: probs [n, V] -> [n] long (probs [V] -> a 0-d tensor). Rows need not be normalised.
-
-    Inverse-CDF sampling: one uniform number per row against a float64 cumulative sum (exact enough that no
-    id's probability moves by more than ~1e-16). torch.multinomial would draw V exponentials per row, which
-    dominates a CPU decoding step at a 50k-150k vocabulary. Ids with zero probability are never returned.
-    """
-    rows = probs.unsqueeze(0) if probs.dim() == 1 else probs
-    dtype = torch.float32 if rows.device.type == "mps" else torch.float64  # MPS has no float64
-    cdf = rows.to(dtype).cumsum(-1)  # [n, V]
-    total = cdf[:, -1:]  # [n, 1]
-    u = torch.rand(rows.shape[0], 1, generator=generator, device=rows.device, dtype=dtype) * total
-    # u < total always, even after rounding: then the first cdf entry above u belongs to an id with mass.
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    # A row without mass (all zeros or NaN: an upstream bug) would index past the end: keep the id valid.
-    ids = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=rows.shape[-1] - 1)  # [n]
-    return ids.squeeze(0) if probs.dim() == 1 else ids

@@ -13,7 +13,8 @@ Pure Python (no torch). Three layers:
   reads (the UI live, `specchat generate --json`, the history); the engine attaches one to every StepEvent.
 
 Definitions (the vocabulary of ``backend/api.py``): a *speculating step* drafted at least one token; a step
-with nothing drafted is *plain* (``paused`` when the policy chose it); per-position acceptance α_i = steps
+with nothing drafted is *plain*: ``paused`` when the policy paused speculation, ``no draft`` when a drafter
+was on but nothing was verified for another reason; per-position acceptance α_i = steps
 that accepted draft position i / steps that reached it (drafted more than i tokens and accepted every one
 before i). A position never reached counts as α = 0 in E[N].
 """
@@ -68,6 +69,7 @@ class StepCounts:
     accepted: int = 0
     rejected_steps: int = 0  # speculating steps that ended in a rejection
     paused_steps: int = 0
+    no_draft_steps: int = 0
     spec_emitted: int = 0
     plain_emitted: int = 0
     spec_time_s: float = 0.0  # draft + verify + overhead of speculating steps
@@ -76,7 +78,7 @@ class StepCounts:
     overhead_s: float = 0.0
 
     def observe(self, *, drafter: str, gamma: int, accepted: int, emitted: int, draft_s: float, verify_s: float,
-                overhead_s: float = 0.0, paused: bool = False) -> None:
+                overhead_s: float = 0.0, paused: bool = False, no_draft: bool = False) -> None:
         """One step: ``gamma`` tokens drafted by ``drafter`` (0: plain), ``accepted`` of them kept, ``emitted``
         tokens yielded (accepted + 1, fewer when EOS or the token limit cut the step)."""
         if not 0 <= accepted <= gamma:
@@ -90,6 +92,7 @@ class StepCounts:
         self.verify_s += verify_s
         self.overhead_s += overhead_s
         self.paused_steps += bool(paused)
+        self.no_draft_steps += bool(no_draft)
         step_s = draft_s + verify_s + overhead_s
         if not gamma:
             self.plain_emitted += emitted
@@ -123,7 +126,8 @@ class StepCounts:
             _add_rows(self.reached.setdefault(name, []), counts)
             _add_rows(self.accepted_at.setdefault(name, []), other.accepted_at[name])
         self.accepted_lengths.update(other.accepted_lengths)
-        for name in ("drafted", "accepted", "rejected_steps", "paused_steps", "spec_emitted", "plain_emitted",
+        for name in ("drafted", "accepted", "rejected_steps", "paused_steps", "no_draft_steps", "spec_emitted",
+                     "plain_emitted",
                      "spec_time_s", "plain_time_s", "verify_s", "overhead_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -220,8 +224,11 @@ class SpecStats:
     :meth:`observe_step` after every later target pass, and :meth:`report` for each event.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, t0: float | None = None) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, t0: float | None = None,
+                 seed: int | None = None) -> None:
         self._clock = clock
+        self.seed = seed  # the seed the reply is sampled with (reported so it can be replayed)
+        self.draft_context: tuple[int, int] | None = None  # (fed, reused) at the draft model's first draft
         self.t0 = clock() if t0 is None else t0  # the request's start (prompt rendering included)
         self.t_first: float | None = None
         self.t_last: float | None = None
@@ -256,10 +263,17 @@ class SpecStats:
                      draft_s: float, verify_s: float, overhead_s: float) -> None:
         """One target pass after prefill (see :meth:`StepCounts.observe`)."""
         self.counts.observe(drafter=drafter, gamma=gamma, accepted=accepted, emitted=emitted, draft_s=draft_s,
-                            verify_s=verify_s, overhead_s=overhead_s, paused=policy is PolicyState.PAUSED)
+                            verify_s=verify_s, overhead_s=overhead_s, paused=policy is PolicyState.PAUSED,
+                            no_draft=policy is PolicyState.NO_DRAFT)
         self.last_gamma = gamma
         self.last_policy = policy
         self._emit(emitted)
+
+    def observe_draft_context(self, drafter: str, *, prefilled: int, reused: int) -> None:
+        """A drafter with a cache read the context: ``prefilled`` ids fed, ``reused`` found cached. The first
+        time in a request is its prefill (later ones catch up on the tokens of the last step)."""
+        if self.draft_context is None:
+            self.draft_context = (prefilled, reused)
 
     def set_policy(self, expected_speedup: float | None, estimates: Mapping[str, Any] | None) -> None:
         """The γ policy's S and estimates (a single drafter); preferred over the counts' own S."""
@@ -309,4 +323,8 @@ class SpecStats:
             last_gamma=self.last_gamma,
             last_policy=self.last_policy,
             policy=self.policy_estimates,
+            no_draft_steps=c.no_draft_steps,
+            draft_prefill_tokens=self.draft_context[0] if self.draft_context else 0,
+            draft_reused_tokens=self.draft_context[1] if self.draft_context else 0,
+            seed=self.seed,
         )

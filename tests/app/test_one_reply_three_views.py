@@ -21,7 +21,7 @@ from fake_engine import fake_pairs
 from tiny_models import random_ids
 
 from specchat.app.chat.history.store import ChatStore
-from specchat.app.cli.generate import _one
+from specchat.app.cli.generate import _one, _Stdout
 from specchat.app.tui.widgets.details_panel import DetailsPanel
 from specchat.app.tui.widgets.stats_bar import StatsLine, reply_totals
 from specchat.backend.api import JSON_STATS_FIELDS, GenerationRequest, RequestStats, SamplingParams, StepEvent
@@ -60,7 +60,7 @@ async def test_ui_json_and_history_show_the_same_numbers(tmp_path) -> None:
 
     out = io.StringIO()
     with redirect_stdout(out):
-        _one(ReplayEngine(events), GenerationRequest(prompt_ids=[5]), "p", 0, True)
+        _one(ReplayEngine(events), GenerationRequest(prompt_ids=[5]), "p", 0, True, _Stdout())
     as_json = json.loads(out.getvalue())
 
     store = ChatStore(tmp_path / "history.sqlite3")

@@ -3,6 +3,8 @@ dict the history stores and reads back damaged rows without raising."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specchat.backend import api
@@ -56,16 +58,20 @@ def test_request_stats_round_trip_and_the_json_contract() -> None:
     stats = RequestStats(new_tokens=12, wall_s=1.5, ttft_s=0.2, tok_s=8.0, steps=5, drafted=8, accepted=6,
                          acceptance_rate=0.75, mean_accepted_length=2.5, per_position_acceptance=(1.0, 0.5, None),
                          gamma=GammaSummary(4, 3.5, 4), drafter="prompt-lookup", last_policy=PolicyState.PAUSED,
-                         accepted_length_histogram=(1, 0, 2), policy={"alpha_hat": 0.6})
+                         accepted_length_histogram=(1, 0, 2), policy={"alpha_hat": 0.6}, no_draft_steps=2,
+                         draft_prefill_tokens=3, draft_reused_tokens=40, seed=2**64 - 1)
     data = stats.to_dict()
     assert RequestStats.from_dict(data) == stats
+    assert RequestStats.from_dict(json.loads(json.dumps(data))).seed == 2**64 - 1  # a whole number, exact
+    assert RequestStats.from_dict({**data, "last_policy": "no-draft"}).last_policy is PolicyState.NO_DRAFT
     assert list(stats.to_json_stats()) == list(JSON_STATS_FIELDS)
     assert stats.to_json_stats()["gamma"] == {"mode": 4, "mean": 3.5, "max": 4}
 
 
 @pytest.mark.parametrize("damage", [
     {"new_tokens": "many"}, {"gamma": [1, 2]}, {"per_position_acceptance": "x"}, {"last_policy": "dancing"},
-    {"tok_s": float("nan")}, {"drafter": 7}, {"steps": None}, {"policy": [1]}, {"unknown_field": 1},
+    {"tok_s": float("nan")}, {"drafter": 7}, {"steps": "x"}, {"policy": [1]}, {"unknown_field": 1},
+    {"seed": 1.5}, {"seed": "7"},
 ])
 def test_request_stats_from_a_damaged_row_keeps_what_it_can(damage) -> None:
     row = {"new_tokens": 3, "wall_s": 2.0} | damage

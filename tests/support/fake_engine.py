@@ -5,12 +5,13 @@
 The fake streams a canned Markdown reply with a code block, split into word/space/punctuation "tokens".
 Steps follow ``accept_pattern`` (accepted drafts per step with γ = ``gamma``): accepted tokens are ACCEPTED,
 then one RECOVERED (a rejection) or BONUS (all accepted) token; every ``pause_every``-th step is a plain
-PAUSED step (one TARGET token). The first event is the prefill (one TARGET token). Every event carries the
-request's statistics, counted by the engine's own ``SpecStats`` (``backend/spec/stats.py``) on a fake clock
-when ``wall_s`` fixes the times; the last one carries ``finish_reason``. It honours ``cancel`` between steps and
-``max_new_tokens``; it can sleep per step, raise at a given step, or end with "context". With ``prefill_passes``
-it reads a prompt of ``prefill_tokens`` in that many passes of ``prefill_delay_s`` each, yielding a prefill
-progress event before each when the request asks (``prefill_progress``), and honours ``cancel`` between them.
+PAUSED step (one TARGET token). The first event is the prefill (one TARGET token, NO_DRAFT). Every event carries
+the request's statistics (with the request's seed, else :data:`FAKE_SEED`), counted by the engine's own
+``SpecStats`` (``backend/spec/stats.py``) on a fake clock when ``wall_s`` fixes the times; the last one carries
+``finish_reason``. It honours ``cancel`` between steps and ``max_new_tokens``; it can sleep per step, raise at a
+given step, or end with "context". With ``prefill_passes`` it reads a prompt of ``prefill_tokens`` in that many
+passes of ``prefill_delay_s`` each, yielding a prefill progress event before each when the request asks
+(``prefill_progress``), and honours ``cancel`` between them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def reverse(text: str) -> str:
 
 Call it as `reverse("abc")`; it returns `"cba"`.
 """
+
+
+FAKE_SEED = 1234567  # the seed a request without one reports (the engine draws one)
 
 
 def split_tokens(text: str) -> list[str]:
@@ -145,9 +149,10 @@ class FakeEngine:
         fixed = request.gamma if isinstance(request.gamma, int) else None
         now = [0.0]  # the fake clock when wall_s fixes the times: the prefill at 0.01 s, the last token at wall_s
         clock = (lambda: now[0]) if self.wall_s else time.monotonic
-        stats = SpecStats(clock=clock)
+        seed = request.sampling.seed if request.sampling.seed is not None else FAKE_SEED
+        stats = SpecStats(clock=clock, seed=seed)
         steps = 0
-        first_policy = PolicyState.OFF if drafter == "none" else PolicyState.SPECULATING
+        first_policy = PolicyState.OFF if drafter == "none" else PolicyState.NO_DRAFT  # the prefill drafts nothing
         now[0] = 0.01
         stats.observe_prefill(tokens=17, seconds=0.01, policy=first_policy)
         yield self._event(pieces[:1], [TokenSource.TARGET], gamma=0, accepted=0, policy=first_policy,
@@ -208,7 +213,7 @@ class FakeEngine:
             yield last
         else:
             message = "fake: the conversation is longer than the context" if finish == "context" else None
-            yield self._event([], [], gamma=0, accepted=0, policy=PolicyState.SPECULATING, drafter=drafter,
+            yield self._event([], [], gamma=0, accepted=0, policy=first_policy, drafter=drafter,
                               finish_reason=finish, stats=final, message=message)
 
 

@@ -51,7 +51,10 @@ def measured_speedup(stats: RequestStats) -> float | None:
 def render_details(live: LiveView) -> Text:
     stats = live.stats
     text = Text("Speculation details\n", style="bold")
-    text.append(f"drafter {live.drafter or stats.drafter or '—'} · γ {count(stats.last_gamma)}\n\n", style="dim")
+    text.append(f"drafter {live.drafter or stats.drafter or '—'} · γ {count(stats.last_gamma)}\n", style="dim")
+    if stats.seed is not None:  # the same request with this seed replays the reply (`generate --seed`)
+        text.append(f"seed {stats.seed}\n", style="dim")
+    text.append("\n")
     positions = stats.per_position_acceptance
     text.append("Per-position acceptance\n", style="bold")
     if not positions:

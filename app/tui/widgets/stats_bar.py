@@ -59,6 +59,8 @@ def policy_label(live: LiveView) -> str:
         return "plain decoding"
     if policy == PolicyState.PAUSED:
         return f"{drafter}: paused (it did not pay)"
+    if policy == PolicyState.NO_DRAFT:
+        return f"{drafter}: no draft this step"
     if policy == PolicyState.SPECULATING:
         return f"{drafter}: speculating" if live.stats.last_gamma else f"{drafter}: no draft this step"
     return f"{drafter}: {getattr(policy, 'value', policy)}"

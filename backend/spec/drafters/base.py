@@ -1,17 +1,21 @@
 """The drafter contract: propose a few tokens for the target to verify, learn from how many it accepted.
 
 A drafter knows only token ids. ``propose(context, max_tokens)`` sees every committed id of the sequence so far
-(prompt and generated; never the rejected drafts of earlier steps) and returns a :class:`Draft` of at most
-``max_tokens`` *new* ids (never the context with the draft appended), with the distributions they were sampled
-from (``probs``), or ``None`` for a deterministic, one-hot draft (prompt lookup). Proposing fewer tokens than
-asked, even none, is allowed: the engine then verifies what there is, or runs a plain step.
+(prompt and generated, the target's pending token included; never the rejected drafts of earlier steps) and
+returns a :class:`Draft` of at most ``max_tokens`` *new* ids (never the context with the draft appended).
+Proposing fewer tokens than asked, even none, is allowed: the engine then verifies what there is, or runs a
+plain step. Verification keeps a drafted id iff it equals the target's own token at its reply position
+(``backend/spec/verify.py``), so what a drafter proposes never changes the output, only its speed.
 
-``observe(num_accepted)`` is called after each verification with how many of the proposed ids the target kept,
-so a drafter can roll back its own state (a draft model's cache) or adapt. ``reset()`` starts a new request or
-conversation; ``configure(...)`` gives it the request's sampling settings and random generator (a drafter
-that samples uses them; a deterministic one ignores them); ``release()`` gives back what it holds (cache
-blocks) for good. The whole interface is declared here (as transformers' candidate generators declare
-theirs), so the engine never probes a drafter for optional methods.
+``configure(rule, reply_start)`` gives it the request's sampling rule (settings and seed) and where the reply
+starts in the context: the draft token at context index j is at reply position j - reply_start, and a drafter
+that samples picks it with :func:`specchat.backend.spec.sampling.pick` at that position (the target's noise:
+coupled drafts). ``observe(num_accepted)`` is called after each verification with how many of the proposed ids
+the target kept, so a drafter can roll back its own state or adapt. A drafter keeps what it learned across
+requests (the draft model's cache: a conversation's next turn reuses its prefix) and syncs to each context
+itself; ``reset()`` forgets it (after a failure), ``release()`` gives back what it holds (cache blocks) for
+good. The whole interface is declared here (as transformers' candidate generators declare theirs), so the
+engine never probes a drafter for optional methods.
 """
 
 from __future__ import annotations
@@ -20,15 +24,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-import torch
+from specchat.backend.spec.sampling import SamplingRule
 
 
 @dataclass(slots=True)
 class Draft:
-    """The proposed new ids and, for a sampled draft, their distributions q (one row per id)."""
+    """The proposed new ids, and how much of the context the drafter had to read first.
+
+    ``prefilled``: context ids the drafter fed to its model before drafting (0 for prompt lookup);
+    ``reused``: context ids it already held (its cache's common prefix with the context)."""
 
     token_ids: list[int]
-    probs: torch.Tensor | None = None  # [len(token_ids), V] the distributions each id was drawn from; None: one-hot
+    prefilled: int = 0
+    reused: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -40,8 +48,7 @@ class Drafter(Protocol):
 
     def reset(self) -> None: ...
 
-    def configure(self, *, temperature: float, top_k: int | None, top_p: float | None,
-                  generator: torch.Generator | None) -> None: ...
+    def configure(self, rule: SamplingRule, reply_start: int) -> None: ...
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft: ...
 
@@ -53,13 +60,12 @@ class Drafter(Protocol):
 class StatelessHooks:
     """The hooks a drafter without per-request state needs none of: configure, observe and release do nothing
     beyond :meth:`reset` (a deterministic drafter ignores sampling settings; verification keeps the target's
-    distribution whatever it proposes)."""
+    tokens whatever it proposes)."""
 
     def reset(self) -> None:
         """Nothing to forget."""
 
-    def configure(self, *, temperature: float, top_k: int | None, top_p: float | None,
-                  generator: torch.Generator | None) -> None:
+    def configure(self, rule: SamplingRule, reply_start: int) -> None:
         """Nothing to configure."""
 
     def observe(self, num_accepted: int) -> None:

@@ -36,7 +36,8 @@ def test_generate_json_on_a_remote_pair_has_the_fields_of_a_local_pair(tmp_path,
                      "--temperature", "0", "--max-new-tokens", "10", "--json"])
     record = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert set(record) == {"id", "sample", "text", "token_ids", "prompt_tokens", "finish_reason", "drafter", "stats"}
+    assert set(record) == {"id", "sample", "text", "token_ids", "prompt_tokens", "finish_reason", "drafter", "seed",
+                           "stats"}
     assert tuple(record["stats"]) == JSON_STATS_FIELDS
     assert record["finish_reason"] == "length" and len(record["token_ids"]) == 10
     assert record["stats"]["new_tokens"] == 10 and record["stats"]["steps"] is not None  # specchat serve gives all

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -136,7 +137,11 @@ def test_twenty_concurrent_clients_are_answered_or_refused_and_none_is_lost() ->
                 assert body["usage"]["completion_tokens"] == 8
             else:
                 assert "busy" in body["error"]["message"] and "retry" in body["error"]["message"]
-        requests = server.metrics.snapshot()["requests"]
+        # A reply is counted once its last byte is written: the client may read it a moment before.
+        deadline = time.monotonic() + 10
+        while (requests := server.metrics.snapshot()["requests"]).get("ok", 0) < codes.count(200):
+            assert time.monotonic() < deadline, requests
+            time.sleep(0.01)
         assert requests.get("ok", 0) == codes.count(200) and requests.get("rejected", 0) == codes.count(503)
         assert server.owner.running == 0 and server.owner.waiting == 0
     assert engine.blocks_in_use() == 0

@@ -113,7 +113,7 @@ async def test_corrupt_settings_fall_back_to_defaults_and_the_theme_is_remembere
     app = make_app(tmp_path)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
-        assert any("could not be read" in n and "using the defaults" in n for n in notifications(app))
+        assert any("is not valid JSON" in n and "using the defaults" in n for n in notifications(app))
         assert app.settings.max_new_tokens == 1024
         app.theme = "nord"
         await pilot.pause()

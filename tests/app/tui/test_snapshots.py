@@ -51,10 +51,11 @@ def test_snapshot_accepted_token_view(tmp_path, snap_compare):
 
 
 def test_snapshot_details_panel(tmp_path, snap_compare):
-    """A panel on the right titled "Speculation details": four per-position acceptance bars (positions 1-4,
-    falling), "expected 1.80×", "spec ÷ plain steps 2.27×" (pause_every=3 gives 22 speculating and 10 plain
-    steps, over the 8 of each it needs), and the counters (79 tokens, 32 steps, 10 paused steps, first token
-    0.01 s, 79.0 tok/s); the reply's totals line wraps in the narrower conversation."""
+    """A panel on the right titled "Speculation details", "drafter prompt-lookup · γ 4" and "seed 1234567" (the
+    seed replays the reply), four per-position acceptance bars (positions 1-4, falling from 82% to 56%),
+    "expected 1.80×", "spec ÷ plain steps 2.27×" (pause_every=3 gives 22 speculating and 10 plain steps, over the
+    8 of each it needs), and the counters (79 tokens, 32 steps, 88 drafted, 46 accepted, 52%, τ 3.09, 10 paused
+    steps, first token 0.01 s, 79.0 tok/s); the reply's totals line wraps in the narrower conversation."""
 
     async def run_before(pilot) -> None:
         await chat_with_reply(pilot)

@@ -122,7 +122,9 @@ def test_prompt_lookup_exception_continues_without_speculation():
     assert "prompt-lookup drafter failed" in notices[0] and "n-gram index broken" in notices[0]
     assert "continuing without it" in notices[0]
     failed_at = next(i for i, e in enumerate(events) if e.message)
-    assert all(e.gamma == 0 and e.policy == PolicyState.OFF for e in events[failed_at:])
+    # The failing step verified no draft (it did not pause); afterwards there is no drafter: plain decoding.
+    assert events[failed_at].gamma == 0 and events[failed_at].policy == PolicyState.NO_DRAFT
+    assert all(e.gamma == 0 and e.policy == PolicyState.OFF for e in events[failed_at + 1:])
     assert events[-1].finish_reason == "length" and engine.blocks_in_use() == 0
     # The failure is per request: the next request speculates again.
     drafter.propose.times = drafter.propose.raised

@@ -1,7 +1,8 @@
 """Static-shape forwards (backend/kernels/cuda_graphs.py): on CPU the static mode runs eagerly and must give the normal
 paged path's logits on every supported family, with padded token buckets, masked key buckets, fragmented block
-tables and rollback; buckets, buffer reuse (no reallocation across steps) and the fallback rules; a greedy
-engine run with graph runners gives the same tokens. The ``cuda`` tests capture and replay real CUDA
+tables, rollback and one-row shapes (the lm_head on the last real token only); buckets, buffer reuse (no
+reallocation across steps, one logits buffer for every shape) and the fallback rules; a greedy engine run with
+graph runners gives the same tokens. The ``cuda`` tests capture and replay real CUDA
 graphs (run by packaging/device_check.sh; skipped without a GPU)."""
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _cache(model, *, fragmented: bool, block_size: int = 4, max_tokens: int = 25
 def _scenario(model, seq, ids: list[int], graphs=None) -> list[torch.Tensor]:
     """Chunked prefill, single-token decode, a verification chunk with rollback (as test_attention)."""
     got = []
-    for lo, hi in ((0, 6), (6, 17), (17, 26)):  # 6 -> bucket 8, 11 -> 16, 9 -> 16 (a padded chunk)
-        got.append(forward_paged(model, seq, ids[lo:hi], logits_to_keep=hi - lo, graphs=graphs))
+    for lo, hi, keep in ((0, 6, 1), (6, 17, 11), (17, 26, 9)):  # 6 -> bucket 8, 11 -> 16, 9 -> 16 (padded)
+        got.append(forward_paged(model, seq, ids[lo:hi], logits_to_keep=keep, graphs=graphs))  # keep 1: one row
         seq.commit(hi - lo)
     for t in ids[26:30]:
         got.append(forward_paged(model, seq, [t], graphs=graphs))
@@ -64,7 +65,9 @@ def test_static_mode_matches_eager(family: str, fragmented: bool) -> None:
     runner = cuda_graphs.GraphRunner(model, cache, kv_step=16)  # several key buckets within 40 tokens
     static = _scenario(model, cache.new_sequence(), ids, graphs=runner)
     assert runner.stats["eager_static"] == 9 and runner.stats["fallbacks"] == 0
-    assert set(runner._shapes) == {(8, 16), (16, 32), (1, 32), (8, 48)}  # padded rows and masked keys happen
+    # padded rows, masked keys and a one-row shape happen
+    assert set(runner._shapes) == {(8, 16, 1), (16, 32, 16), (1, 32, 1), (8, 48, 8)}
+    assert runner._logits.shape == (32, model.config.get_text_config().vocab_size)  # one buffer for all shapes
     runner.release()
     for a, b in zip(eager, static):
         torch.testing.assert_close(b, a, atol=TOL, rtol=0)
@@ -94,14 +97,16 @@ def test_buffers_are_reused_across_steps() -> None:
     forward_paged(model, seq, ids[:5], logits_to_keep=5, graphs=runner)
     seq.commit(5)
     ptrs = (runner._dev.data_ptr(), runner._host.data_ptr())
-    shape = runner._shapes[(8, 64)]
+    logits_ptr = runner._logits.data_ptr()
+    shape = runner._shapes[(8, 64, 8)]
     ctx_ptrs = (shape.ctx.positions.data_ptr(), shape.ctx.write_slots.data_ptr(), shape.ctx.read_slots.data_ptr())
     for t in ids[5:25]:
         forward_paged(model, seq, [t], graphs=runner)
         seq.commit(1)
         assert (runner._dev.data_ptr(), runner._host.data_ptr()) == ptrs
-    step = runner._shapes[(1, 64)]
-    assert set(runner._shapes) == {(8, 64), (1, 64)}  # twenty decode steps, one static shape
+    step = runner._shapes[(1, 64, 1)]
+    assert set(runner._shapes) == {(8, 64, 8), (1, 64, 1)}  # twenty decode steps, one static shape
+    assert runner._logits.data_ptr() == logits_ptr  # every shape writes the same logits rows
     assert (step.ctx.read_slots.data_ptr(), step.ctx.positions.data_ptr()) == (ctx_ptrs[2], ctx_ptrs[0])
     assert step.ctx.write_slots.data_ptr() == ctx_ptrs[1]  # every shape views the same buffers
     runner.release()
@@ -246,4 +251,25 @@ def test_cuda_plain_step_has_one_host_sync(monkeypatch) -> None:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) <= 4, [str(w.message) for w in syncs]
+    runner.release()
+
+
+def test_static_bytes_no_longer_grow_with_shapes() -> None:
+    """What a runner keeps outside its pool is one float32 logits buffer of the largest bucket's rows (plus the
+    index buffers), whatever number of (token, key) shapes it captures: for Qwen2.5-7B at an 8k context the
+    former per-shape float32 logits were ~1.2 GB, now ~19 MB (backend/models/memory.py counts it)."""
+    vocab, context = 152064, 8192
+    per_shape_before = sum(nb * vocab * 4 for nb in cuda_graphs.DEFAULT_TOKEN_BUCKETS)
+    kv_buckets = context // cuda_graphs.DEFAULT_KV_STEP
+    assert per_shape_before * kv_buckets > 1.1e9
+    assert cuda_graphs.static_bytes(vocab, context) < 20e6
+    model = build_tiny("llama")
+    use_paged_attention(model)
+    runner = cuda_graphs.GraphRunner(model, _cache(model, fragmented=False), kv_step=16)
+    seq = runner.cache.new_sequence()
+    for n in (1, 3, 7, 20):
+        forward_paged(model, seq, random_ids(n, seed=n), logits_to_keep=n, graphs=runner)
+        seq.commit(n)
+    assert len(runner._shapes) >= 4
+    assert not any(hasattr(shape, "logits") for shape in runner._shapes.values())  # no output per shape
     runner.release()

@@ -44,7 +44,8 @@ def test_is_a_drafter() -> None:
     drafter = PromptLookupDrafter()
     assert isinstance(drafter, Drafter) and drafter.name == "prompt-lookup"
     draft = drafter.propose([1, 2, 3, 1, 2], 4)
-    assert isinstance(draft, Draft) and draft.probs is None and draft.token_ids == [3, 1, 2, 3] and len(draft) == 4
+    assert isinstance(draft, Draft) and draft.token_ids == [3, 1, 2, 3] and len(draft) == 4
+    assert (draft.prefilled, draft.reused) == (0, 0)  # no cache to fill
 
 
 def test_matching_rules() -> None:

@@ -1,5 +1,7 @@
-"""sampling.py: logits -> probs (checked against transformers' own warpers), the
-per-position repetition penalty (checked against transformers' processor on every prefix), seeded sampling."""
+"""sampling.py: logits -> probs (checked against transformers' own warpers), the per-position repetition penalty
+(checked against transformers' processor on every prefix), the Gumbel-max choice (an exact sample of p', the same
+for a row whatever its batch), and settings at the edge of their ranges (a temperature of 1e-38, a penalty of
+1e-30) that must never give NaN."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specchat.backend.errors import RequestError
+from specchat.backend.errors import ModelOutputError, RequestError
 from specchat.backend.spec.sampling import (
+    GREEDY,
+    SamplingRule,
+    SeenIds,
     apply_repetition_penalty,
     logits_to_probs,
-    make_generator,
-    sample,
+    pick,
 )
 
 
@@ -111,23 +115,89 @@ def test_repetition_penalty_edge_cases() -> None:
         apply_repetition_penalty(torch.zeros(2, 4), [0], 1.2, [])
 
 
-def test_generator_is_seeded_per_request() -> None:
-    probs = torch.softmax(torch.randn(8, 40, generator=torch.Generator().manual_seed(2)), dim=-1)
-    a = sample(probs, make_generator(123, "cpu"))
-    b = sample(probs, make_generator(123, "cpu"))
-    assert a.shape == (8,) and a.dtype == torch.long and torch.equal(a, b)
-    g = make_generator(None, torch.device("cpu"))
-    h = make_generator(None, torch.device("cpu"))
-    assert g.initial_seed() != h.initial_seed()
-    assert sample(probs[0], g).dim() == 0
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; cells with zero probability must have zero counts."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return 0.0
+    expected = counts.sum() * probs[support]
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    dof = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
 
 
-def test_sample_follows_probs() -> None:
-    probs = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])  # zero mass at both ends and inside
-    draws = sample(probs.expand(40_000, 6) * 7.0, make_generator(0, "cpu"))  # unnormalised rows are fine
-    freq = torch.bincount(draws, minlength=6).float() / draws.numel()
-    assert freq[0] == 0 and freq[2] == 0 and freq[5] == 0
-    assert (freq - probs).abs().max() < 0.01
-    point = torch.zeros(3, 6)
-    point[torch.arange(3), torch.tensor([0, 5, 2])] = 1.0
-    assert sample(point, make_generator(1, "cpu")).tolist() == [0, 5, 2]
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, None, None), (1.3, 4, None), (0.8, None, 0.9),
+                                                             (0.6, 5, 0.8)])
+def test_pick_is_an_exact_sample_of_p(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """One row decided at 40,000 reply positions (each its own noise): the counts follow logits_to_probs (p-value
+    > 1e-3) and reject the same settings at another temperature (p-value < 1e-12): the test has the power."""
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(3)) * 2
+    rule = SamplingRule(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    n = 40_000
+    tokens = pick(logits.expand(n, -1), rule, range(n))
+    counts = torch.bincount(torch.tensor(tokens), minlength=12)
+    p = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)[0]
+    assert chi2_pvalue(counts, p) > 1e-3, (counts, p)
+    wrong = logits_to_probs(logits, temperature=temperature * 1.5, top_k=top_k, top_p=top_p)[0]
+    assert chi2_pvalue(counts, wrong) < 1e-12
+
+
+def test_pick_is_greedy_at_zero_and_keyed_by_position_not_by_batch() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4)) * 3
+    assert pick(logits, GREEDY, range(6)) == logits.argmax(-1).tolist()
+    for rule in (SamplingRule(temperature=0.8, seed=5), SamplingRule(temperature=0.8, top_p=0.9, seed=5),
+                 SamplingRule(temperature=1.2, top_k=20, seed=5)):
+        together = pick(logits, rule, range(10, 16))
+        alone = [pick(logits[i : i + 1], rule, [10 + i])[0] for i in range(6)]
+        assert together == alone
+        shifted = pick(logits, rule, range(11, 17))  # another position is other noise
+        other_seed = pick(logits, SamplingRule(rule.temperature, rule.top_k, rule.top_p, None, 6), range(10, 16))
+        assert together != shifted or together != other_seed
+    with pytest.raises(ValueError, match="need \\[2, V\\] logits"):
+        pick(logits, GREEDY, [0, 1])
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-12])
+def test_a_tiny_temperature_is_the_argmax_never_nan(temperature: float) -> None:
+    """Dividing logits by 1e-38 overflows float32 (the old softmax gave NaN and sampling fell back to the last
+    id: text like `ectableectable...`). Now p' is one-hot on the argmax and pick returns it."""
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(6)) * 5
+    for top_k, top_p in ((None, None), (50, None), (None, 0.9), (50, 0.9)):
+        probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        assert torch.isfinite(probs).all()
+        assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.allclose(probs.max(-1).values, torch.ones(4))
+        rule = SamplingRule(temperature=temperature, top_k=top_k, top_p=top_p, seed=1)
+        assert pick(logits, rule, range(4)) == logits.argmax(-1).tolist()
+
+
+def test_a_tiny_repetition_penalty_stays_finite() -> None:
+    """Penalty 1e-30 divides positive logits by 1e-30: finite (clamped to float32's range), and the choice among
+    seen ids still follows the penalised logits."""
+    logits = torch.tensor([[3.0, -2.0, 1e9, 0.5, 2.0]])
+    out = apply_repetition_penalty(logits, [0, 1, 2], 1e-30)
+    assert torch.isfinite(out).all()
+    assert out[0, 2] == torch.finfo(torch.float32).max and out[0, 0] == pytest.approx(3e30)
+    for rule in (GREEDY, SamplingRule(temperature=0.7, top_p=0.9, repetition_penalty=1e-30, seed=3)):
+        assert pick(out, rule, [0]) == [2]
+    assert torch.isfinite(logits_to_probs(out, temperature=0.7, top_k=None, top_p=0.9)).all()
+
+
+def test_nan_logits_raise_instead_of_sampling() -> None:
+    logits = torch.randn(2, 50)
+    logits[1, 7] = float("nan")
+    for rule in (GREEDY, SamplingRule(temperature=0.9, seed=0), SamplingRule(temperature=0.9, top_k=5, seed=0)):
+        with pytest.raises(ModelOutputError, match="NaN logits"):
+            pick(logits, rule, [0, 1])
+
+
+def test_seen_ids_follow_a_growing_sequence_and_rebuild_when_it_changes() -> None:
+    seen = SeenIds()
+    seen.sync([5, 6, 5])
+    assert seen.tensor().tolist() == [5, 6]
+    seen.sync([5, 6, 5, 9, 6])  # grew
+    assert seen.tensor().tolist() == [5, 6, 9]
+    seen.add([11])
+    assert 11 in seen and seen.tensor().tolist() == [5, 6, 9, 11]
+    seen.sync([7, 8])  # another sequence: rebuilt
+    assert seen.tensor().tolist() == [7, 8] and 5 not in seen

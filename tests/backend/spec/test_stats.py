@@ -12,7 +12,7 @@ import pytest
 from specchat.backend.api import JSON_STATS_FIELDS, GammaSummary, PolicyState
 from specchat.backend.spec.stats import SpecStats, StepCounts, expected_tokens_table, speedup
 
-SPEC, PAUSED, OFF = PolicyState.SPECULATING, PolicyState.PAUSED, PolicyState.OFF
+SPEC, PAUSED, OFF, NO_DRAFT = PolicyState.SPECULATING, PolicyState.PAUSED, PolicyState.OFF, PolicyState.NO_DRAFT
 
 
 class Clock:
@@ -27,10 +27,12 @@ def scripted() -> tuple[SpecStats, Clock]:
     """prefill 20 tokens in 0.5 s (1 token), then: γ=3 all accepted, γ=3 reject at 1, γ=2 reject at 0,
     a paused plain step, a plain step with no draft; 0.1 s a step."""
     clock = Clock()
-    stats = SpecStats(clock=clock)
+    stats = SpecStats(clock=clock, seed=2**53 - 1)
     clock.t += 0.5
-    stats.observe_prefill(tokens=20, seconds=0.5, policy=SPEC)
-    for gamma, accepted, policy in [(3, 3, SPEC), (3, 1, SPEC), (2, 0, SPEC), (0, 0, PAUSED), (0, 0, SPEC)]:
+    stats.observe_prefill(tokens=20, seconds=0.5, policy=NO_DRAFT)
+    stats.observe_draft_context("draft-model", prefilled=4, reused=16)  # the draft's prefill: counted once
+    stats.observe_draft_context("draft-model", prefilled=2, reused=20)  # a later catch-up: not a prefill
+    for gamma, accepted, policy in [(3, 3, SPEC), (3, 1, SPEC), (2, 0, SPEC), (0, 0, PAUSED), (0, 0, NO_DRAFT)]:
         clock.t += 0.1
         stats.observe_step(drafter="prompt-lookup", gamma=gamma, accepted=accepted, emitted=accepted + 1,
                            policy=policy, draft_s=0.01 * gamma, verify_s=0.08, overhead_s=0.01)
@@ -52,6 +54,8 @@ def test_request_stats_fields_and_values() -> None:
     # position 0: reached 3 times, accepted twice; 1: reached 2, accepted 1; 2: reached 1, accepted 1
     assert out["per_position_acceptance"] == [pytest.approx(2 / 3, abs=1e-4), 0.5, 1.0]
     assert out["gamma"] == {"mode": 3, "mean": pytest.approx(8 / 3, abs=1e-4), "max": 3}
+    assert out["no_draft_steps"] == 1  # the step without a draft that the policy did not pause
+    assert (out["draft_prefill_tokens"], out["draft_reused_tokens"]) == (4, 16)
 
 
 def test_diagnostic_fields() -> None:
@@ -63,7 +67,8 @@ def test_diagnostic_fields() -> None:
     assert out.accepted_length_histogram == (1, 1, 0, 1)  # accepted 0, 1, 2, 3 tokens
     assert out.tokens_per_step == pytest.approx(9 / 5)
     assert out.alpha_hat == pytest.approx(4 / 6, abs=1e-4)  # 4 accepted, 2 steps ended in a rejection
-    assert out.last_gamma == 0 and out.last_policy is SPEC
+    assert out.last_gamma == 0 and out.last_policy is NO_DRAFT
+    assert out.seed == 2**53 - 1 and out.to_dict()["seed"] == 2**53 - 1  # the history keeps it
     # speculating steps: 7 tokens in 0.1 + 0.1 + 0.1 - ... of step time; plain: 2 tokens in 0.18 s
     assert out.spec_tok_s == pytest.approx(7 / (0.03 + 0.03 + 0.02 + 3 * 0.09), abs=0.01)
     assert out.plain_tok_s == pytest.approx(2 / 0.18, abs=0.01)
