@@ -370,7 +370,7 @@ def test_bench_on_the_embedded_default(tmp_path):
 
     args = argparse.Namespace(pair=None, suite="edit", limit=1, max_new_tokens=12,
                               modes=["plain", "prompt-lookup", "hf-plain", "hf-prompt-lookup"], out=str(tmp_path),
-                              temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
+                              temperature=0.0, seed=0, models=None, device="cpu", synthetic=None, repeats=1)
     assert cmd_bench.run(args) == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == args.modes
