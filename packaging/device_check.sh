@@ -73,8 +73,8 @@ for name in ("bitsandbytes", "platformdirs"):
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 
-step "pytest -m cuda (the files that hold cuda tests)"
-CUDA_TESTS=$(cd "$ROOT" && grep -l "pytest.mark.cuda" tests/test_*.py)
+step "pytest -m cuda (the files that hold cuda tests: CUDA graphs, the int4/int8 tinygemm layers)"
+CUDA_TESTS=$(cd "$ROOT" && grep -rl --include='test_*.py' "pytest.mark.cuda" tests)
 (cd "$ROOT" && timeout "$(( $(left) < 180 ? $(left) : 180 ))" "$PYTHON" -m pytest -m cuda -q -rs -x \
     -p no:cacheprovider $CUDA_TESTS 2>&1 | tee "$OUT/pytest_cuda.log")
 rc=$?; [ $rc -ne 0 ] && { echo "cuda tests: exit $rc"; [ $status -eq 0 ] && status=$rc; }

@@ -8,9 +8,10 @@ limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic)
 run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per family on
 stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0.
 
-Defaults are sized for the embedded default on a 2-core CPU (~13-20 tok/s plain, ~15 tok/s in transformers):
-suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × 5 modes × ``DEFAULT_MAX_NEW_TOKENS`` 128 tokens =
-8,960 tokens, ~9-11 min of decoding plus the long-prompt prefills (summaries, RAG) and the warm-up.
+Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``DEFAULT_MAX_NEW_TOKENS``
+128 tokens, each run ``DEFAULT_REPEATS`` 2 times so the tables show how much a figure moves between runs
+(the spread column) instead of one number that noise alone can halve. The estimate printed after the warm-up
+covers the whole run (repeats included); the final line says how long it took against it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 DEFAULT_LIMIT = 2
 DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_REPEATS = 2
 
 
 def run(args) -> int:
@@ -43,8 +45,9 @@ def run(args) -> int:
     names = list(args.pair or [default_pair_name(pairs)])
     configs = [get_pair(pairs, name) for name in names]  # unknown names fail before anything loads
     for config in configs:  # so do modes a pair cannot run (draft-model without a draft, hf-* on a remote, typos)
-        parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name,
-                    remote_kind=config.remote.server_kind if config.remote is not None else None)
+        remote_kind = config.remote.server_kind if config.remote is not None else None
+        parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name, remote_kind=remote_kind,
+                    llamacpp_missing=_llamacpp_missing(config.target) if remote_kind is None else None)
     err = Console(stderr=True)
 
     def load(index: int):
@@ -61,6 +64,19 @@ def run(args) -> int:
                            progress=lambda message, fraction: err.print(f"  {message}", highlight=False))
 
     return execute(args, len(configs), load, err=err)
+
+
+def _llamacpp_missing(spec) -> str | None:
+    """Why llama.cpp modes cannot run on this target (None: they can)."""
+    from specchat.backend.bench.llamacpp import unavailable
+    from specchat.backend.models.loading import gguf_path
+
+    return unavailable(gguf_path(spec))
+
+
+def _repeats(args) -> int:
+    value = getattr(args, "repeats", None)
+    return int(value) if value is not None else DEFAULT_REPEATS
 
 
 def _check_args(args) -> tuple[int, int, float]:
@@ -99,6 +115,7 @@ def _server_positions(runner, before) -> dict:
 def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None,
             out: Console | None = None) -> int:
     """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
+    from specchat.backend.bench.bounds import bandwidth_bounds, describe
     from specchat.backend.bench.remote import RemoteBenchRunner
     from specchat.backend.bench.report import aggregate_with_overall, print_report, write_chart, write_json
     from specchat.backend.bench.runner import BenchRunner, environment, parse_modes, release_memory
@@ -118,14 +135,19 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             "greedy": temperature <= 0, "seed": args.seed, "modes": args.modes, "device": args.device,
             **environment()}
     rows, runs = [], []
+    estimated_s = 0.0
     started = time.perf_counter()
     interrupted = False
     for index in range(num_pairs):
         engine, runner = load(index), None
         try:
             remote = engine.pair.remote
+            missing = _llamacpp_missing(engine.target.spec) if remote is None else None
             modes = parse_modes(args.modes, has_draft=engine.draft is not None, pair_name=engine.pair.name,
-                                remote_kind=remote.server_kind if remote is not None else None)
+                                remote_kind=remote.server_kind if remote is not None else None,
+                                llamacpp_missing=missing)
+            if missing is not None and not args.modes:
+                err.print(f"[yellow]llama.cpp modes left out: {escape(missing)}[/yellow]", highlight=False)
             kind = RemoteBenchRunner if remote is not None else BenchRunner
             runner = kind(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
             fitting = [p for p in prompts if runner.fits(p)]
@@ -135,13 +157,20 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                           f"({engine.context_length} tokens): {', '.join(skipped)}[/yellow]")
             if not fitting:
                 continue
+            bounds = None
+            if remote is None:
+                llamacpp = getattr(runner, "llamacpp", None)
+                bounds = bandwidth_bounds(engine, llamacpp.gguf if llamacpp is not None else None)
+                err.print(describe(bounds), highlight=False)
             lengths = sorted(fitting, key=runner.prompt_length)
             err.print(f"Warming up {len(modes)} modes on {engine.pair.name} ...")
             warm = runner.warm_up(lengths[len(lengths) // 2])
-            estimate = runner.estimate_s(fitting, warm)
+            estimate = {mode: seconds * _repeats(args) for mode, seconds in runner.estimate_s(fitting, warm).items()}
+            estimated_s += sum(estimate.values())
             speeds = ", ".join(f"{w.mode} {w.decode_tok_s:.1f}" for w in warm)
             err.print(f"Estimated time for {engine.pair.name}: ~{sum(estimate.values()) / 60:.1f} min "
-                      f"({len(fitting)} prompts × {len(modes)} modes, up to {max_new} new tokens each; "
+                      f"({len(fitting)} prompts × {len(modes)} modes × {_repeats(args)} runs, up to {max_new} new "
+                      "tokens each; "
                       f"warm-up decode tok/s: {speeds})", highlight=False)
             counters = runner.server_counters() if remote is not None else None
             run_start = time.perf_counter()
@@ -149,7 +178,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
             with progress:
-                task = progress.add_task(engine.pair.name, total=len(fitting) * len(modes))
+                task = progress.add_task(engine.pair.name, total=len(fitting) * len(modes) * _repeats(args))
 
                 def start(prompt, mode, _progress=progress, _task=task):
                     _progress.update(_task, description=escape(f"{prompt.family} {prompt.id} · {mode.name}"))
@@ -159,7 +188,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                     _progress.advance(_task)
 
                 try:
-                    runner.run(fitting, on_start=start, on_row=done)
+                    runner.run(fitting, on_start=start, on_row=done, repeats=_repeats(args))
                 except KeyboardInterrupt:
                     interrupted = True
                     mark_equality(pair_rows, greedy=temperature <= 0)
@@ -167,6 +196,7 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             runs.append({"pair": engine.pair.name, "modes": [m.name for m in modes], "prompts": len(fitting),
                          "skipped_prompts": skipped, "warmup": [w.to_dict() for w in warm],
                          "estimate_s": estimate, "elapsed_s": time.perf_counter() - run_start,
+                         "bandwidth_bound": bounds,
                          "interrupted": interrupted, **_server_positions(runner, counters)})
         finally:
             engine.close()
@@ -176,6 +206,8 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
         if interrupted:
             break
     meta["elapsed_s"] = time.perf_counter() - started
+    meta["estimated_s"] = estimated_s
+    meta["repeats"] = _repeats(args)
     meta["interrupted"] = interrupted
     aggs = aggregate_with_overall(rows)
     greedy = temperature <= 0
@@ -187,7 +219,8 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
     if aggs:
         write_chart(out_dir / "speedup.png", aggs)
     err.print(f"Wrote {out_dir / 'bench.json'}, {out_dir / 'bench.txt'}"
-              + (f", {out_dir / 'speedup.png'}" if aggs else "") + f" in {meta['elapsed_s'] / 60:.1f} min")
+              + (f", {out_dir / 'speedup.png'}" if aggs else "") + f"; took {meta['elapsed_s'] / 60:.1f} min "
+              f"(estimated {estimated_s / 60:.1f} min after the warm-up, which it does not count)")
     if interrupted:
         raise KeyboardInterrupt
     return 0

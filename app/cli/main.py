@@ -141,20 +141,31 @@ def build_parser() -> argparse.ArgumentParser:
                      help="draft tokens per step; a number fixes it and keeps speculation on")
     gen.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, nothing else")
 
-    bench = sub.add_parser("bench", help="benchmark decoding modes against transformers",
-                           description="Measure specchat's modes against transformers generate() in one run.")
+    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEATS
+
+    bench = sub.add_parser("bench", help="benchmark decoding modes against transformers (and llama.cpp)",
+                           description="Measure specchat's modes against transformers generate() (and llama.cpp "
+                                       "on the pair's GGUF when llama-cpp-python is installed) in one run.")
     _add_global_options(bench, suppress_defaults=True)
     bench.add_argument("--pair", metavar="NAME", type=_pair_name, action="append", default=argparse.SUPPRESS,
                        help="pair to measure (repeatable; default: smollm2-135m)")
     bench.add_argument("--suite", type=_one_of(list(SUITES)), choices=list(SUITES), default="all",
-                       help="prompt set: spec-bench, edit (code edits), all, or one family such as mt-bench")
-    bench.add_argument("--limit", type=_positive_int, default=None, metavar="N", help="prompts per family")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N")
+                       help="prompt set: spec-bench, edit (code edits), all, or one family such as mt-bench "
+                            "(default: all)")
+    bench.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+                       help=f"prompts per family (default: {DEFAULT_LIMIT})")
+    bench.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N",
+                       help=f"new tokens per reply (default: {DEFAULT_MAX_NEW_TOKENS})")
+    bench.add_argument("--repeats", type=_positive_int, default=None, metavar="N",
+                       help=f"runs of every prompt in every mode; the tables show the spread (default: "
+                            f"{DEFAULT_REPEATS})")
     bench.add_argument("--modes", nargs="+", default=None, metavar="MODE",
-                       help="subset of modes (e.g. plain prompt-lookup auto hf-plain hf-prompt-lookup)")
-    bench.add_argument("--out", metavar="DIR", default="bench_out", help="where the JSON and PNG go")
-    bench.add_argument("--temperature", type=_number, default=0.0, metavar="T")
-    bench.add_argument("--seed", type=_whole, default=0, metavar="S")
+                       help="subset of modes (e.g. plain prompt-lookup auto hf-plain hf-prompt-lookup "
+                            "llamacpp-plain; default: every mode the pair allows)")
+    bench.add_argument("--out", metavar="DIR", default="bench_out",
+                       help="where the JSON and PNG go (default: bench_out)")
+    bench.add_argument("--temperature", type=_number, default=0.0, metavar="T", help="0 is greedy (default: 0)")
+    bench.add_argument("--seed", type=_whole, default=0, metavar="S", help="(default: 0)")
     bench.add_argument("--synthetic", metavar="NAME", default=None,
                        help="random-weight models with real shapes on the device (GPU speed check)")
 

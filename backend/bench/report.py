@@ -54,7 +54,9 @@ def build_tables(aggs: list[Aggregate], *, greedy: bool) -> list[Table]:
         note = f"{used}/{total} prompts" + ("" if used == total else " (the others not comparable: lengths differ)")
         table = Table(title=escape(f"{pair} · {family} · {note}"), title_justify="left")
         table.add_column("mode", no_wrap=True)
-        for header, justify in (("tokens", "right"), ("tok/s", "right"),
+        llamacpp = any(a.x_llamacpp_plain is not None for a in lines)
+        for header, justify in (("tokens", "right"), ("tok/s", "right"), ("spread", "right"), ("ttft s", "right"),
+                                *((("×llama.cpp", "right"),) if llamacpp else ()),
                                 ("×hf-plain", "right"), ("×matching hf", "right"), ("accept", "right"),
                                 ("τ", "right"), ("exp ×plain", "right"), ("meas ×plain", "right"),
                                 ("tokens = plain/hf" if greedy else "tokens", "left")):
@@ -68,7 +70,10 @@ def build_tables(aggs: list[Aggregate], *, greedy: bool) -> list[Table]:
                 check = f"[red]{a.mismatches}/{a.prompts_total} differ[/red]"
             else:
                 check = "ok"
-            table.add_row(escape(a.mode), str(a.tokens), _num(a.tok_s, ".1f"), _ratio(a.x_hf_plain), matching,
+            spread = ("–" if a.tok_s_min is None or a.tok_s_max is None
+                      else f"{a.tok_s_min:.1f}–{a.tok_s_max:.1f}")
+            table.add_row(escape(a.mode), str(a.tokens), _num(a.tok_s, ".1f"), spread, _num(a.ttft_s, ".2f"),
+                          *((_ratio(a.x_llamacpp_plain),) if llamacpp else ()), _ratio(a.x_hf_plain), matching,
                           _num(None if a.acceptance_rate is None else 100 * a.acceptance_rate, ".0f", "%"),
                           _num(a.mean_accepted_length, ".2f"), _num(a.x_plain_expected, ".2f", "×"),
                           _num(a.x_plain_measured, ".2f", "×"), check)
@@ -99,7 +104,10 @@ def print_report(console: Console, aggs: list[Aggregate], rows: list[Row], *, gr
     for table in build_tables(aggs, greedy=greedy):
         console.print(table)
     console.print(
-        "tok/s: total tokens / total seconds, prefill included, per family. ×matching hf: plain↔hf-plain, "
+        "tok/s: total tokens / total seconds, prefill included, per family; spread: the lowest and highest "
+        "tok/s of one repeat (--repeats): ratios inside it are noise; ttft s: mean time to the first "
+        "token; ×llama.cpp: tok/s over llama.cpp plain on the same GGUF (its modes are checked against its own "
+        "plain decoding). ×matching hf: plain↔hf-plain, "
         "prompt-lookup↔hf-prompt-lookup, draft-model↔hf-assisted, auto↔the fastest transformers mode. "
         "exp ×plain: the engine II formula from measured per-position acceptance and target pass times T(n); "
         "meas ×plain: measured decode tok/s (prefill excluded) over specchat plain.")
@@ -121,6 +129,7 @@ def write_chart(path: Path, aggs: list[Aggregate]) -> None:
 
     matplotlib.use("Agg")  # no display needed; safe in threads and on servers
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     pairs = list(dict.fromkeys(a.pair for a in aggs))
     # One colour per mode name across every panel, so a mode looks the same for every pair.
@@ -131,6 +140,7 @@ def write_chart(path: Path, aggs: list[Aggregate]) -> None:
         baseline = "hf-plain" if any(a.mode == "hf-plain" for a in mine) else "plain"
         base = {a.family: a.tok_s for a in mine if a.mode == baseline}
         lines = [a for a in mine if a.mode != baseline and base.get(a.family)]
+        hatched = False
         families = list(dict.fromkeys(a.family for a in mine))
         modes = list(dict.fromkeys(a.mode for a in lines))
         width = 0.8 / max(len(modes), 1)
@@ -141,17 +151,23 @@ def write_chart(path: Path, aggs: list[Aggregate]) -> None:
                     continue
                 ratio = agg.tok_s / base[family]
                 x = f - 0.4 + width * (m + 0.5)
+                hatched = hatched or bool(agg.mismatches)
                 ax.bar(x, ratio, width, color=palette[mode], hatch="//" if agg.mismatches else None,
                        edgecolor="black", linewidth=0.4, label=mode if agg is next(a for a in lines if a.mode == mode)
                        else None)
-                ax.text(x, ratio, f"{ratio:.2f}", ha="center", va="bottom", fontsize=6)
+                ax.text(x, ratio, f"{ratio:.2f}×\n{agg.tok_s:.1f}", ha="center", va="bottom", fontsize=5.5)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(families)), families, rotation=15)
         who = "transformers plain" if baseline == "hf-plain" else "specchat plain"
-        ax.set_ylabel(f"speedup over {who} (tok/s)")
-        ax.set_title(f"{pair}: tok/s over {who}; hatched = tokens differ from plain or hf-plain")
+        ax.set_ylabel(f"tok/s over {who}")
+        ax.set_title(f"{pair}: speedup over {who} (labels: × and absolute tok/s; {who} "
+                     + ", ".join(f"{f} {base[f]:.1f}" for f in families if base.get(f)) + " tok/s)", fontsize=8)
         if modes:
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+            handles, _ = ax.get_legend_handles_labels()
+            if hatched:  # an entry for hatching only when a bar is hatched
+                handles.append(Patch(facecolor="white", edgecolor="black", hatch="//",
+                                     label="tokens differ from plain"))
+            ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

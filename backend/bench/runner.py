@@ -6,7 +6,9 @@ Modes (names used in tables, JSON and ``--modes``):
   memory is off in the bench, so each prompt is measured alone), ``draft-model`` (pairs with a draft), ``auto``
   (the engine picks drafter and γ); a drafter mode may fix γ with a suffix: ``prompt-lookup:4``;
 - transformers ``generate()``: ``hf-plain``, ``hf-prompt-lookup`` (``prompt_lookup_num_tokens=10``),
-  ``hf-assisted`` (``assistant_model=`` the pair's draft).
+  ``hf-assisted`` (``assistant_model=`` the pair's draft);
+- llama.cpp on the pair's GGUF (``llamacpp.py``, the optional extra ``bench``): ``llamacpp-plain``,
+  ``llamacpp-prompt-lookup``; in the default modes when llama-cpp-python is installed and the target is a GGUF.
 
 Protocol: one warm-up generation per mode (which also measures each mode's speed, for the time estimate),
 then for each prompt every mode in an order rotated by one per prompt, so drift in machine speed spreads
@@ -40,35 +42,38 @@ from specchat.backend.spec.stats import StepCounts
 
 SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "suffix", "draft-model", "auto")
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
+LLAMACPP_MODES = ("llamacpp-plain", "llamacpp-prompt-lookup")
 WARMUP_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
 class Mode:
     name: str
-    runner: str  # "specchat" | "hf"
+    runner: str  # "specchat" | "hf" | "llamacpp"
     drafter: str  # specchat: none | prompt-lookup | suffix | draft-model | auto; hf: plain | prompt-lookup | assisted
     gamma: int | str | None = None  # specchat only; None: the pair's γ
 
 
-def default_modes(has_draft: bool) -> list[str]:
+def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
     names = ["plain", "prompt-lookup", "suffix"] + (["draft-model"] if has_draft else []) + ["auto"]
-    return names + ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
+    names += ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
+    return names + (list(LLAMACPP_MODES) if llamacpp else [])
 
 
 REMOTE_MODE = "server"  # a remote pair: whatever speculation its server runs
 
 
 def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
-                remote_kind: str | None = None) -> list[Mode]:
-    """Modes from ``--modes`` names (None: every mode the pair allows). RequestError names a bad one.
+                remote_kind: str | None = None, llamacpp_missing: str | None = "not checked") -> list[Mode]:
+    """Modes from ``--modes`` names (None: every mode the pair allows, llama.cpp's when ``llamacpp_missing``
+    is None). RequestError names a bad one, and why a llama.cpp mode cannot run.
 
     A remote pair (``remote_kind``: its server's kind) runs mode ``server``; `specchat serve` also takes the
     specchat drafter modes (sent with the request); transformers modes run in this process and are refused."""
     if remote_kind is not None:
         return _remote_modes(names, pair_name, remote_kind)
     modes: list[Mode] = []
-    for name in names or default_modes(has_draft):
+    for name in names or default_modes(has_draft, llamacpp_missing is None):
         base, _, gamma_text = name.partition(":")
         gamma: int | str | None = None
         if gamma_text:
@@ -85,8 +90,12 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
                         "auto" if base == "auto" and gamma is None else gamma)
         elif base in HF_MODES and not gamma_text:
             mode = Mode(name, "hf", base.removeprefix("hf-"))
+        elif base in LLAMACPP_MODES and not gamma_text:
+            if llamacpp_missing is not None and llamacpp_missing != "not checked":
+                raise RequestError(f"mode {shown(name)}: {llamacpp_missing}")
+            mode = Mode(name, "llamacpp", base.removeprefix("llamacpp-"))
         else:
-            known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES)
+            known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES + LLAMACPP_MODES)
             raise RequestError(f"unknown bench mode {shown(name)}; use {known} (a drafter mode may add :GAMMA)")
         if base in ("draft-model", "hf-assisted") and not has_draft:
             raise RequestError(f"mode {shown(name)} needs a draft model, and pair {pair_name!r} has none; leave it "
@@ -185,6 +194,7 @@ class BenchRunner:
         self.hf_target = sdpa_twin(engine.target.model) if needs_hf else None
         needs_assistant = any(m.runner == "hf" and m.drafter == "assisted" for m in modes)
         self.hf_draft = sdpa_twin(engine.draft.model) if needs_assistant else None
+        self.llamacpp = _llamacpp(engine, modes)
         self._ids: dict[str, list[int]] = {}
 
     def prompt_ids(self, prompt: BenchPrompt) -> list[int]:
@@ -238,10 +248,18 @@ class BenchRunner:
         reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
         return tokens, result.wall_s, result.ttft_s, reason, None, None
 
+    def _llamacpp(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
+        assert self.llamacpp is not None  # noqa: S101 - built for every llamacpp mode in __init__
+        result = self.llamacpp.generate(mode.drafter, ids, max_new_tokens=max_new, temperature=self.temperature,
+                                        seed=seed, eos_ids=self.eos_ids)
+        tokens = result.token_ids
+        reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
+        return tokens, result.wall_s, result.ttft_s, reason, None, None
+
     def run_one(self, mode: Mode, prompt: BenchPrompt, *, order: int, seed: int,
                 max_new_tokens: int | None = None) -> Row:
         ids = self.prompt_ids(prompt)
-        run = self._specchat if mode.runner == "specchat" else self._hf
+        run = {"specchat": self._specchat, "hf": self._hf, "llamacpp": self._llamacpp}[mode.runner]
         max_new = max_new_tokens or self.max_new_tokens
         if not prompt.turns:
             tokens, wall, ttft, reason, tally, stats = run(mode, ids, max_new, seed)
@@ -296,18 +314,40 @@ class BenchRunner:
                 for w in warm}
 
     def run(self, prompts: list[BenchPrompt], *, on_start: Callable[[BenchPrompt, Mode], None] | None = None,
-            on_row: Callable[[Row], None] | None = None) -> list[Row]:
-        """Every mode on every prompt, mode order rotated per prompt; rows get equality marks."""
+            on_row: Callable[[Row], None] | None = None, repeats: int = 1) -> list[Row]:
+        """Every mode on every prompt, ``repeats`` times (the same seed each time), mode order rotated per
+        prompt and repeat; rows get equality marks."""
         rows: list[Row] = []
         count = len(self.modes)
-        for index, prompt in enumerate(prompts):
-            order = self.modes[index % count:] + self.modes[:index % count]
-            for position, mode in enumerate(order):
-                if on_start is not None:
-                    on_start(prompt, mode)
-                row = self.run_one(mode, prompt, order=position, seed=self.seed + index)
-                rows.append(row)
-                if on_row is not None:
-                    on_row(row)
+        for repeat in range(repeats):
+            for index, prompt in enumerate(prompts):
+                shift = (index + repeat * len(prompts)) % count
+                order = self.modes[shift:] + self.modes[:shift]
+                for position, mode in enumerate(order):
+                    if on_start is not None:
+                        on_start(prompt, mode)
+                    row = self.run_one(mode, prompt, order=position, seed=self.seed + index)
+                    row.repeat = repeat
+                    rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
         mark_equality(rows, greedy=self.temperature <= 0)
         return rows
+
+
+def _llamacpp(engine, modes: list[Mode]):
+    """llama.cpp on the target's GGUF, when a llama.cpp mode is asked for (parse_modes checked it can run)."""
+    drafters = tuple(m.drafter for m in modes if m.runner == "llamacpp")
+    if not drafters:
+        return None
+    import torch
+
+    from specchat.backend.bench.llamacpp import LlamaCpp, unavailable
+    from specchat.backend.models.loading import gguf_path
+
+    gguf = gguf_path(engine.target.spec)
+    reason = unavailable(gguf)
+    if reason is not None or gguf is None:
+        raise RequestError(f"llama.cpp modes cannot run: {reason}")
+    return LlamaCpp(gguf, drafters=drafters, context_length=engine.context_length,
+                    threads=torch.get_num_threads())

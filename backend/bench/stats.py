@@ -45,6 +45,7 @@ class Row:
     vs_plain: str | None = None  # token equality with specchat plain (greedy): "same", "differs at 12", ...
     vs_hf_plain: str | None = None  # the same against transformers plain
     comparable: bool = True  # every mode produced as many tokens on this prompt
+    repeat: int = 0  # which of the run's repeats (bench --repeats) this row belongs to
     reported_tokens: int | None = None  # a remote server's count when it sent no token ids (token_ids empty)
 
     @property
@@ -89,14 +90,24 @@ def mark_equality(rows: list[Row], *, greedy: bool) -> None:
         groups.setdefault((row.pair, row.prompt_id), []).append(row)
     for group in groups.values():
         by_mode = {r.mode: r for r in group}
-        lengths = {r.new_tokens for r in group}
+        # llama.cpp computes the same model with other arithmetic: its modes are checked against its own plain
+        # decoding, and their lengths do not decide whether specchat's and transformers' rows are comparable.
+        lengths = {r.new_tokens for r in group if not _is_llamacpp(r.mode)}
+        lengths_llamacpp = {r.new_tokens for r in group if _is_llamacpp(r.mode)}
         for row in group:
-            row.comparable = len(lengths) == 1 or not greedy
+            llamacpp = _is_llamacpp(row.mode)
+            row.comparable = len(lengths_llamacpp if llamacpp else lengths) == 1 or not greedy
             if not greedy:
                 continue
-            for attr, ref in (("vs_plain", by_mode.get("plain")), ("vs_hf_plain", by_mode.get("hf-plain"))):
+            refs = ((("vs_plain", by_mode.get("llamacpp-plain")),) if llamacpp else
+                    (("vs_plain", by_mode.get("plain")), ("vs_hf_plain", by_mode.get("hf-plain"))))
+            for attr, ref in refs:
                 if ref is not None and ref is not row:
                     setattr(row, attr, compare_tokens(row.token_ids, ref.token_ids))
+
+
+def _is_llamacpp(mode: str) -> bool:
+    return mode.startswith("llamacpp-")
 
 
 @dataclass(slots=True)
@@ -112,7 +123,11 @@ class Aggregate:
     wall_s: float
     tok_s: float
     decode_tok_s: float | None  # prefill excluded: Σ(tokens - 1) / Σ(wall - ttft)
-    mismatches: int  # rows whose tokens differ from plain or hf-plain (greedy)
+    mismatches: int  # rows whose tokens differ from plain or hf-plain (llama.cpp's: from llamacpp-plain; greedy)
+    ttft_s: float | None = None  # mean time to the first token
+    tok_s_min: float | None = None  # the lowest and highest tok/s of one repeat's rows (None with one repeat)
+    tok_s_max: float | None = None
+    x_llamacpp_plain: float | None = None  # tok/s over llama.cpp plain decoding's, same prompts
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     per_position_acceptance: dict[str, list[float | None]] | None = None
@@ -121,6 +136,17 @@ class Aggregate:
     x_match: float | None = None
     x_plain_measured: float | None = None  # decode tok/s over specchat plain's
     x_plain_expected: float | None = None  # the formula with measured acceptance and pass times
+
+
+def _spread(rows: list[Row]) -> tuple[float | None, float | None]:
+    """(min, max) over repeats of each repeat's tok/s (its tokens / its seconds); None with one repeat."""
+    repeats: dict[int, list[Row]] = {}
+    for row in rows:
+        repeats.setdefault(row.repeat, []).append(row)
+    if len(repeats) < 2:
+        return None, None
+    rates = [sum(r.new_tokens for r in rs) / max(sum(r.wall_s for r in rs), 1e-9) for rs in repeats.values()]
+    return min(rates), max(rates)
 
 
 def _matching_mode(mode: str) -> str | None:
@@ -151,7 +177,9 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
                             tokens=tokens, wall_s=wall, tok_s=tokens / wall if wall > 0 else 0.0,
                             decode_tok_s=(sum(r.new_tokens - 1 for r in timed) / decode_wall
                                           if decode_wall > 0 else None),
-                            mismatches=sum(r.mismatch for r in mode_rows))
+                            mismatches=sum(r.mismatch for r in mode_rows),
+                            ttft_s=(sum(r.ttft_s for r in timed) / len(timed)) if timed else None)
+            agg.tok_s_min, agg.tok_s_max = _spread(chosen)
             if any(r.tally is not None for r in chosen):
                 tally = StepCounts()
                 for r in chosen:
@@ -169,12 +197,15 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
         for mode, agg in aggs.items():
             if "hf-plain" in aggs and aggs["hf-plain"].tok_s > 0:
                 agg.x_hf_plain = agg.tok_s / aggs["hf-plain"].tok_s
+            if "llamacpp-plain" in aggs and aggs["llamacpp-plain"].tok_s > 0:
+                agg.x_llamacpp_plain = agg.tok_s / aggs["llamacpp-plain"].tok_s
             match = _matching_mode(mode)
             if match == "best hf":
                 match = best_hf
             if match in aggs and aggs[match].tok_s > 0:
                 agg.match, agg.x_match = match, agg.tok_s / aggs[match].tok_s
-            if plain is not None and plain.decode_tok_s and agg.decode_tok_s and not mode.startswith("hf-"):
+            if (plain is not None and plain.decode_tok_s and agg.decode_tok_s and not mode.startswith("hf-")
+                    and not _is_llamacpp(mode)):
                 agg.x_plain_measured = agg.decode_tok_s / plain.decode_tok_s
             if mode in tallies and mode != "plain":
                 own = tallies[mode].mean_pass_s(1)

@@ -4,24 +4,28 @@ Contract:
 - :class:`ModelRunner` takes a loaded model, switches it to paged attention (``backend/kv/attention.py``),
   sizes its :class:`~specchat.backend.kv.kv_cache.PagedKVCache` and chooses the path for its device, once:
   CUDA graphs over static shapes on CUDA (``backend/kernels/cuda_graphs.py``; ``SPECCHAT_CUDA_GRAPHS=0`` turns
-  them off), oneDNN-packed linear layers on CPU when their second copy fits in free memory
-  (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0`` turns it off), else the plain eager forward.
+  them off); on CPU, for a model with int4/int8 layers (``quantization: int4-torch | int8-torch``) the
+  compact forward (``backend/kernels/compact.py``; ``SPECCHAT_COMPACT=0`` turns it off, and an architecture it
+  does not cover keeps transformers' forward), for a float32 model oneDNN-packed linear layers when their
+  second copy fits in free memory (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0`` turns it off);
+  else the plain eager forward.
 - :meth:`ModelRunner.forward` runs one forward over ``input_ids`` appended after ``seq``'s committed tokens and
   returns the float logits of the last ``logits_to_keep`` of them. It reserves their cache slots but does NOT
   commit: the caller keeps what it accepts with ``seq.commit(k)``. A step the graph path declines (too many
   tokens, a key length beyond its buckets) runs eagerly, with the same result.
 - :func:`forward_paged` is that forward for a model switched to paged attention by hand (tests), eager unless
-  given a graph runner.
+  given a graph runner or a compact forward.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.kernels import cpu_linear, cuda_graphs
+from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, quant_linear
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
@@ -36,14 +40,17 @@ log = logging.getLogger(__name__)
 
 def forward_paged(model, seq: Sequence, input_ids: list[int] | torch.Tensor, *, logits_to_keep: int = 1,
                   graphs: cuda_graphs.GraphRunner | None = None,
+                  fast: compact.CompactForward | None = None,
                   parents: list[int] | None = None) -> torch.Tensor:  # [logits_to_keep, vocab] float
     """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The static
-    forward of ``graphs`` when given and it takes the step, else the eager one.
+    forward of ``graphs`` when given and it takes the step, else the compact forward ``fast`` when given,
+    else the model's own.
 
     ``parents`` (a tree of drafts after the pending token ``input_ids[0]``: ``parents[i]`` is the index of draft
     i's parent among the drafts, -1 for the pending token): each draft attends to the committed prefix and its
     own ancestors at position ``start + depth``; its K/V are written at slot ``start + 1 + i`` (move the accepted
-    path into place with ``PagedKVCache.move`` before committing it). Graph runners decline trees."""
+    path into place with ``PagedKVCache.move`` before committing it). Graph runners decline trees; the compact
+    forward and the model's own take them."""
     if graphs is not None and parents is None and isinstance(logits_to_keep, int):
         n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if 1 <= logits_to_keep <= n:
@@ -79,6 +86,8 @@ def forward_paged(model, seq: Sequence, input_ids: list[int] | torch.Tensor, *, 
         depths, visible = attention.tree_tensors(parents, device)
         ctx = attention.PagedContext(seq.cache, plan, tree=(depths, visible))
         positions = plan.start + depths
+    if fast is not None:
+        return fast(ids, positions, ctx, logits_to_keep)
     with torch.inference_mode():
         out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=ctx,
                     logits_to_keep=logits_to_keep)
@@ -98,6 +107,7 @@ class ModelRunner:
         model.eval()
         self.loaded = loaded
         self.graphs: cuda_graphs.GraphRunner | None = None
+        self.compact: compact.CompactForward | None = None
         self.packed_layers = 0
         wants_graphs = cuda_graphs.graphs_wanted(loaded.device)
         # The graph runner keeps one block of its own for the K/V of padded tokens.
@@ -105,6 +115,8 @@ class ModelRunner:
                                             block_size=BLOCK_SIZE, dtype=loaded.dtype, device=loaded.device)
         if wants_graphs:
             self.graphs = cuda_graphs.GraphRunner(model, self.cache, max_kv=kv_tokens)
+        elif loaded.device.type == "cpu" and quant_linear.quantized_layers(model):
+            self.compact = _compact_forward(loaded)
         elif loaded.device.type == "cpu":
             self.packed_layers = _pack_if_it_fits(loaded)
 
@@ -118,9 +130,11 @@ class ModelRunner:
 
     @property
     def path(self) -> str:
-        """The forward path in use: "cuda-graphs", "cpu-packed" or "eager"."""
+        """The forward path in use: "cuda-graphs", "cpu-compact", "cpu-packed" or "eager"."""
         if self.graphs is not None and self.graphs.disabled_reason is None:
             return "cuda-graphs"
+        if self.compact is not None:
+            return "cpu-compact"
         return "cpu-packed" if self.packed_layers else "eager"
 
     def forward(self, seq: Sequence, input_ids: list[int] | torch.Tensor, *, logits_to_keep: int = 1,
@@ -128,7 +142,7 @@ class ModelRunner:
         """One forward over ``input_ids`` after ``seq``'s committed tokens (reserves, writes, never commits);
         ``parents``: a tree of drafts (see :func:`forward_paged`)."""
         return forward_paged(self.model, seq, input_ids, logits_to_keep=logits_to_keep, graphs=self.graphs,
-                             parents=parents)
+                             fast=self.compact, parents=parents)
 
     def close(self) -> None:
         """Release the CUDA graphs (their memory pool) and their block."""
@@ -152,3 +166,14 @@ def _pack_if_it_fits(loaded: LoadedModel) -> int:
     if count:
         log.info("packed %d linear layers of %s for oneDNN (%s)", count, loaded.spec.source, format_bytes(need))
     return count
+
+
+def _compact_forward(loaded: LoadedModel) -> compact.CompactForward | None:
+    """The compact forward of a quantised model on CPU, unless switched off or its architecture is not covered."""
+    if os.environ.get("SPECCHAT_COMPACT", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        return compact.build(loaded.model)
+    except compact.Unsupported as reason:
+        log.info("%s runs transformers' forward: the compact forward does not cover %s", loaded.spec.source, reason)
+        return None

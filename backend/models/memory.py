@@ -4,7 +4,8 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
 
 - weights: ``params x bytes(dtype)``; with ``nf4`` the linear layers take 0.5 byte per weight plus one float32
   absmax per 64-weight block, with ``int8`` 1 byte plus a float32 scale per output row; embeddings (and an
-  untied output head) stay in the compute dtype, as bitsandbytes leaves them unquantised;
+  untied output head) stay in the compute dtype, as bitsandbytes leaves them unquantised; ``int4-torch`` /
+  ``int8-torch`` as :func:`_torch_quantized_bytes` says (activations and KV cache in bfloat16);
 - KV cache: ``layers x 2 x kv_heads x head_dim x bytes(dtype) x context_length``;
 - scratch (the larger of the two models, which run one after the other): activations of one forward over
   :data:`specchat.backend.api.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
@@ -47,6 +48,7 @@ LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a
 DECISION_BYTES = 40
 NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + float32 absmax per 64-weight block (no double quant)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +85,31 @@ def dtype_bytes(spec: ModelSpec, device: torch.device) -> int:
     """Bytes per element of the compute dtype (activations, KV cache, unquantised weights)."""
     if spec.dtype != "auto":
         return _DTYPE_BYTES[spec.dtype]
+    if spec.quantization in _TORCH_QUANTIZATIONS:
+        return 2  # bfloat16: the int4/int8 kernels' activations and the KV cache (loading.py)
     return 2 if device.type == "cuda" else 4
+
+
+def _torch_quantized_bytes(spec: ModelSpec, device: torch.device) -> int:
+    """int4-torch / int8-torch (``quantized.py``): decoder linears int4 with a bfloat16 scale and zero per 32
+    weights, or int8 with a bfloat16 scale per row; the head an int8 copy of its own (tied or not); the token
+    embedding GGUF Q8_0 (a byte plus a float32 scale per 32) from a GGUF, else float at load dtype."""
+    embedding = spec.vocab_size * spec.hidden_size
+    linear = max(spec.params - embedding * (1 if spec.tie_word_embeddings else 2), 0)
+    per_linear = 0.5 + 4 / 32 if spec.quantization == "int4-torch" else 1 + 2 / spec.hidden_size
+    from_gguf = spec.kind in ("packaged", "gguf")
+    embed_bytes = embedding * (1 + 4 / 32 if from_gguf else (4 if spec.dtype == "auto" and device.type == "cpu"
+                                                            else _DTYPE_BYTES.get(spec.dtype, 2)))
+    head_bytes = embedding * (1 + 2 / spec.hidden_size)
+    return int(linear * per_linear + embed_bytes + head_bytes)
 
 
 def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
     per = dtype_bytes(spec, device)
     if spec.quantization == "none":
         return spec.params * per
+    if spec.quantization in _TORCH_QUANTIZATIONS:
+        return _torch_quantized_bytes(spec, device)
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     linear = max(spec.params - embeddings, 0)
     if spec.quantization == "nf4":

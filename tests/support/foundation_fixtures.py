@@ -84,8 +84,10 @@ def _byte_level_alphabet() -> list[str]:
 
 
 def write_tiny_gguf(path: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
-                    kv_heads: int = 2, intermediate: int = 128) -> Path:
-    """A float32 Llama GGUF (random weights) with a 262-token byte-level BPE tokenizer."""
+                    kv_heads: int = 2, intermediate: int = 128, weights: str = "F32", embedding: str = "F32") -> Path:
+    """A Llama GGUF (random weights) with a 262-token byte-level BPE tokenizer; the decoder's linear weights
+    stored as ``weights`` and the token embedding as ``embedding`` (ggml type names: F32, F16, Q4_0, Q4_1,
+    Q8_0)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -111,10 +113,17 @@ def write_tiny_gguf(path: Path, *, seed: int = 0, hidden: int = 64, layers: int 
     writer.add_pad_token_id(0)
     head_dim = hidden // heads
 
-    def tensor(name: str, shape: tuple[int, ...]) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+    def tensor(name: str, shape: tuple[int, ...], kind: str = weights) -> None:
+        values = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        if kind == "F32":
+            writer.add_tensor(name, values)
+        elif kind == "F16":
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
 
-    tensor("token_embd.weight", (len(tokens), hidden))
+    tensor("token_embd.weight", (len(tokens), hidden), embedding)
     writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))

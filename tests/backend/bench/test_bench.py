@@ -193,6 +193,45 @@ def test_report_table_json_and_png(tmp_path):
     assert (tmp_path / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _chart(tmp_path, aggs, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    write_chart(tmp_path / "speedup.png", aggs)
+    ax = figures[0].axes[0]
+    return [t.get_text() for t in ax.get_legend().get_texts()], [t.get_text() for t in ax.texts], ax.get_title()
+
+
+def test_chart_shows_absolute_speeds_and_a_hatching_entry_only_when_drawn(tmp_path, monkeypatch):
+    """Fails on the old chart: ratios only, and a hatching caption with no hatched bar."""
+    same = [_row(m, "a", [1, 2, 3], w) for m, w in (("plain", 1.0), ("prompt-lookup", 0.5), ("hf-plain", 2.0))]
+    mark_equality(same, greedy=True)
+    legend, labels, title = _chart(tmp_path, aggregate(same), monkeypatch)
+    assert not any("differ" in t or "hatch" in t for t in legend + [title])
+    assert "2.00×\n3.0" in labels and "6.0" in labels[1]  # plain: 3 tok/s, 2× hf-plain's 1.5; lookup 6 tok/s
+    assert "transformers plain qa 1.5 tok/s" in title  # the baseline's own tok/s
+    differ = [_row("plain", "a", [1, 2, 3], 1.0), _row("prompt-lookup", "a", [1, 9, 3], 0.5),
+              _row("hf-plain", "a", [1, 2, 3], 2.0)]
+    mark_equality(differ, greedy=True)
+    legend, _, _ = _chart(tmp_path, aggregate(differ), monkeypatch)
+    assert "tokens differ from plain" in legend
+
+
+def test_bench_help_shows_the_defaults():
+    from specchat.app.cli import bench as cmd_bench
+    from specchat.app.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    text = " ".join(sub.choices["bench"].format_help().split())
+    for option, default in (("--limit", cmd_bench.DEFAULT_LIMIT),
+                            ("--max-new-tokens", cmd_bench.DEFAULT_MAX_NEW_TOKENS),
+                            ("--repeats", cmd_bench.DEFAULT_REPEATS), ("--suite", "all"), ("--out", "bench_out"),
+                            ("--temperature", 0), ("--seed", 0)):
+        assert re.search(re.escape(option) + r" .*?\(default: " + re.escape(str(default)) + r"\)", text), option
+
+
 # -- modes ------------------------------------------------------------------------------------------------------
 
 
@@ -243,11 +282,12 @@ def test_hf_modes_produce_tokens_and_greedy_lookup_equals_plain():
 # -- end to end -------------------------------------------------------------------------------------------------
 
 
-def test_tiny_bench_end_to_end(tmp_path):
+def test_tiny_bench_end_to_end(tmp_path, monkeypatch):
     import engine_fixtures
 
     from specchat.app.cli import bench as cmd_bench
 
+    monkeypatch.setattr(cmd_bench, "_llamacpp_missing", lambda spec: "not installed")  # tested on its own below
     engines = [
         engine_fixtures.tiny_engine("llama", drafter="prompt-lookup", context_length=2048),
         engine_fixtures.tiny_engine("llama", drafter="draft-model", draft_family="llama", draft_seed=1,
@@ -263,9 +303,11 @@ def test_tiny_bench_end_to_end(tmp_path):
     rows = data["rows"]
     expected_modes = {"tiny-prompt-lookup": set(default_modes(False)), "tiny-draft-model": set(default_modes(True))}
     for pair, modes in expected_modes.items():
-        pair_rows = [r for r in rows if r["pair"] == pair]
+        every = [r for r in rows if r["pair"] == pair]
+        assert len(every) == 2 * 2 * len(modes)  # the default 2 repeats × every prompt × every mode
+        pair_rows = [r for r in every if r["repeat"] == 0]
         assert {r["mode"] for r in pair_rows} == modes
-        assert len(pair_rows) == 2 * len(modes)  # every prompt × every mode
+        assert len(pair_rows) == 2 * len(modes)
         for prompt in ("edit-rename-1", "edit-type-hints-1"):  # interleaved: each prompt's modes in a row
             orders = [r["order"] for r in pair_rows if r["prompt_id"] == prompt]
             assert sorted(orders) == list(range(len(modes)))
@@ -277,7 +319,13 @@ def test_tiny_bench_end_to_end(tmp_path):
     # Greedy decoding is lossless: every mode gave plain's tokens, and plain gave transformers' tokens.
     assert not [(r["pair"], r["prompt_id"], r["mode"]) for r in rows if r["mismatch"]]
     assert "Estimated time" in err.file.getvalue()
+    assert re.search(r"took \d+\.\d min \(estimated \d+\.\d min", err.file.getvalue())
+    assert data["meta"]["repeats"] == 2 and data["meta"]["estimated_s"] > 0
+    spreads = [a for a in data["aggregates"] if a["tok_s_min"] is not None]
+    assert spreads and all(a["tok_s_min"] <= a["tok_s"] * 1.0001 and a["tok_s"] <= a["tok_s_max"] * 1.0001
+                           for a in spreads)
     text = (tmp_path / "bench.txt").read_text()
+    assert "spread" in text and "ttft s" in text
     assert "tiny-draft-model · code-edit" in text and "hf-assisted" in text
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -325,7 +373,7 @@ def test_bench_on_the_embedded_default(tmp_path):
 
     args = argparse.Namespace(pair=None, suite="code-edit", limit=1, max_new_tokens=12,
                               modes=["plain", "prompt-lookup", "hf-plain", "hf-prompt-lookup"], out=str(tmp_path),
-                              temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
+                              temperature=0.0, seed=0, models=None, device="cpu", synthetic=None, repeats=1)
     assert cmd_bench.run(args) == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == args.modes
@@ -356,3 +404,100 @@ def test_multi_turn_edits_are_one_conversation_per_mode():
         assert row.engine_stats.prefill_tokens < row.prompt_tokens - 2 * first_turn  # the last turn reused it
     assert engine.blocks_in_use() == 0  # each mode's conversation is forgotten after its row
     assert engine.reply_memory.num_tokens == 0  # the bench measures every prompt alone
+
+
+# -- llama.cpp modes ----------------------------------------------------------------------------------------
+
+
+class _FakeLlama:
+    """Stands in for llama_cpp.Llama: emits 50, 51, ... until stopped; records its settings."""
+
+    made: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.resets = 0
+        _FakeLlama.made.append(kwargs)
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def set_seed(self, seed: int) -> None:
+        self.seed = seed
+
+    def generate(self, tokens, **kwargs):
+        assert self.resets > 0 and kwargs["top_k"] == 1 and kwargs["temp"] == 0.0
+        yield from range(50, 10**6)
+
+
+@pytest.fixture
+def fake_llama_cpp(monkeypatch):
+    import sys
+    import types
+
+    from specchat.backend.bench import llamacpp
+
+    module = types.ModuleType("llama_cpp")
+    module.Llama = _FakeLlama
+    module.llama_speculative = types.SimpleNamespace(LlamaPromptLookupDecoding=lambda num_pred_tokens: ("pld",
+                                                                                                        num_pred_tokens))
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setattr(llamacpp, "unavailable", lambda gguf: None)
+    _FakeLlama.made = []
+    return module
+
+
+def test_llamacpp_modes_run_interleaved_on_the_pairs_gguf(tmp_path, fake_llama_cpp, monkeypatch):
+    import engine_fixtures
+
+    from specchat.app.cli import bench as cmd_bench
+    from specchat.backend.models.loading import packaged_gguf_path
+
+    monkeypatch.setattr(cmd_bench, "_llamacpp_missing", lambda spec: None)
+    engine = engine_fixtures.tiny_engine("llama", context_length=2048)
+    args = argparse.Namespace(pair=None, suite="code-edit", limit=1, max_new_tokens=5,
+                              modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"], out=str(tmp_path),
+                              temperature=0.0, seed=0, models=None, device=None, synthetic=None)
+    out = Console(file=io.StringIO(), width=220, record=True)
+    err = Console(file=io.StringIO(), width=220)
+    assert cmd_bench.execute(args, 1, lambda i: engine, err=err, out=out) == 0
+    assert [m["model_path"] for m in _FakeLlama.made] == [str(packaged_gguf_path())] * 2
+    assert [m["draft_model"] for m in _FakeLlama.made] == [None, ("pld", 10)]
+    assert all(m["n_threads"] == torch.get_num_threads() for m in _FakeLlama.made)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["mode"]: r for r in data["rows"]}
+    assert rows["llamacpp-plain"]["new_tokens"] == 5 and rows["llamacpp-plain"]["ttft_s"] is not None
+    assert rows["llamacpp-prompt-lookup"]["vs_plain"] == "same"  # checked against llama.cpp's own plain
+    assert rows["plain"]["comparable"]  # llama.cpp's lengths do not decide specchat's comparability
+    bound = data["runs"][0]["bandwidth_bound"]
+    assert bound["read_bandwidth_GBps"] > 0 and bound["llamacpp"]["bytes_per_token"] > 0
+    assert "bandwidth bound" in err.file.getvalue()
+    assert "×llama.cpp" in (tmp_path / "bench.txt").read_text()
+    aggs = {a["mode"]: a for a in data["aggregates"] if a["family"] == "code-edit"}
+    assert aggs["llamacpp-plain"]["x_llamacpp_plain"] == pytest.approx(1.0)
+
+
+def test_llamacpp_modes_say_how_to_install_when_missing(monkeypatch):
+    from specchat.backend.bench import llamacpp
+
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec", lambda name: None)
+    reason = llamacpp.unavailable(None)
+    assert "pip install 'specchat[bench]'" in reason
+    with pytest.raises(RequestError, match="specchat\\[bench\\]"):
+        parse_modes(["llamacpp-plain"], has_draft=False, pair_name="p", llamacpp_missing=reason)
+    assert "llamacpp-plain" not in [m.name for m in parse_modes(None, has_draft=False, pair_name="p",
+                                                                llamacpp_missing=reason)]
+
+
+@pytest.mark.slow
+def test_llamacpp_on_the_embedded_gguf(tmp_path):
+    """The real llama.cpp on the embedded default's GGUF: greedy prompt lookup equals its plain decoding."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional extra: specchat[bench])")
+    from specchat.app.cli import bench as cmd_bench
+
+    args = argparse.Namespace(pair=None, suite="edit", limit=1, max_new_tokens=16,
+                              modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"], out=str(tmp_path),
+                              temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
+    assert cmd_bench.run(args) == 0
+    rows = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    assert rows["llamacpp-plain"]["new_tokens"] == 16 and rows["llamacpp-prompt-lookup"]["vs_plain"] == "same"

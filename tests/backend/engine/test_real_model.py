@@ -12,11 +12,15 @@ copy of the target as draft model (its own distribution, so drafts are accepted 
 - with speculation forced on (γ 2, a drafter proposing at random among the likely tokens and one never
   accepted), the sampled joint distribution of the 2nd and 3rd tokens — the first ones verification decides —
   matches the target's exact probabilities at temperature 0.7, top-k 2 and penalty 1.3, computed with
-  transformers' own forward and processors (chi-square; the sample count is in the test).
+  transformers' own forward and processors (chi-square; the sample count is in the test);
+- the int4 default (``smollm2-135m``, the GGUF's own 4-bit weights, the compact forward): greedy output is the
+  same for every drafter (none, prompt lookup at fixed and adaptive γ, suffix trees, an int4 draft model) on
+  chat, code and edit prompts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -28,7 +32,7 @@ from transformers.generation.logits_process import (
 )
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.engine.engine import load_engine
+from specchat.backend.engine.engine import Engine, load_engine
 from specchat.backend.models.config import load_pairs
 from specchat.backend.models.loading import load_model
 from specchat.backend.spec.drafters.base import Draft, StatelessHooks
@@ -177,3 +181,26 @@ def test_same_seed_same_sample(engine):
     a, _ = generate_ids(engine, CODE, **params)
     b, _ = generate_ids(engine, CODE, **params)
     assert a == b
+
+
+@pytest.fixture(scope="module")
+def int4_engine():
+    pair = load_pairs()["smollm2-135m"]
+    assert pair.target.quantization == "int4-torch"
+    target = load_model(pair.target, "cpu")
+    twin = dataclasses.replace(pair, name="int4-twin", drafter="draft-model", draft=pair.target)
+    engine = Engine(target, load_model(pair.target, "cpu"), twin)
+    assert engine.runner.path == "cpu-compact"
+    return engine
+
+
+@pytest.mark.parametrize("messages", [CHAT, CODE, EDIT], ids=["chat", "code", "edit"])
+def test_int4_default_greedy_output_is_the_same_for_every_drafter(int4_engine, messages):
+    greedy = SamplingParams(temperature=0, max_new_tokens=48)
+    plain, _ = generate_ids(int4_engine, messages, sampling=greedy, drafter="none")
+    for drafter, gamma in [("prompt-lookup", 4), ("prompt-lookup", "auto"), ("suffix", 12), ("draft-model", 3)]:
+        ids, stats = generate_ids(int4_engine, messages, sampling=greedy, drafter=drafter, gamma=gamma)
+        assert ids == plain, (drafter, gamma)
+        if drafter == "draft-model":  # the twin proposes what the target decides: verification took many at once
+            assert stats.accepted > 0
+    assert "Paris" in int4_engine.tokenizer.decode(plain) or messages is not CHAT

@@ -326,7 +326,7 @@ def test_interrupted_conversion_never_leaves_a_broken_cache(tmp_path, monkeypatc
     dest.mkdir()
     (dest / "config.json").write_text("{}")
     monkeypatch.setattr(convert, "_convert_into", real)
-    spec = dataclasses.replace(load_pairs()[DEFAULT_PAIR].target, source=str(gguf), kind="gguf", path=str(gguf))
+    spec = dataclasses.replace(load_pairs()["smollm2-135m-f32"].target, source=str(gguf), kind="gguf", path=str(gguf))
     loaded = load_model(spec, "cpu")
     assert not stale.exists() and convert.is_complete(dest) and loaded.path == dest
     # The converted model computes what transformers computes from the GGUF itself.
@@ -400,7 +400,8 @@ def real_cache(monkeypatch):
 def test_embedded_default_answers_a_chat_prompt(real_cache):
     pair = load_pairs()[DEFAULT_PAIR]
     target, draft = load_pair(pair, "cpu")
-    assert draft is None and target.dtype == torch.float32 and target.path.name.startswith("SmolLM2-135M")
+    assert draft is None and target.path.name.startswith("SmolLM2-135M")
+    assert target.dtype == torch.bfloat16 and target.spec.quantization == "int4-torch"  # the GGUF's own 4 bits
     tok = target.tokenizer
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

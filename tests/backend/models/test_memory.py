@@ -59,7 +59,7 @@ def tensor_bytes(model) -> int:
 
 def test_estimate_terms():
     shipped = load_pairs()
-    pair = shipped[DEFAULT_PAIR]
+    pair = shipped["smollm2-135m-f32"]
     s = pair.target
     cpu = estimate_pair(pair, CPU)
     assert cpu.target_weights == s.params * 4 and cpu.draft_weights == 0 and cpu.draft_kv == 0
@@ -157,7 +157,7 @@ def test_embedded_default_estimate_matches_measured(monkeypatch):
         from specchat.backend.models.memory import estimate_pair
         def rss():
             return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
-        pair = load_pairs()[DEFAULT_PAIR]
+        pair = load_pairs()["smollm2-135m-f32"]  # float32: the weights dominate the process's growth
         s = pair.target
         torch.nn.functional.scaled_dot_product_attention(*(torch.randn(1, 2, 4, 8),) * 3)  # warm the kernels
         gc.collect(); before = rss()
@@ -173,6 +173,19 @@ def test_embedded_default_estimate_matches_measured(monkeypatch):
     assert result.returncode == 0, result.stderr[-2000:]
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     assert within(numbers["rss"], numbers["estimate"]), numbers
+
+
+def test_int4_default_counts_its_own_bytes():
+    """int4 linears (half a byte + a bfloat16 scale and zero per 32), the Q8_0 embedding, an int8 head; KV in
+    bfloat16: the default's weights are under a quarter of float32's."""
+    pair = load_pairs()[DEFAULT_PAIR]
+    s = pair.target
+    assert s.quantization == "int4-torch"
+    embedding = s.vocab_size * s.hidden_size
+    expected = (s.params - embedding) * (0.5 + 4 / 32) + embedding * (1 + 4 / 32) + embedding * (1 + 2 / 576)
+    cpu = estimate_pair(pair, CPU)
+    assert cpu.target_weights == int(expected) and cpu.target_weights * 4 < s.params * 4
+    assert cpu.target_kv == s.num_layers * 2 * s.num_kv_heads * s.head_dim * 2 * pair.context_length
 
 
 # --- `specchat models` -------------------------------------------------------------------------------------

@@ -1,0 +1,232 @@
+"""A compact forward for llama / mistral / qwen2 decoders with int4 / int8 layers: transformers' math, fewer ops.
+
+Why: with 4-bit weights a pass of the embedded default reads ~70 MB, a few milliseconds on a CPU, and
+transformers' forward spends as long again in Python and operator dispatch (30 layers of module calls,
+masks, reshapes, and one kernel call per projection). This forward walks the same modules' tensors with
+less of that: the q/k/v projections run as one int4 kernel call, as do gate/up (the packed weights of the
+separate layers are concatenated once and the layers keep views into the joined copy, so nothing is stored
+twice); rotary embedding is applied to queries and keys together; the final norm and head run only on the rows whose
+logits are kept. Attention reads and writes the paged cache (``backend/kv/attention.py``'s function for a long
+prefill); a pass of at most :data:`ROWWISE_ROWS` tokens attends one query at a time (:func:`_attend_rows`), so
+each token's result does not depend on how many tokens its pass verifies — a tree of drafts included: a node
+attends its window of the prefix and its own ancestors, in their order along its path.
+
+Contract: :func:`build(model)` returns a :class:`CompactForward` or raises :class:`Unsupported` with the
+reason (another architecture, an activation other than SiLU, a layer type it does not know); the model
+runner (``backend/engine/runner.py``) then keeps transformers' forward. ``compact(ids, positions, ctx,
+logits_to_keep)`` returns the ``[logits_to_keep, vocab]`` float logits of the last positions, as the model's
+own forward does for the same input through paged attention. Its operations are transformers' in the same
+dtypes (residual stream and norms float32, projections through the same quantised layers, which round their
+input to bfloat16); only the fused RMSNorm kernel (``F.rms_norm``), the joined projections and the row-wise
+attention may differ in float32 rounding. ``tests/backend/kernels/test_compact.py`` checks it against
+transformers' forward on tiny models of each family, and that a pass's rows equal one-token passes;
+``tests/backend/engine/test_real_model.py`` that greedy output on the embedded default is the same for
+every drafter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specchat.backend.kernels import int4_layout
+from specchat.backend.kernels.quant_linear import Int4Linear
+from specchat.backend.kv import attention
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROWWISE_ROWS = 64  # passes of at most this many tokens (every decoding and verification pass) attend row by row
+
+
+class Unsupported(Exception):
+    """The model cannot run the compact forward (the message says why)."""
+
+
+def _join(layers: list[nn.Module]) -> nn.Module | None:
+    """One Int4Linear computing ``layers`` side by side (their outputs concatenated), the layers re-pointed at
+    views of the joined weights; None when they cannot be joined (not all int4 alike, a layout unknown here)."""
+    if not all(isinstance(m, Int4Linear) for m in layers):
+        return None
+    first = layers[0]
+    block = int4_layout.cpu_block_n()
+    same = all(m.group_size == first.group_size and m.in_features == first.in_features
+               and m.compute_dtype == first.compute_dtype and (m.bias is None) == (first.bias is None)
+               and m.packed.device.type == "cpu" for m in layers)
+    if block is None or not same or any(m.out_features % block for m in layers):
+        return None
+    packed = torch.cat([m.packed for m in layers])
+    scales = torch.cat([m.scales_zeros for m in layers], dim=1).contiguous()
+    bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
+    joined = Int4Linear(first.in_features, packed.shape[0], first.group_size, packed, scales, bias)
+    start = 0
+    for m in layers:  # the separate layers read their rows of the joined copy: no second copy of the weights
+        m.packed = packed[start:start + m.out_features]
+        start += m.out_features
+    return joined
+
+
+class _Layer:
+    __slots__ = ("attn", "norm1", "norm2", "eps1", "eps2", "qkv", "q", "k", "v", "o", "gate_up", "gate", "up",
+                 "down", "window", "scaling", "q_width", "kv_width", "heads", "kv_heads", "head_dim", "inter")
+
+    def __init__(self, layer: nn.Module, config) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.attn = attn
+        self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps1 = float(getattr(layer.input_layernorm, "variance_epsilon", config.rms_norm_eps))
+        self.eps2 = float(getattr(layer.post_attention_layernorm, "variance_epsilon", config.rms_norm_eps))
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.qkv = _join([self.q, self.k, self.v])
+        self.gate_up = _join([self.gate, self.up])
+        self.head_dim = int(attn.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.q_width, self.kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.inter = int(self.gate.out_features)
+        window = getattr(attn, "sliding_window", None)
+        if config.model_type == "mistral":
+            window = getattr(config, "sliding_window", None)
+        self.window = window
+        self.scaling = float(attn.scaling)
+
+
+def _matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A projection's output for 2-D ``x``: in the quantised layers' compute dtype (bfloat16, exactly what their
+    forward returns before widening it; adding it to the float32 residual widens it the same way), else
+    whatever the layer returns."""
+    matmul = getattr(layer, "matmul", None)
+    return matmul(x) if matmul is not None else layer(x)
+
+
+def _attend_rows(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+    """Write the new K/V, then attend each query over exactly the keys it sees, one query at a time.
+
+    Query ``i`` (position ``p = start + i``) is computed with the same operations on the same tensors as a
+    one-token pass at ``p`` would use, whatever ``n`` is: a verification pass gives every token the result
+    plain decoding gives it. (A batched masked attention reduces over the whole key length, masked keys
+    included, so its rows differ from a one-token pass in the last bits, and bfloat16 projections after it
+    turn such bits into different tokens.) Returns ``[n, heads * head_dim]``."""
+    cache, plan = ctx.cache, ctx.plan
+    index = layer.attn.layer_idx
+    cache.write(index, plan, k, v)
+    window = layer.window if layer.window is not None and layer.window < plan.kv_len else None
+    first = 0 if window is None else max(0, plan.start - window + 1)
+    keys, values = cache.read(index, plan, first)
+    n, d = q.shape[2], layer.head_dim
+    rep = layer.heads // layer.kv_heads
+    tree = _tree_keys(ctx.tree, plan.start, first, window, keys.device) if ctx.tree is not None else None
+    rows = []
+    for i in range(n):
+        if tree is not None:  # a tree node sees the prefix and its own ancestors, in the order its path has them
+            key = keys[0, :, tree[i]].to(q.dtype)
+            value = values[0, :, tree[i]].to(q.dtype)
+        else:
+            position = plan.start + i
+            low = 0 if window is None else max(0, position - window + 1) - first
+            key = keys[0, :, low:position + 1 - first].to(q.dtype)  # [kv_heads, L, d]
+            value = values[0, :, low:position + 1 - first].to(q.dtype)
+        query = q[0, :, i].reshape(layer.kv_heads, rep, d)  # query head h reads KV head h // rep
+        scores = torch.matmul(query, key.transpose(1, 2)) * layer.scaling  # [kv_heads, rep, L]
+        rows.append(torch.matmul(torch.softmax(scores, dim=-1), value).reshape(1, layer.q_width))
+    return rows[0] if n == 1 else torch.cat(rows)
+
+
+def _tree_keys(tree, start: int, first: int, window: int | None, device: torch.device) -> list[torch.Tensor]:
+    """For each new token of a tree pass (at position ``start + depth``), the indices of the keys it attends
+    among those read from position ``first``: the committed ones in its window, then the new tokens it sees (its
+    ancestors and itself, inside its window), by slot, which is their order along its path. Plain decoding of
+    that path reads the same keys in the same order, so a node's row is the one plain decoding gives."""
+    depths, visible = tree
+    out = []
+    for i in range(visible.shape[0]):
+        depth = int(depths[i])
+        low = 0 if window is None else max(0, start + depth - window + 1)
+        seen = torch.nonzero(visible[i], as_tuple=False).flatten()
+        if window is not None:
+            seen = seen[depths[seen] > depth - window]
+        out.append(torch.cat([torch.arange(max(low, first) - first, start - first, device=device),
+                              (start - first) + seen.to(device)]))
+    return out
+
+
+class CompactForward:
+    """See the module docstring."""
+
+    def __init__(self, model: nn.Module) -> None:
+        config = model.config
+        self.config = config
+        self.embed = model.model.embed_tokens
+        self.rotary = model.model.rotary_emb
+        self.final_norm = model.model.norm.weight
+        self.final_eps = float(getattr(model.model.norm, "variance_epsilon", config.rms_norm_eps))
+        self.head = model.lm_head
+        self.layers = [_Layer(layer, config) for layer in model.model.layers]
+        self.hidden = int(config.hidden_size)
+
+    def _attention(self, layer: _Layer, x: torch.Tensor, n: int, cos, sin, ctx) -> torch.Tensor:
+        d = layer.head_dim
+        if layer.qkv is not None:
+            qkv = _matmul(layer.qkv, x)
+            qk = qkv[:, : layer.q_width + layer.kv_width]
+            v = qkv[:, layer.q_width + layer.kv_width:]
+        else:
+            qk = torch.cat([_matmul(layer.q, x), _matmul(layer.k, x)], dim=-1)
+            v = _matmul(layer.v, x)
+        qk = qk.view(1, n, layer.heads + layer.kv_heads, d).transpose(1, 2)
+        half = d // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = qk * cos + rotated * sin  # float32, as transformers' rotary embedding computes it
+        q, k = qk[:, : layer.heads], qk[:, layer.heads:]
+        v = v.view(1, n, layer.kv_heads, d).transpose(1, 2)
+        if v.dtype != q.dtype:
+            v = v.to(q.dtype)
+        if n > ROWWISE_ROWS or not isinstance(ctx, attention.PagedContext):
+            out, _ = attention.paged_attention_forward(layer.attn, q, k, v, None, scaling=layer.scaling, paged=ctx,
+                                                       sliding_window=layer.window)
+            out = out.reshape(n, layer.q_width)
+        else:
+            out = _attend_rows(layer, q, k, v, ctx)
+        return _matmul(layer.o, out)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.gate_up is not None:
+            gate_up = _matmul(layer.gate_up, x)
+            gate, up = gate_up[:, : layer.inter], gate_up[:, layer.inter:]
+        else:
+            gate, up = _matmul(layer.gate, x), _matmul(layer.up, x)
+        return _matmul(layer.down, F.silu(gate.float()) * up)  # SiLU in float32, as transformers' layers run it
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, ctx, logits_to_keep: int) -> torch.Tensor:
+        n = ids.numel()
+        with torch.inference_mode():
+            h = self.embed(ids).float()  # [n, hidden], the residual stream
+            cos, sin = self.rotary(h[None], positions[None])  # [1, n, head_dim]
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            shape = (self.hidden,)
+            for layer in self.layers:
+                h = h + self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, sin, ctx)
+                h = h + self._mlp(layer, F.rms_norm(h, shape, layer.norm2, layer.eps2))
+            last = F.rms_norm(h[n - logits_to_keep:], shape, self.final_norm, self.final_eps)
+            return _matmul(self.head, last).float()
+
+
+def build(model: nn.Module) -> CompactForward:
+    """The compact forward of ``model``, or :class:`Unsupported` naming why it cannot have one."""
+    config = model.config
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        raise Unsupported(f"model type {getattr(config, 'model_type', None)!r} (supported: {', '.join(ARCHITECTURES)})")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise Unsupported(f"activation {config.hidden_act!r}")
+    if getattr(config, "mlp_bias", False):
+        raise Unsupported("MLP bias")
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
+        raise Unsupported("not a decoder of the llama family's layout")
+    for layer in inner.layers:
+        attn = layer.self_attn
+        if any(getattr(attn, name, None) is not None for name in ("q_norm", "k_norm")):
+            raise Unsupported("query/key norms")
+        if type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+            raise Unsupported(f"activation {type(layer.mlp.act_fn).__name__}")
+    return CompactForward(model)

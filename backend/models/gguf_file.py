@@ -1,0 +1,258 @@
+"""Reading a GGUF file's metadata and tensors without llama.cpp: what the int4/int8 loader needs, fast.
+
+Contract:
+
+- :func:`read_gguf(path)` parses the header (version 2 or 3), every metadata value (long arrays of strings,
+  the tokenizer's vocabulary and merges, are skipped unless asked for with ``keep_arrays``) and the tensor
+  table, and returns a :class:`GgufFile` whose tensors are zero-copy views of one read-only memory map of the
+  file. A truncated, garbage or unsupported file raises :class:`GgufFormatError` (a ``ValueError``) naming
+  what is wrong; it never reads past the end.
+- Tensor shapes are in torch order (``[out_features, in_features]`` for a weight); ``raw`` is the bytes of
+  the tensor as stored, ``[rows, bytes per row]``.
+- Block formats the int4/int8 path keeps as they are (``backend/models/quantized.py``): :func:`q4_blocks`
+  splits Q4_0 / Q4_1 rows (32 weights a block: fp16 scale ``d``, for Q4_1 an fp16 minimum ``m``, then 16
+  bytes whose low nibbles are weights 0-15 and high nibbles weights 16-31; ``w = d·q + m``, Q4_0
+  ``w = d·(q - 8)``) into codes and scales; :func:`q8_0_blocks` splits Q8_0 rows (fp16 ``d``, 32 int8 codes,
+  ``w = d·q``). Any other type is de-quantised by :func:`dequantize` (the ``gguf`` package's numpy code).
+- ``llama``-architecture files store the rows of ``attn_q`` / ``attn_k`` permuted for llama.cpp's rotary
+  layout; :func:`unpermute_rows` gives the row order transformers uses (the inverse of llama.cpp's
+  ``convert_hf_to_gguf`` permutation, as transformers' own GGUF loader applies it). Rows move whole, so a
+  block format is unpermuted by reordering its rows.
+
+The file format is llama.cpp's ``docs/gguf.md``; only the standard library, numpy and torch are used here.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+# ggml type ids of the formats handled here without the gguf package (values from ggml.h).
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 8
+
+
+class GgufFormatError(ValueError):
+    """The file is not a GGUF this reader understands (truncated, garbage, unknown version or type)."""
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # torch order: [rows, columns] for a matrix
+    raw: np.ndarray  # uint8 [rows, bytes per row], a view of the file's memory map
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES.get(self.ggml_type) or _gguf_type_name(self.ggml_type)
+
+
+@dataclass
+class GgufFile:
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GgufTensor] = field(default_factory=dict)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """``<architecture>.<key>`` (e.g. ``block_count``), else ``default``."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+
+def _gguf_type_name(ggml_type: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+def _block_size(ggml_type: int) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a ggml type."""
+    import gguf
+
+    try:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        raise GgufFormatError(f"unknown ggml tensor type {ggml_type}") from None
+
+
+class _Cursor:
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer, self.pos = buffer, 0
+
+    def take(self, size: int) -> memoryview:
+        end = self.pos + size
+        if size < 0 or end > len(self.buffer):
+            raise GgufFormatError(f"the file ends early (needs {end} bytes, has {len(self.buffer)}): truncated?")
+        view = self.buffer[self.pos:end]
+        self.pos = end
+        return view
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        size = self.scalar("<Q")
+        return bytes(self.take(size)).decode("utf-8", errors="replace")
+
+    def skip_strings(self, count: int) -> None:
+        for _ in range(count):
+            self.take(self.scalar("<Q"))
+
+    def value(self, kind: int, keep_array: bool) -> Any:
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind])
+        if kind == _STRING:
+            return self.string()
+        if kind != _ARRAY:
+            raise GgufFormatError(f"unknown metadata value type {kind}")
+        item, count = self.scalar("<I"), self.scalar("<Q")
+        if item in _NUMPY:
+            width = np.dtype(_NUMPY[item]).itemsize
+            data = self.take(count * width)
+            return np.frombuffer(data, dtype=_NUMPY[item]).tolist() if keep_array else _Skipped(count)
+        if item == _STRING:
+            if keep_array:
+                return [self.string() for _ in range(count)]
+            self.skip_strings(count)
+            return _Skipped(count)
+        return [self.value(item, keep_array) for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class _Skipped:
+    """An array left unread (its length only): the tokenizer's lists when they are not needed."""
+
+    count: int
+
+
+def read_gguf(path: str | Path, *, keep_arrays: tuple[str, ...] = ()) -> GgufFile:
+    """Parse ``path`` (see the module docstring). Arrays whose key is in ``keep_arrays``, and every array of
+    numbers shorter than 64 items, are read; other arrays are recorded as skipped."""
+    path = Path(path)
+    with open(path, "rb") as handle:
+        size = handle.seek(0, 2)
+        if size < 24:
+            raise GgufFormatError(f"{size} bytes is too short for a GGUF header")
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    cursor = _Cursor(memoryview(mapped))
+    if bytes(cursor.take(4)) != GGUF_MAGIC:
+        raise GgufFormatError("the file does not start with 'GGUF' (not a GGUF file, or damaged)")
+    version = cursor.scalar("<I")
+    if version not in (2, 3):
+        raise GgufFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
+    tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
+    if tensor_count > size // 24 or kv_count > size // 12:
+        raise GgufFormatError(f"the header claims {tensor_count} tensors and {kv_count} metadata values in a "
+                              f"{size}-byte file: damaged")
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cursor.string()
+        kind = cursor.scalar("<I")
+        keep = key in keep_arrays
+        if kind == _ARRAY and not keep:  # small numeric arrays are cheap and sometimes needed
+            start = cursor.pos
+            item, count = cursor.scalar("<I"), cursor.scalar("<Q")
+            keep = item in _NUMPY and count < 64
+            cursor.pos = start
+        metadata[key] = cursor.value(kind, keep)
+    infos = []
+    for _ in range(tensor_count):
+        name = cursor.string()
+        dims = cursor.scalar("<I")
+        if not 1 <= dims <= _MAX_DIMS:
+            raise GgufFormatError(f"tensor {name!r} has {dims} dimensions")
+        ne = [cursor.scalar("<Q") for _ in range(dims)]
+        infos.append((name, tuple(reversed(ne)), cursor.scalar("<I"), cursor.scalar("<Q")))
+    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT) or DEFAULT_ALIGNMENT)
+    data_start = -(-cursor.pos // alignment) * alignment
+    whole = np.frombuffer(mapped, dtype=np.uint8)
+    tensors = {}
+    for name, shape, ggml_type, offset in infos:
+        per_block, block_bytes = _block_size(ggml_type)
+        columns = shape[-1]
+        if columns % per_block:
+            raise GgufFormatError(f"tensor {name!r}: {columns} columns is not a whole number of "
+                                  f"{per_block}-weight blocks")
+        rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+        row_bytes = columns // per_block * block_bytes
+        start = data_start + offset
+        if start + rows * row_bytes > size:
+            raise GgufFormatError(f"tensor {name!r} ends at byte {start + rows * row_bytes} of a {size}-byte file: "
+                                  "truncated")
+        raw = whole[start:start + rows * row_bytes].reshape(rows, row_bytes)
+        tensors[name] = GgufTensor(name, ggml_type, shape, raw)
+    return GgufFile(path=path, version=version, metadata=metadata, tensors=tensors)
+
+
+def _fp16_column(blocks: np.ndarray, at: int) -> torch.Tensor:
+    """The fp16 value stored at byte ``at`` of every block, as a float32 tensor ``[rows, blocks]``."""
+    return torch.from_numpy(np.array(blocks[..., at:at + 2]).view(np.float16)[..., 0]).float()
+
+
+def q4_blocks(tensor: GgufTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 as ``(codes uint8 [N, K] in 0..15, d float32 [N, K/32], m float32 [N, K/32])`` with
+    ``w = d·q + m`` exactly (Q4_0: ``m = -8·d``, exact in float32)."""
+    if tensor.ggml_type not in (Q4_0, Q4_1):
+        raise GgufFormatError(f"tensor {tensor.name!r} is {tensor.type_name}, not Q4_0 or Q4_1")
+    rows, width = tensor.shape[0], tensor.shape[-1]
+    block = 20 if tensor.ggml_type == Q4_1 else 18
+    blocks = tensor.raw.reshape(rows, width // 32, block)
+    d = _fp16_column(blocks, 0)
+    m = _fp16_column(blocks, 2) if tensor.ggml_type == Q4_1 else -8.0 * d
+    packed = torch.from_numpy(np.array(blocks[..., block - 16:]))  # [N, K/32, 16]
+    codes = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(rows, width)
+    return codes, d, m
+
+
+def q8_0_blocks(tensor: GgufTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 as ``(codes int8 [N, K], d float32 [N, K/32])`` with ``w = d·q`` exactly."""
+    if tensor.ggml_type != Q8_0:
+        raise GgufFormatError(f"tensor {tensor.name!r} is {tensor.type_name}, not Q8_0")
+    rows, width = tensor.shape[0], tensor.shape[-1]
+    blocks = tensor.raw.reshape(rows, width // 32, 34)
+    d = _fp16_column(blocks, 0)
+    codes = torch.from_numpy(np.array(blocks[..., 2:]).view(np.int8)).reshape(rows, width)
+    return codes, d
+
+
+def dequantize(tensor: GgufTensor) -> torch.Tensor:
+    """Any tensor type as float32 in its torch shape (F32/F16/BF16 directly, block types via ``gguf``)."""
+    if tensor.ggml_type == F32:
+        return torch.from_numpy(np.array(tensor.raw).view(np.float32)).reshape(tensor.shape)
+    if tensor.ggml_type == F16:
+        return torch.from_numpy(np.array(tensor.raw).view(np.float16)).float().reshape(tensor.shape)
+    if tensor.ggml_type == BF16:
+        words = torch.from_numpy(np.array(tensor.raw).view(np.int16))
+        return words.view(torch.bfloat16).float().reshape(tensor.shape)
+    import gguf
+
+    values = gguf.quants.dequantize(tensor.raw, gguf.GGMLQuantizationType(tensor.ggml_type))
+    return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(tensor.shape)
+
+
+def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row indices that undo llama.cpp's rotary permutation of an ``attn_q`` / ``attn_k`` weight with
+    ``heads`` heads (``heads`` KV heads for ``attn_k``): ``weight[index]`` is transformers' row order."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)
