@@ -105,6 +105,11 @@ class FakeEngine:
         self.active = threading.Event()  # set while generate() runs (tests check one owner at a time)
         self.started = threading.Event()  # set once the first event has been yielded
 
+    def use_reply_memory(self, enabled: bool, replies: Any = ()) -> int:
+        """As Engine.use_reply_memory: records what the CLI gave the suffix drafter's memory."""
+        self.reply_memory = (enabled, list(replies))
+        return 0
+
     def forget(self, conversation: str) -> None:
         self.forgotten.append(conversation)
 

@@ -149,9 +149,9 @@ def test_prefill_keeps_one_logits_row():
     calls = []
     forward = engine.runner.forward
 
-    def spy(seq, ids, *, logits_to_keep=1):
+    def spy(seq, ids, *, logits_to_keep=1, parents=None):
         calls.append((len(ids), logits_to_keep))
-        return forward(seq, ids, logits_to_keep=logits_to_keep)
+        return forward(seq, ids, logits_to_keep=logits_to_keep, parents=parents)
 
     engine.runner.forward = spy
     run(engine, prompt_ids=random_ids(60), sampling=SamplingParams(temperature=0.7, repetition_penalty=1.3,
