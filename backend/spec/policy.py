@@ -48,7 +48,7 @@ import statistics
 from collections import deque
 
 from specchat.backend.api import PolicyState
-from specchat.backend.spec.stats import expected_tokens_table, speedup
+from specchat.backend.spec.stats import expected_tokens_table, judged_positions, speedup
 
 _WINDOW = 9  # samples per running median
 
@@ -314,7 +314,7 @@ class GammaPolicy:
             if draft_s > 0.0:
                 self._draft.add(draft_s / proposed)
             self._succ = self._succ * self.decay + accepted
-            judged = min(accepted + 1, proposed) if tried is None else tried
+            judged = judged_positions(accepted, proposed, tried)
             self._fail = self._fail * self.decay + (1.0 if accepted < judged else 0.0)
             pos_succ, pos_fail, decay = self._pos_succ, self._pos_fail, self.decay
             for k in range(len(pos_succ)):

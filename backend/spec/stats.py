@@ -30,6 +30,13 @@ from typing import Any
 from specchat.backend.api import GammaSummary, PolicyState, RequestStats
 
 
+def judged_positions(accepted: int, drafted: int, tried: int | None = None) -> int:
+    """Draft positions the target judged in one step (the one definition the statistics and the γ policy use):
+    a chain of ``drafted`` tokens judged ``min(accepted + 1, drafted)``; a tree gives ``tried`` (the positions
+    along the followed path: accepted, plus one where no child matched)."""
+    return min(accepted + 1, drafted) if tried is None else tried
+
+
 def expected_tokens_table(alphas: Sequence[float]) -> list[float]:
     """E[N](γ) for γ = 0 .. len(alphas): tokens a step drafting γ yields (the target's own one included)."""
     table, run, total = [1.0], 1.0, 1.0
@@ -86,7 +93,7 @@ class StepCounts:
         matched); a chain judged ``min(accepted + 1, gamma)``."""
         if not 0 <= accepted <= gamma:
             raise ValueError(f"StepCounts.observe: need 0 <= accepted <= gamma, got {accepted}, {gamma}")
-        judged = min(accepted + 1, gamma) if tried is None else tried
+        judged = judged_positions(accepted, gamma, tried)
         key = (drafter if gamma else "none", gamma)
         self.steps[key] += 1
         self.draft_s[key] = self.draft_s.get(key, 0.0) + draft_s
