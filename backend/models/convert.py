@@ -29,6 +29,8 @@ blamed on the GGUF.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import errno
 import hashlib
 import json
@@ -183,15 +185,51 @@ def remove_stale_temporaries(parent: Path) -> list[Path]:
     return removed
 
 
+@contextlib.contextmanager
+def _gguf_metadata_read_once():
+    """Within the block, transformers' ``load_gguf_checkpoint(path, return_tensors=False)`` parses a file once.
+
+    Why: for architectures its fast metadata reader does not cover (llama, qwen2, mistral, ... in transformers
+    5.x), both ``AutoTokenizer`` and ``AutoConfig`` call it, and its reader walks every element of the
+    vocabulary arrays: 6-8 s each for the embedded file's 49,152 tokens on 2 cores, most of a first start.
+    The callers import the function from its module when they run, so replacing the module's attribute for
+    the block reaches them; each gets its own deep copy of the one result."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # another transformers layout: nothing to share
+        yield
+        return
+    original = getattr(gguf_utils, "load_gguf_checkpoint", None)
+    if original is None:
+        yield
+        return
+    parsed: dict[str, object] = {}
+
+    def once(path, return_tensors=False, *args, **kwargs):
+        if return_tensors or args or kwargs:
+            return original(path, return_tensors, *args, **kwargs)
+        key = os.fspath(path)
+        if key not in parsed:
+            parsed[key] = original(path, return_tensors=False)
+        return copy.deepcopy(parsed[key])
+
+    gguf_utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
+
+
 def _gguf_tokenizer_and_config(gguf_path: Path, progress: Progress | None):
     from transformers import AutoConfig, AutoTokenizer
 
-    if progress is not None:
-        progress(f"Reading the tokenizer from {gguf_path.name} (first start only)", 0.0)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    if progress is not None:
-        progress(f"Reading the model configuration from {gguf_path.name} (first start only)", 0.5)
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    with _gguf_metadata_read_once():
+        if progress is not None:
+            progress(f"Reading the tokenizer from {gguf_path.name} (first start only)", 0.0)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if progress is not None:
+            progress(f"Reading the model configuration from {gguf_path.name} (first start only)", 0.5)
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     return tokenizer, config
 
 
@@ -218,12 +256,13 @@ def _convert_into(gguf_path: Path, folder: Path, progress: Progress | None) -> N
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:
         pass
-    if progress is not None:
-        progress(f"Reading the tokenizer from {gguf_path.name} (first start only)", 0.0)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    if progress is not None:
-        progress(f"Converting {gguf_path.name} to safetensors (first start only)", 0.1)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **kwargs)
+    with _gguf_metadata_read_once():
+        if progress is not None:
+            progress(f"Reading the tokenizer from {gguf_path.name} (first start only)", 0.0)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if progress is not None:
+            progress(f"Converting {gguf_path.name} to safetensors (first start only)", 0.1)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **kwargs)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)

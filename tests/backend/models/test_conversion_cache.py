@@ -246,3 +246,30 @@ def test_kill_9_during_conversion_or_load_recovers(tmp_path):
 @pytest.mark.soak
 def test_kill_9_soak(tmp_path):
     _kill_runs(tmp_path, 100, seed=1616)
+
+
+def test_a_first_start_parses_the_gguf_metadata_once(tmp_path, monkeypatch) -> None:
+    """The tokenizer and the configuration share one parse of the file's metadata (the legacy GGUF reader
+    took 6-8 s per parse of the embedded file's vocabulary, twice per first start); what they build is the
+    same as with two parses."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    real = gguf_utils.load_gguf_checkpoint
+    calls: list[bool] = []
+
+    def counted(path, return_tensors=False, *args, **kwargs):
+        calls.append(return_tensors)
+        return real(path, return_tensors, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", counted)
+    tokenizer, config = convert._gguf_tokenizer_and_config(gguf, None)
+    assert calls.count(False) == 1 and gguf_utils.load_gguf_checkpoint is counted  # restored after the block
+    separate_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    separate_config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert calls.count(False) == 3  # without the block, transformers parses again (else this test shows nothing)
+    assert config.to_dict() == separate_config.to_dict()
+    text = "the tiny the"
+    assert tokenizer(text)["input_ids"] == separate_tokenizer(text)["input_ids"]
+    assert tokenizer.get_vocab() == separate_tokenizer.get_vocab()
