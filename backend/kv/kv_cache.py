@@ -20,6 +20,8 @@ Contract:
 from __future__ import annotations
 
 import collections.abc
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,22 @@ def kv_geometry(config) -> tuple[int, int, int]:
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
     return num_layers, num_kv_heads, head_dim
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that take memory only where they are written, on CPU: an anonymous private mapping, whose pages
+    the kernel supplies (zeroed) on first write. A chat's KV cache is sized for the whole context (8,192
+    tokens: 189 MB for the embedded default) and a conversation fills a fraction of it; ``torch.zeros`` made
+    all of it resident at start. Other devices: ``torch.zeros``."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a layer's first write would otherwise fault in 2 MB, not 4 KB
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -77,9 +95,10 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        # Zeros, not empty: a gathered read of a never-written slot must not carry NaN into 0 * V.
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [num_layers, num_kv_heads, num_slots, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # same
+        # Zeros, not empty: a gathered read of a never-written slot must not carry NaN into 0 * V. Lazily
+        # resident on CPU: memory grows with the tokens held, not with the context length.
+        self.k = lazy_zeros(shape, dtype, self.device)  # [num_layers, num_kv_heads, num_slots, head_dim]
+        self.v = lazy_zeros(shape, dtype, self.device)  # same
         # Per-layer [1, num_kv_heads, num_slots, head_dim] views made once, so the per-layer hot path slices
         # one view instead of building several.
         self.k_layers = [self.k[i : i + 1] for i in range(num_layers)]

@@ -266,3 +266,27 @@ class CacheMachine(RuleBasedStateMachine):
 
 TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def _rss() -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_a_cpu_cache_takes_memory_for_the_tokens_it_holds_not_for_its_size() -> None:
+    """A chat's cache is sized for the whole context but holds a conversation: on CPU its pools are zeros the
+    kernel supplies on first write (torch.zeros made all of it resident: 189 MB for the embedded default)."""
+    before = _rss()
+    cache = PagedKVCache(num_layers=30, num_kv_heads=3, head_dim=64, num_blocks=1024, block_size=16,
+                         dtype=torch.bfloat16, device="cpu")  # 2 x 94 MiB
+    size = cache.k.numel() * cache.k.element_size() * 2
+    assert size > 180 << 20
+    assert _rss() - before < size // 8
+    assert not cache.k[:, :, :4096].any() and not cache.v[:, :, 8000:].any()  # reads see zeros, still lazily
+    seq = cache.new_sequence()
+    seq.reserve(64)
+    cache.k[:, :, :64] = 1.0
+    cache.v[:, :, :64] = 2.0
+    seq.commit(64)
+    assert _rss() - before < size // 4
+    assert float(cache.k[0, 0, 63, 0]) == 1.0 and float(cache.v[29, 2, 64, 0]) == 0.0
