@@ -55,9 +55,12 @@ class LlamaCpp:
         for drafter in drafters:
             draft = (llama_cpp.llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS)
                      if drafter == "prompt-lookup" else None)
+            # logits_all with a drafter: llama-cpp-python keeps every position's logits when it speculates, but
+            # sizes that array from the argument (n_batch = 512 rows without it), so a prompt past 512 tokens
+            # failed inside its eval ("could not broadcast ... into shape (0,)"; llama_cpp/llama.py 0.3.36).
             self.instances[drafter] = llama_cpp.Llama(model_path=str(gguf), n_ctx=context_length, n_threads=threads,
                                                       n_threads_batch=threads, seed=seed, draft_model=draft,
-                                                      verbose=False)
+                                                      logits_all=draft is not None, verbose=False)
 
     def generate(self, drafter: str, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
                  seed: int, eos_ids: list[int]) -> Generation:

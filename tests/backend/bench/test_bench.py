@@ -463,6 +463,9 @@ def test_llamacpp_modes_run_interleaved_on_the_pairs_gguf(tmp_path, fake_llama_c
     assert cmd_bench.execute(args, 1, lambda i: engine, err=err, out=out) == 0
     assert [m["model_path"] for m in _FakeLlama.made] == [str(packaged_gguf_path())] * 2
     assert [m["draft_model"] for m in _FakeLlama.made] == [None, ("pld", 10)]
+    # llama-cpp-python 0.3.36 sizes its logits array from logits_all even when a drafter forces it on: without
+    # it, a prompt past 512 tokens failed in its prompt-lookup mode (found on the code-edit suite)
+    assert [m["logits_all"] for m in _FakeLlama.made] == [False, True]
     assert all(m["n_threads"] == torch.get_num_threads() for m in _FakeLlama.made)
     data = json.loads((tmp_path / "bench.json").read_text())
     rows = {r["mode"]: r for r in data["rows"]}
@@ -491,13 +494,19 @@ def test_llamacpp_modes_say_how_to_install_when_missing(monkeypatch):
 
 @pytest.mark.slow
 def test_llamacpp_on_the_embedded_gguf(tmp_path):
-    """The real llama.cpp on the embedded default's GGUF: greedy prompt lookup equals its plain decoding."""
+    """The real llama.cpp on the embedded default's GGUF, on a summary (a prompt past 512 tokens, which its
+    prompt-lookup mode once failed on): both modes decode the tokens asked for, and the bench reports whether
+    llama.cpp's prompt lookup kept its own plain decoding's tokens (its batched verification need not: on the
+    full suite 13 of 16 prompts differed somewhere)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional extra: specchat[bench])")
     from specchat.app.cli import bench as cmd_bench
 
-    args = argparse.Namespace(pair=None, suite="edit", limit=1, max_new_tokens=16,
+    args = argparse.Namespace(pair=None, suite="summarization", limit=1, max_new_tokens=16,
                               modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"], out=str(tmp_path),
                               temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
     assert cmd_bench.run(args) == 0
     rows = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
-    assert rows["llamacpp-plain"]["new_tokens"] == 16 and rows["llamacpp-prompt-lookup"]["vs_plain"] == "same"
+    assert rows["plain"]["prompt_tokens"] > 512
+    assert rows["llamacpp-plain"]["new_tokens"] == rows["llamacpp-prompt-lookup"]["new_tokens"] == 16
+    compared = rows["llamacpp-prompt-lookup"]["vs_plain"]
+    assert compared == "same" or compared.startswith("differs at ")
