@@ -247,8 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except OSError as error:  # a file or folder specchat needed (cache, data, output) could not be used
         where = f"{error.filename}: " if error.filename else ""
-        print(f"specchat: error: {where}{error.strerror or error}; check the path, its permissions and the free "
-              "disk space", file=sys.stderr)
+        print(one_line(f"specchat: error: {where}{error.strerror or error}; check the path, its permissions and "
+                       "the free disk space"), file=sys.stderr)
         return 2
 
 

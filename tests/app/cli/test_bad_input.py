@@ -418,3 +418,14 @@ def test_any_text_through_the_engine(engine, content, system):
         text = "".join(e.text for e in events)
         text.encode("utf-8")  # printable: never a lone surrogate in the output
     assert engine.blocks_in_use() == 0
+
+
+def test_a_file_error_on_a_huge_path_is_one_short_line(capsys):
+    """An OSError naming a 5,000-character path (the command-line fuzzer's `--out=999...`): one error line,
+    both ends of the path and the reason kept, not the whole path."""
+    code = main(["bench", "--device=cpu", "--out=" + "9" * 5000])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error" in line]
+    assert code == 2 and "Traceback" not in err
+    assert len(lines) == 1 and len(lines[0]) < 2000 and lines[0].endswith("free disk space")
+    assert "File name too long" in lines[0] and "characters)" in lines[0]
