@@ -57,11 +57,11 @@ def run(args) -> int:
 
             err.print(f"Pair [bold]{config.name}[/bold] runs on {config.remote.server}")
             return RemoteEngine(config)
+        from specchat.app.cli.generate import _progress  # one line per step off a terminal, as generate's
         from specchat.backend.engine.engine import load_engine
 
         err.print(f"Loading pair [bold]{config.name}[/bold] ...")
-        return load_engine(config, device=args.device,
-                           progress=lambda message, fraction: err.print(f"  {message}", highlight=False))
+        return load_engine(config, device=args.device, progress=_progress)
 
     return execute(args, len(configs), load, err=err)
 

@@ -510,3 +510,27 @@ def test_llamacpp_on_the_embedded_gguf(tmp_path):
     assert rows["llamacpp-plain"]["new_tokens"] == rows["llamacpp-prompt-lookup"]["new_tokens"] == 16
     compared = rows["llamacpp-prompt-lookup"]["vs_plain"]
     assert compared == "same" or compared.startswith("differs at ")
+
+
+def test_loading_progress_off_a_terminal_is_one_line_per_step(monkeypatch, capsys):
+    """`specchat bench > log 2>&1` printed the loader's every update ("Loading ... as int4-torch" 30 times);
+    like generate, it prints one plain line per step when stderr is not a terminal."""
+    from specchat.app.cli import bench as cmd_bench
+    from specchat.backend.engine import engine as engine_module
+    from specchat.backend.errors import ModelLoadError
+
+    def fake_load(config, *, device=None, progress=None, confirm_download=None):
+        for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
+            progress("Loading tiny.gguf as int4-torch", fraction)
+        progress("Packing the int4 weights: 3/30", 0.1)
+        progress("Packing the int4 weights: 30/30", 1.0)
+        raise ModelLoadError("stop here (test)")
+
+    monkeypatch.setattr(engine_module, "load_engine", fake_load)
+    args = argparse.Namespace(pair=None, suite="mt-bench", limit=1, max_new_tokens=4, modes=["plain"],
+                              out=None, temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
+    with pytest.raises(ModelLoadError):  # main() turns it into "specchat: error: ..."
+        cmd_bench.run(args)
+    err = capsys.readouterr().err
+    assert err.count("Loading tiny.gguf as int4-torch") == 1 and err.count("Packing the int4 weights") == 1, err
+    assert "\r" not in err and "\x1b" not in err
