@@ -220,13 +220,21 @@ def _gguf_metadata_read_once():
         gguf_utils.load_gguf_checkpoint = original
 
 
+def _gguf_tokenizer(gguf_path: Path, progress: Progress | None):
+    """The tokenizer transformers builds from the GGUF's metadata (call inside :func:`_gguf_metadata_read_once`,
+    so what else reads the metadata next shares its parse)."""
+    from transformers import AutoTokenizer
+
+    if progress is not None:
+        progress(f"Reading the tokenizer from {gguf_path.name} (first start only)", 0.0)
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+
 def _gguf_tokenizer_and_config(gguf_path: Path, progress: Progress | None):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     with _gguf_metadata_read_once():
-        if progress is not None:
-            progress(f"Reading the tokenizer from {gguf_path.name} (first start only)", 0.0)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer = _gguf_tokenizer(gguf_path, progress)
         if progress is not None:
             progress(f"Reading the model configuration from {gguf_path.name} (first start only)", 0.5)
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -247,7 +255,7 @@ def _convert_metadata(gguf_path: Path, folder: Path, progress: Progress | None) 
 
 def _convert_into(gguf_path: Path, folder: Path, progress: Progress | None) -> None:
     """Load the GGUF with transformers (de-quantising) and save model + tokenizer as safetensors into folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     kwargs = {}
     try:  # newer transformers may keep GGUF blocks packed (kernels); a saved checkpoint needs plain weights
@@ -257,9 +265,7 @@ def _convert_into(gguf_path: Path, folder: Path, progress: Progress | None) -> N
     except ImportError:
         pass
     with _gguf_metadata_read_once():
-        if progress is not None:
-            progress(f"Reading the tokenizer from {gguf_path.name} (first start only)", 0.0)
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer = _gguf_tokenizer(gguf_path, progress)
         if progress is not None:
             progress(f"Converting {gguf_path.name} to safetensors (first start only)", 0.1)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **kwargs)
