@@ -31,7 +31,8 @@ from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.paths import config_dir, expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "nf4", "int8", "int4-torch", "int8-torch")
+TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")  # PyTorch's own int4/int8 kernels (backend/models/quantized.py)
+QUANTIZATIONS = ("none", "nf4", "int8", *TORCH_QUANTIZATIONS)
 DRAFTERS = ("prompt-lookup", "suffix", "draft-model", "none")
 REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by

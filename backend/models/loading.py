@@ -39,9 +39,8 @@ import torch
 from specchat.backend.errors import ConfigError, IncompatiblePairError, InsufficientMemoryError, ModelLoadError
 from specchat.backend.models import convert, hub
 from specchat.backend.models.capture import Progress, capture_library_output, user_callback
-from specchat.backend.models.config import PACKAGED_MODELS, ModelSpec, PairConfig
+from specchat.backend.models.config import PACKAGED_MODELS, TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.convert import ensure_converted
-from specchat.backend.models.quantized import QUANTIZATIONS as TORCH_QUANTIZATIONS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -39,7 +39,7 @@ import torch
 from specchat.backend.api import MAX_GAMMA, PREFILL_CHUNK
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
-from specchat.backend.models.config import ModelSpec, PairConfig
+from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 
 HEADROOM = 0.08
 LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a prefill chunk keeps one)
@@ -48,7 +48,6 @@ LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a
 DECISION_BYTES = 40
 NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + float32 absmax per 64-weight block (no double quant)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +84,7 @@ def dtype_bytes(spec: ModelSpec, device: torch.device) -> int:
     """Bytes per element of the compute dtype (activations, KV cache, unquantised weights)."""
     if spec.dtype != "auto":
         return _DTYPE_BYTES[spec.dtype]
-    if spec.quantization in _TORCH_QUANTIZATIONS:
+    if spec.quantization in TORCH_QUANTIZATIONS:
         return 2  # bfloat16: the int4/int8 kernels' activations and the KV cache (loading.py)
     return 2 if device.type == "cuda" else 4
 
@@ -108,7 +107,7 @@ def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
     per = dtype_bytes(spec, device)
     if spec.quantization == "none":
         return spec.params * per
-    if spec.quantization in _TORCH_QUANTIZATIONS:
+    if spec.quantization in TORCH_QUANTIZATIONS:
         return _torch_quantized_bytes(spec, device)
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     linear = max(spec.params - embeddings, 0)

@@ -31,9 +31,9 @@ from torch import nn
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels.quant_linear import Int4Linear, Int8Linear, Q8Embedding, quantize_int4
 from specchat.backend.models import gguf_file
+from specchat.backend.models.config import TORCH_QUANTIZATIONS as QUANTIZATIONS
 from specchat.backend.models.gguf_file import GgufFile, GgufTensor
 
-QUANTIZATIONS = ("int4-torch", "int8-torch")
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 GROUP_SIZE = 32
 # ggml types with at most 4 bits a weight: re-quantised to int4 when they cannot be kept as they are.
