@@ -62,6 +62,17 @@ def _skeleton(config: Any) -> nn.Module:
     return model
 
 
+def _requantized(weight: torch.Tensor, bias: torch.Tensor | None, *, int4: bool, device: torch.device,
+                 scale_dtype: torch.dtype) -> nn.Module:
+    """A float ``weight`` as int4 group 32 (when ``int4`` and its width is a multiple of the group; scales and
+    zeros in ``scale_dtype``), else as int8 per row (scales in the compute dtype)."""
+    if int4 and weight.shape[1] % GROUP_SIZE == 0:
+        codes, scale, zero = quantize_int4(weight, GROUP_SIZE)
+        return Int4Linear.from_codes(codes, scale, zero, group_size=GROUP_SIZE, bias=bias, device=device,
+                                     compute_dtype=scale_dtype)
+    return Int8Linear.from_weight(weight, bias=bias, device=device, compute_dtype=compute_dtype(device))
+
+
 def _set(module: nn.Module, path: str, child: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     setattr(module.get_submodule(parent_path) if parent_path else module, name, child)
@@ -112,11 +123,8 @@ class _Builder:
         return self.from_float(weight, bias, four_bits=tensor.type_name in _FOUR_BITS)
 
     def from_float(self, weight: torch.Tensor, bias: torch.Tensor | None, *, four_bits: bool) -> nn.Module:
-        if self.quantization == "int4-torch" and four_bits and weight.shape[1] % GROUP_SIZE == 0:
-            codes, scale, zero = quantize_int4(weight, GROUP_SIZE)
-            return Int4Linear.from_codes(codes, scale, zero, group_size=GROUP_SIZE, bias=bias, device=self.device,
-                                         compute_dtype=self.dtype)
-        return Int8Linear.from_weight(weight, bias=bias, device=self.device, compute_dtype=compute_dtype(self.device))
+        return _requantized(weight, bias, int4=self.quantization == "int4-torch" and four_bits, device=self.device,
+                            scale_dtype=self.dtype)
 
     def vector(self, name: str) -> torch.Tensor:
         return gguf_file.dequantize(self.tensor(name)).reshape(-1)
@@ -215,13 +223,8 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device) ->
             continue
         weight, bias = module.weight.detach().float(), module.bias
         bias = None if bias is None else bias.detach().float()
-        if quantization == "int4-torch" and weight.shape[1] % GROUP_SIZE == 0:
-            codes, scale, zero = quantize_int4(weight, GROUP_SIZE)
-            new: nn.Module = Int4Linear.from_codes(codes, scale, zero, group_size=GROUP_SIZE, bias=bias,
-                                                   device=device, compute_dtype=dtype)
-        else:
-            new = Int8Linear.from_weight(weight, bias=bias, device=device, compute_dtype=dtype)
-        _set(decoder, name, new)
+        _set(decoder, name, _requantized(weight, bias, int4=quantization == "int4-torch", device=device,
+                                         scale_dtype=dtype))
         count += 1
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
