@@ -20,12 +20,11 @@ Contract:
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, quant_linear
+from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, quant_linear, switched_off
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
@@ -170,7 +169,7 @@ def _pack_if_it_fits(loaded: LoadedModel) -> int:
 
 def _compact_forward(loaded: LoadedModel) -> compact.CompactForward | None:
     """The compact forward of a quantised model on CPU, unless switched off or its architecture is not covered."""
-    if os.environ.get("SPECCHAT_COMPACT", "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off("SPECCHAT_COMPACT"):
         return None
     try:
         return compact.build(loaded.model)

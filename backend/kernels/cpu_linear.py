@@ -28,11 +28,12 @@ abandoned if it disagrees. ``SPECCHAT_CPU_PACKED=0`` turns it off.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specchat.backend.kernels import switched_off
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class PackedLinear(nn.Linear):
 
 def enabled() -> bool:
     """Whether packing is allowed here: oneDNN in this PyTorch build, and not switched off by the environment."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ENV_SWITCH):
         return False
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
