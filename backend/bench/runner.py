@@ -244,14 +244,17 @@ class BenchRunner:
             result = hf_generate(self.hf_target, ids, method=mode.drafter, max_new_tokens=max_new,
                                  temperature=self.temperature, seed=seed, eos_token_ids=self.eos_ids,
                                  pad_token_id=self.pad_id, assistant=self.hf_draft)
-        tokens = result.token_ids
-        reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
-        return tokens, result.wall_s, result.ttft_s, reason, None, None
+        return self._outside(result)
 
     def _llamacpp(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
         assert self.llamacpp is not None  # noqa: S101 - built for every llamacpp mode in __init__
         result = self.llamacpp.generate(mode.drafter, ids, max_new_tokens=max_new, temperature=self.temperature,
                                         seed=seed, eos_ids=self.eos_ids)
+        return self._outside(result)
+
+    def _outside(self, result):
+        """The run tuple of another engine's generation (transformers, llama.cpp): tokens, wall, ttft and why it
+        ended, without specchat's step counts and stats."""
         tokens = result.token_ids
         reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
         return tokens, result.wall_s, result.ttft_s, reason, None, None
