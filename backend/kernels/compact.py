@@ -113,22 +113,25 @@ def _attend_rows(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     window = layer.window if layer.window is not None and layer.window < plan.kv_len else None
     first = 0 if window is None else max(0, plan.start - window + 1)
     keys, values = cache.read(index, plan, first)
+    # Widened once for the whole pass (a contiguous float32 copy); each query then reads a view of it, and a
+    # one-token pass reads the same values through the whole copy.
+    keys, values = keys[0].to(q.dtype), values[0].to(q.dtype)  # [kv_heads, L, d]
     n, d = q.shape[2], layer.head_dim
     rep = layer.heads // layer.kv_heads
     tree = _tree_keys(ctx.tree, plan.start, first, window, keys.device) if ctx.tree is not None else None
+    queries = q[0].transpose(0, 1).reshape(n, layer.kv_heads, rep, d)  # query head h reads KV head h // rep
+    unused = q.new_zeros(1, 1, 1)  # baddbmm's input, ignored at beta=0 (the scale is applied inside the product)
     rows = []
     for i in range(n):
         if tree is not None:  # a tree node sees the prefix and its own ancestors, in the order its path has them
-            key = keys[0, :, tree[i]].to(q.dtype)
-            value = values[0, :, tree[i]].to(q.dtype)
+            key, value = keys[:, tree[i]], values[:, tree[i]]
         else:
             position = plan.start + i
             low = 0 if window is None else max(0, position - window + 1) - first
-            key = keys[0, :, low:position + 1 - first].to(q.dtype)  # [kv_heads, L, d]
-            value = values[0, :, low:position + 1 - first].to(q.dtype)
-        query = q[0, :, i].reshape(layer.kv_heads, rep, d)  # query head h reads KV head h // rep
-        scores = torch.matmul(query, key.transpose(1, 2)) * layer.scaling  # [kv_heads, rep, L]
-        rows.append(torch.matmul(torch.softmax(scores, dim=-1), value).reshape(1, layer.q_width))
+            key, value = keys[:, low:position + 1 - first], values[:, low:position + 1 - first]  # [kv_heads, L, d]
+        query = queries[i]
+        scores = torch.baddbmm(unused, query, key.transpose(1, 2), beta=0, alpha=layer.scaling)  # [kv_heads, rep, L]
+        rows.append(torch.bmm(torch.softmax(scores, dim=-1), value).reshape(1, layer.q_width))
     return rows[0] if n == 1 else torch.cat(rows)
 
 
