@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specchat.backend.kernels import int4_layout
-from specchat.backend.kernels.quant_linear import Int4Linear
+from specchat.backend.kernels.quant_linear import Int4Linear, kernel_call
 from specchat.backend.kv import attention
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -67,7 +67,7 @@ def _join(layers: list[nn.Module]) -> nn.Module | None:
 
 class _Layer:
     __slots__ = ("attn", "norm1", "norm2", "eps1", "eps2", "qkv", "q", "k", "v", "o", "gate_up", "gate", "up",
-                 "down", "window", "scaling", "q_width", "kv_width", "heads", "kv_heads", "head_dim", "inter")
+                 "down", "window", "scaling", "q_width", "kv_width", "heads", "kv_heads", "head_dim", "inter", "run")
 
     def __init__(self, layer: nn.Module, config) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -89,14 +89,11 @@ class _Layer:
             window = getattr(config, "sliding_window", None)
         self.window = window
         self.scaling = float(attn.scaling)
-
-
-def _matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A projection's output for 2-D ``x``: in the quantised layers' compute dtype (bfloat16, exactly what their
-    forward returns before widening it; adding it to the float32 residual widens it the same way), else
-    whatever the layer returns."""
-    matmul = getattr(layer, "matmul", None)
-    return matmul(x) if matmul is not None else layer(x)
+        # Each projection's matmul, bound once (quant_linear.kernel_call), by name.
+        self.run = {name: kernel_call(module) for name, module in
+                    (("qkv", self.qkv), ("q", self.q), ("k", self.k), ("v", self.v), ("o", self.o),
+                     ("gate_up", self.gate_up), ("gate", self.gate), ("up", self.up), ("down", self.down))
+                    if module is not None}
 
 
 def _attend_rows(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
@@ -164,41 +161,42 @@ class CompactForward:
         self.final_norm = model.model.norm.weight
         self.final_eps = float(getattr(model.model.norm, "variance_epsilon", config.rms_norm_eps))
         self.head = model.lm_head
+        self.run_head = kernel_call(self.head)
         self.layers = [_Layer(layer, config) for layer in model.model.layers]
         self.hidden = int(config.hidden_size)
 
-    def _attention(self, layer: _Layer, x: torch.Tensor, n: int, cos, sin, ctx) -> torch.Tensor:
+    def _attention(self, layer: _Layer, x: torch.Tensor, n: int, cos, signed_sin, ctx) -> torch.Tensor:
         d = layer.head_dim
         if layer.qkv is not None:
-            qkv = _matmul(layer.qkv, x)
+            qkv = layer.run["qkv"](x)
             qk = qkv[:, : layer.q_width + layer.kv_width]
             v = qkv[:, layer.q_width + layer.kv_width:]
         else:
-            qk = torch.cat([_matmul(layer.q, x), _matmul(layer.k, x)], dim=-1)
-            v = _matmul(layer.v, x)
+            qk = torch.cat([layer.run["q"](x), layer.run["k"](x)], dim=-1)
+            v = layer.run["v"](x)
         qk = qk.view(1, n, layer.heads + layer.kv_heads, d).transpose(1, 2)
-        half = d // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = qk * cos + rotated * sin  # float32, as transformers' rotary embedding computes it
+        # float32, as transformers' rotary embedding computes it: its rotate_half(qk) * sin, as one roll times
+        # sin with its first half negated (the same products, exactly).
+        qk = qk * cos + qk.roll(d // 2, -1) * signed_sin
         q, k = qk[:, : layer.heads], qk[:, layer.heads:]
-        v = v.view(1, n, layer.kv_heads, d).transpose(1, 2)
-        if v.dtype != q.dtype:
-            v = v.to(q.dtype)
+        v = v.view(1, n, layer.kv_heads, d).transpose(1, 2)  # the cache stores it as it came (bfloat16 values)
         if n > ROWWISE_ROWS or not isinstance(ctx, attention.PagedContext):
+            if v.dtype != q.dtype:
+                v = v.to(q.dtype)
             out, _ = attention.paged_attention_forward(layer.attn, q, k, v, None, scaling=layer.scaling, paged=ctx,
                                                        sliding_window=layer.window)
             out = out.reshape(n, layer.q_width)
         else:
             out = _attend_rows(layer, q, k, v, ctx)
-        return _matmul(layer.o, out)
+        return layer.run["o"](out)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         if layer.gate_up is not None:
-            gate_up = _matmul(layer.gate_up, x)
+            gate_up = layer.run["gate_up"](x)
             gate, up = gate_up[:, : layer.inter], gate_up[:, layer.inter:]
         else:
-            gate, up = _matmul(layer.gate, x), _matmul(layer.up, x)
-        return _matmul(layer.down, F.silu(gate.float()) * up)  # SiLU in float32, as transformers' layers run it
+            gate, up = layer.run["gate"](x), layer.run["up"](x)
+        return layer.run["down"](F.silu(gate.float()) * up)  # SiLU in float32, as transformers' layers run it
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, ctx, logits_to_keep: int) -> torch.Tensor:
         n = ids.numel()
@@ -206,12 +204,14 @@ class CompactForward:
             h = self.embed(ids).float()  # [n, hidden], the residual stream
             cos, sin = self.rotary(h[None], positions[None])  # [1, n, head_dim]
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            half = sin.shape[-1] // 2
+            signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             shape = (self.hidden,)
             for layer in self.layers:
-                h = h + self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, sin, ctx)
+                h = h + self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, signed_sin, ctx)
                 h = h + self._mlp(layer, F.rms_norm(h, shape, layer.norm2, layer.eps2))
             last = F.rms_norm(h[n - logits_to_keep:], shape, self.final_norm, self.final_eps)
-            return _matmul(self.head, last).float()
+            return self.run_head(last).float()
 
 
 def build(model: nn.Module) -> CompactForward:

@@ -13,6 +13,7 @@ from specchat.backend.kernels.quant_linear import (
     Int4Linear,
     Int8Linear,
     Q8Embedding,
+    kernel_call,
     quantize_int4,
     quantize_int8_rows,
 )
@@ -91,6 +92,26 @@ def test_rows_do_not_depend_on_how_many_there_are(group_size):
             x = torch.randn(rows, 512, generator=g)
             one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
             assert torch.equal(layer(x), one_by_one)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bound_kernel_call_is_the_layers_matmul_bit_for_bit(bias):
+    """The compact forward calls each projection through kernel_call: the same op on the same tensors, for a
+    decoding row, a verification pass and a prefill long enough to take the de-quantised path."""
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(128, 256, generator=g)
+    b = torch.randn(128, generator=g) if bias else None
+    int4 = Int4Linear.from_codes(*quantize_int4(weight, 64), group_size=64, bias=b)
+    int8 = Int8Linear.from_weight(weight, bias=b)
+    for layer in (int4, int8):
+        call = kernel_call(layer)
+        for rows in (1, 8, DEQUANT_ROWS + 1):
+            x = torch.randn(rows, 256, generator=g)
+            assert torch.equal(call(x), layer.matmul(x))
+            assert call(x).dtype == layer.compute_dtype
+    plain = torch.nn.Linear(256, 128)
+    x = torch.randn(3, 256, generator=g)
+    assert torch.equal(kernel_call(plain)(x), plain(x))
 
 
 def test_q8_embedding_is_exact():
