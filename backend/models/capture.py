@@ -6,8 +6,9 @@
   ``log_file`` when given, and are passed to the root logger's non-terminal handlers (an app's log file); they
   are not printed;
 - ``warnings.warn`` messages are captured the same way;
-- tqdm progress bars of transformers (weight loading, GGUF de-quantisation) and of huggingface_hub (downloads,
-  when :func:`progress_tqdm_class` is passed as ``tqdm_class``) draw nothing; their state is reported to
+- tqdm progress bars of transformers (weight loading; GGUF de-quantisation inside :func:`routed_gguf_progress`,
+  which the conversion opens) and of huggingface_hub (downloads, when :func:`progress_tqdm_class` is passed as
+  ``tqdm_class``) draw nothing; their state is reported to
   ``progress(message, fraction)`` instead (fraction in 0..1, or None when the total is unknown);
 - Python-level writes to ``sys.stdout`` / ``sys.stderr`` are captured as lines, except those made by
   ``progress`` or by callbacks wrapped with :func:`user_callback` (a CLI's progress line, a download
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import io
 import logging
 import sys
@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tqdm.std import tqdm as _std_tqdm
 
@@ -148,6 +149,28 @@ class _LineWriter(io.TextIOBase):
         self._buffer = ""
 
 
+_active_tqdm: list[type] = []  # the tqdm class of each capture block now open, innermost last
+
+
+@contextlib.contextmanager
+def routed_gguf_progress(gguf_utils: Any) -> Iterator[None]:
+    """Within the block, the bars of transformers' GGUF reader (its module ``gguf_utils``, which uses tqdm.auto
+    directly, not transformers' hookable tqdm) go where the innermost open capture block sends progress.
+
+    The conversion (``convert.py``) calls it where it imports that module: importing it in every capture block
+    cost ~1.5-2 s of every start (it runs transformers' lazy-import scan of all its models), though only a first
+    start converts."""
+    if not _active_tqdm or not hasattr(gguf_utils, "tqdm"):
+        yield
+        return
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = _active_tqdm[-1]
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 @contextlib.contextmanager
 def capture_library_output(progress: Progress | None = None, log_file: str | Path | None = None
                            ) -> Iterator[CapturedOutput]:
@@ -201,13 +224,8 @@ def capture_library_output(progress: Progress | None = None, log_file: str | Pat
         elif tf_logging.is_progress_bar_enabled():  # older transformers: silence instead of routing
             tf_logging.disable_progress_bar()
             restore.append(tf_logging.enable_progress_bar)
-    with contextlib.suppress(ImportError):
-        # The GGUF reader uses tqdm.auto directly, not transformers' hookable tqdm.
-        gguf_utils = importlib.import_module("transformers.modeling_gguf_pytorch_utils")
-        if hasattr(gguf_utils, "tqdm"):
-            original = gguf_utils.tqdm
-            gguf_utils.tqdm = tqdm_class
-            restore.append(lambda: setattr(gguf_utils, "tqdm", original))
+    _active_tqdm.append(tqdm_class)  # for the GGUF reader's bars, when a conversion runs (routed_gguf_progress)
+    restore.append(lambda: _active_tqdm.remove(tqdm_class))
 
     out_writer, err_writer = _LineWriter(emit_line, sys.stdout), _LineWriter(emit_line, sys.stderr)
     try:

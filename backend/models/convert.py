@@ -44,7 +44,7 @@ from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.files import write_atomic
-from specchat.backend.models.capture import Progress
+from specchat.backend.models.capture import Progress, routed_gguf_progress
 from specchat.backend.paths import cache_dir
 
 MARKER = "specchat-conversion.json"
@@ -215,7 +215,8 @@ def _gguf_metadata_read_once():
 
     gguf_utils.load_gguf_checkpoint = once
     try:
-        yield
+        with routed_gguf_progress(gguf_utils):  # its bars go where the open capture block sends progress
+            yield
     finally:
         gguf_utils.load_gguf_checkpoint = original
 
