@@ -24,6 +24,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 from specchat.backend.kernels import cpu_linear
+from specchat.backend.models.quantized import transformers_model
 
 # transformers' own prompt-lookup setting that people use (issue 4 compares against this value).
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -56,9 +57,11 @@ def sdpa_twin(model: torch.nn.Module) -> torch.nn.Module:
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to itself copies only the module tree
     and the config; quantised parameter classes (bitsandbytes Params4bit, with their quant state) are shared
     as they are. Layers the engine packed for oneDNN on CPU (cpu_linear.py) are stock ``nn.Linear`` again in
-    the twin: the baseline runs transformers' own kernels. The twin gets a neutral generation_config so that
-    generate() applies only what we pass.
+    the twin: the baseline runs transformers' own kernels. A light model (``backend/models/skeleton.py``) is
+    first put into transformers' model classes (``quantized.transformers_model``). The twin gets a neutral
+    generation_config so that generate() applies only what we pass.
     """
+    model = transformers_model(model)  # the light int4 model (skeleton.py) has no transformers forward of its own
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     twin = copy.deepcopy(model, memo)
     cpu_linear.unpack_linears(twin)  # stock nn.Linear kernels, as transformers runs them

@@ -219,7 +219,9 @@ def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, c
     dev = resolve_device(device)
     check_fits(pair, dev)
     gc.unfreeze()  # what the last load froze (a previous engine among it) can be collected again
-    target, draft = load_pair(pair, dev, attn_implementation=attention.register(), progress=progress,
+    # Only the name: loading registers the function with transformers where it builds a transformers model
+    # (registering imports transformers' modelling code, which the light int4 model on CPU never needs).
+    target, draft = load_pair(pair, dev, attn_implementation=attention.ATTN_IMPLEMENTATION, progress=progress,
                               confirm_download=confirm_download)
     engine = Engine(target, draft, pair)
     settle_heap()

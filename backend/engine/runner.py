@@ -8,7 +8,8 @@ Contract:
   compact forward (``backend/kernels/compact.py``; ``SPECCHAT_COMPACT=0`` turns it off, and an architecture it
   does not cover keeps transformers' forward), for a float32 model oneDNN-packed linear layers when their
   second copy fits in free memory (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0`` turns it off);
-  else the plain eager forward.
+  else the plain eager forward. A light model (``backend/models/skeleton.py``, loaded for the compact forward)
+  has no other path: without it the runner raises :class:`ModelLoadError`.
 - :meth:`ModelRunner.forward` runs one forward over ``input_ids`` appended after ``seq``'s committed tokens and
   returns the float logits of the last ``logits_to_keep`` of them. It reserves their cache slots but does NOT
   commit: the caller keeps what it accepts with ``seq.commit(k)``. A step the graph path declines (too many
@@ -20,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -30,6 +32,7 @@ from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
 from specchat.backend.models.loading import LoadedModel
 from specchat.backend.models.memory import format_bytes, free_memory
+from specchat.backend.models.skeleton import LightCausalLM
 
 BLOCK_SIZE = 16  # tokens per KV block
 PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
@@ -102,7 +105,9 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, *, kv_tokens: int) -> None:
         model = loaded.model
         attention.check_supported(model.config)
-        model.set_attn_implementation(attention.register())
+        light = isinstance(model, LightCausalLM)  # its config names the paged attention; registering it with
+        # transformers would import transformers' modelling code, which only a transformers forward needs
+        model.set_attn_implementation(attention.ATTN_IMPLEMENTATION if light else attention.register())
         model.eval()
         self.loaded = loaded
         self.graphs: cuda_graphs.GraphRunner | None = None
@@ -116,6 +121,10 @@ class ModelRunner:
             self.graphs = cuda_graphs.GraphRunner(model, self.cache, max_kv=kv_tokens)
         elif loaded.device.type == "cpu" and quant_linear.quantized_layers(model):
             self.compact = _compact_forward(loaded)
+        if light and self.compact is None:
+            raise ModelLoadError(f"{loaded.spec.source} was loaded for the compact forward on CPU, which is not "
+                                 f"available now (SPECCHAT_COMPACT={os.environ.get('SPECCHAT_COMPACT', '')!r}, device "
+                                 f"{loaded.device}); load the model again in this setting")
         elif loaded.device.type == "cpu":
             self.packed_layers = _pack_if_it_fits(loaded)
 

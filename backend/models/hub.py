@@ -17,6 +17,7 @@ under ``original/``), and pickle weights (``*.bin``, ``*.pt``) only when the spe
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
@@ -132,3 +133,19 @@ def snapshot(spec: ModelSpec, *, tokenizer_only: bool = False, progress: Progres
             return cached
         raise _translate(spec, exc) from exc
     return Path(folder)
+
+
+def confirm_download(specs: list[ModelSpec], confirm: Callable[[int], bool] | None, label: str) -> None:
+    """Ask ``confirm(bytes)`` once for the total hub download of ``specs`` (the loader, ``loading.py``, before
+    anything loads); raise ModelLoadError if refused, or if a download is needed and no one can be asked."""
+    unique = {(s.source, s.revision): s for s in specs if s.kind == "hub"}
+    total = sum(download_size(spec) for spec in unique.values())
+    if total <= 0:
+        return
+    names = ", ".join(spec.source for spec in unique.values())
+    size = f"{total / 1e9:.2f} GB"
+    if confirm is None:
+        raise ModelLoadError(f"{label} needs a {size} download from the Hugging Face hub ({names}); confirm it when "
+                             f"asked, or download first with `hf download REPO` for each of: {names}")
+    if not confirm(total):
+        raise ModelLoadError(f"{label}: the {size} download of {names} was declined; nothing was downloaded")

@@ -15,7 +15,9 @@ Contract:
   directories load directly; ``hub`` ids come from the HF cache (``hub.snapshot``). With ``quantization:
   int4-torch | int8-torch`` a GGUF's weights are read from the file itself, as stored where the kernels take
   them (``quantized.py``; only its tokenizer and configuration are converted and cached); other sources load
-  in float and are quantised in memory. A converted folder that fails to load is re-created once
+  in float and are quantised in memory; where the compact forward will run such a GGUF model (CPU, paged
+  attention asked for: ``skeleton.light_config``) it is the light ``skeleton.LightCausalLM``, and neither its
+  config nor its modules come from transformers' model code. A converted folder that fails to load is re-created once
   (``convert.invalidate``) before the error is reported.
 - Safetensors only unless the spec sets ``allow_pickle``; ``trust_remote_code`` only when the spec sets it.
 - dtype ``auto``: float32 on CPU; on CUDA the checkpoint's float16, else bfloat16 (float16 where the GPU has
@@ -37,7 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specchat.backend.errors import ConfigError, IncompatiblePairError, InsufficientMemoryError, ModelLoadError
-from specchat.backend.models import convert, hub
+from specchat.backend.kv import attention
+from specchat.backend.models import convert, hub, skeleton
 from specchat.backend.models.capture import Progress, capture_library_output, user_callback
 from specchat.backend.models.config import PACKAGED_MODELS, TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.convert import ensure_converted
@@ -155,8 +158,13 @@ def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None)
 def _load_tokenizer_from(folder: Path, spec: ModelSpec) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
+    # AutoTokenizer reads the model's config only to choose the tokenizer's class; given none it loads
+    # transformers' config class, whose module imports transformers' weight-loading code (~1.4 s). The light
+    # config (same model type, same folder name) leads it to the same class (tests/backend/models/test_skeleton.py).
+    config = skeleton.read_config(folder) if _reads_gguf_directly(spec) else None
+    kwargs = {"config": config} if config is not None else {}
     try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
         raise _failure(spec)(f"{folder}: cannot load the tokenizer of {spec.source} ({exc}); the folder needs "
                              "tokenizer.json or the tokenizer files of its model") from exc
@@ -256,9 +264,15 @@ def _load_weights(spec: ModelSpec, device: torch.device, *, attn_implementation:
 
 def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, attn_implementation: str,
                        progress: Progress | None, tokenizer: Any = None) -> LoadedModel:
+    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer_from(folder, spec)
+    if _reads_gguf_directly(spec):
+        light = skeleton.light_config(folder, device=device, attn_implementation=attn_implementation)
+        if light is not None:  # the compact forward will run it: no transformers model is built
+            return _load_gguf_quantized(folder, spec, light, device, tokenizer, attn_implementation, progress)
+    if attn_implementation == attention.ATTN_IMPLEMENTATION:
+        attention.register()  # transformers checks the name when it builds the model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer_from(folder, spec)
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -341,21 +355,6 @@ def _load_gguf_quantized(folder: Path, spec: ModelSpec, config: Any, device: tor
                        path=folder)
 
 
-def _confirm(specs: list[ModelSpec], confirm_download: ConfirmDownload | None, label: str) -> None:
-    """Ask once for the total hub download of ``specs``; raise ModelLoadError if refused."""
-    unique = {(s.source, s.revision): s for s in specs if s.kind == "hub"}
-    total = sum(hub.download_size(spec) for spec in unique.values())
-    if total <= 0:
-        return
-    names = ", ".join(spec.source for spec in unique.values())
-    size = f"{total / 1e9:.2f} GB"
-    if confirm_download is None:
-        raise ModelLoadError(f"{label} needs a {size} download from the Hugging Face hub ({names}); confirm it when "
-                             f"asked, or download first with `hf download REPO` for each of: {names}")
-    if not confirm_download(total):
-        raise ModelLoadError(f"{label}: the {size} download of {names} was declined; nothing was downloaded")
-
-
 def load_model(spec: ModelSpec, device: torch.device | str | None = None, *, attn_implementation: str = "sdpa",
                progress: Progress | None = None, confirm_download: ConfirmDownload | None = None,
                log_file: str | Path | None = None) -> LoadedModel:
@@ -364,7 +363,7 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None, *, att
     # The caller's callbacks may print or ask on the terminal: they write through the capture.
     progress, confirm_download = user_callback(progress), user_callback(confirm_download)
     with capture_library_output(progress, log_file):
-        _confirm([spec], confirm_download, spec.source)
+        hub.confirm_download([spec], confirm_download, spec.source)
         return _load_weights(spec, device, attn_implementation=attn_implementation, progress=progress)
 
 
@@ -376,7 +375,8 @@ def load_pair(pair: PairConfig, device: torch.device | str | None = None, *, att
     draft_spec = pair.draft if pair.drafter == "draft-model" else None
     progress, confirm_download = user_callback(progress), user_callback(confirm_download)
     with capture_library_output(progress, log_file):
-        _confirm([pair.target] + ([draft_spec] if draft_spec else []), confirm_download, f"pair '{pair.name}'")
+        hub.confirm_download([pair.target] + ([draft_spec] if draft_spec else []), confirm_download,
+                             f"pair '{pair.name}'")
         target_tok = load_tokenizer(pair.target, progress=progress)
         draft_tok = None
         if draft_spec is not None:

@@ -15,6 +15,9 @@ Contract:
 - Scales: int4 scales and zeros are rounded to bfloat16, the dtype the fast kernels take (relative error of
   a scale at most 2⁻⁹; measured on the embedded file in README "Speed on CPU"); ``exact_scales=True`` keeps
   them float32, which reproduces the file's weights bit for bit but runs the kernels' scalar loop (tests).
+- With a ``skeleton.LightConfig`` (the compact forward will run the model) the model is
+  ``skeleton.LightCausalLM``, no transformers modelling code imported; :func:`transformers_model` gives
+  transformers' model over its tensors when a transformers forward is wanted.
 - :func:`quantize_model(model, quantization, device)` does the same for a float model already loaded (hub and
   local sources): every ``nn.Linear`` of the decoder layers becomes int4 group 32 (or int8), the head int8.
 - Progress: ``progress(message, fraction)`` once per decoder layer, with the fraction of layers done.
@@ -33,6 +36,7 @@ from specchat.backend.kernels.quant_linear import Int4Linear, Int8Linear, Q8Embe
 from specchat.backend.models import gguf_file
 from specchat.backend.models.config import TORCH_QUANTIZATIONS as QUANTIZATIONS
 from specchat.backend.models.gguf_file import GgufFile, GgufTensor
+from specchat.backend.models.skeleton import LightCausalLM, LightConfig
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 GROUP_SIZE = 32
@@ -52,11 +56,15 @@ def compute_dtype(device: torch.device) -> torch.dtype:
 
 
 def _skeleton(config: Any) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
+    """The model of ``config`` on the meta device: the light model for a ``skeleton.LightConfig`` (the compact
+    forward will run it; no transformers modelling code is imported), else transformers' own."""
     if getattr(config, "model_type", None) not in SUPPORTED_TYPES:
         raise ModelLoadError(f"int4-torch / int8-torch loading from GGUF supports {', '.join(SUPPORTED_TYPES)} "
                              f"models, not {getattr(config, 'model_type', None)!r}; use quantization: none")
+    if isinstance(config, LightConfig):
+        return LightCausalLM(config)  # its tensors start on the meta device (computing on it imports torch._dynamo)
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model
@@ -209,6 +217,28 @@ def _finish(model: nn.Module, config: Any, device: torch.device) -> None:
                                  f"{config.model_type}); use quantization: none for this model")
     model.eval()
     model.requires_grad_(False)
+
+
+def transformers_model(model: nn.Module) -> nn.Module:
+    """``model`` itself, or for a ``skeleton.LightCausalLM`` that :func:`from_gguf` filled, transformers' model of
+    the same config holding its modules: the same tensors, none copied, run by transformers' forward (the
+    light model has none)."""
+    if not isinstance(model, LightCausalLM):
+        return model
+    light, config = model, model.config.to_transformers()
+    model = _skeleton(config)
+    for mine, theirs in zip(model.model.layers, light.model.layers, strict=True):
+        for path in _LINEARS.values():
+            _set(mine, path, theirs.get_submodule(path))
+        for path in _NORMS.values():
+            mine.get_submodule(path).weight = theirs.get_submodule(path).weight
+    model.model.embed_tokens = light.model.embed_tokens
+    model.model.norm.weight = light.model.norm.weight
+    model.lm_head = light.lm_head
+    _finish(model, config, light.model.norm.weight.device)
+    if light.generation_config is not None:
+        model.generation_config = light.generation_config
+    return model
 
 
 def quantize_model(model: nn.Module, quantization: str, device: torch.device) -> list[str]:
