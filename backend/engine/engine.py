@@ -25,6 +25,7 @@ from specchat.backend.engine.prompting import fit_to_context, validate_messages
 from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
+from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import common_prefix_len
@@ -87,6 +88,8 @@ class Engine:
         # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
         self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
+        # On CPU: the compute threads follow what other programs leave free (backend/engine/threads.py).
+        self.threads = ThreadGovernor() if target.device.type == "cpu" else None
 
     @property
     def draft_cache(self):
@@ -199,7 +202,8 @@ class Engine:
             conv.seq.truncate(keep)
             del conv.cached[keep:]
             self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + MAX_GAMMA)
-            target = Target(self.runner, self.tokenizer, self.eos_ids, self.vocab_limit, self.context_length)
+            target = Target(self.runner, self.tokenizer, self.eos_ids, self.vocab_limit, self.context_length,
+                            self.threads)
             speculation = Speculation(self.drafters, self.policies, self.disabled_drafters,
                                       self.disabled_drafters.__setitem__)
             state = RequestState(target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start)

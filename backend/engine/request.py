@@ -27,6 +27,7 @@ from specchat.backend.api import PREFILL_CHUNK, FinishReason, Gamma, PolicyState
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
 from specchat.backend.engine.resolve import Sampling
 from specchat.backend.engine.runner import ModelRunner
+from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.kv_cache import Sequence
 from specchat.backend.spec.drafters.base import Draft, Drafter
@@ -64,6 +65,7 @@ class Target:
     eos_ids: frozenset[int]
     vocab_limit: int  # p and q are compared over the tokenizer's ids only
     context_length: int
+    threads: ThreadGovernor | None = None  # CPU: fewer compute threads while other programs are busy
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -237,6 +239,8 @@ class RequestState:
                 if self.cancel.is_set():
                     yield self._final(None, "cancelled", None)
                     return
+            if self.target.threads is not None:
+                self.target.threads.step()
             chunk = todo[start:start + PREFILL_CHUNK]
             logits = self._target_logits(chunk, keep=1)  # only the last chunk's row is used
             conv.seq.commit(len(chunk))
@@ -284,6 +288,8 @@ class RequestState:
 
     def _step(self, pending: int) -> tuple[int, StepEvent]:
         conv = self.conv
+        if self.target.threads is not None:
+            self.target.threads.step()  # between passes: the drafter's and the target's
         t_step = time.perf_counter()
         room = self.target.context_length - conv.seq.length - 1  # positions left after the pending token
         cap = min(self.s.max_new_tokens - self.produced, room) - 1  # γ that cannot overshoot either limit
