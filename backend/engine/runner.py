@@ -121,12 +121,12 @@ class ModelRunner:
             self.graphs = cuda_graphs.GraphRunner(model, self.cache, max_kv=kv_tokens)
         elif loaded.device.type == "cpu" and quant_linear.quantized_layers(model):
             self.compact = _compact_forward(loaded)
+        elif loaded.device.type == "cpu":
+            self.packed_layers = _pack_if_it_fits(loaded)
         if light and self.compact is None:
             raise ModelLoadError(f"{loaded.spec.source} was loaded for the compact forward on CPU, which is not "
                                  f"available now (SPECCHAT_COMPACT={os.environ.get('SPECCHAT_COMPACT', '')!r}, device "
                                  f"{loaded.device}); load the model again in this setting")
-        elif loaded.device.type == "cpu":
-            self.packed_layers = _pack_if_it_fits(loaded)
 
     @property
     def model(self):
