@@ -205,6 +205,89 @@ def read_gguf(path: str | Path, *, keep_arrays: tuple[str, ...] = ()) -> GgufFil
     return GgufFile(path=path, version=version, metadata=metadata, tensors=tensors)
 
 
+@dataclass(frozen=True)
+class ReaderField:
+    """One metadata value as the ``gguf`` package's ``GGUFReader`` shows it to transformers: ``parts[i]`` for
+    ``i`` in ``data`` are its values (the raw bytes of a string, a one-item list for a number), ``types`` its
+    value type (``[9, item type]`` for an array)."""
+
+    name: str
+    parts: list[Any]
+    data: list[int]
+    types: list[int]
+
+
+@dataclass(frozen=True)
+class _TensorName:
+    name: str
+
+
+class MetadataReader:
+    """The ``gguf`` package's ``GGUFReader`` as far as transformers' ``load_gguf_checkpoint(path,
+    return_tensors=False)`` uses it: ``fields`` (every metadata value, :class:`ReaderField`) and ``tensors``
+    (their names).
+
+    Why: ``GGUFReader`` builds a numpy view for each element of every array (the tokenizer's 49,152 tokens and
+    48,900 merges in the embedded file): ~5 s on 2 cores, most of a first start. This reads the same bytes with
+    ``struct`` and keeps them raw (bytes, not decoded), so transformers parses exactly what it parses from
+    ``GGUFReader`` (``backend/models/convert.py`` swaps it in for that one call; a test compares the two)."""
+
+    def __init__(self, path: str | Path) -> None:
+        with open(path, "rb") as handle:
+            data = handle.read()
+        try:
+            self._parse(memoryview(data))
+        except GgufFormatError as error:
+            raise GgufFormatError(f"{path}: {error}") from None
+
+    def _parse(self, data: memoryview) -> None:
+        cursor = _Cursor(data)
+        if bytes(cursor.take(4)) != GGUF_MAGIC:
+            raise GgufFormatError("does not start with 'GGUF' (not a GGUF file, or damaged)")
+        version = cursor.scalar("<I")
+        if version not in (2, 3):
+            raise GgufFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
+        tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
+        if tensor_count > len(data) // 24 or kv_count > len(data) // 12:
+            raise GgufFormatError(f"the header claims {tensor_count} tensors and {kv_count} metadata "
+                                  "values: damaged")
+        self.fields: dict[str, ReaderField] = {  # GGUFReader's own entries for the header, first
+            name: ReaderField(name, [[value]], [0], [kind]) for name, value, kind in
+            (("GGUF.version", version, 4), ("GGUF.tensor_count", tensor_count, 10), ("GGUF.kv_count", kv_count, 10))}
+        for _ in range(kv_count):
+            name = bytes(cursor.take(cursor.scalar("<Q"))).decode("utf-8")
+            kind = cursor.scalar("<I")
+            if kind == _ARRAY:
+                item, count = cursor.scalar("<I"), cursor.scalar("<Q")
+                parts = _raw_items(cursor, item, count)
+                self.fields[name] = ReaderField(name, parts, list(range(len(parts))), [_ARRAY, item])
+            else:
+                self.fields[name] = ReaderField(name, _raw_items(cursor, kind, 1), [0], [kind])
+        self.tensors: list[_TensorName] = []
+        for _ in range(tensor_count):
+            name = bytes(cursor.take(cursor.scalar("<Q"))).decode("utf-8")
+            dims = cursor.scalar("<I")
+            if not 1 <= dims <= _MAX_DIMS:
+                raise GgufFormatError(f"tensor {name!r} has {dims} dimensions")
+            cursor.take(8 * dims + 4 + 8)  # its shape, type and offset
+            self.tensors.append(_TensorName(name))
+
+
+def _raw_items(cursor: _Cursor, kind: int, count: int) -> list[Any]:
+    """``count`` values of type ``kind``: raw bytes for strings, one-item lists for numbers."""
+    if kind == _STRING:
+        out = []
+        for _ in range(count):
+            out.append(bytes(cursor.take(cursor.scalar("<Q"))))
+        return out
+    if kind in _NUMPY:
+        width = np.dtype(_NUMPY[kind]).itemsize
+        return [[v] for v in np.frombuffer(cursor.take(count * width), dtype=_NUMPY[kind]).tolist()]
+    if kind == _ARRAY:
+        raise GgufFormatError("nested metadata arrays are not supported")
+    raise GgufFormatError(f"unknown metadata value type {kind}")
+
+
 def _fp16_column(blocks: np.ndarray, at: int) -> torch.Tensor:
     """The fp16 value stored at byte ``at`` of every block, as a float32 tensor ``[rows, blocks]``."""
     return torch.from_numpy(np.array(blocks[..., at:at + 2]).view(np.float16)[..., 0]).float()
