@@ -48,6 +48,10 @@ class ServeConfig:
 class SpecchatServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # The listen backlog. socketserver's default, 5, is exceeded when many clients connect at once while the
+    # accepting thread waits for the GIL behind decoding: the kernel then drops completed handshakes and a
+    # client may see its connection reset instead of an answer (20 clients at once on a busy 2-core CPU).
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], engine: EngineAPI, config: ServeConfig) -> None:
         self.config = config
