@@ -146,16 +146,18 @@ class _Skipped:
     count: int
 
 
-def read_gguf(path: str | Path, *, keep_arrays: tuple[str, ...] = ()) -> GgufFile:
-    """Parse ``path`` (see the module docstring). Arrays whose key is in ``keep_arrays``, and every array of
-    numbers shorter than 64 items, are read; other arrays are recorded as skipped."""
-    path = Path(path)
+def _map(path: Path) -> mmap.mmap:
+    """The file, memory-mapped read-only (pages are read only where a parse looks)."""
     with open(path, "rb") as handle:
         size = handle.seek(0, 2)
         if size < 24:
             raise GgufFormatError(f"{size} bytes is too short for a GGUF header")
-        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    cursor = _Cursor(memoryview(mapped))
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _header(cursor: _Cursor) -> tuple[int, int, int]:
+    """The magic, checked, then ``(version, tensor count, metadata count)``, checked against the file's size."""
+    size = len(cursor.buffer)
     if bytes(cursor.take(4)) != GGUF_MAGIC:
         raise GgufFormatError("the file does not start with 'GGUF' (not a GGUF file, or damaged)")
     version = cursor.scalar("<I")
@@ -165,6 +167,27 @@ def read_gguf(path: str | Path, *, keep_arrays: tuple[str, ...] = ()) -> GgufFil
     if tensor_count > size // 24 or kv_count > size // 12:
         raise GgufFormatError(f"the header claims {tensor_count} tensors and {kv_count} metadata values in a "
                               f"{size}-byte file: damaged")
+    return version, tensor_count, kv_count
+
+
+def _tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+    """One entry of the tensor table: ``(name, shape in torch order, ggml type, offset)``."""
+    name = cursor.string()
+    dims = cursor.scalar("<I")
+    if not 1 <= dims <= _MAX_DIMS:
+        raise GgufFormatError(f"tensor {name!r} has {dims} dimensions")
+    ne = [cursor.scalar("<Q") for _ in range(dims)]
+    return name, tuple(reversed(ne)), cursor.scalar("<I"), cursor.scalar("<Q")
+
+
+def read_gguf(path: str | Path, *, keep_arrays: tuple[str, ...] = ()) -> GgufFile:
+    """Parse ``path`` (see the module docstring). Arrays whose key is in ``keep_arrays``, and every array of
+    numbers shorter than 64 items, are read; other arrays are recorded as skipped."""
+    path = Path(path)
+    mapped = _map(path)
+    size = len(mapped)
+    cursor = _Cursor(memoryview(mapped))
+    version, tensor_count, kv_count = _header(cursor)
     metadata: dict[str, Any] = {}
     for _ in range(kv_count):
         key = cursor.string()
@@ -176,14 +199,7 @@ def read_gguf(path: str | Path, *, keep_arrays: tuple[str, ...] = ()) -> GgufFil
             keep = item in _NUMPY and count < 64
             cursor.pos = start
         metadata[key] = cursor.value(kind, keep)
-    infos = []
-    for _ in range(tensor_count):
-        name = cursor.string()
-        dims = cursor.scalar("<I")
-        if not 1 <= dims <= _MAX_DIMS:
-            raise GgufFormatError(f"tensor {name!r} has {dims} dimensions")
-        ne = [cursor.scalar("<Q") for _ in range(dims)]
-        infos.append((name, tuple(reversed(ne)), cursor.scalar("<I"), cursor.scalar("<Q")))
+    infos = [_tensor_info(cursor) for _ in range(tensor_count)]
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT) or DEFAULT_ALIGNMENT)
     data_start = -(-cursor.pos // alignment) * alignment
     whole = np.frombuffer(mapped, dtype=np.uint8)
@@ -233,24 +249,13 @@ class MetadataReader:
     ``GGUFReader`` (``backend/models/convert.py`` swaps it in for that one call; a test compares the two)."""
 
     def __init__(self, path: str | Path) -> None:
-        with open(path, "rb") as handle:
-            data = handle.read()
-        try:
-            self._parse(memoryview(data))
+        try:  # the map goes with its last reference: every value kept is a copy (bytes, Python numbers)
+            self._parse(_Cursor(memoryview(_map(Path(path)))))
         except GgufFormatError as error:
             raise GgufFormatError(f"{path}: {error}") from None
 
-    def _parse(self, data: memoryview) -> None:
-        cursor = _Cursor(data)
-        if bytes(cursor.take(4)) != GGUF_MAGIC:
-            raise GgufFormatError("does not start with 'GGUF' (not a GGUF file, or damaged)")
-        version = cursor.scalar("<I")
-        if version not in (2, 3):
-            raise GgufFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
-        tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
-        if tensor_count > len(data) // 24 or kv_count > len(data) // 12:
-            raise GgufFormatError(f"the header claims {tensor_count} tensors and {kv_count} metadata "
-                                  "values: damaged")
+    def _parse(self, cursor: _Cursor) -> None:
+        version, tensor_count, kv_count = _header(cursor)
         self.fields: dict[str, ReaderField] = {  # GGUFReader's own entries for the header, first
             name: ReaderField(name, [[value]], [0], [kind]) for name, value, kind in
             (("GGUF.version", version, 4), ("GGUF.tensor_count", tensor_count, 10), ("GGUF.kv_count", kv_count, 10))}
@@ -263,14 +268,7 @@ class MetadataReader:
                 self.fields[name] = ReaderField(name, parts, list(range(len(parts))), [_ARRAY, item])
             else:
                 self.fields[name] = ReaderField(name, _raw_items(cursor, kind, 1), [0], [kind])
-        self.tensors: list[_TensorName] = []
-        for _ in range(tensor_count):
-            name = bytes(cursor.take(cursor.scalar("<Q"))).decode("utf-8")
-            dims = cursor.scalar("<I")
-            if not 1 <= dims <= _MAX_DIMS:
-                raise GgufFormatError(f"tensor {name!r} has {dims} dimensions")
-            cursor.take(8 * dims + 4 + 8)  # its shape, type and offset
-            self.tensors.append(_TensorName(name))
+        self.tensors = [_TensorName(_tensor_info(cursor)[0]) for _ in range(tensor_count)]
 
 
 def _raw_items(cursor: _Cursor, kind: int, count: int) -> list[Any]:
