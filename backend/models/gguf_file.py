@@ -96,6 +96,9 @@ def _block_size(ggml_type: int) -> tuple[int, int]:
         raise GgufFormatError(f"unknown ggml tensor type {ggml_type}") from None
 
 
+_LENGTH = struct.Struct("<Q")
+
+
 class _Cursor:
     def __init__(self, buffer: memoryview) -> None:
         self.buffer, self.pos = buffer, 0
@@ -116,8 +119,15 @@ class _Cursor:
         return bytes(self.take(size)).decode("utf-8", errors="replace")
 
     def skip_strings(self, count: int) -> None:
+        # A tokenizer's vocabulary and merges are ~100,000 strings: one unpack_from per length, no views.
+        buffer, pos, end, unpack = self.buffer, self.pos, len(self.buffer), _LENGTH.unpack_from
         for _ in range(count):
-            self.take(self.scalar("<Q"))
+            if pos + 8 > end:  # also where a length ran past the end of the file
+                raise GgufFormatError(f"the file ends early (needs {pos + 8} bytes, has {end}): truncated?")
+            pos += 8 + unpack(buffer, pos)[0]
+        if pos > end:
+            raise GgufFormatError(f"the file ends early (needs {pos} bytes, has {end}): truncated?")
+        self.pos = pos
 
     def value(self, kind: int, keep_array: bool) -> Any:
         if kind in _SCALARS:
