@@ -135,6 +135,21 @@ class Int8Linear(nn.Module):
         codes, scales = quantize_int8_rows(weight.float())
         return cls(codes.to(device), scales.to(device=device, dtype=compute_dtype), bias)
 
+    @classmethod
+    def from_rows(cls, rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int], *,
+                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.bfloat16,
+                  chunk: int = 1024) -> Int8Linear:
+        """:meth:`from_weight` of the weight whose float rows ``a..b`` are ``rows(a, b)``, made a chunk of rows
+        at a time: the same codes and scales (each row is quantised alone) without the whole float weight in
+        memory at once (a 49,152-row head: 113 MB, and ~2x faster to make)."""
+        out_features, in_features = shape
+        codes = torch.empty(out_features, in_features, dtype=torch.int8)
+        scales = torch.empty(out_features, dtype=torch.float32)
+        for a in range(0, out_features, chunk):
+            b = min(a + chunk, out_features)
+            codes[a:b], scales[a:b] = quantize_int8_rows(rows(a, b).float())
+        return cls(codes.to(device), scales.to(device=device, dtype=compute_dtype))
+
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.scales.dtype
@@ -176,9 +191,11 @@ class Q8Embedding(nn.Module):
         rows = codes.view(*ids.shape, -1, self.group).float() * scales.unsqueeze(-1)
         return rows.view(*ids.shape, self.embedding_dim)
 
-    def dequantized(self) -> torch.Tensor:
-        return (self.codes.view(self.num_embeddings, -1, self.group).float() * self.scales.unsqueeze(-1)).view(
-            self.num_embeddings, self.embedding_dim)
+    def dequantized(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``first .. end-1`` (all by default) as float32."""
+        codes, scales = self.codes[first:end], self.scales[first:end]
+        return (codes.view(codes.shape[0], -1, self.group).float() * scales.unsqueeze(-1)).view(
+            codes.shape[0], self.embedding_dim)
 
 
 def kernel_call(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

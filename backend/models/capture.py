@@ -171,6 +171,41 @@ def routed_gguf_progress(gguf_utils: Any) -> Iterator[None]:
         gguf_utils.tqdm = original
 
 
+class _Block:
+    """An open capture block: where its progress bars go, what to undo when it closes, and whether transformers'
+    bars are routed to it yet."""
+
+    __slots__ = ("tqdm_class", "restore", "hooked")
+
+    def __init__(self, tqdm_class: type, restore: list[Callable[[], None]]) -> None:
+        self.tqdm_class, self.restore, self.hooked = tqdm_class, restore, False
+
+
+_blocks: list[_Block] = []  # the capture blocks now open, innermost last
+
+
+def transformers_imported() -> None:
+    """Route transformers' progress bars to the innermost open capture block (undone when it closes).
+
+    A block does this when it opens if transformers is already imported; code that imports transformers inside
+    a block calls it afterwards. Importing transformers only for this cost ~1 s of every start, which the int4
+    default (``light_tokenizer.py``, ``skeleton.py``) never needs."""
+    if not _blocks or _blocks[-1].hooked:
+        return
+    block = _blocks[-1]
+    block.hooked = True
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as tf_logging
+
+        if hasattr(tf_logging, "set_tqdm_hook"):
+            tqdm_class = block.tqdm_class
+            previous = tf_logging.set_tqdm_hook(lambda factory, args, kwargs: tqdm_class(*args, **kwargs))
+            block.restore.append(lambda: tf_logging.set_tqdm_hook(previous))
+        elif tf_logging.is_progress_bar_enabled():  # older transformers: silence instead of routing
+            tf_logging.disable_progress_bar()
+            block.restore.append(tf_logging.enable_progress_bar)
+
+
 @contextlib.contextmanager
 def capture_library_output(progress: Progress | None = None, log_file: str | Path | None = None
                            ) -> Iterator[CapturedOutput]:
@@ -215,15 +250,11 @@ def capture_library_output(progress: Progress | None = None, log_file: str | Pat
         if not hf_utils.are_progress_bars_disabled():
             hf_utils.disable_progress_bars()  # any bar we do not route ourselves stays silent
             restore.append(hf_utils.enable_progress_bars)
-    with contextlib.suppress(ImportError):
-        from transformers.utils import logging as tf_logging
-
-        if hasattr(tf_logging, "set_tqdm_hook"):
-            previous = tf_logging.set_tqdm_hook(lambda factory, args, kwargs: tqdm_class(*args, **kwargs))
-            restore.append(lambda: tf_logging.set_tqdm_hook(previous))
-        elif tf_logging.is_progress_bar_enabled():  # older transformers: silence instead of routing
-            tf_logging.disable_progress_bar()
-            restore.append(tf_logging.enable_progress_bar)
+    block = _Block(tqdm_class, restore)
+    _blocks.append(block)
+    restore.append(lambda: _blocks.remove(block))
+    if "transformers" in sys.modules:
+        transformers_imported()
     _active_tqdm.append(tqdm_class)  # for the GGUF reader's bars, when a conversion runs (routed_gguf_progress)
     restore.append(lambda: _active_tqdm.remove(tqdm_class))
 

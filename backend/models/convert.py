@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import hashlib
 import json
 import os
 import re
@@ -43,62 +42,24 @@ import time
 from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.files import write_atomic
-from specchat.backend.models.capture import Progress, routed_gguf_progress
+from specchat.backend.models.cache_keys import file_sha256, transformers_version
+from specchat.backend.models.capture import Progress, routed_gguf_progress, transformers_imported
 from specchat.backend.paths import cache_dir
 
 MARKER = "specchat-conversion.json"
 LOCK = ".writer.lock"
 WEIGHTS = "model.safetensors"
 _TMP_PREFIX = ".tmp-"
-_DIGEST = re.compile(r"[0-9a-f]{64}")
 _METADATA_BYTES = 64 * 2**20  # room the metadata-only conversion needs (tokenizer.json is a few MB)
 _DISK_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
-def _hash_cache_file() -> Path:
-    return cache_dir() / "hashes.json"
-
-
-def file_sha256(path: Path, progress: Progress | None = None) -> str:
-    """sha256 of ``path``'s bytes, remembered per (absolute path, size, mtime_ns)."""
-    path = Path(path).resolve()
-    stat = path.stat()
-    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
-    store = _hash_cache_file()
-    try:
-        known = json.loads(store.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    value = known.get(key)
-    if isinstance(value, str) and _DIGEST.fullmatch(value):
-        return value
-    digest, done = hashlib.sha256(), 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-            done += len(chunk)
-            if progress is not None:
-                progress(f"Hashing {path.name}", done / max(stat.st_size, 1))
-    known[key] = value = digest.hexdigest()
-    try:
-        store.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(store, json.dumps(known, indent=0))  # a concurrent reader sees the old or the new file
-    except OSError as exc:
-        raise ModelLoadError(f"cannot write the hash cache {store}: {exc.strerror or exc}; make the folder "
-                             "writable or set SPECCHAT_CACHE_DIR to a folder you can write") from exc
-    return value
-
-
 def converted_dir(gguf_path: Path, progress: Progress | None = None, *, weights: bool = True) -> Path:
     """Where the conversion of ``gguf_path`` lives (it may not exist yet)."""
-    import transformers
-
     digest = file_sha256(gguf_path, progress)
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(gguf_path).stem).lstrip(".") or "model"
     kind = "" if weights else "-meta"
-    return cache_dir() / "converted" / f"{stem[:80]}-{digest[:16]}{kind}-transformers-{transformers.__version__}"
+    return cache_dir() / "converted" / f"{stem[:80]}-{digest[:16]}{kind}-transformers-{transformers_version()}"
 
 
 def _safetensors_whole(path: Path) -> bool:
@@ -242,6 +203,7 @@ def _gguf_tokenizer(gguf_path: Path, progress: Progress | None):
     so what else reads the metadata next shares its parse)."""
     from transformers import AutoTokenizer
 
+    transformers_imported()
     if progress is not None:
         progress(f"Reading the tokenizer from {gguf_path.name} (first start only)", 0.0)
     return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -274,6 +236,7 @@ def _convert_into(gguf_path: Path, folder: Path, progress: Progress | None) -> N
     """Load the GGUF with transformers (de-quantising) and save model + tokenizer as safetensors into folder."""
     from transformers import AutoModelForCausalLM
 
+    transformers_imported()
     kwargs = {}
     try:  # newer transformers may keep GGUF blocks packed (kernels); a saved checkpoint needs plain weights
         from transformers import GgufConfig

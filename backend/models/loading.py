@@ -17,8 +17,10 @@ Contract:
   them (``quantized.py``; only its tokenizer and configuration are converted and cached); other sources load
   in float and are quantised in memory; where the compact forward will run such a GGUF model (CPU, paged
   attention asked for: ``skeleton.light_config``) it is the light ``skeleton.LightCausalLM``, and neither its
-  config nor its modules come from transformers' model code. A converted folder that fails to load is re-created once
-  (``convert.invalidate``) before the error is reported.
+  config nor its modules come from transformers' model code, and its tokenizer is read with the ``tokenizers``
+  library (``light_tokenizer.py``): a start that finds its conversion cached imports no transformers at all
+  (``SPECCHAT_LIGHT_TOKENIZER=0``: transformers' tokenizer). A converted folder that fails to load is re-created
+  once (``convert.invalidate``) before the error is reported.
 - Safetensors only unless the spec sets ``allow_pickle``; ``trust_remote_code`` only when the spec sets it.
 - dtype ``auto``: float32 on CPU; on CUDA the checkpoint's float16, else bfloat16 (float16 where the GPU has
   no bfloat16). ``nf4``/``int8`` use bitsandbytes (``BitsAndBytesConfig``). bitsandbytes 0.50 also runs them
@@ -38,12 +40,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specchat.backend.errors import ConfigError, IncompatiblePairError, InsufficientMemoryError, ModelLoadError
+from specchat.backend.errors import ConfigError, InsufficientMemoryError, ModelLoadError
+from specchat.backend.kernels import switched_off
 from specchat.backend.kv import attention
-from specchat.backend.models import convert, hub, skeleton
+from specchat.backend.models import capture, convert, hub, light_tokenizer, skeleton
 from specchat.backend.models.capture import Progress, capture_library_output, user_callback
 from specchat.backend.models.config import PACKAGED_MODELS, TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.convert import ensure_converted
+from specchat.backend.models.light_tokenizer import LightTokenizer
+from specchat.backend.models.tokenizer_check import check_tokenizers_compatible
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -52,10 +57,6 @@ ConfirmDownload = Callable[[int], bool]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GENERATION_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens",
                     "eos_token_id", "bos_token_id", "pad_token_id")
-# Text whose token ids must agree between draft and target: code, prose, numbers, whitespace, non-ASCII.
-_PROBES = ("def f(x):\n    return x ** 2  # square\n", "The quick brown fox, 1234567 times!",
-           "  \t\n\n  indented\r\n", "naïve café — 東京 🙂 Привет", "<|im_start|>user\nhi<|im_end|>")
-
 
 class CacheDamage(ModelLoadError):
     """A file of a converted-model cache folder cannot be read: the folder is made again (``_healing``)."""
@@ -155,9 +156,20 @@ def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None)
     return hub.snapshot(spec, tokenizer_only=tokenizer_only, progress=progress)
 
 
-def _load_tokenizer_from(folder: Path, spec: ModelSpec) -> PreTrainedTokenizerBase:
+def _load_tokenizer_from(folder: Path, spec: ModelSpec, light_model: bool) -> PreTrainedTokenizerBase | LightTokenizer:
+    if (light_model and _reads_gguf_directly(spec) and not spec.trust_remote_code and skeleton.read_config(folder)
+            and not switched_off("SPECCHAT_LIGHT_TOKENIZER")):
+        # With the light model (this app's own conversion of a GGUF, for the int4 / int8 kernels and the compact
+        # forward): no transformers import at all. transformers' model gets transformers' tokenizer.
+        try:
+            light = light_tokenizer.load(folder)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception for a damaged file
+            raise CacheDamage(f"{folder}: cannot load the tokenizer of {spec.source} ({exc})") from exc
+        if light is not None:
+            return light
     from transformers import AutoTokenizer
 
+    capture.transformers_imported()
     # AutoTokenizer reads the model's config only to choose the tokenizer's class; given none it loads
     # transformers' config class, whose module imports transformers' weight-loading code (~1.4 s). The light
     # config (same model type, same folder name) leads it to the same class (tests/backend/models/test_skeleton.py).
@@ -185,47 +197,16 @@ def _healing(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None
         return action(_folder(spec, tokenizer_only=tokenizer_only, progress=progress))
 
 
-def load_tokenizer(spec: ModelSpec, *, progress: Progress | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(spec: ModelSpec, *, progress: Progress | None = None, light_model: bool = False
+                   ) -> PreTrainedTokenizerBase | LightTokenizer:
     """The spec's tokenizer, no weights loaded (hub: only tokenizer files, a few MB, are fetched; packaged and
-    GGUF sources are converted first, since the conversion is needed to load them anyway)."""
+    GGUF sources are converted first, since the conversion is needed to load them anyway). ``light_model``: the
+    model will load as ``skeleton.LightCausalLM`` (``skeleton.compact_will_run``), and an int4 / int8 GGUF's
+    tokenizer is then the light one (``light_tokenizer.py``)."""
     progress = user_callback(progress)
     with capture_library_output(progress):
         return _healing(spec, tokenizer_only=True, progress=progress,
-                        action=lambda folder: _load_tokenizer_from(folder, spec))
-
-
-def check_tokenizers_compatible(target_tok: Any, draft_tok: Any, *, target_name: str, draft_name: str) -> None:
-    """Refuse a draft whose tokenizer does not map text to the target's ids. IncompatiblePairError says how."""
-    advice = "choose a draft from the target's model family (same tokenizer)"
-    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if t_vocab != d_vocab:
-        # Sorted by id so the example named is the lowest differing id, the same on every run.
-        moved = sorted((tok for tok, i in t_vocab.items() if tok in d_vocab and d_vocab[tok] != i), key=t_vocab.get)
-        only_t = sorted((tok for tok in t_vocab if tok not in d_vocab), key=t_vocab.get)
-        only_d = sorted((tok for tok in d_vocab if tok not in t_vocab), key=d_vocab.get)
-        details = []
-        if moved:
-            tok = moved[0]
-            details.append(f"{len(moved)} token(s) have different ids (e.g. {tok!r}: target {t_vocab[tok]}, "
-                           f"draft {d_vocab[tok]})")
-        if only_t:
-            details.append(f"{len(only_t)} only in the target (e.g. {only_t[0]!r})")
-        if only_d:
-            details.append(f"{len(only_d)} only in the draft (e.g. {only_d[0]!r})")
-        raise IncompatiblePairError(
-            f"draft {draft_name} and target {target_name} have different vocabularies ({len(d_vocab)} vs "
-            f"{len(t_vocab)} tokens; {'; '.join(details)}); {advice}")
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
-        t_id, d_id = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
-        if t_id != d_id:
-            raise IncompatiblePairError(f"draft {draft_name} and target {target_name} disagree on {attr}: target "
-                                        f"{t_id!r}, draft {d_id!r}; {advice}")
-    for text in _PROBES:
-        t_ids = target_tok(text, add_special_tokens=False)["input_ids"]
-        d_ids = draft_tok(text, add_special_tokens=False)["input_ids"]
-        if t_ids != d_ids:
-            raise IncompatiblePairError(f"draft {draft_name} and target {target_name} split {text!r} differently "
-                                        f"(target {t_ids[:8]}..., draft {d_ids[:8]}...); {advice}")
+                        action=lambda folder: _load_tokenizer_from(folder, spec, light_model))
 
 
 def _weights_kwargs(folder: Path, spec: ModelSpec) -> dict:
@@ -264,7 +245,8 @@ def _load_weights(spec: ModelSpec, device: torch.device, *, attn_implementation:
 
 def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, attn_implementation: str,
                        progress: Progress | None, tokenizer: Any = None) -> LoadedModel:
-    tokenizer = tokenizer if tokenizer is not None else _load_tokenizer_from(folder, spec)
+    if tokenizer is None:
+        tokenizer = _load_tokenizer_from(folder, spec, skeleton.compact_will_run(device, attn_implementation))
     if _reads_gguf_directly(spec):
         light = skeleton.light_config(folder, device=device, attn_implementation=attn_implementation)
         if light is not None:  # the compact forward will run it: no transformers model is built
@@ -273,6 +255,7 @@ def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, a
         attention.register()  # transformers checks the name when it builds the model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    capture.transformers_imported()
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -330,8 +313,6 @@ def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, a
 def _load_gguf_quantized(folder: Path, spec: ModelSpec, config: Any, device: torch.device, tokenizer: Any,
                          attn_implementation: str, progress: Progress | None) -> LoadedModel:
     """The GGUF's weights as stored, in PyTorch's int4/int8 kernels (``quantized.from_gguf``)."""
-    from transformers import GenerationConfig
-
     from specchat.backend.models.gguf_file import read_gguf
     from specchat.backend.models.quantized import compute_dtype, from_gguf
 
@@ -345,11 +326,20 @@ def _load_gguf_quantized(folder: Path, spec: ModelSpec, config: Any, device: tor
                              "it again") from exc
     if progress is not None:
         progress(f"Loaded {path.name} as {spec.quantization}: " + "; ".join(notes), None)
-    try:
-        generation = GenerationConfig.from_pretrained(folder).to_diff_dict()
-    except (OSError, ValueError) as exc:
-        raise CacheDamage(f"{folder}: generation_config.json is unreadable ({exc})") from exc
-    model.generation_config = GenerationConfig(**generation)
+    if isinstance(model, skeleton.LightCausalLM):  # transformers stays unimported (see light_tokenizer.py)
+        try:
+            generation = skeleton.generation_values(folder)
+        except (OSError, ValueError) as exc:
+            raise CacheDamage(f"{folder / 'generation_config.json'}: unreadable ({exc})") from exc
+        model.generation_config = generation  # quantized.transformers_model makes it transformers' object
+    else:
+        from transformers import GenerationConfig
+
+        try:
+            generation = GenerationConfig.from_pretrained(folder).to_diff_dict()
+        except (OSError, ValueError) as exc:
+            raise CacheDamage(f"{folder}: generation_config.json is unreadable ({exc})") from exc
+        model.generation_config = GenerationConfig(**generation)
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=compute_dtype(device),
                        generation_config={k: generation[k] for k in _GENERATION_KEYS if k in generation},
                        path=folder)
@@ -377,12 +367,13 @@ def load_pair(pair: PairConfig, device: torch.device | str | None = None, *, att
     with capture_library_output(progress, log_file):
         hub.confirm_download([pair.target] + ([draft_spec] if draft_spec else []), confirm_download,
                              f"pair '{pair.name}'")
-        target_tok = load_tokenizer(pair.target, progress=progress)
+        light = skeleton.compact_will_run(device, attn_implementation)
+        target_tok = load_tokenizer(pair.target, progress=progress, light_model=light)
         draft_tok = None
         if draft_spec is not None:
             same = (draft_spec.source, draft_spec.revision, draft_spec.path) == (
                 pair.target.source, pair.target.revision, pair.target.path)
-            draft_tok = target_tok if same else load_tokenizer(draft_spec, progress=progress)
+            draft_tok = target_tok if same else load_tokenizer(draft_spec, progress=progress, light_model=light)
             if not same:
                 check_tokenizers_compatible(target_tok, draft_tok, target_name=pair.target.source,
                                             draft_name=draft_spec.source)

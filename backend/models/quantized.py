@@ -190,11 +190,14 @@ def _fill(model: nn.Module, build: _Builder, config: Any, progress: Progress | N
         embed_weight = gguf_file.dequantize(embedding)
         model.model.embed_tokens = nn.Embedding.from_pretrained(embed_weight.to(device), freeze=True)
     head = gguf.tensors.get("output.weight")
-    if head is not None:
-        head_weight = gguf_file.dequantize(head)
-    else:  # tied: the head is the embedding
-        head_weight = embed_weight if embed_weight is not None else model.model.embed_tokens.dequantized()
-    model.lm_head = Int8Linear.from_weight(head_weight, device=device, compute_dtype=compute_dtype(device))
+    dtype = compute_dtype(device)
+    if head is None and embed_weight is None:  # tied to the Q8_0 embedding: re-quantised a chunk of rows at a time
+        table = model.model.embed_tokens
+        model.lm_head = Int8Linear.from_rows(table.dequantized, (table.num_embeddings, table.embedding_dim),
+                                             device=device, compute_dtype=dtype)
+    else:
+        head_weight = gguf_file.dequantize(head) if head is not None else embed_weight
+        model.lm_head = Int8Linear.from_weight(head_weight, device=device, compute_dtype=dtype)
     _finish(model, config, device)
     notes = [f"{count} {name} tensor(s) de-quantised and re-quantised to "
              f"{'int4 group 32 or int8' if quantization == 'int4-torch' else 'int8'}"
@@ -236,7 +239,11 @@ def transformers_model(model: nn.Module) -> nn.Module:
     model.model.norm.weight = light.model.norm.weight
     model.lm_head = light.lm_head
     _finish(model, config, light.model.norm.weight.device)
-    if light.generation_config is not None:
+    if isinstance(light.generation_config, dict):  # the light loader's plain values (loading._generation_values)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig(**light.generation_config)
+    elif light.generation_config is not None:
         model.generation_config = light.generation_config
     return model
 

@@ -96,11 +96,25 @@ def read_config(folder: Path) -> LightConfig | None:
     return LightConfig(values, str(folder)) if _usable(values) else None
 
 
+def generation_values(folder: Path) -> dict:
+    """``generation_config.json`` of ``folder`` as ``GenerationConfig.from_pretrained(folder).to_diff_dict()`` gives
+    the values the engine reads (transformers 5's defaults are all None, which the diff leaves out), read without
+    transformers. Raises OSError / ValueError for a file that cannot be read or is not a JSON object."""
+    values = json.loads((Path(folder) / "generation_config.json").read_text(encoding="utf-8"))
+    if not isinstance(values, dict):
+        raise ValueError("not a JSON object")
+    return {key: value for key, value in values.items() if key != "transformers_version" and value is not None}
+
+
+def compact_will_run(device: torch.device, attn_implementation: str) -> bool:
+    """Whether a model loaded for ``device`` with ``attn_implementation`` runs the compact forward (where its
+    configuration allows it: :func:`read_config`)."""
+    return device.type == "cpu" and attn_implementation == ATTN_IMPLEMENTATION and not switched_off("SPECCHAT_COMPACT")
+
+
 def light_config(folder: Path, *, device: torch.device, attn_implementation: str) -> LightConfig | None:
     """A :class:`LightConfig` when the compact forward will run the model (see the module docstring)."""
-    if device.type != "cpu" or attn_implementation != ATTN_IMPLEMENTATION or switched_off("SPECCHAT_COMPACT"):
-        return None
-    return read_config(folder)
+    return read_config(folder) if compact_will_run(device, attn_implementation) else None
 
 
 def _head_dim(config: LightConfig) -> int:

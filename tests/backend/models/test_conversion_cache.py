@@ -22,7 +22,7 @@ import torch
 from foundation_fixtures import write_tiny_gguf
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.models import convert, loading
+from specchat.backend.models import cache_keys, convert, loading
 from specchat.backend.models.config import load_pairs
 from specchat.backend.models.loading import load_model
 
@@ -101,7 +101,7 @@ def test_damage_only_loading_notices_is_healed_once(tmp_path, conversions, monke
     assert convert.is_complete(first.path)
     load_model(_spec(gguf), "cpu")
     assert len(conversions) == 2
-    monkeypatch.setattr(loading, "_load_tokenizer_from", lambda folder, spec: (_ for _ in ()).throw(
+    monkeypatch.setattr(loading, "_load_tokenizer_from", lambda folder, spec, light_model: (_ for _ in ()).throw(
         loading.CacheDamage(f"{folder}: still unreadable")))
     with pytest.raises(ModelLoadError, match="still unreadable"):
         load_model(_spec(gguf), "cpu")
@@ -149,19 +149,19 @@ def test_a_crafted_digest_never_becomes_a_path(tmp_path, crafted):
     """Fails on the old code: hashes.json's value was used as given, and '../..' wrote outside the cache."""
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     stat = gguf.stat()
-    store = convert._hash_cache_file()
+    store = cache_keys._hash_cache_file()
     store.parent.mkdir(parents=True, exist_ok=True)
     key = next(iter(_hash_key(gguf, stat)))
     store.write_text(json.dumps({key: crafted}))
     folder = convert.converted_dir(gguf)
     assert folder.parent == convert.cache_dir() / "converted"
-    assert convert.file_sha256(gguf) == _sha256(gguf)
+    assert cache_keys.file_sha256(gguf) == _sha256(gguf)
 
 
 def _hash_key(gguf: Path, stat) -> set[str]:
     """hashes.json's key for ``gguf``: learnt by letting file_sha256 write it once."""
-    convert.file_sha256(gguf)
-    keys = set(json.loads(convert._hash_cache_file().read_text()))
+    cache_keys.file_sha256(gguf)
+    keys = set(json.loads(cache_keys._hash_cache_file().read_text()))
     return keys
 
 

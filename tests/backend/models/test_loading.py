@@ -21,7 +21,7 @@ import torch
 from foundation_fixtures import SPECIALS, local_spec, save_tiny_llama, word_tokenizer, write_tiny_gguf
 
 from specchat.backend.errors import ConfigError, IncompatiblePairError, ModelLoadError
-from specchat.backend.models import convert, hub, loading
+from specchat.backend.models import cache_keys, convert, hub, loading
 from specchat.backend.models.capture import capture_library_output, progress_tqdm_class, user_callback
 from specchat.backend.models.config import DEFAULT_PAIR, PairConfig, load_pairs
 from specchat.backend.models.loading import (
@@ -297,7 +297,7 @@ def test_conversion_is_cached_by_content_hash(tmp_path, monkeypatch):
     monkeypatch.setattr(convert, "_convert_into", lambda *a: pytest.fail("converted twice"))
     assert convert.ensure_converted(gguf) == folder
     hashes = json.loads((convert.cache_dir() / "hashes.json").read_text())
-    assert list(hashes.values()) == [convert.file_sha256(gguf)]
+    assert list(hashes.values()) == [cache_keys.file_sha256(gguf)]
     os.utime(gguf, ns=(1, 1))  # a touched file is re-hashed, but the same content maps to the same folder
     assert convert.ensure_converted(gguf) == folder and len(json.loads((convert.cache_dir() / "hashes.json")
                                                                         .read_text())) == 2
