@@ -123,6 +123,17 @@ def test_q8_embedding_is_exact():
     expected = (codes.view(50, 2, 32).float() * scales[..., None]).view(50, 64)
     assert torch.equal(emb(ids)[0], expected[ids[0]])
     assert torch.equal(emb.dequantized(), expected)
+    assert torch.equal(emb.dequantized(7, 20), expected[7:20])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1024])
+def test_int8_made_a_chunk_of_rows_at_a_time_equals_made_whole(chunk):
+    g = torch.Generator().manual_seed(4)
+    codes = torch.randint(-127, 128, (50, 64), dtype=torch.int8, generator=g)
+    emb = Q8Embedding(codes, torch.rand(50, 2, generator=g))
+    whole = Int8Linear.from_weight(emb.dequantized())
+    chunked = Int8Linear.from_rows(emb.dequantized, (50, 64), chunk=chunk)
+    assert torch.equal(chunked.weight, whole.weight) and torch.equal(chunked.scales, whole.scales)
 
 
 @pytest.mark.cuda
