@@ -113,23 +113,39 @@ def _attend_rows(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # Widened once for the whole pass (a contiguous float32 copy); each query then reads a view of it, and a
     # one-token pass reads the same values through the whole copy.
     keys, values = keys[0].to(q.dtype), values[0].to(q.dtype)  # [kv_heads, L, d]
+    keys_t = keys.transpose(1, 2)  # [kv_heads, d, L], a view
     n, d = q.shape[2], layer.head_dim
     rep = layer.heads // layer.kv_heads
     tree = _tree_keys(ctx.tree, plan.start, first, window, keys.device) if ctx.tree is not None else None
     queries = q[0].transpose(0, 1).reshape(n, layer.kv_heads, rep, d)  # query head h reads KV head h // rep
-    unused = q.new_zeros(1, 1, 1)  # baddbmm's input, ignored at beta=0 (the scale is applied inside the product)
+    unused = _unused(q)  # baddbmm's input, ignored at beta=0 (the scale is applied inside the product)
     rows = []
     for i in range(n):
+        # Views by narrow(): the same tensors as slicing, without Python's indexing (~30 of them a token).
         if tree is not None:  # a tree node sees the prefix and its own ancestors, in the order its path has them
-            key, value = keys[:, tree[i]], values[:, tree[i]]
+            key_t, value = keys[:, tree[i]].transpose(1, 2), values[:, tree[i]]  # gathered as [L, d], like a chain
+        elif n == 1 and window is None:  # the only query sees every key read
+            key_t, value = keys_t, values
         else:
             position = plan.start + i
             low = 0 if window is None else max(0, position - window + 1) - first
-            key, value = keys[:, low:position + 1 - first], values[:, low:position + 1 - first]  # [kv_heads, L, d]
-        query = queries[i]
-        scores = torch.baddbmm(unused, query, key.transpose(1, 2), beta=0, alpha=layer.scaling)  # [kv_heads, rep, L]
-        rows.append(torch.bmm(torch.softmax(scores, dim=-1), value).reshape(1, layer.q_width))
+            seen = position + 1 - first - low
+            key_t, value = keys_t.narrow(2, low, seen), values.narrow(1, low, seen)
+        scores = torch.baddbmm(unused, queries[i], key_t, beta=0, alpha=layer.scaling)  # [kv_heads, rep, L]
+        rows.append(torch.bmm(torch.softmax(scores, dim=-1), value).view(1, layer.q_width))
     return rows[0] if n == 1 else torch.cat(rows)
+
+
+_UNUSED: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _unused(like: torch.Tensor) -> torch.Tensor:
+    """A [1, 1, 1] tensor of ``like``'s dtype and device for baddbmm's ignored input (made once, never written)."""
+    key = (like.dtype, like.device)
+    found = _UNUSED.get(key)
+    if found is None:
+        found = _UNUSED[key] = torch.zeros(1, 1, 1, dtype=like.dtype, device=like.device)
+    return found
 
 
 def _tree_keys(tree, start: int, first: int, window: int | None, device: torch.device) -> list[torch.Tensor]:
@@ -169,8 +185,8 @@ class CompactForward:
         d = layer.head_dim
         if layer.qkv is not None:
             qkv = layer.run["qkv"](x)
-            qk = qkv[:, : layer.q_width + layer.kv_width]
-            v = qkv[:, layer.q_width + layer.kv_width:]
+            qk = qkv.narrow(1, 0, layer.q_width + layer.kv_width)
+            v = qkv.narrow(1, layer.q_width + layer.kv_width, layer.kv_width)
         else:
             qk = torch.cat([layer.run["q"](x), layer.run["k"](x)], dim=-1)
             v = layer.run["v"](x)
@@ -178,7 +194,7 @@ class CompactForward:
         # float32, as transformers' rotary embedding computes it: its rotate_half(qk) * sin, as one roll times
         # sin with its first half negated (the same products, exactly).
         qk = qk * cos + qk.roll(d // 2, -1) * signed_sin
-        q, k = qk[:, : layer.heads], qk[:, layer.heads:]
+        q, k = qk.narrow(1, 0, layer.heads), qk.narrow(1, layer.heads, layer.kv_heads)
         v = v.view(1, n, layer.kv_heads, d).transpose(1, 2)  # the cache stores it as it came (bfloat16 values)
         if n > ROWWISE_ROWS or not isinstance(ctx, attention.PagedContext):
             if v.dtype != q.dtype:
@@ -193,10 +209,11 @@ class CompactForward:
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         if layer.gate_up is not None:
             gate_up = layer.run["gate_up"](x)
-            gate, up = gate_up[:, : layer.inter], gate_up[:, layer.inter:]
+            gate, up = gate_up.narrow(1, 0, layer.inter), gate_up.narrow(1, layer.inter, layer.inter)
         else:
             gate, up = layer.run["gate"](x), layer.run["up"](x)
-        return layer.run["down"](F.silu(gate.float()) * up)  # SiLU in float32, as transformers' layers run it
+        # SiLU in float32, as transformers' layers run it; in place on the float32 copy (the same values).
+        return layer.run["down"](F.silu(gate.float(), inplace=True).mul_(up))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, ctx, logits_to_keep: int) -> torch.Tensor:
         n = ids.numel()
@@ -207,9 +224,9 @@ class CompactForward:
             half = sin.shape[-1] // 2
             signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             shape = (self.hidden,)
-            for layer in self.layers:
-                h = h + self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, signed_sin, ctx)
-                h = h + self._mlp(layer, F.rms_norm(h, shape, layer.norm2, layer.eps2))
+            for layer in self.layers:  # the residual stream is this pass's own tensor: added to in place
+                h.add_(self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, signed_sin, ctx))
+                h.add_(self._mlp(layer, F.rms_norm(h, shape, layer.norm2, layer.eps2)))
             last = F.rms_norm(h[n - logits_to_keep:], shape, self.final_norm, self.final_eps)
             return self.run_head(last).float()
 
