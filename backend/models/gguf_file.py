@@ -38,6 +38,9 @@ DEFAULT_ALIGNMENT = 32
 # ggml type ids of the formats handled here without the gguf package (values from ggml.h).
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+# (weights, bytes) per block of the types above, as ggml defines them: the common files need no ``gguf`` import
+# (its enums cost ~0.2 s of a start); other types ask the ``gguf`` package.
+_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
           7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
@@ -88,6 +91,9 @@ def _gguf_type_name(ggml_type: int) -> str:
 
 def _block_size(ggml_type: int) -> tuple[int, int]:
     """(weights per block, bytes per block) of a ggml type."""
+    known = _BLOCKS.get(ggml_type)
+    if known is not None:
+        return known
     import gguf
 
     try:

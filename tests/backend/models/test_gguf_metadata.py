@@ -73,3 +73,14 @@ def test_the_embedded_files_metadata_parses_the_same_and_fast():
     assert len(got["tokenizer"]["tokens"]) == 49152
     print(f"load_gguf_checkpoint metadata: gguf's reader {slow:.2f} s, MetadataReader {fast:.2f} s")
     assert fast < slow / 3
+
+
+def test_the_block_sizes_known_here_are_ggmls():
+    import gguf
+
+    from specchat.backend.models import gguf_file
+
+    for ggml_type, sizes in gguf_file._BLOCKS.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)] == sizes, gguf_file.TYPE_NAMES[ggml_type]
+    q6_k = int(gguf.GGMLQuantizationType.Q6_K)  # a type not in the table still gets its size from gguf
+    assert gguf_file._block_size(q6_k) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q6_K]
