@@ -88,7 +88,7 @@ class Int4Linear(nn.Module):
         groups = self.in_features // self.group_size
         scale = self.scales_zeros[..., 0].t().to(dtype).unsqueeze(-1)  # [N, groups, 1]
         zero = self.scales_zeros[..., 1].t().to(dtype).unsqueeze(-1)
-        weight = (codes.view(self.out_features, groups, self.group_size).to(dtype) - 8).mul_(scale).add_(zero)
+        weight = codes.view(self.out_features, groups, self.group_size).to(dtype).sub_(8).mul_(scale).add_(zero)
         return weight.view(self.out_features, self.in_features)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
