@@ -141,7 +141,7 @@ class Int8Linear(nn.Module):
                   chunk: int = 1024) -> Int8Linear:
         """:meth:`from_weight` of the weight whose float rows ``a..b`` are ``rows(a, b)``, made a chunk of rows
         at a time: the same codes and scales (each row is quantised alone) without the whole float weight in
-        memory at once (a 49,152-row head: 113 MB, and ~2x faster to make)."""
+        memory at once (a 49,152-row head: 113 MB; in a start, 0.5 s became 0.08 s)."""
         out_features, in_features = shape
         codes = torch.empty(out_features, in_features, dtype=torch.int8)
         scales = torch.empty(out_features, dtype=torch.float32)

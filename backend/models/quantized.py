@@ -239,7 +239,7 @@ def transformers_model(model: nn.Module) -> nn.Module:
     model.model.norm.weight = light.model.norm.weight
     model.lm_head = light.lm_head
     _finish(model, config, light.model.norm.weight.device)
-    if isinstance(light.generation_config, dict):  # the light loader's plain values (loading._generation_values)
+    if isinstance(light.generation_config, dict):  # the light loader's plain values (skeleton.generation_values)
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig(**light.generation_config)
