@@ -149,28 +149,6 @@ class _LineWriter(io.TextIOBase):
         self._buffer = ""
 
 
-_active_tqdm: list[type] = []  # the tqdm class of each capture block now open, innermost last
-
-
-@contextlib.contextmanager
-def routed_gguf_progress(gguf_utils: Any) -> Iterator[None]:
-    """Within the block, the bars of transformers' GGUF reader (its module ``gguf_utils``, which uses tqdm.auto
-    directly, not transformers' hookable tqdm) go where the innermost open capture block sends progress.
-
-    The conversion (``convert.py``) calls it where it imports that module: importing it in every capture block
-    cost ~1.5-2 s of every start (it runs transformers' lazy-import scan of all its models), though only a first
-    start converts."""
-    if not _active_tqdm or not hasattr(gguf_utils, "tqdm"):
-        yield
-        return
-    original = gguf_utils.tqdm
-    gguf_utils.tqdm = _active_tqdm[-1]
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
-
-
 class _Block:
     """An open capture block: where its progress bars go, what to undo when it closes, and whether transformers'
     bars are routed to it yet."""
@@ -181,7 +159,26 @@ class _Block:
         self.tqdm_class, self.restore, self.hooked = tqdm_class, restore, False
 
 
-_blocks: list[_Block] = []  # the capture blocks now open, innermost last
+_blocks: list[_Block] = []  # the capture blocks now open, innermost last (routed_gguf_progress reads it too)
+
+
+@contextlib.contextmanager
+def routed_gguf_progress(gguf_utils: Any) -> Iterator[None]:
+    """Within the block, the bars of transformers' GGUF reader (its module ``gguf_utils``, which uses tqdm.auto
+    directly, not transformers' hookable tqdm) go where the innermost open capture block sends progress.
+
+    The conversion (``convert.py``) calls it where it imports that module: importing it in every capture block
+    cost ~1.5-2 s of every start (it runs transformers' lazy-import scan of all its models), though only a first
+    start converts."""
+    if not _blocks or not hasattr(gguf_utils, "tqdm"):
+        yield
+        return
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = _blocks[-1].tqdm_class
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def transformers_imported() -> None:
@@ -255,8 +252,6 @@ def capture_library_output(progress: Progress | None = None, log_file: str | Pat
     restore.append(lambda: _blocks.remove(block))
     if "transformers" in sys.modules:
         transformers_imported()
-    _active_tqdm.append(tqdm_class)  # for the GGUF reader's bars, when a conversion runs (routed_gguf_progress)
-    restore.append(lambda: _active_tqdm.remove(tqdm_class))
 
     out_writer, err_writer = _LineWriter(emit_line, sys.stdout), _LineWriter(emit_line, sys.stderr)
     try:

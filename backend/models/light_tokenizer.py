@@ -57,28 +57,35 @@ def eligible(folder: Path) -> bool:
     """Whether the folder's tokenizer_config.json names a tokenizer this class reproduces: a saved fast tokenizer of
     a known class, without the spaces clean-up or options that change encoding in Python. (:func:`load` also
     checks that the model is BPE.)"""
+    return _reproducible_config(folder) is not None
+
+
+def _reproducible_config(folder: Path) -> dict | None:
+    """The folder's tokenizer_config.json when :func:`eligible` holds, else None."""
     config = _read_json(folder / "tokenizer_config.json")
     if config is None or not (folder / "tokenizer.json").is_file():
-        return False
+        return None
     if config.get("tokenizer_class") not in _CLASSES or config.get("clean_up_tokenization_spaces"):
-        return False
+        return None
     # Options transformers applies in Python around the backend (prefix spaces, legacy SentencePiece handling,
     # forced BOS/EOS): leave such folders to transformers.
-    return not any(config.get(key) for key in ("add_prefix_space", "legacy", "add_bos_token", "add_eos_token",
-                                               "split_special_tokens", "do_lower_case"))
+    if any(config.get(key) for key in ("add_prefix_space", "legacy", "add_bos_token", "add_eos_token",
+                                       "split_special_tokens", "do_lower_case")):
+        return None
+    return config
 
 
 def load(folder: Path) -> LightTokenizer | None:
     """The folder's tokenizer, or None where this class would not reproduce transformers' (not :func:`eligible`,
     or a model other than BPE). A damaged tokenizer.json raises what ``tokenizers`` raises."""
-    if not eligible(folder):
+    config = _reproducible_config(folder)
+    if config is None:
         return None
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
     if type(backend.model).__name__ != "BPE":
         return None
-    config = _read_json(folder / "tokenizer_config.json") or {}
     special = {name: text for name in SPECIAL if (text := _token_text(config.get(name))) is not None}
     template_file = folder / "chat_template.jinja"
     template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None

@@ -239,12 +239,10 @@ def transformers_model(model: nn.Module) -> nn.Module:
     model.model.norm.weight = light.model.norm.weight
     model.lm_head = light.lm_head
     _finish(model, config, light.model.norm.weight.device)
-    if isinstance(light.generation_config, dict):  # the light loader's plain values (skeleton.generation_values)
+    if light.generation_config is not None:  # the light loader's plain values (skeleton.generation_values)
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig(**light.generation_config)
-    elif light.generation_config is not None:
-        model.generation_config = light.generation_config
     return model
 
 

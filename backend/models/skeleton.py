@@ -215,7 +215,7 @@ class LightCausalLM(nn.Module):
         self.config = config
         self.model = Decoder(config)
         self.lm_head = Placeholder(config.vocab_size, config.hidden_size)
-        self.generation_config: Any = None
+        self.generation_config: dict | None = None  # skeleton.generation_values, set by the loader
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
