@@ -75,7 +75,9 @@ def _kill_at_random(script: Path, target: Path, rng: random.Random) -> list[list
     os.kill(child.pid, signal.SIGKILL)
     out, err = child.communicate(timeout=60)  # reaped: its pid is gone
     assert child.returncode == -signal.SIGKILL, err
-    return [line.split() for line in [first, *out.splitlines()] if line.strip()]
+    # a line the kill cut short (no newline yet: print() may hand "saved", " ", "5" to the pipe apart) is no report
+    whole = [line for line in [first, *out.splitlines(keepends=True)] if line.endswith("\n")]
+    return [line.split() for line in whole if line.strip()]
 
 
 def _check_history(db: Path, lines: list[list[str]]) -> None:
@@ -88,7 +90,7 @@ def _check_history(db: Path, lines: list[list[str]]) -> None:
         assert store.recovery_message is None and not store.read_only
         chat = int(lines[0][1])
         stored = {m.id: m for m in store.messages(chat)}
-        for kind, message_id, turn in (line for line in lines[1:] if len(line) == 3):
+        for kind, message_id, turn in lines[1:]:
             message, n = stored[int(message_id)], int(turn)  # every committed message is there
             if kind == "user":
                 assert message.content == f"question {n} " + "q" * (n * 37 % 2000)
