@@ -2,9 +2,19 @@
 
 No model. The whole context (prompts and generated text, every turn) is searched, longest n-gram first
 (``max_ngram`` down to ``min_ngram``); among the occurrences of that n-gram the most recent one wins (in chat
-and code editing the latest copy of a passage is the one being reworked). The draft is what followed it, up
-to ``max_tokens`` ids; the copy may run into the tokens it is itself producing (a repeating loop keeps
-repeating, as an LZ77 copy with overlap does).
+and code editing the latest copy of a passage is the one being reworked). The draft is what followed it; the
+copy may run into the tokens it is itself producing (a repeating loop keeps repeating, as an LZ77 copy with
+overlap does).
+
+Draft length follows the match, as SuffixDecoding's does (``suffix.py``): the chosen occurrence's match is
+measured backwards past the n-gram (``m`` tokens equal the context's end, up to ``max_match``), and the draft
+is at most ``ceil(draft_factor · m + draft_offset)`` ids (and ``max_tokens``). A one-token match is a weak
+guess and drafts 2 ids; a passage matching for 20 tokens is being copied and drafts up to 21. Measured on the
+14 code-edit prompts of ``specchat bench`` (128 new tokens, greedy, one interleaved run each; the default
+pair): 29.6 → 34.8 tok/s with prefill over drafting ``max_tokens`` always (plain decoding 21.2), and on 16
+Spec-Bench chat prompts 20.9 → 22.0 (plain 18.8): a wrong long draft costs its rows in the target's pass
+(its int4 kernels stream the weights once per 4 rows on CPU). ``draft_factor=None`` drafts ``max_tokens``
+always (classic prompt lookup).
 
 EOS: the draft is cut *after* the first EOS id it contains; the EOS itself is kept (transformers cuts before
 it). A step that finishes copying a passage can then also end the reply in the same target pass, and nothing
@@ -27,12 +37,19 @@ Worked example (also run as a unit test):
 []
 >>> drafter.propose([5, 6, 7, 1, 6, 8, 5, 6], max_tokens=2).token_ids  # longest first: "5 6" beats a newer "6"
 [7, 1]
->>> drafter.propose([1, 3, 9, 1, 3, 4, 1, 3], max_tokens=5).token_ids  # latest "1 3" (at 3), overlapping copy
+>>> drafter.propose([1, 3, 9, 1, 3, 4, 1, 3], max_tokens=5).token_ids  # latest "1 3" (at 3): m = 2, 3 ids
+[4, 1, 3]
+>>> classic = PromptLookupDrafter(max_ngram=3, min_ngram=1, draft_factor=None)
+>>> classic.propose([1, 3, 9, 1, 3, 4, 1, 3], max_tokens=5).token_ids  # max_tokens always: overlapping copy
 [4, 1, 3, 4, 1]
+>>> passage = [11, 12, 13, 14, 15, 16]
+>>> drafter.propose(passage + [9] + passage[1:] + passage, max_tokens=9).token_ids  # "12 .. 16" matches: m = 5
+[11, 12, 13, 14, 15, 16]
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from specchat.backend.spec.drafters.base import Draft, StatelessHooks
@@ -52,11 +69,16 @@ class PromptLookupDrafter(StatelessHooks):
 
     name = "prompt-lookup"
 
-    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, eos_token_ids: Iterable[int] = (),
+                 draft_factor: float | None = 1.0, draft_offset: float = 1.0, max_match: int = 32) -> None:
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
             raise ValueError(f"PromptLookupDrafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if draft_factor is not None and not (draft_factor > 0 and draft_offset >= 0 and max_match >= max_ngram):
+            raise ValueError(f"PromptLookupDrafter: need draft_factor > 0, draft_offset >= 0 and max_match >= "
+                             f"max_ngram, got {draft_factor}, {draft_offset}, {max_match}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.draft_factor, self.draft_offset, self.max_match = draft_factor, draft_offset, max_match
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._ngram_lengths = range(max_ngram, min_ngram - 1, -1)
         self.reset()
@@ -117,7 +139,7 @@ class PromptLookupDrafter(StatelessHooks):
                 continue
             out: list[int] = []
             eos = self.eos_token_ids
-            for j in range(max_tokens):
+            for j in range(self._draft_length(start, n, max_tokens)):
                 src = start + j
                 # Past the end of the context the copy continues from its own output (an overlapping copy).
                 token = ids[src] if src < length else out[src - length]
@@ -126,3 +148,13 @@ class PromptLookupDrafter(StatelessHooks):
                     break
             return Draft(out)
         return Draft([])
+
+    def _draft_length(self, start: int, n: int, max_tokens: int) -> int:
+        """How many ids to copy from ``start``, whose preceding ``n`` ids equal the context's end: ``max_tokens``,
+        or with ``draft_factor`` the bound from the match length ``m`` (measured back up to ``max_match``)."""
+        if self.draft_factor is None:
+            return max_tokens
+        ids, end, m = self._ids, len(self._ids), n
+        while m < self.max_match and start - m > 0 and ids[start - m - 1] == ids[end - m - 1]:
+            m += 1
+        return min(max_tokens, math.ceil(self.draft_factor * m + self.draft_offset))

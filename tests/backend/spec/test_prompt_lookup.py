@@ -1,12 +1,15 @@
-"""drafters/prompt_lookup.py: the docstring's worked example, matching rules against a brute-force rescan,
-incremental indexing (grown vs changed contexts), and the per-call cost at a 4k-token context."""
+"""drafters/prompt_lookup.py: the docstring's worked example, matching rules and the match-length draft bound
+against a brute-force rescan, incremental indexing (grown vs changed contexts), and the per-call cost at a
+4k-token context."""
 
 from __future__ import annotations
 
 import doctest
+import math
 import random
 import time
 
+import pytest
 import torch
 
 from specchat.backend.spec.drafters import prompt_lookup
@@ -16,8 +19,10 @@ from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
 EOS = 0
 
 
-def reference(context: list[int], max_tokens: int, max_ngram: int, min_ngram: int, eos: set[int]) -> list[int]:
-    """Obviously correct and slow: rescan for the latest earlier occurrence of the longest suffix n-gram."""
+def reference(context: list[int], max_tokens: int, max_ngram: int, min_ngram: int, eos: set[int],
+              bound: tuple[float, float, int] | None = None) -> list[int]:
+    """Obviously correct and slow: rescan for the latest earlier occurrence of the longest suffix n-gram; with
+    ``bound`` = (factor, offset, max_match), at most ceil(factor * m + offset) ids for a match of m tokens."""
     length = len(context)
     for n in range(max_ngram, min_ngram - 1, -1):
         if length < n or max_tokens <= 0:
@@ -25,8 +30,13 @@ def reference(context: list[int], max_tokens: int, max_ngram: int, min_ngram: in
         suffix = context[length - n :]
         for end in range(length - 1, n - 1, -1):  # end < length: the occurrence has a continuation
             if context[end - n : end] == suffix:
+                count = max_tokens
+                if bound is not None:
+                    factor, offset, max_match = bound
+                    m = max(k for k in range(n, min(max_match, end) + 1) if context[end - k : end] == context[-k:])
+                    count = min(max_tokens, math.ceil(factor * m + offset))
                 out: list[int] = []
-                for j in range(max_tokens):
+                for j in range(count):
                     src = end + j
                     out.append(context[src] if src < length else out[src - length])
                     if out[-1] in eos:
@@ -44,12 +54,12 @@ def test_is_a_drafter() -> None:
     drafter = PromptLookupDrafter()
     assert isinstance(drafter, Drafter) and drafter.name == "prompt-lookup"
     draft = drafter.propose([1, 2, 3, 1, 2], 4)
-    assert isinstance(draft, Draft) and draft.token_ids == [3, 1, 2, 3] and len(draft) == 4
+    assert isinstance(draft, Draft) and draft.token_ids == [3, 1, 2] and len(draft) == 3  # a 2-token match: 3 ids
     assert (draft.prefilled, draft.reused) == (0, 0)  # no cache to fill
 
 
 def test_matching_rules() -> None:
-    d = PromptLookupDrafter(max_ngram=3, min_ngram=1, eos_token_ids=(EOS,))
+    d = PromptLookupDrafter(max_ngram=3, min_ngram=1, eos_token_ids=(EOS,), draft_factor=None)
     assert d.propose([], 5).token_ids == []
     assert d.propose([4], 5).token_ids == []  # nothing earlier to match
     assert d.propose([4, 5, 6, 4, 5], 0).token_ids == []
@@ -60,22 +70,38 @@ def test_matching_rules() -> None:
     assert d2.propose([4, 5, 6, 7, 5], 3).token_ids == []  # 1-grams are below min_ngram
 
 
+def test_draft_length_follows_the_match() -> None:
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, draft_factor=1.0, draft_offset=1.0, max_match=4)
+    passage = list(range(10, 30))
+    assert d.propose(passage + [1] + passage[:1], 30).token_ids == passage[1:3]  # m = 1: 2 ids
+    assert d.propose(passage + [1] + passage[:3], 30).token_ids == passage[3:7]  # m = 3: 4 ids
+    assert d.propose(passage + [1] + passage[:9], 30).token_ids == passage[9:14]  # m capped at max_match 4: 5 ids
+    assert d.propose(passage + [1] + passage[:9], 3).token_ids == passage[9:12]  # and at max_tokens
+    for bad in ({"draft_factor": 0.0}, {"draft_offset": -1.0}, {"max_match": 2, "max_ngram": 3}):
+        with pytest.raises(ValueError, match="draft_factor"):
+            PromptLookupDrafter(**bad)  # type: ignore[arg-type]
+
+
 def test_incremental_index_equals_rescan() -> None:
     rng = random.Random(0)
     for max_ngram, min_ngram in ((3, 1), (4, 2), (1, 1)):
-        d = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, eos_token_ids=(EOS,))
-        context: list[int] = [rng.randrange(1, 8) for _ in range(5)]
-        for _ in range(300):
-            context += [rng.randrange(0, 8) for _ in range(rng.randrange(0, 4))]  # grows by 0..3 ids a call
-            max_tokens = rng.randrange(0, 7)
-            assert d.propose(context, max_tokens).token_ids == reference(
-                context, max_tokens, max_ngram, min_ngram, {EOS}
-            ), context
-        assert d.rebuilds == 0  # only grew: never rebuilt
+        for bound in (None, (1.0, 1.0, 32), (0.5, 2.0, 5)):
+            d = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, eos_token_ids=(EOS,),
+                                    draft_factor=None if bound is None else bound[0],
+                                    draft_offset=1.0 if bound is None else bound[1],
+                                    max_match=max(max_ngram, 32 if bound is None else bound[2]))
+            context: list[int] = [rng.randrange(1, 8) for _ in range(5)]
+            for _ in range(300):
+                context += [rng.randrange(0, 8) for _ in range(rng.randrange(0, 4))]  # grows by 0..3 ids a call
+                max_tokens = rng.randrange(0, 12)
+                assert d.propose(context, max_tokens).token_ids == reference(
+                    context, max_tokens, max_ngram, min_ngram, {EOS},
+                    None if bound is None else (bound[0], bound[1], max(max_ngram, bound[2]))), context
+            assert d.rebuilds == 0  # only grew: never rebuilt
 
 
 def test_changed_context_is_detected_and_rebuilt() -> None:
-    d = PromptLookupDrafter(max_ngram=2, min_ngram=1)
+    d = PromptLookupDrafter(max_ngram=2, min_ngram=1, draft_factor=None)
     context = [1, 2, 3, 4, 1, 2]
     assert d.propose(context, 2).token_ids == [3, 4]
     rolled_back = [1, 2, 3]  # shorter: a truncated conversation
@@ -87,7 +113,7 @@ def test_changed_context_is_detected_and_rebuilt() -> None:
 
 
 def test_tensor_context() -> None:
-    d = PromptLookupDrafter()
+    d = PromptLookupDrafter(draft_factor=None)
     context = torch.tensor([3, 4, 5, 3, 4])
     assert d.propose(context, 3).token_ids == [5, 3, 4]
     assert d.propose(torch.cat([context, torch.tensor([5, 3])]), 2).token_ids == [4, 5] and d.rebuilds == 0
