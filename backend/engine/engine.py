@@ -222,7 +222,7 @@ def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, c
 
     dev = resolve_device(device)
     check_fits(pair, dev)
-    gc.unfreeze()  # what the last load froze (a previous engine among it) can be collected again
+    start_heap()
     # Only the name: loading registers the function with transformers where it builds a transformers model
     # (registering imports transformers' modelling code, which the light int4 model on CPU never needs).
     target, draft = load_pair(pair, dev, attn_implementation=attention.ATTN_IMPLEMENTATION, progress=progress,
@@ -230,6 +230,20 @@ def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, c
     engine = Engine(target, draft, pair)
     settle_heap()
     return engine
+
+
+def start_heap() -> None:
+    """Before a load. After an earlier load (which froze the heap, its engine among it): unfreeze, so that the
+    old engine can be collected. At the first load: freeze what is there instead (the imports' ~190,000
+    objects on the embedded default, once the young garbage is collected), so that the collections while
+    loading and :func:`settle_heap`'s walk only the objects loading makes: settle_heap 0.20 → 0.01 s and
+    load_engine 1.34-1.64 → 0.88-1.25 s (3 runs each, alternated). Garbage already old at that moment
+    (import-time cycles: small) is kept until the next load unfreezes it."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+    else:
+        gc.collect(1)
+        gc.freeze()
 
 
 def settle_heap() -> None:

@@ -238,6 +238,33 @@ def test_settle_heap_collects_the_garbage_then_freezes_the_rest():
         gc.unfreeze()
 
 
+def test_the_first_load_freezes_the_imports_and_a_later_load_unfreezes_the_last_one():
+    """start_heap: at the first load (nothing frozen) the objects already there go to the permanent generation,
+    young garbage collected first, so loading's collections skip them; at a later load what the last load froze
+    (a previous engine among it) is unfrozen to be collected."""
+    import gc
+    import weakref
+
+    from specchat.backend.engine.engine import start_heap
+
+    class Node:
+        pass
+
+    gc.unfreeze()
+    try:
+        cycle = Node()
+        cycle.self = cycle
+        garbage = weakref.ref(cycle)
+        del cycle
+        start_heap()
+        assert garbage() is None  # collected, not frozen
+        assert gc.get_freeze_count() > 0  # the first load froze what was there
+        start_heap()
+        assert gc.get_freeze_count() == 0  # a later load unfreezes it
+    finally:
+        gc.unfreeze()
+
+
 def test_prefill_progress_events_come_only_when_asked_and_change_nothing_else():
     """A request with ``prefill_progress`` gets one event before each prefill pass (tokens read so far of the
     total, no tokens, no statistics); the reply is the same, and a request that does not ask gets none."""
