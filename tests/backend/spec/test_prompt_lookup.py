@@ -85,18 +85,17 @@ def test_draft_length_follows_the_match() -> None:
 def test_incremental_index_equals_rescan() -> None:
     rng = random.Random(0)
     for max_ngram, min_ngram in ((3, 1), (4, 2), (1, 1)):
-        for bound in (None, (1.0, 1.0, 32), (0.5, 2.0, 5)):
+        for factor, offset, max_match in ((None, 1.0, 32), (1.0, 1.0, 32), (0.5, 2.0, 5)):
+            max_match = max(max_ngram, max_match)
+            bound = None if factor is None else (factor, offset, max_match)
             d = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, eos_token_ids=(EOS,),
-                                    draft_factor=None if bound is None else bound[0],
-                                    draft_offset=1.0 if bound is None else bound[1],
-                                    max_match=max(max_ngram, 32 if bound is None else bound[2]))
+                                    draft_factor=factor, draft_offset=offset, max_match=max_match)
             context: list[int] = [rng.randrange(1, 8) for _ in range(5)]
             for _ in range(300):
                 context += [rng.randrange(0, 8) for _ in range(rng.randrange(0, 4))]  # grows by 0..3 ids a call
                 max_tokens = rng.randrange(0, 12)
                 assert d.propose(context, max_tokens).token_ids == reference(
-                    context, max_tokens, max_ngram, min_ngram, {EOS},
-                    None if bound is None else (bound[0], bound[1], max(max_ngram, bound[2]))), context
+                    context, max_tokens, max_ngram, min_ngram, {EOS}, bound), context
             assert d.rebuilds == 0  # only grew: never rebuilt
 
 
