@@ -3,7 +3,9 @@ stubbed out (same output shapes, no arithmetic), so the difference is the kernel
 forward's own operations (norms, rotary, attention, casts) and Python.
 
 Measures one-token and 8-token passes after a prompt of ``--context`` random tokens, the minimum over rounds
-of ``--reps`` passes; measure on a quiet machine.
+of ``--reps`` passes; measure on a quiet machine. It also times the kernels alone: the same calls a one-token
+pass makes (every layer's projections and the head, on the real weights) back to back with nothing between
+them, the floor the compact forward's own operations sit on.
 
     python packaging/pass_time.py [--context 300] [--rows 1 8] [--pair smollm2-135m]
 """
@@ -29,6 +31,26 @@ def _time(runner, seq, ids: list[int], rows: int, reps: int, rounds: int = 5) ->
         for _ in range(reps):
             runner.forward(seq, ids[:rows], logits_to_keep=rows)
         best = min(best, (time.perf_counter() - start) / reps * 1e3)
+    return best
+
+
+def _kernels_alone(forward: CompactForward, rounds: int = 5, reps: int = 10) -> float:
+    """Milliseconds for one token's kernel calls, back to back (the minimum over ``rounds`` of ``reps``)."""
+    calls = []
+    for layer in forward.layers:
+        for name, call in layer.run.items():
+            if name in ("q", "k", "v") and "qkv" in layer.run or name in ("gate", "up") and "gate_up" in layer.run:
+                continue  # a one-token pass calls the joined projection, not its parts
+            calls.append((call, torch.randn(1, getattr(layer, name).in_features, dtype=torch.bfloat16)))
+    calls.append((forward.run_head, torch.randn(1, forward.hidden)))
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(reps):
+                for call, x in calls:
+                    call(x)
+            best = min(best, (time.perf_counter() - start) / reps * 1e3)
     return best
 
 
@@ -66,12 +88,14 @@ def main() -> int:
     runner.forward(seq, ids)
     seq.commit(len(ids))
     real = {rows: _time(runner, seq, ids, rows, reps=max(3, 20 // rows)) for rows in args.rows}
+    alone = _kernels_alone(forward)
     _stub_kernels(forward)
     stubbed = {rows: _time(runner, seq, ids, rows, reps=max(3, 20 // rows)) for rows in args.rows}
     for rows in args.rows:
         print(f"{rows} row(s) at {args.context} tokens of context: {real[rows]:.1f} ms a pass, "
               f"{stubbed[rows]:.1f} ms with the int4/int8 kernels stubbed out "
               f"({real[rows] - stubbed[rows]:.1f} ms of kernels)")
+    print(f"the kernels alone, one token's calls back to back: {alone:.1f} ms")
     return 0
 
 
