@@ -6,8 +6,8 @@ compact forward (``backend/kernels/compact.py``) it would replace; not used by s
 run, the 30 layers unrolled, the int4 kernels called inside) with ``torch.export`` and compiles it with
 AOTInductor into ``--package`` (minutes on 2 cores, a C++ compiler needed). The weights and the KV cache are
 passed as inputs, not stored in the package; the context length is a dynamic size. ``--run`` loads the package
-in a new process, checks that its logits equal the same function run eagerly and the compact forward's, and
-times it against the compact forward, interleaved, after a prompt of ``--context`` random tokens:
+in a new process, counts the tokens (of 10) for which its logits equal the compact forward's, and times it
+against the compact forward, interleaved, after a prompt of ``--context`` random tokens:
 
     python packaging/compiled_pass.py --build [--package /tmp/pass.pt2]
     python packaging/compiled_pass.py --run [--package /tmp/pass.pt2] [--context 300] [--passes 60]
@@ -90,8 +90,8 @@ def _setup(context: int):
     if seq.plan(1).read_start != base:
         raise SystemExit("the sequence's blocks are not one run; nothing to measure")
 
-    def inputs(position: int):  # the token ids[5] at ``position``, as the compact forward prepares it
-        h = forward.embed(torch.tensor([ids[5]])).float()
+    def inputs(position: int, token: int | None = None):  # the token at ``position``, prepared as the compact
+        h = forward.embed(torch.tensor([ids[5] if token is None else token])).float()  # forward prepares it
         cos, sin = forward.rotary(h[None], torch.tensor([[position]]))
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         half = sin.shape[-1] // 2
@@ -128,11 +128,13 @@ def main() -> int:
         start = time.perf_counter()
         compiled = torch._inductor.aoti_load_package(args.package)
         print(f"loaded in {time.perf_counter() - start:.1f} s")
-        position = args.context
-        logits = head(compiled(*inputs(position), *tensors))
-        same = torch.equal(logits, head(module(*inputs(position), *tensors)))
-        same_compact = torch.equal(logits, runner.forward(seq, [ids[5]]))
-        print(f"logits equal to the same pass run eagerly: {same}; to the compact forward's: {same_compact}")
+        position, equal, largest = args.context, 0, 0.0
+        for token in range(100, 49000, 4900):  # 10 tokens: agreeing on one token says little
+            compiled_logits = head(compiled(*inputs(position, token), *tensors))
+            compact_logits = runner.forward(seq, [token])
+            equal += torch.equal(compiled_logits, compact_logits)
+            largest = max(largest, (compiled_logits - compact_logits).abs().max().item())
+        print(f"logits equal to the compact forward's for {equal} of 10 tokens (largest difference {largest:.3g})")
         times: dict[str, list[float]] = {"compiled": [], "compact": []}
         for i in range(args.passes):
             position = args.context + i % 30
