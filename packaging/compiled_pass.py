@@ -33,7 +33,7 @@ PER_LAYER = 12  # tensors a layer passes in: 2 norms, 4 (packed, scales) pairs, 
 @torch.library.custom_op("specchat_probe::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.rms_norm`` as an opaque op, so the compiled graph calls the eager kernel: inductor's own RMSNorm
-    rounds differently (with it, the logits equalled the compact forward's for 7-9 tokens of 10; with this,
+    rounds differently (with it, the logits equalled the compact forward's for 4-9 tokens of 10; with this,
     for 10 of 10)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
