@@ -6,7 +6,7 @@ compact forward (``backend/kernels/compact.py``) it would replace; not used by s
 run, the 30 layers unrolled, the int4 kernels called inside) with ``torch.export`` and compiles it with
 AOTInductor into ``--package`` (minutes on 2 cores, a C++ compiler needed); its RMSNorms stay the eager
 kernel (:func:`rms_norm`). The weights and the KV cache are passed as inputs, not stored in the package; the
-context length is a dynamic size. ``--run`` loads the package in a new process, counts the tokens (of 10) for
+context length is a dynamic size. ``--run`` loads the package in a new process, counts the tokens (of 20) for
 which its logits equal the compact forward's, and times it against the compact forward, interleaved, after a
 prompt of ``--context`` random tokens:
 
@@ -32,9 +32,9 @@ PER_LAYER = 12  # tensors a layer passes in: 2 norms, 4 (packed, scales) pairs, 
 
 @torch.library.custom_op("specchat_probe::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm`` as an opaque op, so the compiled graph calls the eager kernel: inductor's own RMSNorm
-    rounds differently (with it, the logits equalled the compact forward's for 4-9 tokens of 10; with this,
-    for 10 of 10)."""
+    """``F.rms_norm`` as an opaque op, so the compiled graph calls the eager kernel. Inductor's own RMSNorm
+    rounds differently: with it, the logits equalled the compact forward's for 4-9 tokens of 10. With this, for
+    more of them but not all (README, "Speed on CPU"): some other compiled operation still differs."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -143,12 +143,14 @@ def main() -> int:
         compiled = torch._inductor.aoti_load_package(args.package)
         print(f"loaded in {time.perf_counter() - start:.1f} s")
         position, equal, largest = args.context, 0, 0.0
-        for token in range(100, 49000, 4900):  # 10 tokens: agreeing on one token says little
+        probes = range(7, 49000, 2450)  # 20 tokens: agreeing on one, or on 10, said little
+        for token in probes:
             compiled_logits = head(compiled(*inputs(position, token), *tensors))
             compact_logits = runner.forward(seq, [token])
             equal += torch.equal(compiled_logits, compact_logits)
             largest = max(largest, (compiled_logits - compact_logits).abs().max().item())
-        print(f"logits equal to the compact forward's for {equal} of 10 tokens (largest difference {largest:.3g})")
+        print(f"logits equal to the compact forward's for {equal} of {len(probes)} tokens (largest difference "
+              f"{largest:.3g})")
         times: dict[str, list[float]] = {"compiled": [], "compact": []}
         for i in range(args.passes):
             position = args.context + i % 30
