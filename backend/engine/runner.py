@@ -6,10 +6,11 @@ Contract:
   CUDA graphs over static shapes on CUDA (``backend/kernels/cuda_graphs.py``; ``SPECCHAT_CUDA_GRAPHS=0`` turns
   them off); on CPU, for a model with int4/int8 layers (``quantization: int4-torch | int8-torch``) the
   compact forward (``backend/kernels/compact.py``; ``SPECCHAT_COMPACT=0`` turns it off, and an architecture it
-  does not cover keeps transformers' forward), for a float32 model oneDNN-packed linear layers when their
-  second copy fits in free memory (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0`` turns it off);
-  else the plain eager forward. A light model (``backend/models/skeleton.py``, loaded for the compact forward)
-  has no other path: without it the runner raises :class:`ModelLoadError`.
+  does not cover keeps transformers' forward; its decoder layers move to C++ once built for this machine,
+  ``backend/kernels/native.py``, ``SPECCHAT_NATIVE=0`` turns that off), for a float32 model oneDNN-packed linear
+  layers when their second copy fits in free memory (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0``
+  turns it off); else the plain eager forward. A light model (``backend/models/skeleton.py``, loaded for the
+  compact forward) has no other path: without it the runner raises :class:`ModelLoadError`.
 - :meth:`ModelRunner.forward` runs one forward over ``input_ids`` appended after ``seq``'s committed tokens and
   returns the float logits of the last ``logits_to_keep`` of them. It reserves their cache slots but does NOT
   commit: the caller keeps what it accepts with ``seq.commit(k)``. A step the graph path declines (too many
@@ -26,7 +27,7 @@ import os
 import torch
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, quant_linear, switched_off
+from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, native, quant_linear, switched_off
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
@@ -113,6 +114,7 @@ class ModelRunner:
         self.graphs: cuda_graphs.GraphRunner | None = None
         self.compact: compact.CompactForward | None = None
         self.packed_layers = 0
+        self.native: native.Attachment | None = None
         wants_graphs = cuda_graphs.graphs_wanted(loaded.device)
         # The graph runner keeps one block of its own for the K/V of padded tokens.
         self.cache = PagedKVCache.for_model(model.config, max_tokens=kv_tokens + (BLOCK_SIZE if wants_graphs else 0),
@@ -121,6 +123,8 @@ class ModelRunner:
             self.graphs = cuda_graphs.GraphRunner(model, self.cache, max_kv=kv_tokens)
         elif loaded.device.type == "cpu" and quant_linear.quantized_layers(model):
             self.compact = _compact_forward(loaded)
+            if self.compact is not None:  # its C++ layers, in the background (built once per machine)
+                self.native = native.attach(self.compact, self.cache, loaded.spec.source)
         elif loaded.device.type == "cpu":
             self.packed_layers = _pack_if_it_fits(loaded)
         if light and self.compact is None:
@@ -153,7 +157,11 @@ class ModelRunner:
                              fast=self.compact, parents=parents)
 
     def close(self) -> None:
-        """Release the CUDA graphs (their memory pool) and their block."""
+        """Release the CUDA graphs (their memory pool) and their block, and the native layers' hold on the
+        weights and cache."""
+        if self.native is not None:
+            self.native.close()
+            self.native = None
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None

@@ -180,6 +180,10 @@ class CompactForward:
         self.run_head = kernel_call(self.head)
         self.layers = [_Layer(layer, config) for layer in model.model.layers]
         self.hidden = int(config.hidden_size)
+        # The C++ layers (backend/kernels/native.py) once built, bound and checked; they take passes of at most
+        # native_rows tokens (the row-by-row attention's), and give their logits bit for bit.
+        self.native = None
+        self.native_rows = ROWWISE_ROWS
 
     def _attention(self, layer: _Layer, x: torch.Tensor, n: int, cos, signed_sin, ctx) -> torch.Tensor:
         d = layer.head_dim
@@ -216,6 +220,10 @@ class CompactForward:
         return layer.run["down"](F.silu(gate.float(), inplace=True).mul_(up))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, ctx, logits_to_keep: int) -> torch.Tensor:
+        return self.run(ids, positions, ctx, logits_to_keep, self.native)
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, ctx, logits_to_keep: int, native) -> torch.Tensor:
+        """The pass, its decoder layers through ``native`` (a ``native.Native``) when given and it takes it."""
         n = ids.numel()
         with torch.inference_mode():
             h = self.embed(ids).float()  # [n, hidden], the residual stream
@@ -224,11 +232,18 @@ class CompactForward:
             half = sin.shape[-1] // 2
             signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             shape = (self.hidden,)
-            for layer in self.layers:  # the residual stream is this pass's own tensor: added to in place
-                h.add_(self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, signed_sin, ctx))
-                h.add_(self._mlp(layer, F.rms_norm(h, shape, layer.norm2, layer.eps2)))
+            if native is not None and isinstance(ctx, attention.PagedContext) and native.takes(n, ctx):
+                native.layers(h, cos, signed_sin, ctx.plan)
+            else:
+                self._layers(h, n, cos, signed_sin, ctx)
             last = F.rms_norm(h[n - logits_to_keep:], shape, self.final_norm, self.final_eps)
             return self.run_head(last).float()
+
+    def _layers(self, h: torch.Tensor, n: int, cos, signed_sin, ctx) -> None:
+        shape = (self.hidden,)
+        for layer in self.layers:  # the residual stream is this pass's own tensor: added to in place
+            h.add_(self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, signed_sin, ctx))
+            h.add_(self._mlp(layer, F.rms_norm(h, shape, layer.norm2, layer.eps2)))
 
 
 def build(model: nn.Module) -> CompactForward:
