@@ -116,7 +116,7 @@ def _attend_rows(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     keys_t = keys.transpose(1, 2)  # [kv_heads, d, L], a view
     n, d = q.shape[2], layer.head_dim
     rep = layer.heads // layer.kv_heads
-    tree = _tree_keys(ctx.tree, plan.start, first, window, keys.device) if ctx.tree is not None else None
+    tree = tree_keys(ctx.tree, plan.start, first, window, keys.device) if ctx.tree is not None else None
     queries = q[0].transpose(0, 1).reshape(n, layer.kv_heads, rep, d)  # query head h reads KV head h // rep
     unused = _unused(q)  # baddbmm's input, ignored at beta=0 (the scale is applied inside the product)
     rows = []
@@ -148,7 +148,7 @@ def _unused(like: torch.Tensor) -> torch.Tensor:
     return found
 
 
-def _tree_keys(tree, start: int, first: int, window: int | None, device: torch.device) -> list[torch.Tensor]:
+def tree_keys(tree, start: int, first: int, window: int | None, device: torch.device) -> list[torch.Tensor]:
     """For each new token of a tree pass (at position ``start + depth``), the indices of the keys it attends
     among those read from position ``first``: the committed ones in its window, then the new tokens it sees (its
     ancestors and itself, inside its window), by slot, which is their order along its path. Plain decoding of
@@ -233,7 +233,7 @@ class CompactForward:
             signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             shape = (self.hidden,)
             if native is not None and isinstance(ctx, attention.PagedContext) and native.takes(n, ctx):
-                native.layers(h, cos, signed_sin, ctx.plan)
+                native.layers(h, cos, signed_sin, ctx)
             else:
                 self._layers(h, n, cos, signed_sin, ctx)
             last = F.rms_norm(h[n - logits_to_keep:], shape, self.final_norm, self.final_eps)

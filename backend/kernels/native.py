@@ -14,11 +14,11 @@ is cached in the cache directory under a name keyed by the source, torch's versi
 later load attaches it in a background thread: load, bind the model's tensors once, check on a scratch cache
 that a few passes give exactly the Python loop's logits, and only then route passes through it.
 
-It takes the passes :meth:`Native.takes` names (at most ``compact.ROWWISE_ROWS`` tokens, no tree, the slots
-one consecutive run: every plain decoding and verification pass of a chat whose blocks were allocated in
-order); anything else keeps the Python loop. A model whose projections are not all joined int4 layers
-(:func:`bindable`) keeps it too. ``SPECCHAT_NATIVE=0`` turns it off. No compiler, a failed build or a failed
-check is logged once with the reason, and nothing else changes.
+It takes the passes :meth:`Native.takes` names (at most ``compact.ROWWISE_ROWS`` tokens, the slots one
+consecutive run: every plain decoding and verification pass of a chat whose blocks were allocated in order,
+trees of drafts included unless a sliding window cuts them); anything else keeps the Python loop. A model
+whose projections are not all joined int4 layers (:func:`bindable`) keeps it too. ``SPECCHAT_NATIVE=0`` turns
+it off. No compiler, a failed build or a failed check is logged once with the reason, and nothing else changes.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from specchat.backend.kernels import switched_off
+from specchat.backend.kernels import compact, switched_off
 from specchat.backend.kernels.quant_linear import Int4Linear
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache
@@ -174,18 +174,26 @@ class Native:
                      -1 if layer.window is None else layer.window]
             floats += [layer.eps1, layer.eps2, layer.scaling]
         self.cache = cache
+        self.windows = [layer.window for layer in forward.layers]
         self.rows = 0  # the most tokens a pass it takes may have (set by the compact forward)
         self._ops = torch.ops.specchat_native
         self.handle = int(self._ops.prepare(tensors, ints, floats, forward.layers[0].qkv.compute_dtype))
 
     def takes(self, n: int, ctx) -> bool:
+        """Whether it runs this pass: at most ``rows`` tokens over one consecutive run of slots in its cache,
+        and a tree of drafts only where no layer's sliding window cuts the keys."""
         plan = ctx.plan
-        return (n <= self.rows and ctx.tree is None and ctx.cache is self.cache and plan.write_start is not None
+        if ctx.tree is not None and any(w is not None and w < plan.kv_len for w in self.windows):
+            return False
+        return (n <= self.rows and ctx.cache is self.cache and plan.write_start is not None
                 and plan.read_start is not None)
 
-    def layers(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, plan) -> None:
+    def layers(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, ctx) -> None:
         """Every decoder layer over the residual stream ``h`` [n, hidden] float32, in place."""
-        self._ops.layers(self.handle, h, cos, signed_sin, plan.start, plan.write_start, plan.read_start, plan.kv_len)
+        plan = ctx.plan
+        tree = [] if ctx.tree is None else compact.tree_keys(ctx.tree, plan.start, 0, None, h.device)
+        self._ops.layers(self.handle, h, cos, signed_sin, plan.start, plan.write_start, plan.read_start, plan.kv_len,
+                         tree)
 
     def release(self) -> None:
         if self.handle >= 0:

@@ -94,9 +94,11 @@ void release(int64_t handle) {
   models[handle].reset();
 }
 
-// _attend_rows for a pass whose new tokens' slots and whose keys' slots are each one consecutive run.
+// _attend_rows for a pass whose new tokens' slots and whose keys' slots are each one consecutive run; ``tree``
+// (a tree of drafts, no sliding window in effect): per new token, the indices of the keys it attends.
 at::Tensor attend_rows(const Model& model, const Layer& layer, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, int64_t start, int64_t write_start, int64_t read_start, int64_t kv_len) {
+                       const at::Tensor& v, int64_t start, int64_t write_start, int64_t read_start, int64_t kv_len,
+                       const std::vector<at::Tensor>& tree) {
   const int64_t n = q.size(2), d = layer.head_dim, q_width = layer.heads * d;
   layer.k_pool.slice(2, write_start, write_start + n).copy_(k);
   layer.v_pool.slice(2, write_start, write_start + n).copy_(v);
@@ -112,7 +114,13 @@ at::Tensor attend_rows(const Model& model, const Layer& layer, const at::Tensor&
   rows.reserve(n);
   for (int64_t i = 0; i < n; ++i) {
     at::Tensor key_t = keys_t, value = values;
-    if (!(n == 1 && !windowed)) {
+    if (!tree.empty()) {  // keys[:, tree[i]] in Python: a slice, then an index by the tensor
+      c10::List<std::optional<at::Tensor>> index;
+      index.push_back(std::nullopt);
+      index.push_back(tree[i]);
+      key_t = at::index(keys, index).transpose(1, 2);
+      value = at::index(values, index);
+    } else if (!(n == 1 && !windowed)) {
       const int64_t position = start + i;
       const int64_t low = windowed ? std::max<int64_t>(0, position - layer.window + 1) - first : 0;
       const int64_t seen = position + 1 - first - low;
@@ -127,7 +135,7 @@ at::Tensor attend_rows(const Model& model, const Layer& layer, const at::Tensor&
 
 // Every decoder layer over the residual stream h [n, hidden] float32, in place (CompactForward.__call__'s loop).
 void layers(int64_t handle, at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t start,
-            int64_t write_start, int64_t read_start, int64_t kv_len) {
+            int64_t write_start, int64_t read_start, int64_t kv_len, const std::vector<at::Tensor>& tree) {
   c10::InferenceMode inference;
   std::shared_ptr<Model> model;
   {
@@ -147,7 +155,7 @@ void layers(int64_t handle, at::Tensor h, const at::Tensor& cos, const at::Tenso
     qk = qk * cos + qk.roll({d / 2}, {-1}) * signed_sin;
     at::Tensor q = qk.narrow(1, 0, layer.heads), k = qk.narrow(1, layer.heads, layer.kv_heads);
     v = v.view({1, n, layer.kv_heads, d}).transpose(1, 2);
-    at::Tensor out = attend_rows(*model, layer, q, k, v, start, write_start, read_start, kv_len);
+    at::Tensor out = attend_rows(*model, layer, q, k, v, start, write_start, read_start, kv_len, tree);
     h.add_(layer.o(out, model->dtype));
     // MLP
     at::Tensor gate_up = layer.gate_up(at::rms_norm(h, {hidden}, layer.norm2, layer.eps2), model->dtype);
@@ -163,6 +171,6 @@ TORCH_LIBRARY(specchat_native, m) {
   m.def("prepare(Tensor?[] tensors, int[] ints, float[] floats, ScalarType dtype) -> int", &prepare);
   m.def("release(int handle) -> ()", &release);
   m.def("layers(int handle, Tensor(a!) h, Tensor cos, Tensor signed_sin, int start, int write_start, "
-        "int read_start, int kv_len) -> ()",
+        "int read_start, int kv_len, Tensor[] tree) -> ()",
         &layers);
 }

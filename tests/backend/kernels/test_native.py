@@ -52,9 +52,9 @@ class Counting(native.Native):
 
     ran = 0
 
-    def layers(self, h, cos, signed_sin, plan) -> None:
+    def layers(self, h, cos, signed_sin, ctx) -> None:
         self.ran += 1
-        super().layers(h, cos, signed_sin, plan)
+        super().layers(h, cos, signed_sin, ctx)
 
 
 def _both(model, fast):
@@ -89,12 +89,16 @@ def test_native_layers_give_the_python_loops_logits_bit_for_bit(library, family)
         python_seq.commit(len(ids))
         native_seq.commit(len(ids))
     assert bound.ran == len(steps) - 1  # every pass but the 85-token prefill went through C++
+    tree, parents = random_ids(6, seed=9), [-1, 0, 0, 1, -1]  # a tree of drafts after the pending token
+    assert torch.equal(_pass(model, fast, native_seq, tree, 6, bound, parents),
+                       _pass(model, fast, python_seq, tree, 6, None, parents))
+    assert bound.ran == len(steps) - (family != "llama")  # a sliding window cuts the tree: the Python loop's
     assert native.differs_from_python(fast, _cache(model)) is None
     bound.release()
 
 
 def test_passes_it_does_not_take_keep_the_python_loop(library):
-    model = _quantised("llama", **SMOLLM_ATTENTION)
+    model = _quantised("mistral", **SMOLLM_ATTENTION)
     fast = compact.build(model)
     python_seq, native_seq, bound = _both(model, fast)
     prompt = random_ids(20, seed=1)
@@ -102,7 +106,7 @@ def test_passes_it_does_not_take_keep_the_python_loop(library):
         _pass(model, fast, seq, prompt, 1, bound if seq is native_seq else None)
         seq.commit(len(prompt))
     ran = bound.ran
-    tree, parents = random_ids(4, seed=2), [-1, -1, 1]  # a tree of drafts: the Python loop's
+    tree, parents = random_ids(4, seed=2), [-1, -1, 1]  # a tree its sliding window (8) cuts: the Python loop's
     assert torch.equal(_pass(model, fast, native_seq, tree, 4, bound, parents),
                        _pass(model, fast, python_seq, tree, 4, None, parents))
     long = random_ids(fast.native_rows + 1, seed=3)  # more rows than the row-wise attention takes
@@ -113,7 +117,8 @@ def test_passes_it_does_not_take_keep_the_python_loop(library):
     bound.release()
     with pytest.raises(RuntimeError, match="no model"):
         bound.handle = 10**6
-        bound.layers(torch.zeros(1, fast.hidden), torch.zeros(1), torch.zeros(1), native_seq.plan(1))
+        bound.layers(torch.zeros(1, fast.hidden), torch.zeros(1), torch.zeros(1),
+                     attention.PagedContext(native_seq.cache, native_seq.plan(1)))
 
 
 def _int4_engine(drafter: str = "prompt-lookup") -> Engine:
