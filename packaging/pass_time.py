@@ -5,7 +5,9 @@ forward's own operations (norms, rotary, attention, casts) and Python.
 Measures one-token and 8-token passes after a prompt of ``--context`` random tokens, the minimum over rounds
 of ``--reps`` passes; measure on a quiet machine. It also times the kernels alone: the same calls a one-token
 pass makes (every layer's projections and the head, on the real weights) back to back with nothing between
-them, the floor the compact forward's own operations sit on.
+them, the floor the compact forward's own operations sit on. With the native decoder layers built
+(``backend/kernels/native.py``) the passes above are theirs, and the same passes through the Python loop are
+timed too for the ratio; the stubbed passes are always the Python loop's.
 
     python packaging/pass_time.py [--context 300] [--rows 1 8] [--pair smollm2-135m]
 """
@@ -87,15 +89,37 @@ def main() -> int:
     seq = runner.cache.new_sequence()
     runner.forward(seq, ids)
     seq.commit(len(ids))
-    real = {rows: _time(runner, seq, ids, rows, reps=max(3, 20 // rows)) for rows in args.rows}
+    if runner.native is not None:
+        runner.native.wait()
+    native_layers = forward.native
+    loop: dict[int, float] = {}
+    native: dict[int, float] = {}
+    for rows in args.rows:  # native and Python-loop rounds alternate, so drift hits both alike
+        reps = max(3, 20 // rows)
+        if native_layers is None:
+            loop[rows] = _time(runner, seq, ids, rows, reps)
+            continue
+        loop[rows] = native[rows] = float("inf")
+        for _ in range(5):
+            forward.native = None
+            loop[rows] = min(loop[rows], _time(runner, seq, ids, rows, reps, rounds=1))
+            forward.native = native_layers
+            native[rows] = min(native[rows], _time(runner, seq, ids, rows, reps, rounds=1))
+    forward.native = None  # the stubbed kernels below are the Python loop's calls
     alone = _kernels_alone(forward)
     _stub_kernels(forward)
     stubbed = {rows: _time(runner, seq, ids, rows, reps=max(3, 20 // rows)) for rows in args.rows}
     for rows in args.rows:
-        print(f"{rows} row(s) at {args.context} tokens of context: {real[rows]:.1f} ms a pass, "
+        print(f"{rows} row(s) at {args.context} tokens of context, Python loop: {loop[rows]:.1f} ms a pass, "
               f"{stubbed[rows]:.1f} ms with the int4/int8 kernels stubbed out "
-              f"({real[rows] - stubbed[rows]:.1f} ms of kernels)")
+              f"({loop[rows] - stubbed[rows]:.1f} ms of kernels)")
+        if rows in native:
+            print(f"{rows} row(s) through the native layers: {native[rows]:.1f} ms a pass, "
+                  f"{native[rows] / loop[rows]:.3f}x the Python loop's")
     print(f"the kernels alone, one token's calls back to back: {alone:.1f} ms")
+    if native_layers is None:
+        why = runner.native.reason if runner.native is not None else "switched off (SPECCHAT_NATIVE=0)"
+        print(f"no native layers: {why}")
     return 0
 
 
