@@ -73,7 +73,7 @@ def build_command(cxx: str, out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     libs = cpp_extension.library_paths()
-    return [cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-w",
+    return [cxx, "-O2", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(out),
             *(f"-L{p}" for p in libs), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{p}" for p in libs)]
