@@ -23,6 +23,7 @@ it off. No compiler, a failed build or a failed check is logged once with the re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -79,33 +81,75 @@ def build_command(cxx: str, out: Path) -> list[str]:
             *(f"-L{p}" for p in libs), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{p}" for p in libs)]
 
 
+NO_COMPILER = "no C++ compiler found (set CXX, or install g++ or clang++)"
+BUSY = "another specchat process is building it"
+BUSY_EXIT = 3  # the build command's exit status when another process holds the build lock
+
+
 def _failure_note(out: Path) -> Path:
     return out.with_suffix(".failed")
 
 
+def _lock(out: Path) -> Path:
+    return out.with_name(out.name + ".building")
+
+
+def _building(out: Path) -> bool:
+    """Whether another process holds the build lock of ``out`` (taken less than BUILD_TIMEOUT_S ago)."""
+    try:
+        return time.time() - _lock(out).stat().st_mtime < BUILD_TIMEOUT_S
+    except OSError:
+        return False
+
+
+def _take_lock(out: Path) -> bool:
+    """Take the build lock of ``out`` (one build at a time, across processes); False while another holds it.
+    A lock older than BUILD_TIMEOUT_S belonged to a build that died: it is taken over."""
+    lock = _lock(out)
+    for _ in range(2):
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            if _building(out):
+                return False
+            lock.unlink(missing_ok=True)
+    return False
+
+
 def build(out: Path | None = None) -> str | None:
     """Compile the library into ``out`` (default :func:`library_path`), atomically; None when built, else why
-    not. A failed compile is noted beside ``out`` with the compiler's message, so later starts do not retry
-    it with the same compiler."""
+    not (:data:`BUSY` while another process builds it). A failed compile is noted beside ``out`` with the
+    compiler's message, so later starts do not retry it with the same compiler."""
     out = out or library_path()
     cxx = compiler()
     if cxx is None:
-        return "no C++ compiler found (set CXX, or install g++ or clang++)"
-    out.parent.mkdir(parents=True, exist_ok=True)
+        return NO_COMPILER
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not _take_lock(out):
+            return BUSY
+    except OSError as exc:
+        return f"cannot write the cache folder {out.parent}: {exc}"
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
-        done = subprocess.run(build_command(cxx, partial), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        reason = f"{cxx} did not run: {exc}"
-    else:
-        if done.returncode == 0 and partial.exists():
-            os.replace(partial, out)
-            _failure_note(out).unlink(missing_ok=True)
-            return None
-        reason = f"{cxx} failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}"
-    partial.unlink(missing_ok=True)
-    _failure_note(out).write_text(f"{cxx}\n{reason}\n")
-    return reason
+        try:
+            done = subprocess.run(build_command(cxx, partial), capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            reason = f"{cxx} did not run: {exc}"
+        else:
+            if done.returncode == 0 and partial.exists():
+                os.replace(partial, out)
+                _failure_note(out).unlink(missing_ok=True)
+                return None
+            reason = f"{cxx} failed (exit {done.returncode}): {done.stderr.strip()[-1500:]}"
+        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            _failure_note(out).write_text(f"{cxx}\n{reason}\n")
+        return reason
+    finally:
+        _lock(out).unlink(missing_ok=True)
 
 
 def _earlier_failure(out: Path) -> str | None:
@@ -117,13 +161,24 @@ def _earlier_failure(out: Path) -> str | None:
     return reason.strip() if cxx == (compiler() or "") else None
 
 
-def _build_in_background(out: Path) -> str | None:
-    """Run :func:`build` in a ``nice``d child process that outlives this one; wait for it. None when built."""
+def _wait_for(out: Path, wait_s: float) -> str | None:
+    """Wait while another process builds ``out``; None once it exists."""
+    deadline = time.monotonic() + wait_s
+    while not out.exists() and _building(out) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return None if out.exists() else "another specchat process's build did not finish"
+
+
+def _build_in_background(out: Path, wait_s: float = BUILD_TIMEOUT_S) -> str | None:
+    """Run :func:`build` in a ``nice``d child process that outlives this one, or wait for another process's
+    build of the same library (several specchat processes started at once compile it once). None when built."""
     if compiler() is None:
-        return "no C++ compiler found (set CXX, or install g++ or clang++)"
+        return NO_COMPILER
     earlier = _earlier_failure(out)
     if earlier is not None:
         return f"an earlier build failed ({earlier}); delete {_failure_note(out)} to try again"
+    if _building(out):
+        return _wait_for(out, wait_s)
     nice = (lambda: os.nice(19)) if hasattr(os, "nice") else None
     child = subprocess.Popen([sys.executable, "-m", "specchat.backend.kernels.native", "build", str(out)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -131,6 +186,8 @@ def _build_in_background(out: Path) -> str | None:
     _, err = child.communicate()
     if child.returncode == 0 and out.exists():
         return None
+    if child.returncode == BUSY_EXIT:
+        return _wait_for(out, wait_s)
     return err.strip()[-1500:] or f"the build exited with {child.returncode}"
 
 
@@ -307,7 +364,7 @@ def main(argv: list[str]) -> int:
     failed = build(out)
     if failed is not None:
         print(f"specchat: the native decoder layers were not built: {failed}", file=sys.stderr)
-        return 1
+        return BUSY_EXIT if failed == BUSY else 1
     print(out)
     return 0
 

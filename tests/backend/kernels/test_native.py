@@ -6,7 +6,9 @@ The library is built once for this module (~20 s) with the machine's C++ compile
 
 from __future__ import annotations
 
+import os
 import shutil
+import threading
 
 import pytest
 import torch
@@ -194,3 +196,22 @@ def test_the_embedded_default_gives_the_same_logits_natively(library):
         assert torch.equal(replies[0], replies[1]), rows
     bound.release()
     engine.close()
+
+
+def test_one_build_at_a_time_across_processes(monkeypatch, tmp_path):
+    """A second specchat started while the first compiles waits for that build instead of compiling again; a
+    lock left by a build that died is taken over."""
+    monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", shutil.which("false") or "/bin/false")
+    out = native.library_path()
+    out.parent.mkdir(parents=True)
+    lock = out.with_name(out.name + ".building")
+    lock.touch()
+    assert native.build(out) == native.BUSY and native.main(["build", str(out)]) == native.BUSY_EXIT
+    finished = threading.Timer(0.6, lambda: (out.write_bytes(b"built elsewhere"), lock.unlink()))
+    finished.start()
+    assert native._build_in_background(out, wait_s=30) is None and out.read_bytes() == b"built elsewhere"
+    out.unlink()
+    lock.touch()
+    os.utime(lock, (0, 0))  # a lock as old as the epoch: its build died
+    assert "failed (exit 1)" in (native.build(out) or "") and not lock.exists()
