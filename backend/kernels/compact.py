@@ -11,6 +11,9 @@ prefill); a pass of at most :data:`ROWWISE_ROWS` tokens attends one query at a t
 each token's result does not depend on how many tokens its pass verifies — a tree of drafts included: a node
 attends its window of the prefix and its own ancestors, in their order along its path.
 
+Once built for the machine, ``backend/kernels/native.py`` runs the decoder layers of passes of at most
+:data:`ROWWISE_ROWS` tokens in C++, with the same operations and the same logits, bit for bit.
+
 Contract: :func:`build(model)` returns a :class:`CompactForward` or raises :class:`Unsupported` with the
 reason (another architecture, an activation other than SiLU, a layer type it does not know); the model
 runner (``backend/engine/runner.py``) then keeps transformers' forward. ``compact(ids, positions, ctx,

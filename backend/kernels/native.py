@@ -2,9 +2,11 @@
 
 Why: a one-token pass of the embedded default makes ~1,300 ATen calls from Python (norms, projections,
 rotary, attention, casts), and at ~5-10 µs of interpreter and argument parsing each that is as long as its
-int4 kernels. ``native_pass.cpp`` makes the same calls, in the same order, on the same tensors from C++ in
-one call per pass, so its logits are the Python loop's bit for bit (``tests/backend/kernels/test_native.py``).
-Measured on the embedded default (README "Speed on CPU"): a one-token pass 0.74-0.78x the Python loop's time.
+int4 kernels. ``native_pass.cpp`` runs the same operations, in the same order, on the same tensors from C++ in
+one call per pass (ATen's own calls for the kernels, reductions, matrix products, softmax and SiLU; loops doing
+the same float operation per element for the elementwise chains between them), so its logits are the Python
+loop's bit for bit (``tests/backend/kernels/test_native.py``). Measured on the embedded default (README "Speed
+on CPU"): a one-token pass 0.74x the Python loop's time, ~4 ms around the kernels instead of ~10.
 
 How: PyTorch ships its headers and libraries, so the only thing a machine needs is a C++ compiler (``CXX``,
 else ``c++`` / ``g++`` / ``clang++``). The first time a model runs the compact forward, :func:`attach` starts
@@ -52,9 +54,12 @@ _load_lock = threading.Lock()
 _loaded: Path | None = None
 
 
+FLAGS = ("-O2", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", "-w")  # no fused multiply-adds: see the .cpp
+
+
 def _key() -> str:
-    parts = [SOURCE.read_bytes(), torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
-             sys.platform.encode(), platform.machine().encode()]
+    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
+             str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.platform.encode(), platform.machine().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -75,7 +80,7 @@ def build_command(cxx: str, out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     libs = cpp_extension.library_paths()
-    return [cxx, "-O2", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", "-w",
+    return [cxx, *FLAGS,
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(out),
             *(f"-L{p}" for p in libs), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{p}" for p in libs)]
