@@ -1,7 +1,9 @@
-// The compact forward's decoder layers for passes of up to 64 tokens, in C++: the same ATen operations, in the
-// same order, on the same tensors as backend/kernels/compact.py's Python loop (CompactForward._attention,
-// _attend_rows on a contiguous run of cache slots, _mlp), so each result is the Python loop's bit for bit.
-// Only the Python interpreter and its per-operation argument parsing (~1,300 calls a token) are left out.
+// The compact forward's decoder layers for passes of up to 64 tokens, in C++: the same operations, in the same
+// order, on the same tensors as backend/kernels/compact.py's Python loop (CompactForward._attention,
+// _attend_rows on a contiguous run of cache slots or a tree, _mlp), so each result is the Python loop's bit for
+// bit. Kernels, reductions, matrix products, softmax and SiLU are the same ATen calls; the elementwise chains
+// between them are exact loops (below). Left out: the Python interpreter and its per-operation argument parsing
+// (~1,300 calls a token), and most of the chains' dispatch and temporaries.
 // backend/kernels/native.py builds this file with the machine's C++ compiler into a cached library and binds
 // a model's tensors to it once (prepare); tests/backend/kernels/test_native.py checks the equality.
 #include <ATen/ATen.h>
