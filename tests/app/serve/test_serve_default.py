@@ -26,8 +26,9 @@ def _generate(capsys, *args: str) -> dict:
 
 
 def test_greedy_output_over_the_api_equals_specchat_generate(tmp_path: Path, capsys) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "specchat.app.cli.main", "serve", "--pair", "smollm2-135m",
-                             "--port", "0", "--device", "cpu"], stderr=subprocess.PIPE, text=True)
+    # -X faulthandler: a server that does not stop is made to print every thread's stack (below).
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "specchat.app.cli.main", "serve", "--pair",
+                             "smollm2-135m", "--port", "0", "--device", "cpu"], stderr=subprocess.PIPE, text=True)
     try:
         url = ""
         deadline = time.monotonic() + 300
@@ -49,4 +50,10 @@ def test_greedy_output_over_the_api_equals_specchat_generate(tmp_path: Path, cap
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler dumps the threads' stacks to stderr
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"specchat serve did not stop within 60 s of Ctrl+C; its stderr's end:\n{err[-6000:]}")
+        assert code == 0
