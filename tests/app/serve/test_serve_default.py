@@ -26,9 +26,12 @@ def _generate(capsys, *args: str) -> dict:
 
 
 def test_greedy_output_over_the_api_equals_specchat_generate(tmp_path: Path, capsys) -> None:
-    # -X faulthandler: a server that does not stop is made to print every thread's stack (below).
+    # -X faulthandler: a server that does not stop is made to print every thread's stack (below). SIGINT is set
+    # back to its default in the child, as a terminal's Ctrl+C finds it: a test run started in the background by a
+    # non-interactive shell inherits it ignored, and Python then never raises KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "specchat.app.cli.main", "serve", "--pair",
-                             "smollm2-135m", "--port", "0", "--device", "cpu"], stderr=subprocess.PIPE, text=True)
+                             "smollm2-135m", "--port", "0", "--device", "cpu"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         url = ""
         deadline = time.monotonic() + 300
