@@ -20,6 +20,7 @@ import time
 import torch
 
 from specchat.backend.engine.engine import load_engine
+from specchat.backend.kernels import native
 from specchat.backend.kernels.compact import CompactForward
 from specchat.backend.models.config import load_pairs
 
@@ -118,7 +119,8 @@ def main() -> int:
                   f"{native[rows] / loop[rows]:.3f}x the Python loop's")
     print(f"the kernels alone, one token's calls back to back: {alone:.1f} ms")
     if native_layers is None:
-        why = runner.native.reason if runner.native is not None else "switched off (SPECCHAT_NATIVE=0)"
+        why = (runner.native.reason if runner.native is not None
+               else native.bindable(forward) or "switched off (SPECCHAT_NATIVE=0)")
         print(f"no native layers: {why}")
     return 0
 

@@ -184,9 +184,8 @@ class CompactForward:
         self.layers = [_Layer(layer, config) for layer in model.model.layers]
         self.hidden = int(config.hidden_size)
         # The C++ layers (backend/kernels/native.py) once built, bound and checked; they take passes of at most
-        # native_rows tokens (the row-by-row attention's), and give their logits bit for bit.
+        # ROWWISE_ROWS tokens (the row-by-row attention's), and give their logits bit for bit.
         self.native = None
-        self.native_rows = ROWWISE_ROWS
 
     def _attention(self, layer: _Layer, x: torch.Tensor, n: int, cos, signed_sin, ctx) -> torch.Tensor:
         d = layer.head_dim

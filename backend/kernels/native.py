@@ -237,7 +237,7 @@ class Native:
             floats += [layer.eps1, layer.eps2, layer.scaling]
         self.cache = cache
         self.windows = [layer.window for layer in forward.layers]
-        self.rows = 0  # the most tokens a pass it takes may have (set by the compact forward)
+        self.rows = compact.ROWWISE_ROWS  # the most tokens a pass it takes may have: the row-wise attention's
         self._ops = torch.ops.specchat_native
         self.handle = int(self._ops.prepare(tensors, ints, floats, forward.layers[0].qkv.compute_dtype))
 
@@ -301,9 +301,7 @@ class Attachment:
         with self._lock:
             if self._closed:
                 return None
-            native = Native(self.forward, self.cache)
-            native.rows = self.forward.native_rows
-            self.forward.native = native
+            self.forward.native = Native(self.forward, self.cache)
         log.info("%s decodes through the native layers (%s)", self.name, path.name)
         return None
 
@@ -330,7 +328,6 @@ def differs_from_python(forward, cache) -> str | None:
     scratch = PagedKVCache(num_layers=len(cache.k_layers), num_kv_heads=first.kv_heads, head_dim=first.head_dim,
                            num_blocks=3, block_size=16, dtype=cache.dtype, device="cpu")
     probe = Native(forward, scratch)
-    probe.rows = forward.native_rows
     try:
         ids = torch.randint(0, forward.embed.num_embeddings, (44,), generator=torch.Generator().manual_seed(0))
         seq = scratch.new_sequence()
