@@ -121,3 +121,26 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# SmolLM2-135M's attention shape (9 query heads of 64 over 3 KV heads): where a batched masked attention's rows
+# differ from one-token passes in the last bits (the tiny default shape happens not to show it).
+SMOLLM_ATTENTION = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+def quantised_paged(family: str, quantization: str = "int4-torch", **overrides) -> PreTrainedModel:
+    """A tiny ``family`` model quantised as ``quantization`` on CPU, switched to paged attention."""
+    from specchat.backend.kv import attention
+    from specchat.backend.models.quantized import quantize_model
+
+    model = build_tiny(family, **overrides)
+    quantize_model(model, quantization, torch.device("cpu"))
+    attention.use_paged_attention(model)
+    return model
+
+
+def tiny_paged_cache(model):
+    """A 256-token bfloat16 paged cache on CPU for ``model``."""
+    from specchat.backend.kv.kv_cache import PagedKVCache
+
+    return PagedKVCache.for_model(model.config, max_tokens=256, block_size=16, dtype=torch.bfloat16, device="cpu")

@@ -4,28 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny, random_ids
+from tiny_models import SMOLLM_ATTENTION, build_tiny, random_ids
+from tiny_models import quantised_paged as _quantised
+from tiny_models import tiny_paged_cache as _cache
 
 from specchat.backend.engine.runner import forward_paged
 from specchat.backend.kernels import compact, quant_linear
-from specchat.backend.kv import attention
-from specchat.backend.kv.kv_cache import PagedKVCache
 from specchat.backend.models.quantized import quantize_model
-
-# SmolLM2-135M's attention shape (9 query heads of 64 over 3 KV heads): where a batched masked attention's rows
-# differ from one-token passes in the last bits (the tiny default shape happens not to show it).
-SMOLLM_ATTENTION = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
-
-
-def _quantised(family: str, quantization: str = "int4-torch", **overrides):
-    model = build_tiny(family, **overrides)
-    quantize_model(model, quantization, torch.device("cpu"))
-    attention.use_paged_attention(model)
-    return model
-
-
-def _cache(model) -> PagedKVCache:
-    return PagedKVCache.for_model(model.config, max_tokens=256, block_size=16, dtype=torch.bfloat16, device="cpu")
 
 
 @pytest.mark.parametrize("family", compact.ARCHITECTURES)

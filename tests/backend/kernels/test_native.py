@@ -13,30 +13,18 @@ import threading
 import pytest
 import torch
 from engine_fixtures import tiny_loaded, tiny_pair
-from tiny_models import build_tiny, random_ids
+from tiny_models import SMOLLM_ATTENTION, random_ids
+from tiny_models import quantised_paged as _quantised
+from tiny_models import tiny_paged_cache as _cache
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine
 from specchat.backend.engine.runner import forward_paged
 from specchat.backend.kernels import compact, native
 from specchat.backend.kv import attention
-from specchat.backend.kv.kv_cache import PagedKVCache
 from specchat.backend.models.config import load_pairs
 from specchat.backend.models.loading import load_model
 from specchat.backend.models.quantized import quantize_model
-
-SMOLLM_ATTENTION = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)  # rep 3
-
-
-def _quantised(family: str, **overrides):
-    model = build_tiny(family, **overrides)
-    quantize_model(model, "int4-torch", torch.device("cpu"))
-    attention.use_paged_attention(model)
-    return model
-
-
-def _cache(model) -> PagedKVCache:
-    return PagedKVCache.for_model(model.config, max_tokens=256, block_size=16, dtype=torch.bfloat16, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +51,6 @@ def _both(model, fast):
     """Two sequences on two caches: one for the Python loop, one with the native layers bound to its cache."""
     python_cache, native_cache = _cache(model), _cache(model)
     bound = Counting(fast, native_cache)
-    bound.rows = fast.native_rows
     return python_cache.new_sequence(), native_cache.new_sequence(), bound
 
 
@@ -111,7 +98,7 @@ def test_passes_it_does_not_take_keep_the_python_loop(library):
     tree, parents = random_ids(4, seed=2), [-1, -1, 1]  # a tree its sliding window (8) cuts: the Python loop's
     assert torch.equal(_pass(model, fast, native_seq, tree, 4, bound, parents),
                        _pass(model, fast, python_seq, tree, 4, None, parents))
-    long = random_ids(fast.native_rows + 1, seed=3)  # more rows than the row-wise attention takes
+    long = random_ids(compact.ROWWISE_ROWS + 1, seed=3)  # more rows than the row-wise attention takes
     assert torch.equal(_pass(model, fast, native_seq, long, 2, bound), _pass(model, fast, python_seq, long, 2))
     other = _cache(model).new_sequence()  # a cache the layers are not bound to
     _pass(model, fast, other, prompt, 1, bound)
@@ -178,7 +165,6 @@ def test_the_embedded_default_gives_the_same_logits_natively(library):
     assert native.differs_from_python(fast, runner.cache) is None
     prompt = torch.randint(100, 40000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     bound = native.Native(fast, runner.cache)
-    bound.rows = fast.native_rows
     for rows in (1, 5):
         replies = []
         for layers in (None, bound):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from foundation_fixtures import write_tiny_gguf
-from tiny_models import build_tiny, one_thread, random_ids, tiny_config  # noqa: F401  (one_thread: a fixture)
+from tiny_models import SMOLLM_ATTENTION, build_tiny, one_thread, random_ids, tiny_config  # noqa: F401  (one_thread: a fixture)
 from transformers import AutoConfig, AutoTokenizer
 
 from specchat.backend.engine.runner import ModelRunner, forward_paged
@@ -25,7 +25,6 @@ from specchat.backend.models.loading import LoadedModel, packaged_gguf_path
 from specchat.backend.models.quantized import from_gguf, quantize_model
 
 CPU = torch.device("cpu")
-SMOLLM_ATTENTION = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
           "intermediate_size", "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_parameters",
           "hidden_act", "mlp_bias", "attention_bias", "tie_word_embeddings", "head_dim", "sliding_window",
