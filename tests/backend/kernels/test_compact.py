@@ -13,10 +13,14 @@ from specchat.backend.kernels import compact, quant_linear
 from specchat.backend.models.quantized import quantize_model
 
 
+# Projection widths in whole blocks of the int4 layout (32 rows with AVX2, 64 with AVX-512): q 128, k/v 64.
+JOINABLE = dict(head_dim=32)
+
+
 @pytest.mark.parametrize("family", compact.ARCHITECTURES)
 @pytest.mark.parametrize("quantization", ["int4-torch", "int8-torch"])
 def test_compact_forward_matches_transformers(family, quantization):
-    model = _quantised(family, quantization)
+    model = _quantised(family, quantization, **JOINABLE)
     fast = compact.build(model)
     assert fast.layers[0].qkv is not None or quantization == "int8-torch"  # int4 projections joined
     prompt, steps = random_ids(80, seed=1), random_ids(6, seed=2)  # a prefill over the row-wise limit, then steps
@@ -59,7 +63,7 @@ def test_other_architectures_keep_transformers_forward(family):
 
 
 def test_joined_projections_share_the_layers_bytes():
-    model = _quantised("llama")
+    model = _quantised("llama", **JOINABLE)
     before = sum(m.packed.untyped_storage().nbytes() for m in quant_linear.quantized_layers(model)
                  if isinstance(m, quant_linear.Int4Linear))
     fast = compact.build(model)
