@@ -20,10 +20,14 @@ input is computed the same way whatever the row count, so a verification pass ov
 token the result a one-token pass gives it (greedy speculative decoding stays equal to plain decoding;
 ``tests/backend/kernels/test_quant_linear.py`` checks this).
 
-Prefill: these kernels stream the weights once per block of 4 input rows, so a pass over hundreds of rows
-costs several times a float32 GEMM. On CPU a pass over more than :data:`DEQUANT_ROWS` rows (only a long
-prompt's prefill: a verification pass has at most 32) de-quantises the weight to float32 (one layer at a time,
-from the packed bytes) and runs ``F.linear``; the result is rounded to ``compute_dtype`` like the kernel's.
+Prefill: these kernels widen the 4-bit weights again for every block of 4 input rows. With AVX2 only, that
+makes a pass over hundreds of rows cost several times a float32 GEMM, so there (:data:`DEQUANTISE_PREFILL`) a
+pass over more than :data:`DEQUANT_ROWS` rows (only a long prompt's prefill: a verification pass has at most
+32) de-quantises the weight to float32 (one layer at a time, from the packed bytes) and runs ``F.linear``; the
+result is rounded to ``compute_dtype`` like the kernel's. With AVX-512 the kernel stays the faster one: on the
+embedded default, a 300-token prefill took 270 ms through it and 634 ms de-quantised (512 tokens: 508 and
+799 ms; README "Speed on CPU"). The choice follows the CPU, never a timing, so a prompt's prefill is the same
+computation on every run of a machine.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ from torch import nn
 from specchat.backend.kernels import int4_layout
 
 GROUP_SIZES = (32, 64, 128, 256)
-DEQUANT_ROWS = 160  # where de-quantising a layer once starts to beat the kernel (README "Speed on CPU")
+DEQUANT_ROWS = 160  # where de-quantising a layer once starts to beat the kernel with AVX2 (README "Speed on CPU")
+# Whether long prefills de-quantise at all: not where ATen's CPU kernels run their AVX-512 versions.
+DEQUANTISE_PREFILL = torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
 def _flat(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -94,7 +100,7 @@ class Int4Linear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] (any float dtype, rounded to compute_dtype) times the weight, plus the bias: [M, N] in
         compute_dtype. What :meth:`forward` computes, without its reshapes and its cast back."""
-        if x.shape[0] > DEQUANT_ROWS and self.packed.device.type == "cpu":
+        if DEQUANTISE_PREFILL and x.shape[0] > DEQUANT_ROWS and self.packed.device.type == "cpu":
             weight = self.dequantized()
             if weight is not None:
                 out = F.linear(x.to(self.compute_dtype).float(), weight).to(self.compute_dtype)
@@ -159,7 +165,7 @@ class Int8Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] times the weight, plus the bias: [M, N] in compute_dtype (see :meth:`Int4Linear.matmul`)."""
-        if x.shape[0] > DEQUANT_ROWS and self.weight.device.type == "cpu":
+        if DEQUANTISE_PREFILL and x.shape[0] > DEQUANT_ROWS and self.weight.device.type == "cpu":
             out = F.linear(x.to(self.compute_dtype).float(), self.dequantized()).to(self.compute_dtype)
         else:
             out = torch.ops.aten._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)
@@ -220,7 +226,7 @@ def _bound(layer: Int4Linear | Int8Linear, kernel: Callable[[torch.Tensor], torc
     dtype, bias, long_input = layer.compute_dtype, layer.bias, layer.matmul
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > DEQUANT_ROWS:
+        if DEQUANTISE_PREFILL and x.shape[0] > DEQUANT_ROWS:
             return long_input(x)
         out = kernel(x.to(dtype).contiguous())
         return out if bias is None else out + bias

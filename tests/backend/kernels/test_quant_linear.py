@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specchat.backend.kernels import int4_layout
+from specchat.backend.kernels import int4_layout, quant_linear
 from specchat.backend.kernels.quant_linear import (
     DEQUANT_ROWS,
     GROUP_SIZES,
@@ -19,13 +19,20 @@ from specchat.backend.kernels.quant_linear import (
 )
 
 
+@pytest.fixture(autouse=True)
+def dequantised_prefill(monkeypatch):
+    """The de-quantised path for inputs over DEQUANT_ROWS rows on every machine (the CPU decides it in use)."""
+    monkeypatch.setattr(quant_linear, "DEQUANTISE_PREFILL", True)
+
+
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What the kernels compute: the input rounded to bfloat16, then a float32 product."""
     return F.linear(x.to(torch.bfloat16).float(), weight, bias)
 
 
 def test_layout_reproduces_pytorchs_packing_and_unpacks():
-    codes = torch.randint(0, 16, (96, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    # 128 rows: whole blocks of both layouts (32 rows with AVX2, 64 with AVX-512)
+    codes = torch.randint(0, 16, (128, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     reference = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
     assert torch.equal(int4_layout.pack_cpu(codes).view(torch.uint8), reference.view(torch.uint8))
     if int4_layout.cpu_block_n() is None:
