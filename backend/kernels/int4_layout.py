@@ -39,7 +39,8 @@ def _pack_blocks(codes: torch.Tensor, block_n: int) -> torch.Tensor:
     half = block_n // 32
     low, high = lanes[:, :half], lanes[:, half:]  # AVX2: lane 0 | lane 1; AVX-512: lanes 0,1 | lanes 2,3
     packed = (high << 4) | low  # [blocks, half, 16, K]
-    return packed.permute(0, 3, 1, 2).reshape(n, k // 2)
+    # contiguous(): for a single block reshape returns a strided view (no copy), which the kernel refuses
+    return packed.permute(0, 3, 1, 2).reshape(n, k // 2).contiguous()
 
 
 def _unpack_blocks(packed: torch.Tensor, block_n: int, k: int) -> torch.Tensor:

@@ -35,6 +35,8 @@ def test_layout_reproduces_pytorchs_packing_and_unpacks():
     codes = torch.randint(0, 16, (128, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     reference = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 2)
     assert torch.equal(int4_layout.pack_cpu(codes).view(torch.uint8), reference.view(torch.uint8))
+    for rows in (32, 64, 96):  # one block of either layout too: packed contiguous, as the kernel needs
+        assert int4_layout.pack_cpu(codes[:rows]).is_contiguous()
     if int4_layout.cpu_block_n() is None:
         pytest.skip("this CPU's int4 layout is not reproduced here: the op packs, nothing unpacks")
     assert torch.equal(int4_layout.unpack_cpu(int4_layout.pack_cpu(codes), 128), codes)

@@ -50,7 +50,8 @@ def test_q4_1_file_loads_as_its_own_weights(tmp_path):
     unpermuted for q/k); with bfloat16 scales every weight stays within 2^-8 of its group's magnitude."""
     if int4_layout.cpu_block_n() is None:
         pytest.skip("this CPU's int4 layout cannot be read back here")
-    path = write_tiny_gguf(tmp_path / "m.gguf", weights="Q4_1", embedding="Q8_0")
+    # 4 KV heads: every projection has 64 or 128 rows, whole blocks of the layout (64 rows with AVX-512)
+    path = write_tiny_gguf(tmp_path / "m.gguf", weights="Q4_1", embedding="Q8_0", kv_heads=4)
     reference = _float_model(path)
     exact, notes = from_gguf(read_gguf(path), _config(path), "int4-torch", CPU, exact_scales=True)
     fast, _ = from_gguf(read_gguf(path), _config(path), "int4-torch", CPU)
