@@ -92,6 +92,7 @@ def main() -> int:
     seq.commit(len(ids))
     if runner.native is not None:
         runner.native.wait()
+        runner.adopt_native()  # as the engine does between requests
     native_layers = forward.native
     loop: dict[int, float] = {}
     native: dict[int, float] = {}

@@ -184,8 +184,22 @@ class Engine:
                 conv.seq.free()
                 del self._conversations[key]
 
+    def _adopt_native(self) -> None:
+        """At a request's start: the native decoder layers (``backend/kernels/native.py``), once ready, take
+        over here and not inside a reply; cached conversations and the draft model's cache, whose K/V the
+        Python loop computed, are dropped, so every reply comes from one path (they agree only to rounding)."""
+        switched = [runner.adopt_native() for runner in filter(None, (self.runner, self.draft_runner))]
+        if not any(switched):
+            return
+        for conv in self._conversations.values():
+            conv.seq.free()
+        self._conversations.clear()
+        for drafter in self.drafters.values():
+            drafter.reset()
+
     def _generate(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
         t_start = time.perf_counter()
+        self._adopt_native()
         sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
         drafter_name = request.drafter or self.pair.drafter
         if drafter_name == "draft-model" and "draft-model" not in self.drafters:

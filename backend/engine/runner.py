@@ -6,8 +6,9 @@ Contract:
   CUDA graphs over static shapes on CUDA (``backend/kernels/cuda_graphs.py``; ``SPECCHAT_CUDA_GRAPHS=0`` turns
   them off); on CPU, for a model with int4/int8 layers (``quantization: int4-torch | int8-torch``) the
   compact forward (``backend/kernels/compact.py``; ``SPECCHAT_COMPACT=0`` turns it off, and an architecture it
-  does not cover keeps transformers' forward; its decoder layers move to C++ once built for this machine,
-  ``backend/kernels/native.py``, ``SPECCHAT_NATIVE=0`` turns that off), for a float32 model oneDNN-packed linear
+  does not cover keeps transformers' forward; its decoder layers move to C++ once built for this machine and
+  adopted between requests (:meth:`ModelRunner.adopt_native`), ``backend/kernels/native.py``,
+  ``SPECCHAT_NATIVE=0`` turns that off), for a float32 model oneDNN-packed linear
   layers when their second copy fits in free memory (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0``
   turns it off); else the plain eager forward. A light model (``backend/models/skeleton.py``, loaded for the
   compact forward) has no other path: without it the runner raises :class:`ModelLoadError`.
@@ -155,6 +156,11 @@ class ModelRunner:
         ``parents``: a tree of drafts (see :func:`forward_paged`)."""
         return forward_paged(self.model, seq, input_ids, logits_to_keep=logits_to_keep, graphs=self.graphs,
                              fast=self.compact, parents=parents)
+
+    def adopt_native(self) -> bool:
+        """Between requests: switch to the native decoder layers if they became ready since the last call; True
+        when this call switched (K/V cached before then came from the Python loop: the caller drops them)."""
+        return self.native is not None and self.native.adopt()
 
     def close(self) -> None:
         """Release the CUDA graphs (their memory pool) and their block, and the native layers' hold on the

@@ -12,7 +12,8 @@ each token's result does not depend on how many tokens its pass verifies — a t
 attends its window of the prefix and its own ancestors, in their order along its path.
 
 Once built for the machine, ``backend/kernels/native.py`` runs the decoder layers of passes of at most
-:data:`ROWWISE_ROWS` tokens in C++, with the same operations and the same logits, bit for bit.
+:data:`ROWWISE_ROWS` tokens in C++, with an attention of its own: the same guarantee (a pass's rows equal
+one-token passes), logits equal to this loop's to rounding.
 
 Contract: :func:`build(model)` returns a :class:`CompactForward` or raises :class:`Unsupported` with the
 reason (another architecture, an activation other than SiLU, a layer type it does not know); the model
@@ -183,8 +184,8 @@ class CompactForward:
         self.run_head = kernel_call(self.head)
         self.layers = [_Layer(layer, config) for layer in model.model.layers]
         self.hidden = int(config.hidden_size)
-        # The C++ layers (backend/kernels/native.py) once built, bound and checked; they take passes of at most
-        # ROWWISE_ROWS tokens (the row-by-row attention's), and give their logits bit for bit.
+        # The C++ layers (backend/kernels/native.py) once built, bound, checked and adopted between requests;
+        # they take passes of at most ROWWISE_ROWS tokens (the row-by-row attention's).
         self.native = None
 
     def _attention(self, layer: _Layer, x: torch.Tensor, n: int, cos, signed_sin, ctx) -> torch.Tensor:

@@ -1,12 +1,15 @@
-// The compact forward's decoder layers for passes of up to 64 tokens, in C++: the same operations, in the same
-// order, on the same tensors as backend/kernels/compact.py's Python loop (CompactForward._attention,
-// _attend_rows on a contiguous run of cache slots or a tree, _mlp), so each result is the Python loop's bit for
-// bit. Kernels, reductions, matrix products, softmax and SiLU are the same ATen calls; the elementwise chains
-// between them are exact loops (below). Left out: the Python interpreter and its per-operation argument parsing
-// (~1,300 calls a token), and most of the chains' dispatch and temporaries.
-// backend/kernels/native.py builds this file with the machine's C++ compiler into a cached library and binds
-// a model's tensors to it once (prepare); tests/backend/kernels/test_native.py checks the equality.
+// The compact forward's decoder layers for passes of up to 64 tokens, in C++: backend/kernels/compact.py's
+// Python loop (CompactForward._attention, _attend_rows, _mlp) in one call per pass. The int4 kernels,
+// reductions and SiLU are the same ATen calls; the elementwise chains between them are exact loops (below), so
+// those steps give the Python loop's results bit for bit. Attention is native_attention.h's: each query row over
+// exactly the keys it sees, read from the paged cache through its slot map, in an order of its own, so a pass's
+// rows equal one-token passes bit for bit while the logits match the Python loop's to rounding only. Left out:
+// the Python interpreter and its per-operation argument parsing (~1,300 calls a token), most of the chains'
+// dispatch and temporaries, and the float32 copies of the keys and values the row-wise attention read.
+// backend/kernels/native.py builds this file with the machine's C++ compiler into a cached library, binds a
+// model's tensors to it once (prepare) and checks it; tests/backend/kernels/test_native.py tests it.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
@@ -15,6 +18,8 @@
 #include <mutex>
 #include <optional>
 #include <vector>
+
+#include "native_attention.h"
 
 namespace {
 
@@ -51,7 +56,7 @@ struct Layer {
 struct Model {
   std::vector<Layer> layers;
   at::ScalarType dtype = at::kBFloat16;  // the projections' input dtype
-  at::Tensor unused;                       // baddbmm's ignored input, [1, 1, 1] float32
+  bool vector = false;                    // native_attention.h's AVX2 version (else its scalar one)
 };
 
 // Exact stand-ins for chains of small ATen operations: each element is computed with the same float operations
@@ -116,27 +121,37 @@ at::Tensor gated(const at::Tensor& gate, const at::Tensor& up) {
   return act;
 }
 
-// pool.slice(2, start, start + n).copy_(x) for a bfloat16 cache pool [1, kv_heads, slots, head_dim] (contiguous)
-// and x [1, kv_heads, n, head_dim] float32 or bfloat16 with unit stride over head_dim.
-void write_slots(const at::Tensor& pool, const at::Tensor& x, int64_t start) {
-  const int64_t heads = x.size(1), n = x.size(2), d = x.size(3);
-  if (pool.scalar_type() != at::kBFloat16 || !pool.is_contiguous() || x.stride(3) != 1 ||
-      (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16)) {
-    pool.slice(2, start, start + n).copy_(x);
-    return;
-  }
-  const int64_t slots = pool.size(2);
-  c10::BFloat16* out = pool.mutable_data_ptr<c10::BFloat16>();
+// The new tokens' K or V x [1, kv_heads, n, head_dim] (float32 or bfloat16, unit stride over head_dim) into
+// their slots of a contiguous cache pool [1, kv_heads, slots, head_dim] of bfloat16 or float32: position
+// start + t goes to slot map[start + t], or read_start + start + t without a map (PagedKVCache.write).
+void write_slots(const at::Tensor& pool, const at::Tensor& x, int64_t start, int64_t read_start, const int64_t* map) {
+  const int64_t heads = x.size(1), n = x.size(2), d = x.size(3), slots = pool.size(2);
+  const bool bf16_pool = pool.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(pool.is_contiguous() && x.stride(3) == 1 && (bf16_pool || pool.scalar_type() == at::kFloat) &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "specchat_native: K/V of ", x.scalar_type(), " into a ", pool.scalar_type(), " pool");
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t t = 0; t < n; ++t) {
-      c10::BFloat16* y = out + (h * slots + start + t) * d;
-      const int64_t offset = h * x.stride(1) + t * x.stride(2);
-      if (x.scalar_type() == at::kFloat) {
-        const float* in = x.const_data_ptr<float>() + offset;
-        for (int64_t j = 0; j < d; ++j) y[j] = c10::BFloat16(in[j]);
+      const int64_t slot = map ? map[start + t] : read_start + start + t;
+      const int64_t offset = h * x.stride(1) + t * x.stride(2), at_slot = (h * slots + slot) * d;
+      if (bf16_pool) {
+        c10::BFloat16* y = pool.mutable_data_ptr<c10::BFloat16>() + at_slot;
+        if (x.scalar_type() == at::kFloat) {
+          const float* in = x.const_data_ptr<float>() + offset;
+          for (int64_t j = 0; j < d; ++j) y[j] = c10::BFloat16(in[j]);
+        } else {
+          const c10::BFloat16* in = x.const_data_ptr<c10::BFloat16>() + offset;
+          for (int64_t j = 0; j < d; ++j) y[j] = in[j];
+        }
       } else {
-        const c10::BFloat16* in = x.const_data_ptr<c10::BFloat16>() + offset;
-        for (int64_t j = 0; j < d; ++j) y[j] = in[j];
+        float* y = pool.mutable_data_ptr<float>() + at_slot;
+        if (x.scalar_type() == at::kFloat) {
+          const float* in = x.const_data_ptr<float>() + offset;
+          for (int64_t j = 0; j < d; ++j) y[j] = in[j];
+        } else {
+          const c10::BFloat16* in = x.const_data_ptr<c10::BFloat16>() + offset;
+          for (int64_t j = 0; j < d; ++j) y[j] = static_cast<float>(in[j]);
+        }
       }
     }
   }
@@ -176,7 +191,7 @@ std::vector<std::shared_ptr<Model>> models;
 constexpr int64_t kTensors = 16, kInts = 9, kFloats = 3;  // per layer, in prepare's order
 
 int64_t prepare(const std::vector<std::optional<at::Tensor>>& tensors, const std::vector<int64_t>& ints,
-                const std::vector<double>& floats, at::ScalarType dtype) {
+                const std::vector<double>& floats, at::ScalarType dtype, bool scalar) {
   const int64_t count = static_cast<int64_t>(ints.size()) / kInts;
   TORCH_CHECK(count * kInts == static_cast<int64_t>(ints.size()) &&
                   count * kTensors == static_cast<int64_t>(tensors.size()) &&
@@ -185,7 +200,11 @@ int64_t prepare(const std::vector<std::optional<at::Tensor>>& tensors, const std
               " floats are not whole layers");
   auto model = std::make_shared<Model>();
   model->dtype = dtype;
-  model->unused = at::zeros({1, 1, 1}, at::kFloat);
+  model->vector = true;
+  for (int64_t l = 0; l < count; ++l) {
+    const int64_t heads = ints[l * kInts + 4], kv_heads = ints[l * kInts + 5], d = ints[l * kInts + 6];
+    model->vector = model->vector && !scalar && specchat_attention::vector_ok(heads / kv_heads, d);
+  }
   auto need = [&](int64_t i) {
     TORCH_CHECK(tensors[i].has_value(), "specchat_native.prepare: tensor ", i, " is missing");
     return *tensors[i];
@@ -225,48 +244,75 @@ void release(int64_t handle) {
   models[handle].reset();
 }
 
-// _attend_rows for a pass whose new tokens' slots and whose keys' slots are each one consecutive run; ``tree``
-// (a tree of drafts, no sliding window in effect): per new token, the indices of the keys it attends.
+// Attention over the paged cache: write the new K/V, then each query row over exactly the keys it sees
+// (native_attention.h), one row and KV head at a time. ``map``: the slot of each position 0 .. kv_len-1, or
+// nullptr when position p is in slot read_start + p. ``tree`` (a tree of drafts, no sliding window in effect):
+// per new token, the positions of the keys it attends. Returns [n, heads * head_dim] float32.
 at::Tensor attend_rows(const Model& model, const Layer& layer, const at::Tensor& q, const at::Tensor& k,
-                       const at::Tensor& v, int64_t start, int64_t write_start, int64_t read_start, int64_t kv_len,
+                       const at::Tensor& v, int64_t start, int64_t read_start, int64_t kv_len, const int64_t* map,
                        const std::vector<at::Tensor>& tree) {
-  const int64_t n = q.size(2), d = layer.head_dim, q_width = layer.heads * d;
-  write_slots(layer.k_pool, k, write_start);
-  write_slots(layer.v_pool, v, write_start);
+  const int64_t n = q.size(2), d = layer.head_dim, q_width = layer.heads * d, rep = layer.heads / layer.kv_heads;
+  write_slots(layer.k_pool, k, start, read_start, map);
+  write_slots(layer.v_pool, v, start, read_start, map);
+  TORCH_CHECK(layer.k_pool.is_contiguous() && layer.v_pool.is_contiguous() &&
+                  layer.k_pool.scalar_type() == layer.v_pool.scalar_type(),
+              "specchat_native: the cache pools must be contiguous and of one dtype");
   const bool windowed = layer.window >= 0 && layer.window < kv_len;
   const int64_t first = windowed ? std::max<int64_t>(0, start - layer.window + 1) : 0;
-  at::Tensor keys = layer.k_pool.slice(2, read_start + first, read_start + kv_len).select(0, 0).to(q.scalar_type());
-  at::Tensor values =
-      layer.v_pool.slice(2, read_start + first, read_start + kv_len).select(0, 0).to(q.scalar_type());
-  at::Tensor keys_t = keys.transpose(1, 2);
-  const int64_t rep = layer.heads / layer.kv_heads;
-  at::Tensor queries = q.select(0, 0).transpose(0, 1).reshape({n, layer.kv_heads, rep, d});
-  std::vector<at::Tensor> rows;
-  rows.reserve(n);
-  for (int64_t i = 0; i < n; ++i) {
-    at::Tensor key_t = keys_t, value = values;
-    if (!tree.empty()) {  // keys[:, tree[i]] in Python: a slice, then an index by the tensor
-      c10::List<std::optional<at::Tensor>> index;
-      index.push_back(std::nullopt);
-      index.push_back(tree[i]);
-      key_t = at::index(keys, index).transpose(1, 2);
-      value = at::index(values, index);
-    } else if (!(n == 1 && !windowed)) {
-      const int64_t position = start + i;
-      const int64_t low = windowed ? std::max<int64_t>(0, position - layer.window + 1) - first : 0;
-      const int64_t seen = position + 1 - first - low;
-      key_t = keys_t.narrow(2, low, seen);
-      value = values.narrow(1, low, seen);
-    }
-    at::Tensor scores = at::baddbmm(model.unused, queries.select(0, i), key_t, 0, layer.scaling);
-    rows.push_back(at::bmm(at::softmax(scores, -1), value).view({1, q_width}));
+  const at::Tensor queries = q.to(at::kFloat).select(0, 0).transpose(0, 1).contiguous();  // [n, heads, d]
+  const float* qp = queries.const_data_ptr<float>();
+  at::Tensor out = at::empty({n, q_width}, at::kFloat);
+  float* op = out.mutable_data_ptr<float>();
+  std::vector<at::Tensor> indices;
+  for (const at::Tensor& t : tree) indices.push_back(t.to(at::kLong).contiguous());
+  auto run = [&](auto pools) {
+    // Rows and KV heads are independent: the compute threads share them out (each item the same arithmetic).
+    at::parallel_for(0, n * layer.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(rep * (kv_len - first + 8));
+      auto keys = pools;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t i = item / layer.kv_heads, head = item % layer.kv_heads, h = head * rep;
+        if (!indices.empty()) {  // the committed keys, then the node's ancestors and itself, by slot
+          keys.index = indices[i].const_data_ptr<int64_t>();
+          keys.count = indices[i].numel();
+        } else {
+          const int64_t position = start + i;
+          keys.low = windowed ? std::max<int64_t>(0, position - layer.window + 1) : 0;
+          keys.count = position + 1 - keys.low;
+        }
+        specchat_attention::row(model.vector, qp + (i * layer.heads + h) * d, rep, keys, head,
+                                static_cast<float>(layer.scaling), scratch.data(), op + i * q_width + h * d, d);
+      }
+    });
+  };
+  if (layer.k_pool.scalar_type() == at::kBFloat16) {
+    specchat_attention::Keys<uint16_t> pools;
+    pools.k = reinterpret_cast<const uint16_t*>(layer.k_pool.const_data_ptr<c10::BFloat16>());
+    pools.v = reinterpret_cast<const uint16_t*>(layer.v_pool.const_data_ptr<c10::BFloat16>());
+    pools.slots = layer.k_pool.size(2);
+    pools.d = d;
+    pools.map = map;
+    pools.read_start = read_start;
+    run(pools);
+  } else {
+    TORCH_CHECK(layer.k_pool.scalar_type() == at::kFloat, "specchat_native: cache pools of ",
+                layer.k_pool.scalar_type(), " (bfloat16 or float32 only)");
+    specchat_attention::Keys<float> pools;
+    pools.k = layer.k_pool.const_data_ptr<float>();
+    pools.v = layer.v_pool.const_data_ptr<float>();
+    pools.slots = layer.k_pool.size(2);
+    pools.d = d;
+    pools.map = map;
+    pools.read_start = read_start;
+    run(pools);
   }
-  return n == 1 ? rows[0] : at::cat(rows);
+  return out;
 }
 
 // Every decoder layer over the residual stream h [n, hidden] float32, in place (CompactForward.__call__'s loop).
 void layers(int64_t handle, at::Tensor h, const at::Tensor& cos, const at::Tensor& signed_sin, int64_t start,
-            int64_t write_start, int64_t read_start, int64_t kv_len, const std::vector<at::Tensor>& tree) {
+            int64_t read_start, int64_t kv_len, const std::optional<at::Tensor>& slots,
+            const std::vector<at::Tensor>& tree) {
   c10::InferenceMode inference;
   std::shared_ptr<Model> model;
   {
@@ -276,6 +322,12 @@ void layers(int64_t handle, at::Tensor h, const at::Tensor& cos, const at::Tenso
     model = models[handle];
   }
   const int64_t n = h.size(0);
+  at::Tensor slot_map;  // the slot of each position, when the sequence's blocks are not one run
+  if (slots) {
+    slot_map = slots->to(at::kLong).contiguous();
+    TORCH_CHECK(slot_map.numel() == kv_len, "specchat_native: ", slot_map.numel(), " slots for ", kv_len, " keys");
+  }
+  const int64_t* map = slots ? slot_map.const_data_ptr<int64_t>() : nullptr;
   for (const Layer& layer : model->layers) {
     const int64_t d = layer.head_dim, q_width = layer.heads * d, kv_width = layer.kv_heads * d;
     // attention
@@ -286,7 +338,7 @@ void layers(int64_t handle, at::Tensor h, const at::Tensor& cos, const at::Tenso
     qk = rotary(qk, cos, signed_sin);
     at::Tensor q = qk.narrow(1, 0, layer.heads), k = qk.narrow(1, layer.heads, layer.kv_heads);
     v = v.view({1, n, layer.kv_heads, d}).transpose(1, 2);
-    at::Tensor out = attend_rows(*model, layer, q, k, v, start, write_start, read_start, kv_len, tree);
+    at::Tensor out = attend_rows(*model, layer, q, k, v, start, read_start, kv_len, map, tree);
     add_into(h, layer.o(out, model->dtype));
     // MLP
     at::Tensor gate_up = layer.gate_up(rms_norm(h, layer.norm2, layer.eps2), model->dtype);
@@ -298,9 +350,9 @@ void layers(int64_t handle, at::Tensor h, const at::Tensor& cos, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(specchat_native, m) {
-  m.def("prepare(Tensor?[] tensors, int[] ints, float[] floats, ScalarType dtype) -> int", &prepare);
+  m.def("prepare(Tensor?[] tensors, int[] ints, float[] floats, ScalarType dtype, bool scalar) -> int", &prepare);
   m.def("release(int handle) -> ()", &release);
-  m.def("layers(int handle, Tensor(a!) h, Tensor cos, Tensor signed_sin, int start, int write_start, "
-        "int read_start, int kv_len, Tensor[] tree) -> ()",
+  m.def("layers(int handle, Tensor(a!) h, Tensor cos, Tensor signed_sin, int start, int read_start, int kv_len, "
+        "Tensor? slots, Tensor[] tree) -> ()",
         &layers);
 }

@@ -12,7 +12,6 @@ from specchat.backend.engine.runner import forward_paged
 from specchat.backend.kernels import compact, quant_linear
 from specchat.backend.models.quantized import quantize_model
 
-
 # Projection widths in whole blocks of the int4 layout (32 rows with AVX2, 64 with AVX-512): q 128, k/v 64.
 JOINABLE = dict(head_dim=32)
 

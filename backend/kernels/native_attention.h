@@ -1,0 +1,241 @@
+// Attention of one query row over the keys it sees, read straight from the bfloat16 cache pools: the scores,
+// softmax and weighted sum of values in loops of our own, for backend/kernels/native_pass.cpp.
+//
+// Each row is computed by the same code from the same inputs whatever the pass around it: its query, and its
+// keys and values in their order (a chain's run of slots, or a tree node's prefix and ancestors by slot). So a
+// verification pass gives every token exactly the one-token pass's result (tests/backend/kernels/test_native.py),
+// which is what lets verification keep a draft only when it equals the target's own token. Replacing ATen's
+// row-by-row baddbmm / softmax / bmm, each row no longer widens the keys and values to float32 copies, and the
+// products run on registers: a row's attention over 300 keys took ~25 µs a layer through ATen.
+//
+// Arithmetic, per query head: score_j = (q · k_j) · scaling, the dot product as 8 lanes of fused multiply-adds in
+// order over the head dimension, then the lanes summed in a fixed tree; m = max score; e_j = exp(score_j − m)
+// (a polynomial exp, ~1 ulp); out = (Σ_j e_j · v_j) / Σ_j e_j, each sum in key order. This differs from ATen's
+// softmax(baddbmm) · v in the last bits only; with AVX2 and FMA missing (or off x86) a scalar version runs.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define SPECCHAT_X86 1
+#endif
+
+namespace specchat_attention {
+
+// The keys a row sees, j = 0 .. count-1: positions low + j (a chain), or index[j] (a tree node: its prefix,
+// then its ancestors and itself); position p is in slot map[p] of the pools, or read_start + p when the
+// sequence's blocks are one consecutive run (map == nullptr). T: the pools' element, uint16_t (bfloat16 bits)
+// or float.
+template <class T>
+struct Keys {
+  const T* k = nullptr;  // the K pool of one layer, [kv_heads, slots, d]
+  const T* v = nullptr;
+  int64_t slots = 0, d = 0;
+  const int64_t* map = nullptr;
+  int64_t read_start = 0;
+  const int64_t* index = nullptr;
+  int64_t low = 0, count = 0;
+  int64_t slot(int64_t j) const {
+    const int64_t position = index ? index[j] : low + j;
+    return map ? map[position] : read_start + position;
+  }
+};
+
+inline float widen(uint16_t bits) {  // bfloat16 -> float32 (exact)
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+inline float widen(float x) { return x; }
+
+// The portable version: the same steps, one lane (scalar sums in key order, std::exp).
+template <class T>
+void row_scalar(const float* q, int64_t rep, const Keys<T>& keys, int64_t head, float scaling, float* scratch,
+                       float* out, int64_t out_stride) {
+  const int64_t d = keys.d, n = keys.count;
+  for (int64_t r = 0; r < rep; ++r) {
+    float* e = scratch + r * n;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = keys.k + (head * keys.slots + keys.slot(j)) * d;
+      float dot = 0.0f;
+      for (int64_t t = 0; t < d; ++t) dot = dot + q[r * d + t] * widen(k[t]);
+      e[j] = dot * scaling;
+      top = std::max(top, e[j]);
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      e[j] = std::exp(e[j] - top);
+      total = total + e[j];
+    }
+    float* o = out + r * out_stride;
+    std::fill(o, o + d, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = keys.v + (head * keys.slots + keys.slot(j)) * d;
+      for (int64_t t = 0; t < d; ++t) o[t] = o[t] + e[j] * widen(v[t]);
+    }
+    for (int64_t t = 0; t < d; ++t) o[t] = o[t] / total;
+  }
+}
+
+#ifdef SPECCHAT_X86
+#define SPECCHAT_AVX2 __attribute__((target("avx2,fma")))
+
+SPECCHAT_AVX2 inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> float32 (exact)
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+SPECCHAT_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+SPECCHAT_AVX2 inline float lanes_sum(__m256 v) {  // ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+// exp(x) for x <= 0 (Cephes' expf: x = n·ln2 + f, |f| <= ln2/2, a degree-6 polynomial in f, times 2^n); 0 below
+// -87.3, where the result would be subnormal.
+SPECCHAT_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.33654f);
+  const __m256 under = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, low);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
+}
+
+// Scores of R query heads (sharing one KV head) against every key: e[r * n + j].
+template <int R, class T>
+SPECCHAT_AVX2 void scores(const float* q, const Keys<T>& keys, int64_t head, float scaling, float* e) {
+  const int64_t d = keys.d, n = keys.count, chunks = d / 8;
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = keys.k + (head * keys.slots + keys.slot(j)) * d;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m256 kc = load8(k + 8 * c);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + 8 * c), kc, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) e[r * n + j] = lanes_sum(acc[r]) * scaling;
+  }
+}
+
+// e <- exp(e - max e) over n scores, in place; returns their sum (8 lanes in key order, then lanes_sum).
+SPECCHAT_AVX2 inline float softmax_numerators(float* e, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, e[j]);
+  const __m256 m = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + j), m));
+    _mm256_storeu_ps(e + j, x);
+    total = _mm256_add_ps(total, x);
+  }
+  if (j < n) {  // the tail through the same lanes, padded with keys whose weight is exactly 0
+    alignas(32) float tail[8];
+    for (int64_t t = 0; t < 8; ++t) tail[t] = j + t < n ? e[j + t] : -std::numeric_limits<float>::infinity();
+    const __m256 x = exp8(_mm256_sub_ps(_mm256_load_ps(tail), m));
+    _mm256_store_ps(tail, x);
+    total = _mm256_add_ps(total, x);
+    for (int64_t t = 0; j + t < n; ++t) e[j + t] = tail[t];
+  }
+  return lanes_sum(total);
+}
+
+// out[r] = (Σ_j e[r * n + j] · v_j) / totals[r], each output element summed in key order; C chunks of 8 of the
+// head dimension at a time (R · C accumulators on registers).
+template <int R, int C, class T>
+SPECCHAT_AVX2 void weighted_values(const float* e, const float* totals, const Keys<T>& keys, int64_t head, float* out,
+                                   int64_t out_stride) {
+  const int64_t d = keys.d, n = keys.count;
+  for (int64_t c0 = 0; c0 < d / 8; c0 += C) {
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = keys.v + (head * keys.slots + keys.slot(j)) * d + 8 * c0;
+      __m256 vc[C];
+      for (int c = 0; c < C; ++c) vc[c] = load8(v + 8 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m256 w = _mm256_set1_ps(e[r * n + j]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w, vc[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 total = _mm256_set1_ps(totals[r]);
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * out_stride + 8 * (c0 + c), _mm256_div_ps(acc[r][c], total));
+    }
+  }
+}
+
+template <int R, class T>
+SPECCHAT_AVX2 void row_avx2(const float* q, const Keys<T>& keys, int64_t head, float scaling, float* scratch, float* out,
+                            int64_t out_stride) {
+  const int64_t n = keys.count;
+  scores<R, T>(q, keys, head, scaling, scratch);
+  float totals[R];
+  for (int r = 0; r < R; ++r) totals[r] = softmax_numerators(scratch + r * n, n);
+  constexpr int C = R <= 3 ? 4 : 2;  // d is a multiple of 32 here (see vector_ok)
+  weighted_values<R, C, T>(scratch, totals, keys, head, out, out_stride);
+}
+
+inline bool cpu_has_avx2_fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+// Whether the vector version runs for these shapes on this CPU (else row_scalar).
+inline bool vector_ok(int64_t rep, int64_t d) {
+#ifdef SPECCHAT_X86
+  return cpu_has_avx2_fma() && d % 32 == 0 && rep >= 1 && rep <= 8;
+#else
+  (void)rep;
+  (void)d;
+  return false;
+#endif
+}
+
+// One row of attention for the ``rep`` query heads sharing KV head ``head``: q [rep, d] float32 (contiguous),
+// out [rep rows of out_stride] float32; scratch holds rep · keys.count floats.
+template <class T>
+void row(bool vector, const float* q, int64_t rep, const Keys<T>& keys, int64_t head, float scaling,
+                float* scratch, float* out, int64_t out_stride) {
+#ifdef SPECCHAT_X86
+  if (vector) {
+    switch (rep) {
+      case 1: return row_avx2<1, T>(q, keys, head, scaling, scratch, out, out_stride);
+      case 2: return row_avx2<2, T>(q, keys, head, scaling, scratch, out, out_stride);
+      case 3: return row_avx2<3, T>(q, keys, head, scaling, scratch, out, out_stride);
+      case 4: return row_avx2<4, T>(q, keys, head, scaling, scratch, out, out_stride);
+      case 5: return row_avx2<5, T>(q, keys, head, scaling, scratch, out, out_stride);
+      case 6: return row_avx2<6, T>(q, keys, head, scaling, scratch, out, out_stride);
+      case 7: return row_avx2<7, T>(q, keys, head, scaling, scratch, out, out_stride);
+      case 8: return row_avx2<8, T>(q, keys, head, scaling, scratch, out, out_stride);
+      default: break;
+    }
+  }
+#endif
+  (void)vector;
+  row_scalar(q, rep, keys, head, scaling, scratch, out, out_stride);
+}
+
+}  // namespace specchat_attention
