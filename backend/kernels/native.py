@@ -30,9 +30,11 @@ changes.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -46,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SWITCH = "SPECCHAT_NATIVE"
 ADOPT_WAIT_S = 5.0  # the longest a request waits for the attach of a library already built (see adopt)
+CLOSE_WAIT_S = 30.0  # the longest close() waits for an attach in its torch part (its check takes ~0.3 s)
 _load_lock = threading.Lock()
 _loaded: Path | None = None
 
@@ -130,7 +133,9 @@ class Attachment:
         # Built before this load: then the attach is only the load and the check (~0.3 s), worth waiting for.
         self.prebuilt = native_build.library_path().exists()
         self._lock = threading.Lock()
+        self._checking = threading.Event()  # set while the thread runs torch (load, check, bind)
         self._thread = threading.Thread(target=self._run, name=f"specchat-native-{name}", daemon=True)
+        _live.add(self)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -154,14 +159,23 @@ class Attachment:
             failed = native_build.build_in_background(path)
             if failed is not None:
                 return failed
-        load(path)
-        unfit = check(self.forward, self.cache)
-        if unfit is not None:
-            return f"the native layers failed their check ({unfit}), so they are not used"
         with self._lock:
             if self._closed:
                 return None
-            self._ready = Native(self.forward, self.cache)
+            self._checking.set()
+        try:
+            load(path)
+            unfit = check(self.forward, self.cache)
+            if unfit is not None:
+                return f"the native layers failed their check ({unfit}), so they are not used"
+            ready = Native(self.forward, self.cache)
+        finally:
+            self._checking.clear()
+        with self._lock:
+            if self._closed:
+                ready.release()
+                return None
+            self._ready = ready
         log.info("%s will decode through the native layers from its next request (%s)", self.name, path.name)
         return None
 
@@ -182,13 +196,30 @@ class Attachment:
             return True
 
     def close(self) -> None:
+        """Stop using the native layers and release them. An attach in its torch part (load, check, bind) is
+        waited for: torch's thread pool must not be torn down under it (at exit: "terminate called"); one still
+        building is left to its child process, which outlives this one."""
         with self._lock:
             self._closed = True
             native, self.forward.native = self.forward.native, None
             ready, self._ready = self._ready, None
+        if self._checking.is_set() and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT_S)
         for held in (native, ready):
             if held is not None:
                 held.release()
+        _live.discard(self)
+
+
+_live: weakref.WeakSet[Attachment] = weakref.WeakSet()  # attachments not closed yet
+
+
+@atexit.register
+def _close_all() -> None:
+    """At interpreter exit (before daemon threads are stopped): close every attachment, so none is inside a
+    torch operation when the process tears its thread pool down."""
+    for attachment in list(_live):
+        attachment.close()
 
 
 def _pass(forward, seq, ids: torch.Tensor, native: Native | None) -> torch.Tensor:

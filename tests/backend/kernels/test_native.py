@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -268,3 +270,30 @@ def test_one_build_at_a_time_across_processes(monkeypatch, tmp_path):
     lock.touch()
     os.utime(lock, (0, 0))  # a lock as old as the epoch: its build died
     assert "failed (exit 1)" in (native_build.build(out) or "") and not lock.exists()
+
+
+EXIT_DURING_CHECK = """
+import os, shutil, sys, time
+from specchat.backend.kernels import native_build
+path = native_build.library_path()
+path.parent.mkdir(parents=True, exist_ok=True)
+shutil.copy(sys.argv[1], path)
+from specchat.backend.engine.engine import load_engine
+from specchat.backend.models.config import load_pairs
+engine = load_engine(load_pairs()["smollm2-135m"])
+attachment = engine.runner.native
+while not attachment._checking.is_set() and attachment._thread.is_alive():
+    time.sleep(0.001)
+print("exiting while checking:", attachment._checking.is_set(), flush=True)
+"""
+
+
+def test_exiting_while_the_attach_checks_does_not_abort(library, tmp_path):
+    """A process that ends while the attach thread is inside torch (its check, ~0.3 s after a load: a quick
+    `specchat generate --help`-like exit, a UI quit at once) must not die in torch's thread pool teardown
+    ("terminate called without an active exception", before an exit hook closed the attachments)."""
+    env = {**os.environ, "SPECCHAT_CACHE_DIR": str(tmp_path), native.SWITCH: "1"}
+    done = subprocess.run([sys.executable, "-c", EXIT_DURING_CHECK, str(library)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert "exiting while checking: True" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
