@@ -130,8 +130,9 @@ class Attachment:
         self.reason: str | None = None  # why it is not attached, once known
         self._closed = False
         self._ready: Native | None = None  # checked and bound, waiting for adopt()
+        self.path = native_build.library_path()
         # Built before this load: then the attach is only the load and the check (~0.3 s), worth waiting for.
-        self.prebuilt = native_build.library_path().exists()
+        self.prebuilt = self.path.exists()
         self._lock = threading.Lock()
         self._checking = threading.Event()  # set while the thread runs torch (load, check, bind)
         self._thread = threading.Thread(target=self._run, name=f"specchat-native-{name}", daemon=True)
@@ -153,7 +154,7 @@ class Attachment:
             log.info("%s decodes through the compact forward's Python loop: %s", self.name, self.reason)
 
     def _attach(self) -> str | None:
-        path = native_build.library_path()
+        path = self.path
         if not path.exists():
             log.info("building the native decoder layers for this machine in the background (%s)", path)
             failed = native_build.build_in_background(path)

@@ -46,6 +46,11 @@ DEQUANT_ROWS = 160  # where de-quantising a layer once starts to beat the kernel
 DEQUANTISE_PREFILL = torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
+def _dequantises(rows: int) -> bool:
+    """Whether a CPU pass over ``rows`` input rows de-quantises the weight instead of calling the kernel."""
+    return DEQUANTISE_PREFILL and rows > DEQUANT_ROWS
+
+
 def _flat(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features)
 
@@ -100,7 +105,7 @@ class Int4Linear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] (any float dtype, rounded to compute_dtype) times the weight, plus the bias: [M, N] in
         compute_dtype. What :meth:`forward` computes, without its reshapes and its cast back."""
-        if DEQUANTISE_PREFILL and x.shape[0] > DEQUANT_ROWS and self.packed.device.type == "cpu":
+        if _dequantises(x.shape[0]) and self.packed.device.type == "cpu":
             weight = self.dequantized()
             if weight is not None:
                 out = F.linear(x.to(self.compute_dtype).float(), weight).to(self.compute_dtype)
@@ -165,7 +170,7 @@ class Int8Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] times the weight, plus the bias: [M, N] in compute_dtype (see :meth:`Int4Linear.matmul`)."""
-        if DEQUANTISE_PREFILL and x.shape[0] > DEQUANT_ROWS and self.weight.device.type == "cpu":
+        if _dequantises(x.shape[0]) and self.weight.device.type == "cpu":
             out = F.linear(x.to(self.compute_dtype).float(), self.dequantized()).to(self.compute_dtype)
         else:
             out = torch.ops.aten._weight_int8pack_mm(x.to(self.compute_dtype).contiguous(), self.weight, self.scales)
@@ -226,7 +231,7 @@ def _bound(layer: Int4Linear | Int8Linear, kernel: Callable[[torch.Tensor], torc
     dtype, bias, long_input = layer.compute_dtype, layer.bias, layer.matmul
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        if DEQUANTISE_PREFILL and x.shape[0] > DEQUANT_ROWS:
+        if _dequantises(x.shape[0]):
             return long_input(x)
         out = kernel(x.to(dtype).contiguous())
         return out if bias is None else out + bias
