@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "native_attention.h"
@@ -121,39 +122,40 @@ at::Tensor gated(const at::Tensor& gate, const at::Tensor& up) {
   return act;
 }
 
+// One head's K or V row into the pool's element type (bfloat16 rounds to nearest even, as ATen converts).
+template <class Out, class In>
+void copy_row(Out* y, const In* x, int64_t d) {
+  for (int64_t j = 0; j < d; ++j) y[j] = static_cast<Out>(x[j]);
+}
+
 // The new tokens' K or V x [1, kv_heads, n, head_dim] (float32 or bfloat16, unit stride over head_dim) into
 // their slots of a contiguous cache pool [1, kv_heads, slots, head_dim] of bfloat16 or float32: position
 // start + t goes to slot map[start + t], or read_start + start + t without a map (PagedKVCache.write).
-void write_slots(const at::Tensor& pool, const at::Tensor& x, int64_t start, int64_t read_start, const int64_t* map) {
+template <class Out, class In>
+void write_slots_as(const at::Tensor& pool, const at::Tensor& x, int64_t start, int64_t read_start,
+                    const int64_t* map) {
   const int64_t heads = x.size(1), n = x.size(2), d = x.size(3), slots = pool.size(2);
-  const bool bf16_pool = pool.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(pool.is_contiguous() && x.stride(3) == 1 && (bf16_pool || pool.scalar_type() == at::kFloat) &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "specchat_native: K/V of ", x.scalar_type(), " into a ", pool.scalar_type(), " pool");
+  Out* out = pool.mutable_data_ptr<Out>();
+  const In* in = x.const_data_ptr<In>();
   for (int64_t h = 0; h < heads; ++h) {
     for (int64_t t = 0; t < n; ++t) {
       const int64_t slot = map ? map[start + t] : read_start + start + t;
-      const int64_t offset = h * x.stride(1) + t * x.stride(2), at_slot = (h * slots + slot) * d;
-      if (bf16_pool) {
-        c10::BFloat16* y = pool.mutable_data_ptr<c10::BFloat16>() + at_slot;
-        if (x.scalar_type() == at::kFloat) {
-          const float* in = x.const_data_ptr<float>() + offset;
-          for (int64_t j = 0; j < d; ++j) y[j] = c10::BFloat16(in[j]);
-        } else {
-          const c10::BFloat16* in = x.const_data_ptr<c10::BFloat16>() + offset;
-          for (int64_t j = 0; j < d; ++j) y[j] = in[j];
-        }
-      } else {
-        float* y = pool.mutable_data_ptr<float>() + at_slot;
-        if (x.scalar_type() == at::kFloat) {
-          const float* in = x.const_data_ptr<float>() + offset;
-          for (int64_t j = 0; j < d; ++j) y[j] = in[j];
-        } else {
-          const c10::BFloat16* in = x.const_data_ptr<c10::BFloat16>() + offset;
-          for (int64_t j = 0; j < d; ++j) y[j] = static_cast<float>(in[j]);
-        }
-      }
+      copy_row(out + (h * slots + slot) * d, in + h * x.stride(1) + t * x.stride(2), d);
     }
+  }
+}
+
+void write_slots(const at::Tensor& pool, const at::Tensor& x, int64_t start, int64_t read_start, const int64_t* map) {
+  const bool bf16_pool = pool.scalar_type() == at::kBFloat16, bf16_x = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(pool.is_contiguous() && x.stride(3) == 1 && (bf16_pool || pool.scalar_type() == at::kFloat) &&
+                  (bf16_x || x.scalar_type() == at::kFloat),
+              "specchat_native: K/V of ", x.scalar_type(), " into a ", pool.scalar_type(), " pool");
+  if (bf16_pool) {
+    bf16_x ? write_slots_as<c10::BFloat16, c10::BFloat16>(pool, x, start, read_start, map)
+           : write_slots_as<c10::BFloat16, float>(pool, x, start, read_start, map);
+  } else {
+    bf16_x ? write_slots_as<float, c10::BFloat16>(pool, x, start, read_start, map)
+           : write_slots_as<float, float>(pool, x, start, read_start, map);
   }
 }
 
@@ -285,26 +287,24 @@ at::Tensor attend_rows(const Model& model, const Layer& layer, const at::Tensor&
       }
     });
   };
-  if (layer.k_pool.scalar_type() == at::kBFloat16) {
-    specchat_attention::Keys<uint16_t> pools;
-    pools.k = reinterpret_cast<const uint16_t*>(layer.k_pool.const_data_ptr<c10::BFloat16>());
-    pools.v = reinterpret_cast<const uint16_t*>(layer.v_pool.const_data_ptr<c10::BFloat16>());
+  // The pools as native_attention.h reads them: bfloat16 as its raw bits, or float32.
+  auto pools_of = [&](auto* k, auto* v) {
+    specchat_attention::Keys<std::remove_const_t<std::remove_pointer_t<decltype(k)>>> pools;
+    pools.k = k;
+    pools.v = v;
     pools.slots = layer.k_pool.size(2);
     pools.d = d;
     pools.map = map;
     pools.read_start = read_start;
-    run(pools);
+    return pools;
+  };
+  if (layer.k_pool.scalar_type() == at::kBFloat16) {
+    run(pools_of(reinterpret_cast<const uint16_t*>(layer.k_pool.const_data_ptr<c10::BFloat16>()),
+                 reinterpret_cast<const uint16_t*>(layer.v_pool.const_data_ptr<c10::BFloat16>())));
   } else {
     TORCH_CHECK(layer.k_pool.scalar_type() == at::kFloat, "specchat_native: cache pools of ",
                 layer.k_pool.scalar_type(), " (bfloat16 or float32 only)");
-    specchat_attention::Keys<float> pools;
-    pools.k = layer.k_pool.const_data_ptr<float>();
-    pools.v = layer.v_pool.const_data_ptr<float>();
-    pools.slots = layer.k_pool.size(2);
-    pools.d = d;
-    pools.map = map;
-    pools.read_start = read_start;
-    run(pools);
+    run(pools_of(layer.k_pool.const_data_ptr<float>(), layer.v_pool.const_data_ptr<float>()));
   }
   return out;
 }
