@@ -71,14 +71,17 @@ def _is_int(value: Any) -> bool:
 
 # name -> (check, what to use instead); a value None is "unset" and never checked here.
 SAMPLING_LIMITS: dict[str, tuple[Any, str]] = {
-    "temperature": (lambda v: _is_number(v) and 0 <= v <= MAX_TEMPERATURE,
-                    f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}"),
+    "temperature": (
+        lambda v: _is_number(v) and 0 <= v <= MAX_TEMPERATURE,
+        f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}",
+    ),
     "top_k": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0 (0: no top-k)"),
     "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1] (1: no top-p)"),
-    "repetition_penalty": (lambda v: _is_number(v) and 0 < v <= MAX_REPETITION_PENALTY,
-                           f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty)"),
-    "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= MAX_NEW_TOKENS,
-                       f"a whole number from 1 to {MAX_NEW_TOKENS}"),
+    "repetition_penalty": (
+        lambda v: _is_number(v) and 0 < v <= MAX_REPETITION_PENALTY,
+        f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty)",
+    ),
+    "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= MAX_NEW_TOKENS, f"a whole number from 1 to {MAX_NEW_TOKENS}"),
     "seed": (lambda v: _is_int(v) and 0 <= v <= MAX_SEED, "a whole number from 0 to 2**64 - 1"),
 }
 
@@ -144,8 +147,9 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise RequestError(f"unknown drafter {self.drafter!r}; use none, prompt-lookup, suffix, draft-model "
-                               "or auto")
+            raise RequestError(
+                f"unknown drafter {self.drafter!r}; use none, prompt-lookup, suffix, draft-model or auto"
+            )
         if self.gamma is not None:
             check_gamma(self.gamma)
         if not isinstance(self.sampling, SamplingParams):
@@ -162,10 +166,25 @@ class GammaSummary:
 
 
 # The `specchat generate --json` "stats" object: these fields, in this order, and no others.
-JSON_STATS_FIELDS = ("new_tokens", "wall_s", "prefill_s", "ttft_s", "prefill_tokens", "tok_s", "steps",
-                     "spec_paused_steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
-                     "per_position_acceptance", "gamma", "no_draft_steps", "draft_prefill_tokens",
-                     "draft_reused_tokens")
+JSON_STATS_FIELDS = (
+    "new_tokens",
+    "wall_s",
+    "prefill_s",
+    "ttft_s",
+    "prefill_tokens",
+    "tok_s",
+    "steps",
+    "spec_paused_steps",
+    "drafted",
+    "accepted",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "per_position_acceptance",
+    "gamma",
+    "no_draft_steps",
+    "draft_prefill_tokens",
+    "draft_reused_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,9 +318,27 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
     return int(value) if isinstance(default, int) and not isinstance(default, bool) else float(value)
 
 
-_OPTIONAL_NUMBERS = {"ttft_s", "tok_s", "acceptance_rate", "mean_accepted_length", "tokens_per_step", "alpha_hat",
-                     "expected_speedup", "spec_tok_s", "plain_tok_s", "prefill_s", "prefill_tokens", "steps",
-                     "spec_paused_steps", "drafted", "accepted", "draft_s", "verify_s", "overhead_s", "last_gamma"}
+_OPTIONAL_NUMBERS = {
+    "ttft_s",
+    "tok_s",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "tokens_per_step",
+    "alpha_hat",
+    "expected_speedup",
+    "spec_tok_s",
+    "plain_tok_s",
+    "prefill_s",
+    "prefill_tokens",
+    "steps",
+    "spec_paused_steps",
+    "drafted",
+    "accepted",
+    "draft_s",
+    "verify_s",
+    "overhead_s",
+    "last_gamma",
+}
 
 
 @dataclass(slots=True)

@@ -73,7 +73,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int |
                     os.chmod(tmp, mode)
             view = memoryview(payload)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -110,7 +110,7 @@ def remove_stale_temporaries(path: str | os.PathLike[str]) -> int:
         name = entry.name
         if not (name.startswith(prefix) and name.endswith(".tmp")):
             continue
-        pid_text, _, _ = name[len(prefix):-len(".tmp")].partition("-")
+        pid_text, _, _ = name[len(prefix) : -len(".tmp")].partition("-")
         try:
             old = time.time() - entry.stat(follow_symlinks=False).st_mtime > _STALE_S
         except OSError:

@@ -57,8 +57,9 @@ def _check_depth(text: str, max_depth: int) -> None:
         if token in ("[", "{"):
             depth += 1
             if depth > max_depth:
-                raise InputError(f"nested deeper than {max_depth} levels of [ ] and {{ }}",
-                                 *_where(text, match.start()))
+                raise InputError(
+                    f"nested deeper than {max_depth} levels of [ ] and {{ }}", *_where(text, match.start())
+                )
         elif token in ("]", "}"):
             depth = max(depth - 1, 0)  # unbalanced text: json reports it below
 

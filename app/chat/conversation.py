@@ -96,8 +96,10 @@ class Conversation:
         except SpecchatError as error:
             log.warning("history: could not %s: %s", what, error)
             if not self._failing:
-                self.on_error(f"History: could not {what}: {error} The chat goes on without saving; this is not "
-                              "repeated for every message.")
+                self.on_error(
+                    f"History: could not {what}: {error} The chat goes on without saving; this is not "
+                    "repeated for every message."
+                )
             self._failing = True
             return None
         if proves_saving:
@@ -117,8 +119,7 @@ class Conversation:
         for message in self.store.messages(chat_id):
             if message.role == "system":
                 continue  # the system prompt comes from the settings
-            turns.append(Turn(message.role, message.content, dict(message.stats or {}), message.id,
-                              message.complete))
+            turns.append(Turn(message.role, message.content, dict(message.stats or {}), message.id, message.complete))
         self.chat_id, self.title, self.turns = chat_id, summary.title, turns
 
     def add_user(self, content: str, pair_name: str, meta: dict[str, Any] | None = None) -> Turn:
@@ -128,7 +129,8 @@ class Conversation:
             self.chat_id = self._guard("create the chat", lambda store: store.create_chat(self.title, pair_name))
         if (chat_id := self.chat_id) is not None:
             turn.message_id = self._guard(
-                "save your message", lambda store: store.add_message(chat_id, "user", content, turn.meta or None))
+                "save your message", lambda store: store.add_message(chat_id, "user", content, turn.meta or None)
+            )
         self.turns.append(turn)
         return turn
 
@@ -138,14 +140,25 @@ class Conversation:
         saver: StreamingSaver | None = None
         if (chat_id := self.chat_id) is not None:
             turn.message_id = self._guard(
-                "save the reply", lambda store: store.add_message(chat_id, "assistant", "", None, False))
+                "save the reply", lambda store: store.add_message(chat_id, "assistant", "", None, False)
+            )
             if turn.message_id is not None and self.store is not None:
                 saver = StreamingSaver(self.store, turn.message_id, interval_s=0.5)
         self.turns.append(turn)
         return turn, saver
 
-    def finish_reply(self, turn: Turn, saver: StreamingSaver | None, text: str, stats: RequestStats, *,
-                     finish_reason: str, pair: str, complete: bool, error: str | None = None) -> None:
+    def finish_reply(
+        self,
+        turn: Turn,
+        saver: StreamingSaver | None,
+        text: str,
+        stats: RequestStats,
+        *,
+        finish_reason: str,
+        pair: str,
+        complete: bool,
+        error: str | None = None,
+    ) -> None:
         """Keep the reply with its statistics: the history row's stats column is ``stats.to_dict()`` plus how the
         reply ended, the pair that wrote it and, for an error, what went wrong (the one place that record is
         built). The chat's pair becomes the pairs that wrote its replies."""
@@ -155,8 +168,9 @@ class Conversation:
         turn.content, turn.meta, turn.complete = text, meta, complete
         if saver is not None:
             self._guard("save the reply", lambda _store: saver.finish(meta, complete))
-        pairs = ", ".join(dict.fromkeys(str(t.meta["pair"]) for t in self.turns
-                                        if t.role == "assistant" and t.meta.get("pair")))
+        pairs = ", ".join(
+            dict.fromkeys(str(t.meta["pair"]) for t in self.turns if t.role == "assistant" and t.meta.get("pair"))
+        )
         if pairs:
             self.set_pair(pairs)
 
@@ -187,6 +201,7 @@ class Conversation:
         self.chat_id = self._guard("create the branch", lambda store: store.create_chat(title, pair_name))
         if (chat_id := self.chat_id) is not None:
             for turn in turns:
+
                 def copy(store: ChatStore, t: Turn = turn) -> int:
                     return store.add_message(chat_id, t.role, t.content, t.meta or None, t.complete)
 

@@ -81,16 +81,20 @@ def _payload(change: FileChange) -> bytes:
     try:
         return restore_line_ends(target, change.text).encode(target.encoding)
     except UnicodeEncodeError as exc:
-        raise EditError(f"/edit {target.shown}: the new version cannot be saved as UTF-8 (character {exc.start}: "
-                        f"{exc.reason}). Nothing was written; ask the model again.") from None
+        raise EditError(
+            f"/edit {target.shown}: the new version cannot be saved as UTF-8 (character {exc.start}: "
+            f"{exc.reason}). Nothing was written; ask the model again."
+        ) from None
 
 
 def _read_current(target: EditTarget) -> tuple[bytes, os.stat_result]:
     try:
         return target.path.read_bytes(), target.path.stat()
     except OSError as exc:
-        raise EditError(f"/edit {target.shown}: cannot read {target.path} again before saving: "
-                        f"{exc.strerror or exc}. Nothing was written.") from None
+        raise EditError(
+            f"/edit {target.shown}: cannot read {target.path} again before saving: "
+            f"{exc.strerror or exc}. Nothing was written."
+        ) from None
 
 
 def apply_plan(plan: EditPlan) -> AppliedEdit:
@@ -105,7 +109,8 @@ def apply_plan(plan: EditPlan) -> AppliedEdit:
             raise EditError(
                 f"/edit {target.shown}: {target.path} changed on disk since it was attached (modified "
                 f"{time.strftime('%H:%M:%S', time.localtime(st.st_mtime))}); specchat will not overwrite those "
-                f"changes. Nothing was written: run /edit {target.shown} again to edit the current version.")
+                f"changes. Nothing was written: run /edit {target.shown} again to edit the current version."
+            )
         check_writable(target)
         prepared.append((change, current, st, _payload(change)))
     done: list[tuple[AppliedFile, bytes, int]] = []
@@ -118,11 +123,18 @@ def apply_plan(plan: EditPlan) -> AppliedEdit:
         try:
             write_atomic(target.path, payload, mode=mode)
         except OSError as exc:
-            raise EditError(f"/edit {target.shown}: could not write {target.path}: {exc.strerror or exc}. The file "
-                            f"is unchanged; the backup is {backup}.{_put_back(done)}") from None
+            raise EditError(
+                f"/edit {target.shown}: could not write {target.path}: {exc.strerror or exc}. The file "
+                f"is unchanged; the backup is {backup}.{_put_back(done)}"
+            ) from None
         _keep_owner(target.path, st)
-        done.append((AppliedFile(target.path, target.shown, backup, target.sha256,
-                                 hashlib.sha256(payload).hexdigest()), current, mode))
+        done.append(
+            (
+                AppliedFile(target.path, target.shown, backup, target.sha256, hashlib.sha256(payload).hexdigest()),
+                current,
+                mode,
+            )
+        )
     return AppliedEdit(tuple(applied for applied, _, _ in done))
 
 
@@ -163,8 +175,10 @@ def _write_backup(target: EditTarget, data: bytes, mode: int) -> Path:
     try:
         write_atomic(staging, data, mode=mode | stat.S_IRUSR | stat.S_IWUSR)
     except OSError as exc:
-        raise EditError(f"/edit {target.shown}: could not write a backup next to {target.path}: "
-                        f"{exc.strerror or exc}. Nothing was written.") from None
+        raise EditError(
+            f"/edit {target.shown}: could not write a backup next to {target.path}: "
+            f"{exc.strerror or exc}. Nothing was written."
+        ) from None
     try:
         for n in range(1, 1000):
             backup = target.path.with_name(f"{target.path.name}{BACKUP_MARK}-{stamp}{'' if n == 1 else f'-{n}'}")
@@ -178,11 +192,15 @@ def _write_backup(target: EditTarget, data: bytes, mode: int) -> Path:
                     continue
                 os.replace(staging, backup)
                 return backup
-        raise EditError(f"/edit {target.shown}: 999 backups from this second already exist next to it; remove "
-                        "some. Nothing was written.")
+        raise EditError(
+            f"/edit {target.shown}: 999 backups from this second already exist next to it; remove "
+            "some. Nothing was written."
+        )
     except OSError as exc:
-        raise EditError(f"/edit {target.shown}: could not name the backup of {target.path}: "
-                        f"{exc.strerror or exc}. Nothing was written.") from None
+        raise EditError(
+            f"/edit {target.shown}: could not name the backup of {target.path}: "
+            f"{exc.strerror or exc}. Nothing was written."
+        ) from None
     finally:
         staging.unlink(missing_ok=True)
 
@@ -195,14 +213,18 @@ def undo_edit(applied: AppliedEdit) -> list[Path]:
             current, st = f.path.read_bytes(), f.path.stat()
             original = f.backup.read_bytes()
         except OSError as exc:
-            raise EditError(f"/undo: cannot read {exc.filename or f.path}: {exc.strerror or exc}. "
-                            "Nothing was restored.") from None
+            raise EditError(
+                f"/undo: cannot read {exc.filename or f.path}: {exc.strerror or exc}. Nothing was restored."
+            ) from None
         if hashlib.sha256(current).hexdigest() != f.after_sha256:
-            raise EditError(f"/undo: {f.shown} changed since the edit was applied; undoing would lose those changes. "
-                            f"Nothing was restored; its original is in {f.backup}.")
+            raise EditError(
+                f"/undo: {f.shown} changed since the edit was applied; undoing would lose those changes. "
+                f"Nothing was restored; its original is in {f.backup}."
+            )
         if hashlib.sha256(original).hexdigest() != f.before_sha256:
-            raise EditError(f"/undo: the backup {f.backup} no longer holds the original of {f.shown}. "
-                            "Nothing was restored.")
+            raise EditError(
+                f"/undo: the backup {f.backup} no longer holds the original of {f.shown}. Nothing was restored."
+            )
         restore.append((f, original, stat.S_IMODE(st.st_mode)))
     done: list[Path] = []
     for f, original, mode in restore:
@@ -210,8 +232,9 @@ def undo_edit(applied: AppliedEdit) -> list[Path]:
             write_atomic(f.path, original, mode=mode)
         except OSError as exc:
             restored = f" ({', '.join(map(str, done))} were restored)" if done else ""
-            raise EditError(f"/undo: could not write {f.path}: {exc.strerror or exc}{restored}; its original is in "
-                            f"{f.backup}.") from None
+            raise EditError(
+                f"/undo: could not write {f.path}: {exc.strerror or exc}{restored}; its original is in {f.backup}."
+            ) from None
         done.append(f.path)
     return done
 
@@ -224,13 +247,22 @@ def git_diff(path: Path) -> str | None:
     env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0", "GIT_PAGER": "cat"}
     folder = str(path.parent)
     try:
-        tracked = subprocess.run([git, "-C", folder, "ls-files", "--error-unmatch", "--", path.name],
-                                 capture_output=True, timeout=GIT_TIMEOUT_S, env=env, stdin=subprocess.DEVNULL)
+        tracked = subprocess.run(
+            [git, "-C", folder, "ls-files", "--error-unmatch", "--", path.name],
+            capture_output=True,
+            timeout=GIT_TIMEOUT_S,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
         if tracked.returncode != 0:
             return None
-        diff = subprocess.run([git, "-C", folder, "--no-pager", "diff", "--no-color", "--no-ext-diff", "--",
-                               path.name], capture_output=True, timeout=GIT_TIMEOUT_S, env=env,
-                              stdin=subprocess.DEVNULL)
+        diff = subprocess.run(
+            [git, "-C", folder, "--no-pager", "diff", "--no-color", "--no-ext-diff", "--", path.name],
+            capture_output=True,
+            timeout=GIT_TIMEOUT_S,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if diff.returncode != 0:

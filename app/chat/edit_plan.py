@@ -39,15 +39,18 @@ _REPLACE = re.compile(r"^\s*>{5,9}\s*REPLACE\s*$")
 _FENCE_LINE = re.compile(r"^\s*(`{3,}|~{3,})")
 _SHRINK_WORDS = re.compile(r"\b(delete|remove|drop|shorten|trim|strip|clear|empty|truncate|cut|only)", re.I)
 _DROP_WORDS = re.compile(r"\b(delete|remove|drop|rename|merge|replace|move|inline|combine|split|get rid)", re.I)
-_DEFINITION_PATTERNS = [re.compile(p, re.M) for p in (
-    r"^[ \t]*(?:export\s+)?(?:default\s+)?(?:async\s+)?function\*?\s+([A-Za-z_$][\w$]*)",  # JavaScript
-    r"^[ \t]*(?:pub(?:\([^)]*\))?\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?fn\s+(\w+)",  # Rust
-    r"^func\s+(?:\([^)]*\)\s*)?(\w+)",  # Go
-    r"^[ \t]*(?:export\s+)?(?:public\s+|private\s+|protected\s+|internal\s+)?(?:abstract\s+|final\s+|static\s+)*"
-    r"(?:class|struct|enum|interface|trait|module|object|record)\s+(\w+)",
-    r"^[ \t]*(?:def|defp|defmodule|sub|proc)\s+([\w.?!]+)",  # Ruby, Elixir, Perl, Tcl
-    r"^[ \t]*(?:export\s+)?(?:const|let|var)\s+([A-Za-z_$][\w$]*)\s*=\s*(?:async\s*)?(?:function\b|\([^)]*\)\s*=>)",
-)]
+_DEFINITION_PATTERNS = [
+    re.compile(p, re.M)
+    for p in (
+        r"^[ \t]*(?:export\s+)?(?:default\s+)?(?:async\s+)?function\*?\s+([A-Za-z_$][\w$]*)",  # JavaScript
+        r"^[ \t]*(?:pub(?:\([^)]*\))?\s+)?(?:const\s+)?(?:async\s+)?(?:unsafe\s+)?fn\s+(\w+)",  # Rust
+        r"^func\s+(?:\([^)]*\)\s*)?(\w+)",  # Go
+        r"^[ \t]*(?:export\s+)?(?:public\s+|private\s+|protected\s+|internal\s+)?(?:abstract\s+|final\s+|static\s+)*"
+        r"(?:class|struct|enum|interface|trait|module|object|record)\s+(\w+)",
+        r"^[ \t]*(?:def|defp|defmodule|sub|proc)\s+([\w.?!]+)",  # Ruby, Elixir, Perl, Tcl
+        r"^[ \t]*(?:export\s+)?(?:const|let|var)\s+([A-Za-z_$][\w$]*)\s*=\s*(?:async\s*)?(?:function\b|\([^)]*\)\s*=>)",
+    )
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,7 @@ def _file_name(line: str) -> str:
 
 def _name_before(lines: list[str], index: int) -> str | None:
     """The file name in the three lines before ``index`` (skipping fences and blank lines); None when none."""
-    for line in reversed(lines[max(0, index - 3):index]):
+    for line in reversed(lines[max(0, index - 3) : index]):
         if not line.strip() or _FENCE_LINE.match(line):
             continue
         if _REPLACE.match(line) or _DIVIDER.match(line):
@@ -175,8 +178,10 @@ def _why_not_found(search: str, text: str, name: str) -> str:
         if line in present or not line.strip():
             continue
         if " ".join(line.split()) in squashed:
-            return (f"its line {k} `{_short(line)}` differs from line {squashed[' '.join(line.split())]} of {name} "
-                    "in spaces or indentation only")
+            return (
+                f"its line {k} `{_short(line)}` differs from line {squashed[' '.join(line.split())]} of {name} "
+                "in spaces or indentation only"
+            )
         close = difflib.get_close_matches(line, list(present), n=1, cutoff=0.6)
         hint = f"; the closest is line {file_lines.index(close[0]) + 1}: `{_short(close[0])}`" if close else ""
         return f"its line {k} `{_short(line)}` is not in {name}{hint}"
@@ -197,8 +202,10 @@ def apply_block(text: str, block: EditBlock, name: str) -> tuple[str | None, str
     """(the new text, "") or (None, why the block is refused)."""
     label = f"Block {block.number} ({name})"
     if not block.search.strip():
-        return None, (f"{label} has an empty SEARCH part; to add lines, SEARCH for the lines next to them and "
-                      "REPLACE them with those lines plus the new ones.")
+        return None, (
+            f"{label} has an empty SEARCH part; to add lines, SEARCH for the lines next to them and "
+            "REPLACE them with those lines plus the new ones."
+        )
     hay = text if text.endswith("\n") or not text else text + "\n"
     found = _occurrences(hay, block.search)
     if not found:
@@ -206,10 +213,12 @@ def apply_block(text: str, block: EditBlock, name: str) -> tuple[str | None, str
         return None, f"{label} was refused: its SEARCH text is not in the file: {why}."
     if len(found) > 1:
         numbers = ", ".join(str(hay.count("\n", 0, at) + 1) for at in found[:5])
-        return None, (f"{label} was refused: its SEARCH text matches {len(found)} places (lines {numbers}); "
-                      "it must match one, with a few more lines around the change.")
+        return None, (
+            f"{label} was refused: its SEARCH text matches {len(found)} places (lines {numbers}); "
+            "it must match one, with a few more lines around the change."
+        )
     at = found[0]
-    new = hay[:at] + block.replace + hay[at + len(block.search):]
+    new = hay[:at] + block.replace + hay[at + len(block.search) :]
     if hay is not text and new.endswith("\n"):
         new = new[:-1]  # the file had no final newline: keep it so
     return new, ""
@@ -222,8 +231,11 @@ def _plan_blocks(targets: list[EditTarget], blocks: list[EditBlock], problems: l
         target = _target_for(block.file, targets)
         if target is None:
             attached = ", ".join(t.shown for t in targets)
-            refusals.append(f"Block {block.number} is for `{block.file}`, which is not attached (attached: {attached})."
-                            if block.file else f"Block {block.number} does not name its file (attached: {attached}).")
+            refusals.append(
+                f"Block {block.number} is for `{block.file}`, which is not attached (attached: {attached})."
+                if block.file
+                else f"Block {block.number} does not name its file (attached: {attached})."
+            )
             continue
         new, why = apply_block(texts[target.path], block, target.path.name)
         if new is None:
@@ -232,8 +244,11 @@ def _plan_blocks(targets: list[EditTarget], blocks: list[EditBlock], problems: l
             texts[target.path] = new
     if refusals:
         return EditPlan(refusals=tuple(refusals))
-    changes = tuple(FileChange(t, texts[t.path], "SEARCH/REPLACE blocks", _syntax_notes(t, texts[t.path]))
-                    for t in targets if texts[t.path] != t.text)
+    changes = tuple(
+        FileChange(t, texts[t.path], "SEARCH/REPLACE blocks", _syntax_notes(t, texts[t.path]))
+        for t in targets
+        if texts[t.path] != t.text
+    )
     if not changes:
         return EditPlan(refusals=("The blocks change nothing: their REPLACE parts equal their SEARCH parts.",))
     return EditPlan(changes=changes)
@@ -296,17 +311,21 @@ def guard_whole_file(target: EditTarget, new_text: str, request: str) -> str:
     dropped = sorted(n for n in before - definitions(new_text, target.language) if not _may_drop(n, request))
     if dropped:
         shown = ", ".join(dropped[:8]) + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else "")
-        return (f"The reply would replace {name} with a text that drops {shown}, which the request does not ask to "
-                "remove: it looks like only the changed part, not the whole file. Ask again for SEARCH/REPLACE "
-                "blocks, or say in the request what to remove.")
+        return (
+            f"The reply would replace {name} with a text that drops {shown}, which the request does not ask to "
+            "remove: it looks like only the changed part, not the whole file. Ask again for SEARCH/REPLACE "
+            "blocks, or say in the request what to remove."
+        )
     if before:
         return ""
     old = Counter(line.strip() for line in target.text.split("\n") if line.strip())
     kept = sum((old & Counter(line.strip() for line in new_text.split("\n") if line.strip())).values())
     total = sum(old.values())
     if total >= 10 and kept * 2 < total and not _SHRINK_WORDS.search(request):
-        return (f"The reply would keep only {kept} of the {total} lines of {name}, and the request does not ask "
-                "to shorten it: it looks like only the changed part. Ask again for SEARCH/REPLACE blocks.")
+        return (
+            f"The reply would keep only {kept} of the {total} lines of {name}, and the request does not ask "
+            "to shorten it: it looks like only the changed part. Ask again for SEARCH/REPLACE blocks."
+        )
     return ""
 
 
@@ -336,8 +355,10 @@ def _plan_whole(targets: list[EditTarget], reply: str, request: str) -> EditPlan
         if target.text and not target.text.endswith("\n") and text.endswith("\n"):
             text = text[:-1]  # a fenced block always ends its last line; keep the file's own convention
         if not closed:
-            refusals.append(f"The reply ended inside its code block for {target.path.name} (it was stopped or hit "
-                            "the token limit), so it is not the whole file.")
+            refusals.append(
+                f"The reply ended inside its code block for {target.path.name} (it was stopped or hit "
+                "the token limit), so it is not the whole file."
+            )
         elif why := guard_whole_file(target, text, request):
             refusals.append(why)
         elif text != target.text:

@@ -33,8 +33,12 @@ from specchat.backend.paths import config_dir
 
 SETTINGS_FILE = "settings.json"
 DrafterChoice = Literal["pair", "prompt-lookup", "suffix", "none"]
-DRAFTER_CHOICES: dict[str, str] = {"pair": "Pair default", "prompt-lookup": "Prompt lookup", "suffix": "Suffix tree",
-                                   "none": "Off"}
+DRAFTER_CHOICES: dict[str, str] = {
+    "pair": "Pair default",
+    "prompt-lookup": "Prompt lookup",
+    "suffix": "Suffix tree",
+    "none": "Off",
+}
 MAX_NEW_TOKENS_LIMIT = 32768
 MAX_SETTINGS_BYTES = 1 << 20  # the file; a system prompt of a few pages is ~10 kB
 MAX_SYSTEM_PROMPT_CHARS = 200_000
@@ -61,8 +65,9 @@ class Settings:
 
     def sampling(self) -> SamplingParams:
         """The request's sampling parameters (``None`` fields are resolved by the engine)."""
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                              max_new_tokens=self.max_new_tokens)
+        return SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, max_new_tokens=self.max_new_tokens
+        )
 
     def request_drafter(self) -> DrafterName | None:
         """``GenerationRequest.drafter``: None keeps the pair's drafter."""
@@ -96,6 +101,7 @@ def _sampling(name: str, kind: type, expected: str) -> Callable[[Any], Any]:
         if value is not None and not SAMPLING_LIMITS[name][0](value):
             raise SettingsError(f"setting {name!r}: {shown(value)} is {expected}")
         return value
+
     return check
 
 
@@ -133,6 +139,7 @@ def _text(name: str, limit: int, *, optional: bool, printable: bool) -> Callable
             raise SettingsError(f"setting {name!r}: {shown(value)} holds control characters; use a plain name")
         # A lone surrogate (JSON "\ud800") is not text: it cannot be drawn, saved as UTF-8 or tokenised.
         return value.encode("utf-8", "replace").decode("utf-8")
+
     return check
 
 
@@ -141,6 +148,7 @@ def _flag(name: str) -> Callable[[Any], bool]:
         if not isinstance(value, bool):
             raise SettingsError(f"setting {name!r}: expected true or false, got {shown(value)}")
         return value
+
     return check
 
 
@@ -210,9 +218,11 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
     if not errors:
         return Settings(**values), None
     more = f"; also bad: {', '.join(bad[3:])}" if len(errors) > 3 else ""
-    return Settings(**values), (f"Settings file {path}: {'; '.join(errors[:3])}{more}; "
-                                f"{'that setting uses its' if len(errors) == 1 else 'those settings use their'} "
-                                "default.")
+    return Settings(**values), (
+        f"Settings file {path}: {'; '.join(errors[:3])}{more}; "
+        f"{'that setting uses its' if len(errors) == 1 else 'those settings use their'} "
+        "default."
+    )
 
 
 def _save_error(path: Path, error: OSError) -> SettingsError:
@@ -222,8 +232,10 @@ def _save_error(path: Path, error: OSError) -> SettingsError:
         advice = "the file system is read-only: set SPECCHAT_CONFIG_DIR to a writable folder"
     else:
         advice = "check the directory's permissions or set SPECCHAT_CONFIG_DIR"
-    return SettingsError(f"could not save the settings to {path}: {error.strerror or error}; {advice}. The "
-                         "change applies to this session.")
+    return SettingsError(
+        f"could not save the settings to {path}: {error.strerror or error}; {advice}. The "
+        "change applies to this session."
+    )
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> None:
@@ -231,8 +243,10 @@ def save_settings(settings: Settings, path: Path | None = None) -> None:
     path = path or settings_path()
     reason = read_only_reason(path)
     if reason is not None:
-        raise SettingsError(f"the settings are not saved: {reason}. The change applies to this session; make it "
-                            "writable (chmod u+w) to keep settings.")
+        raise SettingsError(
+            f"the settings are not saved: {reason}. The change applies to this session; make it "
+            "writable (chmod u+w) to keep settings."
+        )
     text = json.dumps(asdict(settings), indent=2)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,13 @@ def run(args) -> int:
     configs = [get_pair(pairs, name) for name in names]  # unknown names fail before anything loads
     for config in configs:  # so do modes a pair cannot run (draft-model without a draft, hf-* on a remote, typos)
         remote_kind = config.remote.server_kind if config.remote is not None else None
-        parse_modes(args.modes, has_draft=config.draft is not None, pair_name=config.name, remote_kind=remote_kind,
-                    llamacpp_missing=_llamacpp_missing(config.target) if remote_kind is None else None)
+        parse_modes(
+            args.modes,
+            has_draft=config.draft is not None,
+            pair_name=config.name,
+            remote_kind=remote_kind,
+            llamacpp_missing=_llamacpp_missing(config.target) if remote_kind is None else None,
+        )
     err = Console(stderr=True)
 
     def load(index: int):
@@ -124,8 +129,9 @@ def _server_positions(runner, before) -> dict:
     return {"server_per_position_acceptance": list(vllm_per_position_between(before, after))}
 
 
-def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None,
-            out: Console | None = None) -> int:
+def execute(
+    args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None, out: Console | None = None
+) -> int:
     """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
     from specchat.backend.bench.bounds import bandwidth_bounds, describe
     from specchat.backend.bench.remote import RemoteBenchRunner
@@ -143,9 +149,17 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
     prompts = load_suite(args.suite, limit)
     out_dir = Path(args.out or "bench_out")
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"suite": args.suite, "limit_per_family": limit, "max_new_tokens": max_new, "temperature": temperature,
-            "greedy": temperature <= 0, "seed": args.seed, "modes": args.modes, "device": args.device,
-            **environment()}
+    meta = {
+        "suite": args.suite,
+        "limit_per_family": limit,
+        "max_new_tokens": max_new,
+        "temperature": temperature,
+        "greedy": temperature <= 0,
+        "seed": args.seed,
+        "modes": args.modes,
+        "device": args.device,
+        **environment(),
+    }
     rows, runs = [], []
     estimated_s = 0.0
     started = time.perf_counter()
@@ -155,9 +169,13 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
         try:
             remote = engine.pair.remote
             missing = _llamacpp_missing(engine.target.spec) if remote is None else None
-            modes = parse_modes(args.modes, has_draft=engine.draft is not None, pair_name=engine.pair.name,
-                                remote_kind=remote.server_kind if remote is not None else None,
-                                llamacpp_missing=missing)
+            modes = parse_modes(
+                args.modes,
+                has_draft=engine.draft is not None,
+                pair_name=engine.pair.name,
+                remote_kind=remote.server_kind if remote is not None else None,
+                llamacpp_missing=missing,
+            )
             if missing is not None and not args.modes:
                 err.print(f"[yellow]llama.cpp modes left out: {escape(missing)}[/yellow]", highlight=False)
             kind = RemoteBenchRunner if remote is not None else BenchRunner
@@ -165,8 +183,10 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             fitting = [p for p in prompts if runner.fits(p)]
             skipped = [p.id for p in prompts if p not in fitting]
             if skipped:
-                err.print(f"[yellow]Skipping {len(skipped)} prompt(s) longer than {engine.pair.name}'s context "
-                          f"({engine.context_length} tokens): {', '.join(skipped)}[/yellow]")
+                err.print(
+                    f"[yellow]Skipping {len(skipped)} prompt(s) longer than {engine.pair.name}'s context "
+                    f"({engine.context_length} tokens): {', '.join(skipped)}[/yellow]"
+                )
             if not fitting:
                 continue
             bounds = None
@@ -184,15 +204,25 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
             estimate = {mode: seconds * _repeats(args) for mode, seconds in runner.estimate_s(fitting, warm).items()}
             estimated_s += sum(estimate.values())
             speeds = ", ".join(f"{w.mode} {w.decode_tok_s:.1f}" for w in warm)
-            err.print(f"Estimated time for {engine.pair.name}: ~{sum(estimate.values()) / 60:.1f} min "
-                      f"({len(fitting)} prompts × {len(modes)} modes × {_repeats(args)} runs, up to {max_new} new "
-                      "tokens each; "
-                      f"warm-up decode tok/s: {speeds})", highlight=False)
+            err.print(
+                f"Estimated time for {engine.pair.name}: ~{sum(estimate.values()) / 60:.1f} min "
+                f"({len(fitting)} prompts × {len(modes)} modes × {_repeats(args)} runs, up to {max_new} new "
+                "tokens each; "
+                f"warm-up decode tok/s: {speeds})",
+                highlight=False,
+            )
             counters = runner.server_counters() if remote is not None else None
             run_start = time.perf_counter()
             pair_rows: list = []
-            progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
+            progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=err,
+                transient=True,
+            )
             with progress:
                 task = progress.add_task(engine.pair.name, total=len(fitting) * len(modes) * _repeats(args))
 
@@ -209,11 +239,20 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
                     interrupted = True
                     mark_equality(pair_rows, greedy=temperature <= 0)
             rows += pair_rows
-            runs.append({"pair": engine.pair.name, "modes": [m.name for m in modes], "prompts": len(fitting),
-                         "skipped_prompts": skipped, "warmup": [w.to_dict() for w in warm],
-                         "estimate_s": estimate, "elapsed_s": time.perf_counter() - run_start,
-                         "bandwidth_bound": bounds,
-                         "interrupted": interrupted, **_server_positions(runner, counters)})
+            runs.append(
+                {
+                    "pair": engine.pair.name,
+                    "modes": [m.name for m in modes],
+                    "prompts": len(fitting),
+                    "skipped_prompts": skipped,
+                    "warmup": [w.to_dict() for w in warm],
+                    "estimate_s": estimate,
+                    "elapsed_s": time.perf_counter() - run_start,
+                    "bandwidth_bound": bounds,
+                    "interrupted": interrupted,
+                    **_server_positions(runner, counters),
+                }
+            )
         finally:
             engine.close()
             # Drop this pair's models (and their transformers twins) before the next pair loads.
@@ -234,10 +273,12 @@ def execute(args, num_pairs: int, load: Callable[[int], object], *, err: Console
     write_json(out_dir / "bench.json", meta=meta, runs=runs, rows=rows, aggs=aggs)
     if aggs:
         write_chart(out_dir / "speedup.png", aggs)
-    err.print(f"Wrote {out_dir / 'bench.json'}, {out_dir / 'bench.txt'}"
-              + (f", {out_dir / 'speedup.png'}" if aggs else "") + f"; took {meta['elapsed_s'] / 60:.1f} min "
-              f"(estimated {estimated_s / 60:.1f} min after the warm-up, which it does not count)")
+    err.print(
+        f"Wrote {out_dir / 'bench.json'}, {out_dir / 'bench.txt'}"
+        + (f", {out_dir / 'speedup.png'}" if aggs else "")
+        + f"; took {meta['elapsed_s'] / 60:.1f} min "
+        f"(estimated {estimated_s / 60:.1f} min after the warm-up, which it does not count)"
+    )
     if interrupted:
         raise KeyboardInterrupt
     return 0
-

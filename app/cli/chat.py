@@ -39,6 +39,7 @@ from specchat.backend.paths import log_dir
 def earlier_replies(store: ChatStore) -> Callable[[], list[str] | None]:
     """What seeds a loaded pair's suffix drafter: the newest replies in the history (read at each load, so a
     pair chosen later also knows this session's replies), or None while the "earlier replies" setting is off."""
+
     def replies() -> list[str] | None:
         if not load_settings(settings_path())[0].draft_from_history:
             return None
@@ -46,6 +47,7 @@ def earlier_replies(store: ChatStore) -> Callable[[], list[str] | None]:
             return store.recent_replies(REPLY_MEMORY_CHARS)
         except SpecchatError:
             return []  # an unreadable history drafts from the conversation only; the app reports the history
+
     return replies
 
 
@@ -58,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
     notices: list[str] = []
     store: ChatStore | None = None
     if getattr(args, "no_history", False):
-        notices.append("History is off (--no-history): this session's chats are not saved, and earlier replies "
-                       "are not used for drafting.")
+        notices.append(
+            "History is off (--no-history): this session's chats are not saved, and earlier replies "
+            "are not used for drafting."
+        )
     else:
         try:
             store = ChatStore()
@@ -70,9 +74,15 @@ def run(args: argparse.Namespace) -> int:
     log_path = log_dir() / LOG_FILE
     with route_library_output(log_path):
         factory = default_engine_factory(device, None if store is None else earlier_replies(store))
-        app = SpecchatApp(pairs, engine_factory=factory, pair_info=default_pair_info(device),
-                          store=store, initial_pair=getattr(args, "pair", None), log_path=log_path,
-                          startup_notices=notices)
+        app = SpecchatApp(
+            pairs,
+            engine_factory=factory,
+            pair_info=default_pair_info(device),
+            store=store,
+            initial_pair=getattr(args, "pair", None),
+            log_path=log_path,
+            startup_notices=notices,
+        )
         result = app.run()
     if store is not None:
         store.close()

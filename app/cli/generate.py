@@ -46,11 +46,11 @@ def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
         raise RequestError(f"--prompts file {name} does not exist") from None
     except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path
         reason = getattr(error, "strerror", None) or error
-        raise RequestError(f"cannot read --prompts file {name}: {reason}; check the path and its "
-                           "permissions") from None
+        raise RequestError(f"cannot read --prompts file {name}: {reason}; check the path and its permissions") from None
     if len(data) > MAX_FILE_BYTES:
-        raise RequestError(f"--prompts file {name} is larger than {MAX_FILE_BYTES >> 20} MiB; split it into "
-                           "several files")
+        raise RequestError(
+            f"--prompts file {name} is larger than {MAX_FILE_BYTES >> 20} MiB; split it into several files"
+        )
     raw_lines = data.splitlines()
     prompts = []
     for number, raw in enumerate(raw_lines, 1):
@@ -58,16 +58,19 @@ def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:
-            raise RequestError(f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column {error.start + 1}); "
-                               "save the file as UTF-8") from None
+            raise RequestError(
+                f"{where}: not UTF-8 text (byte {raw[error.start]:#04x} at column {error.start + 1}); "
+                "save the file as UTF-8"
+            ) from None
         if not line.strip():
             continue
         try:
             item = parse_json(line, max_chars=MAX_LINE_CHARS)
         except InputError as error:
             at = f" at column {error.column}" if error.column is not None else ""
-            raise RequestError(f"{where}: not valid JSON ({error.reason}{at}); each line must be "
-                               f"{_LINE_FORM}") from None
+            raise RequestError(
+                f"{where}: not valid JSON ({error.reason}{at}); each line must be {_LINE_FORM}"
+            ) from None
         if not isinstance(item, dict) or not isinstance(item.get("messages"), list) or not item["messages"]:
             raise RequestError(f'{where}: needs a non-empty "messages" list of {{"role", "content"}} objects')
         try:
@@ -108,9 +111,11 @@ class _Stdout:
 
     def notice(self) -> None:
         if self.replaced:
-            print(f"specchat: stdout's encoding ({self.encoding}) cannot show some characters of the reply; they "
-                  "were written as '?'. Set PYTHONIOENCODING=utf-8, or use --json (exact \\u escapes).",
-                  file=sys.stderr)
+            print(
+                f"specchat: stdout's encoding ({self.encoding}) cannot show some characters of the reply; they "
+                "were written as '?'. Set PYTHONIOENCODING=utf-8, or use --json (exact \\u escapes).",
+                file=sys.stderr,
+            )
 
 
 _last_step: list[str] = []  # the step last printed when stderr is not a terminal
@@ -121,8 +126,12 @@ def _progress(message: str, fraction: float | None) -> None:
     per step (no carriage returns or escape sequences, which only a terminal understands)."""
     suffix = f" {fraction:4.0%}" if fraction is not None else ""
     if sys.stderr.isatty():
-        print(f"\r\x1b[2K{message}{suffix}", end="" if fraction is not None and fraction < 1 else "\n",
-              file=sys.stderr, flush=True)
+        print(
+            f"\r\x1b[2K{message}{suffix}",
+            end="" if fraction is not None and fraction < 1 else "\n",
+            file=sys.stderr,
+            flush=True,
+        )
         return
     step = step_name(message)
     if _last_step[-1:] != [step]:
@@ -134,8 +143,11 @@ def _confirm_download(num_bytes: int) -> bool:
     from specchat.backend.models.memory import format_bytes
 
     if not sys.stdin.isatty():
-        print(f"specchat: the pair needs a download of {format_bytes(num_bytes)}; run interactively to confirm, "
-              "or download it first with `huggingface-cli download`", file=sys.stderr)
+        print(
+            f"specchat: the pair needs a download of {format_bytes(num_bytes)}; run interactively to confirm, "
+            "or download it first with `huggingface-cli download`",
+            file=sys.stderr,
+        )
         return False
     answer = input(f"Download {format_bytes(num_bytes)} from the Hugging Face hub? [y/N] ")
     return answer.strip().lower() in ("y", "yes")
@@ -168,8 +180,10 @@ def run(args: argparse.Namespace) -> int:
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
     if args.system is not None:
-        prompts = [(pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
-                   for pid, msgs in prompts]
+        prompts = [
+            (pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
+            for pid, msgs in prompts
+        ]
     if pair.remote is not None:
         from specchat.backend.remote.client import RemoteEngine
 
@@ -189,11 +203,22 @@ def run(args: argparse.Namespace) -> int:
         for pid, messages in prompts:
             for sample in range(args.samples):
                 seed = None if args.seed is None else args.seed + sample
-                sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                          repetition_penalty=args.repetition_penalty, seed=seed,
-                                          max_new_tokens=args.max_new_tokens, stop=tuple(args.stop or ()))
-                request = GenerationRequest(messages=messages, sampling=sampling, drafter=args.drafter,
-                                            gamma=args.gamma, conversation=f"generate:{pid}")
+                sampling = SamplingParams(
+                    temperature=args.temperature,
+                    top_k=args.top_k,
+                    top_p=args.top_p,
+                    repetition_penalty=args.repetition_penalty,
+                    seed=seed,
+                    max_new_tokens=args.max_new_tokens,
+                    stop=tuple(args.stop or ()),
+                )
+                request = GenerationRequest(
+                    messages=messages,
+                    sampling=sampling,
+                    drafter=args.drafter,
+                    gamma=args.gamma,
+                    conversation=f"generate:{pid}",
+                )
                 try:
                     failed = _one(engine, request, pid, sample, args.json, out) or failed
                 except SpecchatError as error:  # name the prompt that failed (a file may hold thousands)
@@ -223,17 +248,25 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
     stats = last.stats or RequestStats()
     if as_json:
         record = {
-            "id": pid, "sample": sample, "seed": stats.seed, "text": "".join(text), "token_ids": token_ids,
-            "prompt_tokens": stats.prompt_tokens, "finish_reason": last.finish_reason,
-            "drafter": stats.drafter, "stats": stats.to_json_stats(),
+            "id": pid,
+            "sample": sample,
+            "seed": stats.seed,
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "prompt_tokens": stats.prompt_tokens,
+            "finish_reason": last.finish_reason,
+            "drafter": stats.drafter,
+            "stats": stats.to_json_stats(),
         }
         out.json_line(record)
     else:
         out.write("\n")
         rate = stats.acceptance_rate
-        print(f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
-              f"drafter {stats.drafter}, acceptance "
-              f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}, "
-              f"seed {stats.seed}",
-              file=sys.stderr)
+        print(
+            f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
+            f"drafter {stats.drafter}, acceptance "
+            f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}, "
+            f"seed {stats.seed}",
+            file=sys.stderr,
+        )
     return last.finish_reason == "error"

@@ -32,10 +32,15 @@ def _add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: b
     # The same options work before and after the subcommand name; in the subparsers they default to
     # SUPPRESS so that a value given before the subcommand is not overwritten by the subparser's default.
     default = argparse.SUPPRESS if suppress_defaults else None
-    parser.add_argument("--models", metavar="FILE", default=default,
-                        help="models.yaml to use instead of the packaged one (user overrides still apply)")
-    parser.add_argument("--device", metavar="DEV", default=default,
-                        help="cuda, cuda:N or cpu (default: cuda when available, else cpu)")
+    parser.add_argument(
+        "--models",
+        metavar="FILE",
+        default=default,
+        help="models.yaml to use instead of the packaged one (user overrides still apply)",
+    )
+    parser.add_argument(
+        "--device", metavar="DEV", default=default, help="cuda, cuda:N or cpu (default: cuda when available, else cpu)"
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -68,6 +73,7 @@ def _one_of(choices: list[str]):
         if text not in choices:
             raise argparse.ArgumentTypeError(f"{shown(text)} is not one of {', '.join(choices)}")
         return text
+
     return check
 
 
@@ -105,27 +111,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"specchat {__version__}")
     _add_global_options(parser, suppress_defaults=False)
-    parser.add_argument("--pair", metavar="NAME", type=_pair_name, default=None,
-                        help="model pair to open (see `specchat models`)")
-    parser.add_argument("--no-history", action="store_true",
-                        help="neither read nor save chats this session; the suffix drafter drafts from the "
-                             "conversation only")
+    parser.add_argument(
+        "--pair", metavar="NAME", type=_pair_name, default=None, help="model pair to open (see `specchat models`)"
+    )
+    parser.add_argument(
+        "--no-history",
+        action="store_true",
+        help="neither read nor save chats this session; the suffix drafter drafts from the conversation only",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate replies without the UI",
-                         description="Generate replies headlessly (scripts, benchmarks, checks).")
+    gen = sub.add_parser(
+        "generate",
+        help="generate replies without the UI",
+        description="Generate replies headlessly (scripts, benchmarks, checks).",
+    )
     _add_global_options(gen, suppress_defaults=True)
     gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
     drafters = ["none", "prompt-lookup", "suffix", "draft-model", "auto"]
-    gen.add_argument("--drafter", type=_one_of(drafters), choices=drafters, default=None,
-                     help="override the pair's drafter (suffix: trees of continuations seen in the conversation "
-                          "and in earlier replies; auto: pick drafter and gamma for you)")
-    gen.add_argument("--no-history", action="store_true",
-                     help="do not read the chat history (the suffix drafter then drafts from the conversation only)")
+    gen.add_argument(
+        "--drafter",
+        type=_one_of(drafters),
+        choices=drafters,
+        default=None,
+        help="override the pair's drafter (suffix: trees of continuations seen in the conversation "
+        "and in earlier replies; auto: pick drafter and gamma for you)",
+    )
+    gen.add_argument(
+        "--no-history",
+        action="store_true",
+        help="do not read the chat history (the suffix drafter then drafts from the conversation only)",
+    )
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", metavar="TEXT", help="one user message")
-    src.add_argument("--prompts", metavar="FILE.jsonl",
-                     help='one {"id": ..., "messages": [{"role": ..., "content": ...}]} per line')
+    src.add_argument(
+        "--prompts", metavar="FILE.jsonl", help='one {"id": ..., "messages": [{"role": ..., "content": ...}]} per line'
+    )
     gen.add_argument("--system", metavar="TEXT", default=None, help="a system prompt (none is added otherwise)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N")
     gen.add_argument("--temperature", type=_number, default=None, metavar="T", help="0 is greedy")
@@ -133,65 +154,137 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=_number, default=None, metavar="P")
     gen.add_argument("--repetition-penalty", type=_number, default=None, metavar="R")
     gen.add_argument("--seed", type=_whole, default=None, metavar="S")
-    gen.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                     help="end the reply where TEXT appears (repeatable; the text is cut there)")
-    gen.add_argument("--samples", type=_positive_int, default=1, metavar="N",
-                     help="samples per prompt (the prompt is prefilled once and reused)")
-    gen.add_argument("--gamma", type=_gamma, default=None, metavar="N|auto",
-                     help="draft tokens per step; a number fixes it and keeps speculation on")
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="end the reply where TEXT appears (repeatable; the text is cut there)",
+    )
+    gen.add_argument(
+        "--samples",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="samples per prompt (the prompt is prefilled once and reused)",
+    )
+    gen.add_argument(
+        "--gamma",
+        type=_gamma,
+        default=None,
+        metavar="N|auto",
+        help="draft tokens per step; a number fixes it and keeps speculation on",
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, nothing else")
 
     from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEATS
 
-    bench = sub.add_parser("bench", help="benchmark decoding modes against transformers (and llama.cpp)",
-                           description="Measure specchat's modes against transformers generate() (and llama.cpp "
-                                       "on the pair's GGUF when llama-cpp-python is installed) in one run.")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark decoding modes against transformers (and llama.cpp)",
+        description="Measure specchat's modes against transformers generate() (and llama.cpp "
+        "on the pair's GGUF when llama-cpp-python is installed) in one run.",
+    )
     _add_global_options(bench, suppress_defaults=True)
-    bench.add_argument("--pair", metavar="NAME", type=_pair_name, action="append", default=argparse.SUPPRESS,
-                       help="pair to measure (repeatable; default: smollm2-135m)")
-    bench.add_argument("--suite", type=_one_of(list(SUITES)), choices=list(SUITES), default="all",
-                       help="prompt set: spec-bench, edit (code edits), all, or one family such as mt-bench "
-                            "(default: all)")
-    bench.add_argument("--limit", type=_positive_int, default=None, metavar="N",
-                       help=f"prompts per family (default: {DEFAULT_LIMIT})")
-    bench.add_argument("--max-new-tokens", type=_positive_int, default=None, metavar="N",
-                       help=f"new tokens per reply (default: {DEFAULT_MAX_NEW_TOKENS})")
-    bench.add_argument("--repeats", type=_positive_int, default=None, metavar="N",
-                       help=f"runs of every prompt in every mode; the tables show the spread (default: "
-                            f"{DEFAULT_REPEATS})")
-    bench.add_argument("--modes", nargs="+", default=None, metavar="MODE",
-                       help="subset of modes (e.g. plain prompt-lookup auto hf-plain hf-prompt-lookup "
-                            "llamacpp-plain; default: every mode the pair allows)")
-    bench.add_argument("--out", metavar="DIR", default="bench_out",
-                       help="where the JSON and PNG go (default: bench_out)")
+    bench.add_argument(
+        "--pair",
+        metavar="NAME",
+        type=_pair_name,
+        action="append",
+        default=argparse.SUPPRESS,
+        help="pair to measure (repeatable; default: smollm2-135m)",
+    )
+    bench.add_argument(
+        "--suite",
+        type=_one_of(list(SUITES)),
+        choices=list(SUITES),
+        default="all",
+        help="prompt set: spec-bench, edit (code edits), all, or one family such as mt-bench (default: all)",
+    )
+    bench.add_argument(
+        "--limit", type=_positive_int, default=None, metavar="N", help=f"prompts per family (default: {DEFAULT_LIMIT})"
+    )
+    bench.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=f"new tokens per reply (default: {DEFAULT_MAX_NEW_TOKENS})",
+    )
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=f"runs of every prompt in every mode; the tables show the spread (default: {DEFAULT_REPEATS})",
+    )
+    bench.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        metavar="MODE",
+        help="subset of modes (e.g. plain prompt-lookup auto hf-plain hf-prompt-lookup "
+        "llamacpp-plain; default: every mode the pair allows)",
+    )
+    bench.add_argument(
+        "--out", metavar="DIR", default="bench_out", help="where the JSON and PNG go (default: bench_out)"
+    )
     bench.add_argument("--temperature", type=_number, default=0.0, metavar="T", help="0 is greedy (default: 0)")
     bench.add_argument("--seed", type=_whole, default=0, metavar="S", help="(default: 0)")
-    bench.add_argument("--synthetic", metavar="NAME", default=None,
-                       help="random-weight models with real shapes on the device (GPU speed check)")
+    bench.add_argument(
+        "--synthetic",
+        metavar="NAME",
+        default=None,
+        help="random-weight models with real shapes on the device (GPU speed check)",
+    )
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)
-    models.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS,
-                        help="show only this pair")
+    models.add_argument(
+        "--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="show only this pair"
+    )
 
     from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE
 
-    serve = sub.add_parser("serve", help="serve a pair over an OpenAI-compatible API",
-                           description="Serve one local pair over the OpenAI chat completions API (streaming, "
-                                       "/v1/models, /metrics), with its speculation statistics per request.")
+    serve = sub.add_parser(
+        "serve",
+        help="serve a pair over an OpenAI-compatible API",
+        description="Serve one local pair over the OpenAI chat completions API (streaming, "
+        "/v1/models, /metrics), with its speculation statistics per request.",
+    )
     _add_global_options(serve, suppress_defaults=True)
     serve.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="the pair to serve")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
-                                                           "only)")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
     serve.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
-    serve.add_argument("--api-key-env", metavar="VAR", default=None,
-                       help="require the API key held in environment variable VAR (Authorization: Bearer KEY)")
-    serve.add_argument("--queue", type=_positive_int, default=DEFAULT_QUEUE, metavar="N",
-                       help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})")
-    serve.add_argument("--max-tokens", type=_positive_int, default=DEFAULT_MAX_TOKENS, metavar="N",
-                       help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS})")
-    serve.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
-                       help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})")
+    serve.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        default=None,
+        help="require the API key held in environment variable VAR (Authorization: Bearer KEY)",
+    )
+    serve.add_argument(
+        "--queue",
+        type=_positive_int,
+        default=DEFAULT_QUEUE,
+        metavar="N",
+        help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})",
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="N",
+        help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS})",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})",
+    )
     return parser
 
 
@@ -212,8 +305,10 @@ def one_line(text: str) -> str:
     value may hold them) and lone surrogates (undecodable bytes of a command-line argument) are escaped."""
     text = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
     if len(text) > MAX_ERROR_CHARS:  # a value no message abbreviated (a 5,000-character path): keep both ends
-        text = f"{text[:MAX_ERROR_CHARS // 2]} ...({len(text) - MAX_ERROR_CHARS:,} characters)... " \
-               f"{text[-MAX_ERROR_CHARS // 2:]}"
+        text = (
+            f"{text[: MAX_ERROR_CHARS // 2]} ...({len(text) - MAX_ERROR_CHARS:,} characters)... "
+            f"{text[-MAX_ERROR_CHARS // 2 :]}"
+        )
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
@@ -247,8 +342,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
     except OSError as error:  # a file or folder specchat needed (cache, data, output) could not be used
         where = f"{error.filename}: " if error.filename else ""
-        print(one_line(f"specchat: error: {where}{error.strerror or error}; check the path, its permissions and "
-                       "the free disk space"), file=sys.stderr)
+        print(
+            one_line(
+                f"specchat: error: {where}{error.strerror or error}; check the path, its permissions and "
+                "the free disk space"
+            ),
+            file=sys.stderr,
+        )
         return 2
 
 

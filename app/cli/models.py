@@ -50,8 +50,17 @@ def _remote_row(pair: Any, default: str, problems: list[str]) -> list[str]:
     if check["error"]:
         problems.append(f"{pair.name}: {check['error']}")
     state = "DOWN" if not check["reachable"] else "no model" if check["model_listed"] is False else "up"
-    return ["*" if pair.name == default else "", pair.name, pair.target.source, "server",
-            f"remote {pair.remote.server_kind}", "-", state, "none", "-"]
+    return [
+        "*" if pair.name == default else "",
+        pair.name,
+        pair.target.source,
+        "server",
+        f"remote {pair.remote.server_kind}",
+        "-",
+        state,
+        "none",
+        "-",
+    ]
 
 
 def _table(rows: list[list[str]], out: TextIO) -> None:
@@ -90,9 +99,19 @@ def run(args: Any, out: TextIO | None = None) -> int:
         estimate = estimate_pair(pair, device)
         gated = any(s is not None and getattr(s, "gated", False) for s in (pair.target, pair.draft))
         quant = f" {pair.target.quantization}" if pair.target.quantization != "none" else ""
-        rows.append(["*" if pair.name == default else "", pair.name, pair.target.source + quant, _drafter(pair),
-                     _origin(pair), format_bytes(estimate.total), "yes" if estimate.total <= free else "no",
-                     _download(pair, is_cached, format_bytes), "yes" if gated else "no"])
+        rows.append(
+            [
+                "*" if pair.name == default else "",
+                pair.name,
+                pair.target.source + quant,
+                _drafter(pair),
+                _origin(pair),
+                format_bytes(estimate.total),
+                "yes" if estimate.total <= free else "no",
+                _download(pair, is_cached, format_bytes),
+                "yes" if gated else "no",
+            ]
+        )
     _table(rows, out)
     for problem in problems:
         print(f"  ! {problem}", file=out)
@@ -101,8 +120,14 @@ def run(args: Any, out: TextIO | None = None) -> int:
         text = pair.description or "(no description)"
         print(textwrap.fill(text, width=100, initial_indent=f"  {pair.name}: ", subsequent_indent="    "), file=out)
     if any(s is not None and getattr(s, "gated", False) for p in shown for s in (p.target, p.draft)):
-        print("\nGated: accept the licence on huggingface.co, then log in with `hf auth login` "
-              "(older huggingface_hub: `huggingface-cli login`).", file=out)
-    print(f"\nMemory: weights + KV caches for each pair's context_length + scratch + 8% headroom, on {device}. "
-          "Use --pair NAME to choose one.", file=out)
+        print(
+            "\nGated: accept the licence on huggingface.co, then log in with `hf auth login` "
+            "(older huggingface_hub: `huggingface-cli login`).",
+            file=out,
+        )
+    print(
+        f"\nMemory: weights + KV caches for each pair's context_length + scratch + 8% headroom, on {device}. "
+        "Use --pair NAME to choose one.",
+        file=out,
+    )
     return 0

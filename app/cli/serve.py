@@ -39,12 +39,17 @@ def run(args: argparse.Namespace) -> int:
 
     pair = get_pair(load_pairs(args.models), args.pair or DEFAULT_PAIR)
     if pair.remote is not None:
-        raise RequestError(f"pair '{pair.name}' is a remote pair ({pair.remote.server}): it is already served "
-                           "there; serve a local pair")
+        raise RequestError(
+            f"pair '{pair.name}' is a remote pair ({pair.remote.server}): it is already served "
+            "there; serve a local pair"
+        )
     key = api_key_from(args.api_key_env)
     if args.host not in LOOPBACK and key is None:
-        print(f"specchat: warning: serving on {args.host} without an API key: anyone who can reach this machine "
-              "can use the model (set --api-key-env VAR)", file=sys.stderr)
+        print(
+            f"specchat: warning: serving on {args.host} without an API key: anyone who can reach this machine "
+            "can use the model (set --api-key-env VAR)",
+            file=sys.stderr,
+        )
     with capture_library_output(progress=_progress):
         engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens)
@@ -54,11 +59,16 @@ def run(args: argparse.Namespace) -> int:
         server = make_server(engine, config, host=args.host, port=args.port)
     except OSError as error:
         engine.close()
-        raise RequestError(f"cannot listen on {args.host}:{args.port} ({error.strerror or error}); pick another "
-                           "--port or --host") from None
+        raise RequestError(
+            f"cannot listen on {args.host}:{args.port} ({error.strerror or error}); pick another --port or --host"
+        ) from None
     host, port = server.server_address[:2]
-    print(f"specchat serve: pair {pair.name} on http://{host}:{port}/v1 (model id '{pair.name}'; queue "
-          f"{args.queue}; Ctrl+C stops)", file=sys.stderr, flush=True)
+    print(
+        f"specchat serve: pair {pair.name} on http://{host}:{port}/v1 (model id '{pair.name}'; queue "
+        f"{args.queue}; Ctrl+C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:

@@ -40,8 +40,7 @@ LOG_FILE = "specchat.log"
 REPLY_MEMORY_CHARS = 800_000
 
 
-def default_engine_factory(device: str | None,
-                           replies: Callable[[], list[str] | None] | None = None) -> EngineFactory:
+def default_engine_factory(device: str | None, replies: Callable[[], list[str] | None] | None = None) -> EngineFactory:
     def factory(pair: PairConfig, progress: Progress, confirm_download: ConfirmDownload) -> EngineAPI:
         if pair.remote is not None:  # nothing to load: the server runs the model
             from specchat.backend.remote.client import RemoteEngine
@@ -88,8 +87,14 @@ def default_pair_info(device: str | None) -> PairInfo:
         specs = [s for s in (pair.target, draft) if s is not None]
         # models.yaml's size for what is not in the local HF cache: no network access from the picker
         download = sum(s.download_bytes for s in specs if s.kind == "hub" and not is_cached(s))
-        return {"memory_bytes": estimate.total, "free_bytes": free, "fits": estimate.total <= free,
-                "download_bytes": download, "gated": any(s.gated for s in specs), "device": str(dev)}
+        return {
+            "memory_bytes": estimate.total,
+            "free_bytes": free,
+            "fits": estimate.total <= free,
+            "download_bytes": download,
+            "gated": any(s.gated for s in specs),
+            "device": str(dev),
+        }
 
     return pair_info
 
@@ -104,8 +109,9 @@ def route_library_output(path: Path) -> Iterator[logging.Handler | None]:
     except OSError:
         handler = None  # an unwritable log dir must not stop the app: log records are dropped instead
     saved_handlers, saved_level = root.handlers[:], root.level
-    terminal = [h for h in root.handlers if isinstance(h, logging.StreamHandler)
-                and not isinstance(h, logging.FileHandler)]
+    terminal = [
+        h for h in root.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
     for h in terminal:
         root.removeHandler(h)
     if handler is not None:

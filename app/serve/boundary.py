@@ -81,8 +81,12 @@ def decode_json(body: bytes) -> Any:
     try:
         return json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
-        raise ApiError(400, f"the request body is not valid JSON ({error.msg} at line {error.lineno} column "
-                            f"{error.colno}); send a JSON object", "body") from None
+        raise ApiError(
+            400,
+            f"the request body is not valid JSON ({error.msg} at line {error.lineno} column "
+            f"{error.colno}); send a JSON object",
+            "body",
+        ) from None
     except (ValueError, RecursionError) as error:
         reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
         raise ApiError(400, f"the request body is not valid JSON ({reason}); send a JSON object", "body") from None
@@ -96,8 +100,9 @@ def _content(index: int, content: Any) -> str:
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{param}[{j}]", part, 'must be {"type": "text", "text": "..."} (this server reads '
-                                                   "text only)")
+                raise _bad(
+                    f"{param}[{j}]", part, 'must be {"type": "text", "text": "..."} (this server reads text only)'
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise _bad(param, content, "must be a string or a list of text parts")
@@ -139,10 +144,14 @@ def _stop(value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
-    if (not isinstance(items, list) or len(items) > MAX_STOP_STRINGS
-            or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in items)):
-        raise _bad("stop", value, f"must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1-256 "
-                                  "characters")
+    if (
+        not isinstance(items, list)
+        or len(items) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in items)
+    ):
+        raise _bad(
+            "stop", value, f"must be a string or a list of at most {MAX_STOP_STRINGS} strings of 1-256 characters"
+        )
     return tuple(items)
 
 
@@ -165,8 +174,9 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     if body.get("logprobs") not in (None, False):
         raise _bad("logprobs", body["logprobs"], "this server does not return log-probabilities; leave it out")
     response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, Mapping)
-                                        or response_format.get("type") != "text"):
+    if response_format is not None and (
+        not isinstance(response_format, Mapping) or response_format.get("type") != "text"
+    ):
         raise _bad("response_format", response_format, 'only {"type": "text"} is supported; leave it out')
 
 
@@ -195,14 +205,19 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
     if not isinstance(model, str) or not model:
         raise _bad("model", model, "is required: one of " + ", ".join(served))
     if model not in served:
-        raise ApiError(404, f"model '{model[:100]}' is not served here; models: {', '.join(served)} (GET /v1/models)",
-                       "model", "model_not_found")
+        raise ApiError(
+            404,
+            f"model '{model[:100]}' is not served here; models: {', '.join(served)} (GET /v1/models)",
+            "model",
+            "model_not_found",
+        )
     messages = _messages(data.get("messages"))
     _unsupported(data)
     max_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = data.get(max_key)
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
-                                   or not 1 <= max_tokens <= limits.max_tokens):
+    if max_tokens is not None and (
+        not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= limits.max_tokens
+    ):
         raise _bad(max_key, max_tokens, f"must be a whole number from 1 to {limits.max_tokens} (this server's limit)")
     temperature = _number(data, "temperature", "temperature")
     top_p = _number(data, "top_p", "top_p")
@@ -213,8 +228,9 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
     seed = _number(data, "seed", "seed")
     for key in ("presence_penalty", "frequency_penalty"):
         value = data.get(key)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                  or not math.isfinite(value) or value != 0):
+        if value is not None and (
+            not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value != 0
+        ):
             raise _bad(key, value, "is not supported; send 0 or leave it out (repetition_penalty is)")
     stream = _flag(data, "stream")
     options = data.get("stream_options")
@@ -223,10 +239,15 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
     include_usage = _flag(options or {}, "include_usage", "stream_options.include_usage")
     drafter, gamma = _specchat(data.get("specchat"))
     try:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                  repetition_penalty=repetition_penalty,
-                                  max_new_tokens=max_tokens,  # None: the pair's default
-                                  seed=seed, stop=_stop(data.get("stop")))
+        sampling = SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            max_new_tokens=max_tokens,  # None: the pair's default
+            seed=seed,
+            stop=_stop(data.get("stop")),
+        )
         request = GenerationRequest(messages=messages, sampling=sampling, drafter=drafter, gamma=gamma)
     except RequestError as error:  # the checks above cover every field; this keeps the contract if they drift
         raise ApiError(400, str(error), None) from None

@@ -71,9 +71,12 @@ class Metrics:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"requests": dict(self.requests), "tokens": dict(self.tokens),
-                    "accepted_per_position": dict(self.accepted_per_position),
-                    "reached_per_position": dict(self.reached_per_position)}
+            return {
+                "requests": dict(self.requests),
+                "tokens": dict(self.tokens),
+                "accepted_per_position": dict(self.accepted_per_position),
+                "reached_per_position": dict(self.reached_per_position),
+            }
 
 
 class EngineOwner:

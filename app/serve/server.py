@@ -119,9 +119,16 @@ class Handler(BaseHTTPRequestHandler):
         if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), key.encode()):
             return True
         self.server.metrics.count("unauthorised")
-        self._send_error(ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                       "with the key the server was started with", "Authorization",
-                                  "authentication_error"), {"WWW-Authenticate": "Bearer"})
+        self._send_error(
+            ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                "with the key the server was started with",
+                "Authorization",
+                "authentication_error",
+            ),
+            {"WWW-Authenticate": "Bearer"},
+        )
         return False
 
     # -- routes -------------------------------------------------------------------------------------------
@@ -131,8 +138,10 @@ class Handler(BaseHTTPRequestHandler):
             return
         path = self.path.split("?", 1)[0]
         if path in ("/v1/models", "/models"):
-            data = [{"id": m, "object": "model", "created": self.server.started, "owned_by": "specchat"}
-                    for m in self.server.served]
+            data = [
+                {"id": m, "object": "model", "created": self.server.started, "owned_by": "specchat"}
+                for m in self.server.served
+            ]
             self._send_json(200, {"object": "list", "data": data})
         elif path == "/metrics":
             body = self._metrics().encode()
@@ -146,16 +155,18 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/health":
             self._send_json(200, {"status": "ok", "waiting": self.server.owner.waiting})
         else:
-            self._send_error(ApiError(404, f"no route GET {path[:100]}; use /v1/models, /metrics or /health",
-                                      "path", "not_found"))
+            self._send_error(
+                ApiError(404, f"no route GET {path[:100]}; use /v1/models, /metrics or /health", "path", "not_found")
+            )
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         if not self._authorised():
             return
         path = self.path.split("?", 1)[0]
         if path not in ("/v1/chat/completions", "/chat/completions"):
-            self._send_error(ApiError(404, f"no route POST {path[:100]}; use /v1/chat/completions", "path",
-                                      "not_found"))
+            self._send_error(
+                ApiError(404, f"no route POST {path[:100]}; use /v1/chat/completions", "path", "not_found")
+            )
             return
         try:
             call = parse_chat_request(self._body(), self.server.served, self.server.config.limits)
@@ -168,9 +179,16 @@ class Handler(BaseHTTPRequestHandler):
         except Busy:
             self.server.metrics.count("rejected")
             size = self.server.config.queue_size
-            self._send_error(ApiError(503, f"the server is busy: {size} requests are already waiting for the "
-                                           f"engine (its queue holds {size}); retry in a moment", None,
-                                      "server_busy"), {"Retry-After": "1"})
+            self._send_error(
+                ApiError(
+                    503,
+                    f"the server is busy: {size} requests are already waiting for the "
+                    f"engine (its queue holds {size}); retry in a moment",
+                    None,
+                    "server_busy",
+                ),
+                {"Retry-After": "1"},
+            )
             return
         try:
             self._answer(call, job)
@@ -186,8 +204,11 @@ class Handler(BaseHTTPRequestHandler):
         length, limit = int(length_text), self.server.config.limits.max_body_bytes
         if length > limit:
             self._discard(length)  # read it, so that the client gets the answer and not a reset connection
-            raise ApiError(413, f"the request body has {length} bytes; this server takes at most {limit} "
-                                "(--max-body-bytes)", "body")
+            raise ApiError(
+                413,
+                f"the request body has {length} bytes; this server takes at most {limit} (--max-body-bytes)",
+                "body",
+            )
         return self.rfile.read(length)
 
     def _discard(self, length: int, most: int = 16 << 20) -> None:
@@ -239,8 +260,9 @@ class Handler(BaseHTTPRequestHandler):
                         self._start_stream()
                         stream_started = True
                     if event.text or event.token_ids or event.finish_reason is not None:
-                        payload = wire.chunk(call_id, call.model, created, event, token_ids=call.return_token_ids,
-                                             first=first)
+                        payload = wire.chunk(
+                            call_id, call.model, created, event, token_ids=call.return_token_ids, first=first
+                        )
                         first = False
                         self.wfile.write(wire.sse(payload))
                         self.wfile.flush()
@@ -256,8 +278,10 @@ class Handler(BaseHTTPRequestHandler):
                 self.wfile.write(wire.sse("[DONE]"))
                 self.wfile.flush()
             else:
-                self._send_json(200, wire.completion(call_id, call.model, "".join(text),
-                                                     ids if call.return_token_ids else None, last))
+                self._send_json(
+                    200,
+                    wire.completion(call_id, call.model, "".join(text), ids if call.return_token_ids else None, last),
+                )
             self.server.metrics.finished(last.stats, "ok" if last.finish_reason != "error" else "error")
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             job.cancel.set()
@@ -269,8 +293,9 @@ class Handler(BaseHTTPRequestHandler):
             if not user:
                 log.error("unexpected error in a reply", exc_info=error)
             message = str(error) if user else f"internal error ({type(error).__name__}); see the server's log"
-            api_error = ApiError(400 if user else 500, message, None, "invalid_request_error" if user
-                                 else "server_error")
+            api_error = ApiError(
+                400 if user else 500, message, None, "invalid_request_error" if user else "server_error"
+            )
             try:
                 if stream_started:
                     self.wfile.write(wire.sse(api_error.body()))
@@ -297,8 +322,12 @@ class Handler(BaseHTTPRequestHandler):
         lines.append("# TYPE specchat_tokens_total counter")
         for kind, value in snap["tokens"].items():
             lines.append(f'specchat_tokens_total{{kind="{kind}"}} {value}')
-        lines += ["# TYPE specchat_queue_waiting gauge", f"specchat_queue_waiting {self.server.owner.waiting}",
-                  "# TYPE specchat_requests_running gauge", f"specchat_requests_running {self.server.owner.running}"]
+        lines += [
+            "# TYPE specchat_queue_waiting gauge",
+            f"specchat_queue_waiting {self.server.owner.waiting}",
+            "# TYPE specchat_requests_running gauge",
+            f"specchat_requests_running {self.server.owner.running}",
+        ]
         lines.append("# TYPE specchat_spec_decode_num_accepted_tokens_per_pos_total counter")
         for pos, value in sorted(snap["accepted_per_position"].items()):
             lines.append(f'specchat_spec_decode_num_accepted_tokens_per_pos_total{{position="{pos}"}} {value}')
@@ -309,4 +338,3 @@ class Handler(BaseHTTPRequestHandler):
         if blocks is not None:
             lines += ["# TYPE specchat_kv_blocks_in_use gauge", f"specchat_kv_blocks_in_use {blocks()}"]
         return "\n".join(lines) + "\n"
-

@@ -26,8 +26,14 @@ from typing import Any
 
 from specchat.backend.api import RequestStats, StepEvent
 
-OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "stop",
-                 "error": "stop"}
+OPENAI_FINISH = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "context": "length",
+    "cancelled": "stop",
+    "error": "stop",
+}
 
 
 def new_id() -> str:
@@ -36,9 +42,15 @@ def new_id() -> str:
 
 def _own(event: StepEvent, finish: str | None) -> dict[str, Any]:
     stats = event.stats.to_dict() if event.stats is not None else None
-    block: dict[str, Any] = {"sources": [int(s) for s in event.sources], "token_texts": event.token_texts,
-                             "gamma": event.gamma, "accepted": event.accepted, "policy": event.policy.value,
-                             "drafter": event.drafter, "stats": stats}
+    block: dict[str, Any] = {
+        "sources": [int(s) for s in event.sources],
+        "token_texts": event.token_texts,
+        "gamma": event.gamma,
+        "accepted": event.accepted,
+        "policy": event.policy.value,
+        "drafter": event.drafter,
+        "stats": stats,
+    }
     if finish is not None:
         block["finish_reason"] = finish
     if event.message:
@@ -46,19 +58,28 @@ def _own(event: StepEvent, finish: str | None) -> dict[str, Any]:
     return block
 
 
-def chunk(call_id: str, model: str, created: int, event: StepEvent, *, token_ids: bool,
-          first: bool) -> dict[str, Any]:
+def chunk(call_id: str, model: str, created: int, event: StepEvent, *, token_ids: bool, first: bool) -> dict[str, Any]:
     """One chat.completion.chunk for ``event``."""
     delta: dict[str, Any] = {"content": event.text}
     if first:
         delta["role"] = "assistant"
     finish = event.finish_reason
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                              "finish_reason": OPENAI_FINISH[finish] if finish is not None else None}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": OPENAI_FINISH[finish] if finish is not None else None,
+    }
     if token_ids:
         choice["token_ids"] = list(event.token_ids)
-    return {"id": call_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice], "specchat": _own(event, finish)}
+    return {
+        "id": call_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "specchat": _own(event, finish),
+    }
 
 
 def speculation_fields(stats: RequestStats) -> dict[str, Any]:
@@ -66,8 +87,12 @@ def speculation_fields(stats: RequestStats) -> dict[str, Any]:
     prompt, new = stats.prompt_tokens, stats.new_tokens
     out: dict[str, Any] = {"usage": {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}}
     prefill_s = stats.prefill_s or 0.0
-    timings: dict[str, Any] = {"prompt_n": stats.prefill_tokens, "prompt_ms": round(prefill_s * 1000, 3),
-                               "predicted_n": new, "predicted_ms": round(max(stats.wall_s - prefill_s, 0.0) * 1000, 3)}
+    timings: dict[str, Any] = {
+        "prompt_n": stats.prefill_tokens,
+        "prompt_ms": round(prefill_s * 1000, 3),
+        "predicted_n": new,
+        "predicted_ms": round(max(stats.wall_s - prefill_s, 0.0) * 1000, 3),
+    }
     if stats.drafted:
         timings.update(draft_n=stats.drafted, draft_n_accepted=stats.accepted)
     out["timings"] = timings
@@ -75,10 +100,17 @@ def speculation_fields(stats: RequestStats) -> dict[str, Any]:
         histogram = list(stats.accepted_length_histogram)
         k = stats.gamma.max or 0
         histogram += [0] * (k + 1 - len(histogram))
-        out["metrics"] = {"speculative_decoding": {
-            "mean_acceptance_length": stats.mean_accepted_length, "draft_acceptance_rate": stats.acceptance_rate,
-            "acceptance_histogram": histogram, "num_spec_steps": sum(histogram),
-            "num_accepted_draft_tokens": stats.accepted, "num_draft_tokens": stats.drafted, "num_spec_tokens": k}}
+        out["metrics"] = {
+            "speculative_decoding": {
+                "mean_acceptance_length": stats.mean_accepted_length,
+                "draft_acceptance_rate": stats.acceptance_rate,
+                "acceptance_histogram": histogram,
+                "num_spec_steps": sum(histogram),
+                "num_accepted_draft_tokens": stats.accepted,
+                "num_draft_tokens": stats.drafted,
+                "num_spec_tokens": k,
+            }
+        }
     return out
 
 
@@ -94,12 +126,21 @@ def usage_chunk(call_id: str, model: str, created: int, last: StepEvent) -> dict
 def completion(call_id: str, model: str, text: str, token_ids: list[int] | None, last: StepEvent) -> dict[str, Any]:
     """A whole (non-streaming) chat.completion."""
     stats = last.stats or RequestStats()
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                              "finish_reason": OPENAI_FINISH.get(last.finish_reason or "eos", "stop")}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": OPENAI_FINISH.get(last.finish_reason or "eos", "stop"),
+    }
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    out: dict[str, Any] = {"id": call_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-                           "choices": [choice]}
+    out: dict[str, Any] = {
+        "id": call_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
     out.update(speculation_fields(stats))
     out["specchat"] = {"stats": stats.to_dict(), "finish_reason": last.finish_reason}
     return out

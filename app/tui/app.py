@@ -62,10 +62,18 @@ class SpecchatApp(App[int]):
         Binding("f4", "history", "History"),
     ]
 
-    def __init__(self, pairs: Mapping[str, PairConfig], *, engine_factory: EngineFactory,
-                 pair_info: PairInfo | None = None, store: ChatStore | None = None,
-                 settings_path: Path | None = None, initial_pair: str | None = None,
-                 log_path: Path | None = None, startup_notices: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        pairs: Mapping[str, PairConfig],
+        *,
+        engine_factory: EngineFactory,
+        pair_info: PairInfo | None = None,
+        store: ChatStore | None = None,
+        settings_path: Path | None = None,
+        initial_pair: str | None = None,
+        log_path: Path | None = None,
+        startup_notices: Iterable[str] = (),
+    ) -> None:
         super().__init__()
         self.pairs = dict(pairs)
         self.engine_factory, self.pair_info, self.store = engine_factory, pair_info, store
@@ -152,8 +160,9 @@ class SpecchatApp(App[int]):
         self.chat.stats_bar.start_loading(name)
         # A daemon thread, not a Textual thread worker: those run in asyncio's default executor, which
         # App.run() joins on exit, so quitting during a multi-GB download would hang until it finished.
-        threading.Thread(target=self._load, args=(self.pairs[name], old), name=f"specchat-load-{name}",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._load, args=(self.pairs[name], old), name=f"specchat-load-{name}", daemon=True
+        ).start()
 
     def _load(self, pair: PairConfig, old_engine: EngineAPI | None) -> None:
         if old_engine is not None:
@@ -161,8 +170,9 @@ class SpecchatApp(App[int]):
                 old_engine.close()
             except Exception:  # noqa: BLE001 - the new load goes on; the traceback goes to the log
                 log.exception("closing the previous engine failed")
-        progress = ThrottledProgress(lambda text, fraction: self.post_message(
-            EngineLoadProgress(pair.name, text, fraction)))
+        progress = ThrottledProgress(
+            lambda text, fraction: self.post_message(EngineLoadProgress(pair.name, text, fraction))
+        )
         try:
             engine = self.engine_factory(pair, progress, lambda total: self._confirm_download(pair.name, total))
         except BaseException as error:  # noqa: BLE001 - reported to the UI thread, which decides
@@ -181,9 +191,16 @@ class SpecchatApp(App[int]):
             result[0] = bool(ok)
             answered.set()
 
-        self.call_from_thread(self.push_screen, ConfirmScreen(
-            "Download needed", f"{pair_name} needs a download of {human_bytes(total_bytes)} from the Hugging Face "
-            "hub. Download it now?", yes="Download"), done)
+        self.call_from_thread(
+            self.push_screen,
+            ConfirmScreen(
+                "Download needed",
+                f"{pair_name} needs a download of {human_bytes(total_bytes)} from the Hugging Face "
+                "hub. Download it now?",
+                yes="Download",
+            ),
+            done,
+        )
         answered.wait()
         return result[0]
 
@@ -208,8 +225,7 @@ class SpecchatApp(App[int]):
             text, title = f"{error} Choose another pair with F2.", f"Could not load {name}"
         else:
             log.error("loading %s failed", name, exc_info=error)
-            text = (f"{type(error).__name__}: {error}. The traceback is in {self.log_path}. "
-                    "Choose another pair with F2.")
+            text = f"{type(error).__name__}: {error}. The traceback is in {self.log_path}. Choose another pair with F2."
             title = f"Could not load {name}"
         self.notify(text, title=title, severity="error", timeout=15)
         previous, self._previous_pair = self._previous_pair, None
@@ -259,8 +275,11 @@ class SpecchatApp(App[int]):
 
     def action_history(self) -> None:
         if self.store is None:
-            self.notify("History is disabled in this session (it could not be opened at start-up).",
-                        severity="warning", timeout=6)
+            self.notify(
+                "History is disabled in this session (it could not be opened at start-up).",
+                severity="warning",
+                timeout=6,
+            )
             return
 
         async def chosen(result: HistoryResult | None) -> None:
@@ -282,10 +301,8 @@ class SpecchatApp(App[int]):
         yield SystemCommand("Settings", "Sampling, drafter, γ, system prompt (F3)", self.action_settings)
         yield SystemCommand("Regenerate", "Regenerate the last reply (Ctrl+R)", chat.action_regenerate)
         yield SystemCommand("Stop", "Stop the reply, keeping what was written (Esc)", chat.action_stop)
-        yield SystemCommand("Accepted-token view", "Colour replies by token source (Ctrl+T)",
-                            chat.action_toggle_tokens)
-        yield SystemCommand("Details panel", "Per-position acceptance and speedup (Ctrl+G)",
-                            chat.action_toggle_details)
+        yield SystemCommand("Accepted-token view", "Colour replies by token source (Ctrl+T)", chat.action_toggle_tokens)
+        yield SystemCommand("Details panel", "Per-position acceptance and speedup (Ctrl+G)", chat.action_toggle_details)
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard (Ctrl+O)", chat.action_copy_reply)
         yield SystemCommand("Copy last code block", "Copy the last reply's code block (Ctrl+B)", chat.action_copy_code)
         yield SystemCommand("Export chat", "Export this chat to a Markdown file", chat.action_export_chat)

@@ -103,12 +103,12 @@ class ReplyBuffer:
         with self._lock:
             if event.prefill_done is not None:  # reading the prompt: no tokens, no statistics yet
                 started = self._live.prefill[2] if self._live.prefill is not None else self._clock()
-                self._live = LiveView(self._live.stats, event.drafter, None,
-                                      (event.prefill_done, event.prefill_tokens, started))
+                self._live = LiveView(
+                    self._live.stats, event.drafter, None, (event.prefill_done, event.prefill_tokens, started)
+                )
                 return
             self._rate.add(len(event.token_ids))
-            self._live = LiveView(event.stats or self._live.stats, event.drafter, self._rate.rate(),
-                                  self._live.prefill)
+            self._live = LiveView(event.stats or self._live.stats, event.drafter, self._rate.rate(), self._live.prefill)
             if event.text:
                 self._text.append(event.text)
             texts = event.token_texts if len(event.token_texts) == len(event.sources) else [""] * len(event.sources)
@@ -136,9 +136,16 @@ class ReplyBuffer:
             return delta
 
 
-def run_generation(engine: EngineAPI, request: GenerationRequest, cancel: threading.Event, buffer: ReplyBuffer,
-                   notify: Callable[[], None], *, interval_s: float | Callable[[], float] = 0.1,
-                   clock: Callable[[], float] = time.monotonic) -> None:
+def run_generation(
+    engine: EngineAPI,
+    request: GenerationRequest,
+    cancel: threading.Event,
+    buffer: ReplyBuffer,
+    notify: Callable[[], None],
+    *,
+    interval_s: float | Callable[[], float] = 0.1,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
     """Drive one reply to its end in the calling (worker) thread. Never raises; see the module docstring.
 
     ``interval_s`` may be a callable, read at every event: the UI lengthens it when drawing gets expensive.
@@ -189,8 +196,12 @@ class ThrottledProgress:
     a step (its fraction, its counters in the text) are throttled.
     """
 
-    def __init__(self, post: Callable[[str, float | None], None], interval_s: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        post: Callable[[str, float | None], None],
+        interval_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._post, self._interval, self._clock = post, interval_s, clock
         self._last_step: str | None = None
         self._last_time = float("-inf")

@@ -54,6 +54,9 @@ def bandwidth_bounds(engine, llamacpp_gguf: Path | None) -> dict[str, Any]:
 
 
 def describe(bounds: dict[str, Any]) -> str:
-    parts = [f"{name} {b['bytes_per_token'] / 1e6:.0f} MB a token → ≤ {b['bound_tok_s']:.0f} tok/s"
-             for name, b in bounds.items() if isinstance(b, dict)]
+    parts = [
+        f"{name} {b['bytes_per_token'] / 1e6:.0f} MB a token → ≤ {b['bound_tok_s']:.0f} tok/s"
+        for name, b in bounds.items()
+        if isinstance(b, dict)
+    ]
     return f"bandwidth bound (read bandwidth {bounds['read_bandwidth_GBps']:.1f} GB/s): " + "; ".join(parts)

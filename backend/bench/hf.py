@@ -140,10 +140,11 @@ def hf_generate(
     start = time.perf_counter()
     clock = _FirstTokenClock(start, device)
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config,
-                             streamer=clock, **extra)
+        out = model.generate(
+            input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock, **extra
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall = time.perf_counter() - start
-    new = out[0, len(prompt_ids):].tolist()
+    new = out[0, len(prompt_ids) :].tolist()
     return HFResult(token_ids=[int(t) for t in new], wall_s=wall, ttft_s=clock.ttft_s)

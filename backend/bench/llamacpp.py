@@ -21,8 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-INSTALL_HINT = ("install the optional extra: pip install 'specchat[bench]' (llama-cpp-python builds llama.cpp "
-                "from source, a few minutes; CMAKE_ARGS='-DGGML_NATIVE=ON' for this CPU)")
+INSTALL_HINT = (
+    "install the optional extra: pip install 'specchat[bench]' (llama-cpp-python builds llama.cpp "
+    "from source, a few minutes; CMAKE_ARGS='-DGGML_NATIVE=ON' for this CPU)"
+)
 PROMPT_LOOKUP_TOKENS = 10  # llama-cpp-python's default num_pred_tokens
 DRAFTERS = ("plain", "prompt-lookup")
 
@@ -46,24 +48,43 @@ class Generation:
 class LlamaCpp:
     """The pair's GGUF in llama.cpp, one instance per drafter asked for."""
 
-    def __init__(self, gguf: Path, *, drafters: tuple[str, ...], context_length: int, threads: int,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, gguf: Path, *, drafters: tuple[str, ...], context_length: int, threads: int, seed: int = 0
+    ) -> None:
         import llama_cpp
 
         self.gguf = gguf
         self.instances = {}
         for drafter in drafters:
-            draft = (llama_cpp.llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS)
-                     if drafter == "prompt-lookup" else None)
+            draft = (
+                llama_cpp.llama_speculative.LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS)
+                if drafter == "prompt-lookup"
+                else None
+            )
             # logits_all with a drafter: llama-cpp-python keeps every position's logits when it speculates, but
             # sizes that array from the argument (n_batch = 512 rows without it), so a prompt past 512 tokens
             # failed inside its eval ("could not broadcast ... into shape (0,)"; llama_cpp/llama.py 0.3.36).
-            self.instances[drafter] = llama_cpp.Llama(model_path=str(gguf), n_ctx=context_length, n_threads=threads,
-                                                      n_threads_batch=threads, seed=seed, draft_model=draft,
-                                                      logits_all=draft is not None, verbose=False)
+            self.instances[drafter] = llama_cpp.Llama(
+                model_path=str(gguf),
+                n_ctx=context_length,
+                n_threads=threads,
+                n_threads_batch=threads,
+                seed=seed,
+                draft_model=draft,
+                logits_all=draft is not None,
+                verbose=False,
+            )
 
-    def generate(self, drafter: str, prompt_ids: list[int], *, max_new_tokens: int, temperature: float,
-                 seed: int, eos_ids: list[int]) -> Generation:
+    def generate(
+        self,
+        drafter: str,
+        prompt_ids: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        eos_ids: list[int],
+    ) -> Generation:
         llm = self.instances[drafter]
         llm.reset()  # no prefix reuse between runs: every run prefills its whole prompt
         llm.set_seed(seed)
@@ -71,8 +92,15 @@ class LlamaCpp:
         ttft = None
         start = time.perf_counter()
         greedy = temperature <= 0
-        stream = llm.generate(prompt_ids, temp=temperature if not greedy else 0.0, top_k=1 if greedy else 0,
-                              top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True)
+        stream = llm.generate(
+            prompt_ids,
+            temp=temperature if not greedy else 0.0,
+            top_k=1 if greedy else 0,
+            top_p=1.0,
+            min_p=0.0,
+            repeat_penalty=1.0,
+            reset=True,
+        )
         for token in stream:
             if ttft is None:
                 ttft = time.perf_counter() - start

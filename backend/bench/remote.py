@@ -26,8 +26,9 @@ from specchat.backend.remote.stats import vllm_counters
 class RemoteBenchRunner(BenchRunner):
     """BenchRunner over a remote engine (see the module docstring)."""
 
-    def __init__(self, engine: Any, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, engine: Any, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> None:
         self.engine, self.modes = engine, modes
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.pair_name = engine.pair.name
@@ -43,14 +44,22 @@ class RemoteBenchRunner(BenchRunner):
     def fits(self, prompt: BenchPrompt) -> bool:
         return True
 
-    def run_one(self, mode: Mode, prompt: BenchPrompt, *, order: int, seed: int,
-                max_new_tokens: int | None = None) -> Row:
+    def run_one(
+        self, mode: Mode, prompt: BenchPrompt, *, order: int, seed: int, max_new_tokens: int | None = None
+    ) -> Row:
         request = GenerationRequest(
             messages=prompt.message_dicts(),
-            sampling=SamplingParams(temperature=self.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0,
-                                    max_new_tokens=max_new_tokens or self.max_new_tokens, seed=seed),
+            sampling=SamplingParams(
+                temperature=self.temperature,
+                top_k=0,
+                top_p=1.0,
+                repetition_penalty=1.0,
+                max_new_tokens=max_new_tokens or self.max_new_tokens,
+                seed=seed,
+            ),
             drafter=None if mode.drafter == "server" else mode.drafter,  # type: ignore[arg-type]
-            gamma=mode.gamma)
+            gamma=mode.gamma,
+        )
         tokens: list[int] = []
         ttft, last = None, None
         start = time.perf_counter()
@@ -63,10 +72,22 @@ class RemoteBenchRunner(BenchRunner):
         stats = last.stats if last is not None else None
         prompt_tokens = stats.prompt_tokens if stats is not None else 0
         self._prompt_tokens[prompt.id] = prompt_tokens
-        return Row(pair=self.pair_name, family=prompt.family, category=prompt.category, prompt_id=prompt.id,
-                   mode=mode.name, order=order, prompt_tokens=prompt_tokens, token_ids=tokens, wall_s=wall,
-                   ttft_s=ttft, finish_reason=last.finish_reason if last is not None else None, tally=None,
-                   engine_stats=stats, reported_tokens=None if tokens or stats is None else stats.new_tokens)
+        return Row(
+            pair=self.pair_name,
+            family=prompt.family,
+            category=prompt.category,
+            prompt_id=prompt.id,
+            mode=mode.name,
+            order=order,
+            prompt_tokens=prompt_tokens,
+            token_ids=tokens,
+            wall_s=wall,
+            ttft_s=ttft,
+            finish_reason=last.finish_reason if last is not None else None,
+            tally=None,
+            engine_stats=stats,
+            reported_tokens=None if tokens or stats is None else stats.new_tokens,
+        )
 
     def server_counters(self) -> dict[str, Any] | None:
         """vLLM's speculation counters now (``/metrics``), for the run's per-position acceptance; None for other

@@ -55,28 +55,45 @@ def build_tables(aggs: list[Aggregate], *, greedy: bool) -> list[Table]:
         table = Table(title=escape(f"{pair} · {family} · {note}"), title_justify="left")
         table.add_column("mode", no_wrap=True)
         llamacpp = any(a.x_llamacpp_plain is not None for a in lines)
-        for header, justify in (("tokens", "right"), ("tok/s", "right"), ("spread", "right"), ("ttft s", "right"),
-                                *((("×llama.cpp", "right"),) if llamacpp else ()),
-                                ("×hf-plain", "right"), ("×matching hf", "right"), ("accept", "right"),
-                                ("τ", "right"), ("exp ×plain", "right"), ("meas ×plain", "right"),
-                                ("tokens = plain/hf" if greedy else "tokens", "left")):
+        for header, justify in (
+            ("tokens", "right"),
+            ("tok/s", "right"),
+            ("spread", "right"),
+            ("ttft s", "right"),
+            *((("×llama.cpp", "right"),) if llamacpp else ()),
+            ("×hf-plain", "right"),
+            ("×matching hf", "right"),
+            ("accept", "right"),
+            ("τ", "right"),
+            ("exp ×plain", "right"),
+            ("meas ×plain", "right"),
+            ("tokens = plain/hf" if greedy else "tokens", "left"),
+        ):
             table.add_column(header, justify=justify)
         for a in lines:
-            matching = ("–" if a.x_match is None or a.match == a.mode
-                        else f"{_ratio(a.x_match)} {escape(a.match or '')}")
+            matching = "–" if a.x_match is None or a.match == a.mode else f"{_ratio(a.x_match)} {escape(a.match or '')}"
             if not greedy:
                 check = "sampled: not compared"
             elif a.mismatches:
                 check = f"[red]{a.mismatches}/{a.prompts_total} differ[/red]"
             else:
                 check = "ok"
-            spread = ("–" if a.tok_s_min is None or a.tok_s_max is None
-                      else f"{a.tok_s_min:.1f}–{a.tok_s_max:.1f}")
-            table.add_row(escape(a.mode), str(a.tokens), _num(a.tok_s, ".1f"), spread, _num(a.ttft_s, ".2f"),
-                          *((_ratio(a.x_llamacpp_plain),) if llamacpp else ()), _ratio(a.x_hf_plain), matching,
-                          _num(None if a.acceptance_rate is None else 100 * a.acceptance_rate, ".0f", "%"),
-                          _num(a.mean_accepted_length, ".2f"), _num(a.x_plain_expected, ".2f", "×"),
-                          _num(a.x_plain_measured, ".2f", "×"), check)
+            spread = "–" if a.tok_s_min is None or a.tok_s_max is None else f"{a.tok_s_min:.1f}–{a.tok_s_max:.1f}"
+            table.add_row(
+                escape(a.mode),
+                str(a.tokens),
+                _num(a.tok_s, ".1f"),
+                spread,
+                _num(a.ttft_s, ".2f"),
+                *((_ratio(a.x_llamacpp_plain),) if llamacpp else ()),
+                _ratio(a.x_hf_plain),
+                matching,
+                _num(None if a.acceptance_rate is None else 100 * a.acceptance_rate, ".0f", "%"),
+                _num(a.mean_accepted_length, ".2f"),
+                _num(a.x_plain_expected, ".2f", "×"),
+                _num(a.x_plain_measured, ".2f", "×"),
+                check,
+            )
         tables.append(table)
     return tables
 
@@ -87,16 +104,21 @@ def notes(rows: list[Row], *, greedy: bool) -> list[str]:
     if greedy:
         for r in rows:
             if r.mismatch:
-                parts = [f"{label}: {v}" for label, v in (("vs plain", r.vs_plain), ("vs hf-plain", r.vs_hf_plain))
-                         if v not in (None, "same")]
+                parts = [
+                    f"{label}: {v}"
+                    for label, v in (("vs plain", r.vs_plain), ("vs hf-plain", r.vs_hf_plain))
+                    if v not in (None, "same")
+                ]
                 lines.append(f"{r.pair} {r.family} {r.prompt_id} [{r.mode}] tokens differ: " + "; ".join(parts))
         seen = set()
         for r in rows:
             if not r.comparable and (r.pair, r.prompt_id) not in seen:
                 seen.add((r.pair, r.prompt_id))
                 counts = {x.mode: x.new_tokens for x in rows if (x.pair, x.prompt_id) == (r.pair, r.prompt_id)}
-                lines.append(f"{r.pair} {r.family} {r.prompt_id}: not comparable, modes produced different "
-                             f"token counts {counts}; left out of the family's ratios")
+                lines.append(
+                    f"{r.pair} {r.family} {r.prompt_id}: not comparable, modes produced different "
+                    f"token counts {counts}; left out of the family's ratios"
+                )
     return lines
 
 
@@ -110,15 +132,16 @@ def print_report(console: Console, aggs: list[Aggregate], rows: list[Row], *, gr
         "plain decoding). ×matching hf: plain↔hf-plain, "
         "prompt-lookup↔hf-prompt-lookup, draft-model↔hf-assisted, auto↔the fastest transformers mode. "
         "exp ×plain: the engine II formula from measured per-position acceptance and target pass times T(n); "
-        "meas ×plain: measured decode tok/s (prefill excluded) over specchat plain.")
+        "meas ×plain: measured decode tok/s (prefill excluded) over specchat plain."
+    )
     for line in notes(rows, greedy=greedy):
         console.print(f"[yellow]note:[/yellow] {escape(line)}", highlight=False)
 
 
-def write_json(path: Path, *, meta: dict[str, Any], runs: list[dict[str, Any]], rows: list[Row],
-               aggs: list[Aggregate]) -> None:
-    payload = {"meta": meta, "runs": runs, "aggregates": [asdict(a) for a in aggs],
-               "rows": [r.to_dict() for r in rows]}
+def write_json(
+    path: Path, *, meta: dict[str, Any], runs: list[dict[str, Any]], rows: list[Row], aggs: list[Aggregate]
+) -> None:
+    payload = {"meta": meta, "runs": runs, "aggregates": [asdict(a) for a in aggs], "rows": [r.to_dict() for r in rows]}
     path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
 
 
@@ -152,21 +175,33 @@ def write_chart(path: Path, aggs: list[Aggregate]) -> None:
                 ratio = agg.tok_s / base[family]
                 x = f - 0.4 + width * (m + 0.5)
                 hatched = hatched or bool(agg.mismatches)
-                ax.bar(x, ratio, width, color=palette[mode], hatch="//" if agg.mismatches else None,
-                       edgecolor="black", linewidth=0.4, label=mode if agg is next(a for a in lines if a.mode == mode)
-                       else None)
+                ax.bar(
+                    x,
+                    ratio,
+                    width,
+                    color=palette[mode],
+                    hatch="//" if agg.mismatches else None,
+                    edgecolor="black",
+                    linewidth=0.4,
+                    label=mode if agg is next(a for a in lines if a.mode == mode) else None,
+                )
                 ax.text(x, ratio, f"{ratio:.2f}×\n{agg.tok_s:.1f}", ha="center", va="bottom", fontsize=5.5)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(families)), families, rotation=15)
         who = "transformers plain" if baseline == "hf-plain" else "specchat plain"
         ax.set_ylabel(f"tok/s over {who}")
-        ax.set_title(f"{pair}: speedup over {who} (labels: × and absolute tok/s; {who} "
-                     + ", ".join(f"{f} {base[f]:.1f}" for f in families if base.get(f)) + " tok/s)", fontsize=8)
+        ax.set_title(
+            f"{pair}: speedup over {who} (labels: × and absolute tok/s; {who} "
+            + ", ".join(f"{f} {base[f]:.1f}" for f in families if base.get(f))
+            + " tok/s)",
+            fontsize=8,
+        )
         if modes:
             handles, _ = ax.get_legend_handles_labels()
             if hatched:  # an entry for hatching only when a bar is hatched
-                handles.append(Patch(facecolor="white", edgecolor="black", hatch="//",
-                                     label="tokens differ from plain"))
+                handles.append(
+                    Patch(facecolor="white", edgecolor="black", hatch="//", label="tokens differ from plain")
+                )
             ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -63,8 +63,14 @@ def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
 REMOTE_MODE = "server"  # a remote pair: whatever speculation its server runs
 
 
-def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
-                remote_kind: str | None = None, llamacpp_missing: str | None = "not checked") -> list[Mode]:
+def parse_modes(
+    names: list[str] | None,
+    *,
+    has_draft: bool,
+    pair_name: str,
+    remote_kind: str | None = None,
+    llamacpp_missing: str | None = "not checked",
+) -> list[Mode]:
     """Modes from ``--modes`` names (None: every mode the pair allows, llama.cpp's when ``llamacpp_missing``
     is None). RequestError names a bad one, and why a llama.cpp mode cannot run.
 
@@ -78,16 +84,26 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
         gamma: int | str | None = None
         if gamma_text:
             if base not in ("prompt-lookup", "suffix", "draft-model", "auto"):
-                raise RequestError(f"mode {shown(name)}: only prompt-lookup, suffix, draft-model and auto take a "
-                                   ":GAMMA suffix")
-            if gamma_text != "auto" and not (gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4
-                                             and 1 <= int(gamma_text) <= MAX_GAMMA):
-                raise RequestError(f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got "
-                                   f"{shown(gamma_text)}")
+                raise RequestError(
+                    f"mode {shown(name)}: only prompt-lookup, suffix, draft-model and auto take a :GAMMA suffix"
+                )
+            if gamma_text != "auto" and not (
+                gamma_text.isascii()
+                and gamma_text.isdigit()
+                and len(gamma_text) < 4
+                and 1 <= int(gamma_text) <= MAX_GAMMA
+            ):
+                raise RequestError(
+                    f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got {shown(gamma_text)}"
+                )
             gamma = gamma_text if gamma_text == "auto" else int(gamma_text)
         if base in SPECCHAT_DRAFTERS:
-            mode = Mode(name, "specchat", "none" if base == "plain" else base,
-                        "auto" if base == "auto" and gamma is None else gamma)
+            mode = Mode(
+                name,
+                "specchat",
+                "none" if base == "plain" else base,
+                "auto" if base == "auto" and gamma is None else gamma,
+            )
         elif base in HF_MODES and not gamma_text:
             mode = Mode(name, "hf", base.removeprefix("hf-"))
         elif base in LLAMACPP_MODES and not gamma_text:
@@ -98,8 +114,10 @@ def parse_modes(names: list[str] | None, *, has_draft: bool, pair_name: str,
             known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES + LLAMACPP_MODES)
             raise RequestError(f"unknown bench mode {shown(name)}; use {known} (a drafter mode may add :GAMMA)")
         if base in ("draft-model", "hf-assisted") and not has_draft:
-            raise RequestError(f"mode {shown(name)} needs a draft model, and pair {pair_name!r} has none; leave it "
-                               "out or pick a pair with a draft (see `specchat models`)")
+            raise RequestError(
+                f"mode {shown(name)} needs a draft model, and pair {pair_name!r} has none; leave it "
+                "out or pick a pair with a draft (see `specchat models`)"
+            )
         if any(m.name == name for m in modes):
             raise RequestError(f"mode {shown(name)} is listed twice in --modes")
         modes.append(mode)
@@ -111,16 +129,20 @@ def _remote_modes(names: list[str] | None, pair_name: str, kind: str) -> list[Mo
     for name in names or [REMOTE_MODE]:
         base = name.partition(":")[0]
         if base in HF_MODES:
-            raise RequestError(f"mode {name!r} runs transformers in this process, and pair {pair_name!r} is remote "
-                               f"(its model is on its server); leave {name} out")
+            raise RequestError(
+                f"mode {name!r} runs transformers in this process, and pair {pair_name!r} is remote "
+                f"(its model is on its server); leave {name} out"
+            )
         if name == REMOTE_MODE:
             modes.append(Mode(name, "remote", REMOTE_MODE))
         elif base in SPECCHAT_DRAFTERS and kind == "specchat":
             local = parse_modes([name], has_draft=True, pair_name=pair_name)[0]
             modes.append(Mode(name, "remote", local.drafter, local.gamma))
         elif base in SPECCHAT_DRAFTERS:
-            raise RequestError(f"mode {name!r}: pair {pair_name!r} runs on a {kind} server, which speculates as it "
-                               f"was started; use --modes {REMOTE_MODE} (or kind: specchat for `specchat serve`)")
+            raise RequestError(
+                f"mode {name!r}: pair {pair_name!r} runs on a {kind} server, which speculates as it "
+                f"was started; use --modes {REMOTE_MODE} (or kind: specchat for `specchat serve`)"
+            )
         else:
             raise RequestError(f"unknown bench mode {name!r} for remote pair {pair_name!r}; use {REMOTE_MODE}")
         if sum(m.name == name for m in modes) > 1:
@@ -168,18 +190,25 @@ def environment() -> dict[str, Any]:
 
     from specchat import __version__
 
-    return {"specchat": __version__, "started": datetime.now(UTC).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return {
+        "specchat": __version__,
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
 
 
 class BenchRunner:
     """Runs modes over prompts with one engine (and transformers twins of its models)."""
 
-    def __init__(self, engine, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, engine, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+    ) -> None:
         self.engine, self.modes = engine, modes
         # Each prompt is measured alone: with the reply memory on, the suffix drafter would draft a prompt's
         # reply from an earlier mode's identical reply to it.
@@ -218,9 +247,18 @@ class BenchRunner:
     def _specchat(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
         request = GenerationRequest(
             prompt_ids=list(ids),
-            sampling=SamplingParams(temperature=self.temperature, top_k=0, top_p=1.0, repetition_penalty=1.0,
-                                    max_new_tokens=max_new, seed=seed),
-            drafter=mode.drafter, gamma=mode.gamma, conversation=conversation)
+            sampling=SamplingParams(
+                temperature=self.temperature,
+                top_k=0,
+                top_p=1.0,
+                repetition_penalty=1.0,
+                max_new_tokens=max_new,
+                seed=seed,
+            ),
+            drafter=mode.drafter,
+            gamma=mode.gamma,
+            conversation=conversation,
+        )
         tokens: list[int] = []
         tally = StepCounts()
         ttft = None
@@ -231,9 +269,16 @@ class BenchRunner:
                 ttft = time.perf_counter() - start
             tokens.extend(event.token_ids)
             if event.token_ids and not event.is_prefill:
-                tally.observe(drafter=event.drafter, gamma=event.gamma, accepted=event.accepted,
-                              emitted=len(event.token_ids), draft_s=event.draft_s, verify_s=event.verify_s,
-                              overhead_s=event.overhead_s, paused=event.policy is PolicyState.PAUSED)
+                tally.observe(
+                    drafter=event.drafter,
+                    gamma=event.gamma,
+                    accepted=event.accepted,
+                    emitted=len(event.token_ids),
+                    draft_s=event.draft_s,
+                    verify_s=event.verify_s,
+                    overhead_s=event.overhead_s,
+                    paused=event.policy is PolicyState.PAUSED,
+                )
             last = event
         wall = time.perf_counter() - start
         reason = last.finish_reason if last is not None else None
@@ -241,15 +286,24 @@ class BenchRunner:
 
     def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
         with quiet_transformers():
-            result = hf_generate(self.hf_target, ids, method=mode.drafter, max_new_tokens=max_new,
-                                 temperature=self.temperature, seed=seed, eos_token_ids=self.eos_ids,
-                                 pad_token_id=self.pad_id, assistant=self.hf_draft)
+            result = hf_generate(
+                self.hf_target,
+                ids,
+                method=mode.drafter,
+                max_new_tokens=max_new,
+                temperature=self.temperature,
+                seed=seed,
+                eos_token_ids=self.eos_ids,
+                pad_token_id=self.pad_id,
+                assistant=self.hf_draft,
+            )
         return self._outside(result)
 
     def _llamacpp(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
         assert self.llamacpp is not None  # noqa: S101 - built for every llamacpp mode in __init__
-        result = self.llamacpp.generate(mode.drafter, ids, max_new_tokens=max_new, temperature=self.temperature,
-                                        seed=seed, eos_ids=self.eos_ids)
+        result = self.llamacpp.generate(
+            mode.drafter, ids, max_new_tokens=max_new, temperature=self.temperature, seed=seed, eos_ids=self.eos_ids
+        )
         return self._outside(result)
 
     def _outside(self, result):
@@ -259,16 +313,29 @@ class BenchRunner:
         reason = "eos" if tokens and tokens[-1] in self.eos_ids else "length"
         return tokens, result.wall_s, result.ttft_s, reason, None, None
 
-    def run_one(self, mode: Mode, prompt: BenchPrompt, *, order: int, seed: int,
-                max_new_tokens: int | None = None) -> Row:
+    def run_one(
+        self, mode: Mode, prompt: BenchPrompt, *, order: int, seed: int, max_new_tokens: int | None = None
+    ) -> Row:
         ids = self.prompt_ids(prompt)
         run = {"specchat": self._specchat, "hf": self._hf, "llamacpp": self._llamacpp}[mode.runner]
         max_new = max_new_tokens or self.max_new_tokens
         if not prompt.turns:
             tokens, wall, ttft, reason, tally, stats = run(mode, ids, max_new, seed)
-            return Row(pair=self.pair_name, family=prompt.family, category=prompt.category, prompt_id=prompt.id,
-                       mode=mode.name, order=order, prompt_tokens=len(ids), token_ids=tokens, wall_s=wall,
-                       ttft_s=ttft, finish_reason=reason, tally=tally, engine_stats=stats)
+            return Row(
+                pair=self.pair_name,
+                family=prompt.family,
+                category=prompt.category,
+                prompt_id=prompt.id,
+                mode=mode.name,
+                order=order,
+                prompt_tokens=len(ids),
+                token_ids=tokens,
+                wall_s=wall,
+                ttft_s=ttft,
+                finish_reason=reason,
+                tally=tally,
+                engine_stats=stats,
+            )
         # A multi-turn prompt: one conversation (specchat reuses its cache between turns), each later user
         # message sent after the reply; the row sums the turns (tokens, time, steps), its ttft is the first's.
         messages = prompt.message_dicts()
@@ -290,10 +357,21 @@ class BenchRunner:
                     tally.merge(turn_tally)
         finally:
             self.engine.forget(key)
-        return Row(pair=self.pair_name, family=prompt.family, category=prompt.category, prompt_id=prompt.id,
-                   mode=mode.name, order=order, prompt_tokens=prompt_tokens, token_ids=all_tokens, wall_s=total_wall,
-                   ttft_s=first_ttft, finish_reason=reason, tally=tally if mode.runner == "specchat" else None,
-                   engine_stats=stats)
+        return Row(
+            pair=self.pair_name,
+            family=prompt.family,
+            category=prompt.category,
+            prompt_id=prompt.id,
+            mode=mode.name,
+            order=order,
+            prompt_tokens=prompt_tokens,
+            token_ids=all_tokens,
+            wall_s=total_wall,
+            ttft_s=first_ttft,
+            finish_reason=reason,
+            tally=tally if mode.runner == "specchat" else None,
+            engine_stats=stats,
+        )
 
     # -- the protocol -----------------------------------------------------------------------------------
 
@@ -303,8 +381,9 @@ class BenchRunner:
         for mode in self.modes:
             if on_mode is not None:
                 on_mode(mode)
-            row = self.run_one(mode, prompt, order=0, seed=self.seed,
-                               max_new_tokens=min(WARMUP_TOKENS, self.max_new_tokens))
+            row = self.run_one(
+                mode, prompt, order=0, seed=self.seed, max_new_tokens=min(WARMUP_TOKENS, self.max_new_tokens)
+            )
             ttft = row.ttft_s if row.ttft_s is not None else row.wall_s
             result.append(WarmUp(mode.name, row.prompt_tokens, row.new_tokens, row.wall_s, ttft))
         return result
@@ -313,11 +392,18 @@ class BenchRunner:
         """Seconds each mode should take on ``prompts``: every prompt prefilled at the mode's warm-up prefill
         rate plus max_new_tokens at its warm-up decode rate (an upper bound: replies may stop earlier)."""
         prompt_tokens = sum(len(self.prompt_ids(p)) for p in prompts)
-        return {w.mode: prompt_tokens / w.prefill_tok_s + len(prompts) * self.max_new_tokens / w.decode_tok_s
-                for w in warm}
+        return {
+            w.mode: prompt_tokens / w.prefill_tok_s + len(prompts) * self.max_new_tokens / w.decode_tok_s for w in warm
+        }
 
-    def run(self, prompts: list[BenchPrompt], *, on_start: Callable[[BenchPrompt, Mode], None] | None = None,
-            on_row: Callable[[Row], None] | None = None, repeats: int = 1) -> list[Row]:
+    def run(
+        self,
+        prompts: list[BenchPrompt],
+        *,
+        on_start: Callable[[BenchPrompt, Mode], None] | None = None,
+        on_row: Callable[[Row], None] | None = None,
+        repeats: int = 1,
+    ) -> list[Row]:
         """Every mode on every prompt, ``repeats`` times (the same seed each time), mode order rotated per
         prompt and repeat; rows get equality marks."""
         rows: list[Row] = []
@@ -352,5 +438,4 @@ def _llamacpp(engine, modes: list[Mode]):
     reason = unavailable(gguf)
     if reason is not None or gguf is None:
         raise RequestError(f"llama.cpp modes cannot run: {reason}")
-    return LlamaCpp(gguf, drafters=drafters, context_length=engine.context_length,
-                    threads=torch.get_num_threads())
+    return LlamaCpp(gguf, drafters=drafters, context_length=engine.context_length, threads=torch.get_num_threads())

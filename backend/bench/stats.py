@@ -72,7 +72,7 @@ class Row:
 
 
 def compare_tokens(ids: list[int], reference: list[int]) -> str:
-    """"same", "differs at I" (first differing index), "stopped early (N vs M)" or "ran longer (N vs M)"."""
+    """ "same", "differs at I" (first differing index), "stopped early (N vs M)" or "ran longer (N vs M)"."""
     for i, (a, b) in enumerate(zip(ids, reference)):
         if a != b:
             return f"differs at {i}"
@@ -99,8 +99,11 @@ def mark_equality(rows: list[Row], *, greedy: bool) -> None:
             row.comparable = len(lengths_llamacpp if llamacpp else lengths) == 1 or not greedy
             if not greedy:
                 continue
-            refs = ((("vs_plain", by_mode.get("llamacpp-plain")),) if llamacpp else
-                    (("vs_plain", by_mode.get("plain")), ("vs_hf_plain", by_mode.get("hf-plain"))))
+            refs = (
+                (("vs_plain", by_mode.get("llamacpp-plain")),)
+                if llamacpp
+                else (("vs_plain", by_mode.get("plain")), ("vs_hf_plain", by_mode.get("hf-plain")))
+            )
             for attr, ref in refs:
                 if ref is not None and ref is not row:
                     setattr(row, attr, compare_tokens(row.token_ids, ref.token_ids))
@@ -151,8 +154,12 @@ def _spread(rows: list[Row]) -> tuple[float | None, float | None]:
 
 def _matching_mode(mode: str) -> str | None:
     base = mode.split(":", 1)[0]
-    return {"plain": "hf-plain", "prompt-lookup": "hf-prompt-lookup", "draft-model": "hf-assisted",
-            "auto": "best hf"}.get(base)
+    return {
+        "plain": "hf-plain",
+        "prompt-lookup": "hf-prompt-lookup",
+        "draft-model": "hf-assisted",
+        "auto": "best hf",
+    }.get(base)
 
 
 def aggregate(rows: list[Row]) -> list[Aggregate]:
@@ -173,12 +180,19 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
             wall = sum(r.wall_s for r in chosen)
             timed = [r for r in chosen if r.ttft_s is not None and r.new_tokens > 1]
             decode_wall = sum(r.wall_s - r.ttft_s for r in timed)
-            agg = Aggregate(pair=pair, family=family, mode=mode, prompts=len(chosen), prompts_total=len(mode_rows),
-                            tokens=tokens, wall_s=wall, tok_s=tokens / wall if wall > 0 else 0.0,
-                            decode_tok_s=(sum(r.new_tokens - 1 for r in timed) / decode_wall
-                                          if decode_wall > 0 else None),
-                            mismatches=sum(r.mismatch for r in mode_rows),
-                            ttft_s=(sum(r.ttft_s for r in timed) / len(timed)) if timed else None)
+            agg = Aggregate(
+                pair=pair,
+                family=family,
+                mode=mode,
+                prompts=len(chosen),
+                prompts_total=len(mode_rows),
+                tokens=tokens,
+                wall_s=wall,
+                tok_s=tokens / wall if wall > 0 else 0.0,
+                decode_tok_s=(sum(r.new_tokens - 1 for r in timed) / decode_wall if decode_wall > 0 else None),
+                mismatches=sum(r.mismatch for r in mode_rows),
+                ttft_s=(sum(r.ttft_s for r in timed) / len(timed)) if timed else None,
+            )
             agg.tok_s_min, agg.tok_s_max = _spread(chosen)
             if any(r.tally is not None for r in chosen):
                 tally = StepCounts()
@@ -204,8 +218,13 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
                 match = best_hf
             if match in aggs and aggs[match].tok_s > 0:
                 agg.match, agg.x_match = match, agg.tok_s / aggs[match].tok_s
-            if (plain is not None and plain.decode_tok_s and agg.decode_tok_s and not mode.startswith("hf-")
-                    and not _is_llamacpp(mode)):
+            if (
+                plain is not None
+                and plain.decode_tok_s
+                and agg.decode_tok_s
+                and not mode.startswith("hf-")
+                and not _is_llamacpp(mode)
+            ):
                 agg.x_plain_measured = agg.decode_tok_s / plain.decode_tok_s
             if mode in tallies and mode != "plain":
                 own = tallies[mode].mean_pass_s(1)

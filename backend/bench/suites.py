@@ -86,16 +86,19 @@ def load_spec_bench(path: Path = SPEC_BENCH_FILE) -> list[BenchPrompt]:
     for number, row in _read_jsonl(path):
         category, turns = row.get("category"), row.get("turns")
         if category not in _SPEC_BENCH_FAMILY:
-            raise ConfigError(f"{path}:{number}: unknown category {category!r}; expected one of "
-                              f"{', '.join(_SPEC_BENCH_FAMILY)}")
+            raise ConfigError(
+                f"{path}:{number}: unknown category {category!r}; expected one of {', '.join(_SPEC_BENCH_FAMILY)}"
+            )
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
             raise ConfigError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
-        prompts.append(BenchPrompt(
-            id=f"spec-bench-{row.get('question_id', number)}",
-            family=_SPEC_BENCH_FAMILY[category],
-            category=category,
-            messages=(("user", turns[0]),),
-        ))
+        prompts.append(
+            BenchPrompt(
+                id=f"spec-bench-{row.get('question_id', number)}",
+                family=_SPEC_BENCH_FAMILY[category],
+                category=category,
+                messages=(("user", turns[0]),),
+            )
+        )
     return prompts
 
 
@@ -105,21 +108,27 @@ def load_code_edit(path: Path = CODE_EDIT_FILE, family: str = CODE_EDIT_FAMILY) 
     prompts = []
     for number, row in _read_jsonl(path):
         messages = row.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
         ):
             raise ConfigError(f"{path}:{number}: 'messages' must be a list of {{role, content}} objects")
         turns = row.get("turns", [])
         if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
             raise ConfigError(f"{path}:{number}: 'turns' must be a list of user messages (strings)")
-        prompts.append(BenchPrompt(
-            id=str(row.get("id", f"edit-{number}")),
-            family=family,
-            category=str(row.get("category", "edit")),
-            messages=tuple((m["role"], m["content"]) for m in messages),
-            turns=tuple(turns),
-        ))
+        prompts.append(
+            BenchPrompt(
+                id=str(row.get("id", f"edit-{number}")),
+                family=family,
+                category=str(row.get("category", "edit")),
+                messages=tuple((m["role"], m["content"]) for m in messages),
+                turns=tuple(turns),
+            )
+        )
     return prompts
 
 

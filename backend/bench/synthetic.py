@@ -90,8 +90,7 @@ def expected_speedups(target_s: dict[int, float], draft_s: float, alphas=ALPHAS)
         best = (0, 0.0)
         table = expected_tokens_table([alpha] * max(target_s))  # a constant α: the geometric E[N]
         for gamma in range(1, max(target_s)):
-            s = speedup(table[gamma], gamma, t1=target_s[1], draft_s_per_token=draft_s,
-                        target_s=target_s[gamma + 1])
+            s = speedup(table[gamma], gamma, t1=target_s[1], draft_s_per_token=draft_s, target_s=target_s[gamma + 1])
             if s > best[1]:
                 best = (gamma, s)
         out[str(alpha)] = {"gamma": best[0], "speedup": best[1]}
@@ -102,8 +101,9 @@ def _engine_decode_rate(engine, prompt: list[int], new_tokens: int) -> float:
     """specchat plain decoding, decode-only tokens/s: (N-1) tokens over the time after the prefill event."""
     from specchat.backend.api import GenerationRequest, SamplingParams
 
-    req = GenerationRequest(prompt_ids=prompt, drafter="none",
-                            sampling=SamplingParams(temperature=0.0, max_new_tokens=new_tokens))
+    req = GenerationRequest(
+        prompt_ids=prompt, drafter="none", sampling=SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
+    )
     stamps, count = [], 0
     for event in engine.generate(req):
         count += len(event.token_ids)
@@ -115,8 +115,15 @@ def _engine_decode_rate(engine, prompt: list[int], new_tokens: int) -> float:
 
 def _hf_generate_s(model, prompt: torch.Tensor, new_tokens: int, **extra) -> float:
     t0 = time.perf_counter()
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                         min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **extra)
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        **extra,
+    )
     _sync(prompt.device)
     if out.shape[1] - prompt.shape[1] != new_tokens:
         raise RuntimeError(f"synthetic bench: generate() made {out.shape[1] - prompt.shape[1]} tokens")
@@ -130,14 +137,16 @@ def _step_times(runner, prompt: list[int], sizes, repeats: int) -> dict[int, flo
     seq = cache.new_sequence()
     runner.forward(seq, prompt, logits_to_keep=1)
     seq.commit(len(prompt))
-    out = {n: _timed(lambda n=n: runner.forward(seq, prompt[:n], logits_to_keep=n), cache.device, repeats)
-           for n in sizes}
+    out = {
+        n: _timed(lambda n=n: runner.forward(seq, prompt[:n], logits_to_keep=n), cache.device, repeats) for n in sizes
+    }
     seq.free()
     return out
 
 
-def measure(pair: SyntheticPair, device: torch.device, *, new_tokens: int | None = None, seed: int = 0,
-            progress=print) -> dict:
+def measure(
+    pair: SyntheticPair, device: torch.device, *, new_tokens: int | None = None, seed: int = 0, progress=print
+) -> dict:
     """Build ``pair`` on ``device`` and measure everything the module docstring lists; returns the JSON dict."""
     import transformers
 
@@ -153,10 +162,12 @@ def measure(pair: SyntheticPair, device: torch.device, *, new_tokens: int | None
     progress(f"building draft ({pair.draft_quantization}) ...")
     draft, _ = build_loaded(pair.draft, device, seed=seed + 1, quantization=pair.draft_quantization, notes=notes)
     context = pair.prompt_tokens + n_new + MAX_STEP_TOKENS + 16
-    pair_cfg = dataclasses.replace(base_pair, name=f"synthetic-{pair.name}", drafter="draft-model", gamma=4,
-                                   context_length=context, sampling={})
-    prompt = torch.randint(3, pair.target["vocab_size"], (pair.prompt_tokens,),
-                           generator=torch.Generator().manual_seed(seed)).tolist()
+    pair_cfg = dataclasses.replace(
+        base_pair, name=f"synthetic-{pair.name}", drafter="draft-model", gamma=4, context_length=context, sampling={}
+    )
+    prompt = torch.randint(
+        3, pair.target["vocab_size"], (pair.prompt_tokens,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
     bandwidth = read_bandwidth(device, pair.bandwidth_bytes)
     progress(f"read bandwidth {bandwidth / 1e9:.0f} GB/s; specchat plain decoding ...")
 
@@ -194,20 +205,28 @@ def measure(pair: SyntheticPair, device: torch.device, *, new_tokens: int | None
     step_bytes = weights + kv_token * (pair.prompt_tokens + n_new / 2)  # mean context read per token
     bound_tok_s = bandwidth / step_bytes
     result = {
-        "name": pair.name, "device": str(device),
+        "name": pair.name,
+        "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "dtype": str(target.dtype).removeprefix("torch."), "draft_quantization": draft.spec.quantization,
-        "cuda_graphs": graphs, "notes": notes,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "draft_quantization": draft.spec.quantization,
+        "cuda_graphs": graphs,
+        "notes": notes,
         "target_params": sum(p.numel() for p in target.model.parameters()),
         "draft_params": sum(p.numel() for p in draft.model.parameters()),
-        "prompt_tokens": pair.prompt_tokens, "new_tokens": n_new,
-        "target_weight_bytes_per_step": weights, "kv_bytes_per_token": kv_token,
+        "prompt_tokens": pair.prompt_tokens,
+        "new_tokens": n_new,
+        "target_weight_bytes_per_step": weights,
+        "kv_bytes_per_token": kv_token,
         "read_bandwidth_GBps": bandwidth / 1e9,
         "bandwidth_bound_tok_s": bound_tok_s,
-        "specchat_plain_tok_s": specchat_tok_s, "hf_plain_tok_s": hf_rate,
+        "specchat_plain_tok_s": specchat_tok_s,
+        "hf_plain_tok_s": hf_rate,
         "specchat_vs_hf_plain": specchat_tok_s / hf_rate,
-        "specchat_fraction_of_bound": specchat_tok_s / bound_tok_s, "hf_fraction_of_bound": hf_rate / bound_tok_s,
+        "specchat_fraction_of_bound": specchat_tok_s / bound_tok_s,
+        "hf_fraction_of_bound": hf_rate / bound_tok_s,
         "target_step_ms": {str(n): s * 1e3 for n, s in target_s.items()},
         "verify8_over_step1": target_s[8] / target_s[1],
         "draft_step_ms": draft_s * 1e3,
@@ -220,24 +239,25 @@ def measure(pair: SyntheticPair, device: torch.device, *, new_tokens: int | None
 
 
 def format_table(r: dict) -> str:
-    lines = [f"synthetic bench {r['name']} on {r['gpu']} ({r['dtype']}, draft {r['draft_quantization']}, "
-             f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}; torch {r['torch']}, transformers "
-             f"{r['transformers']})",
-             f"  prompt {r['prompt_tokens']} tokens, {r['new_tokens']} new; target {r['target_params'] / 1e9:.2f}B "
-             f"params, draft {r['draft_params'] / 1e9:.2f}B",
-             f"  read bandwidth (x.sum)       {r['read_bandwidth_GBps']:10.1f} GB/s",
-             f"  bandwidth bound              {r['bandwidth_bound_tok_s']:10.1f} tok/s",
-             f"  specchat plain decode        {r['specchat_plain_tok_s']:10.1f} tok/s  "
-             f"({r['specchat_fraction_of_bound']:.0%} of bound, {r['specchat_vs_hf_plain']:.2f}x transformers)",
-             f"  transformers generate()      {r['hf_plain_tok_s']:10.1f} tok/s  "
-             f"({r['hf_fraction_of_bound']:.0%} of bound)",
-             f"  transformers assisted        {r['hf_assisted_step_ms']:10.2f} ms/target step "
-             f"({r['hf_assisted_target_forwards']} steps, {r['hf_assisted_tok_s']:.1f} tok/s)",
-             f"  draft step (1 token)         {r['draft_step_ms']:10.2f} ms",
-             "  target step ms by tokens:    " + "  ".join(f"{n}:{ms:.2f}" for n, ms in r["target_step_ms"].items()),
-             f"  8-token step / 1-token step  {r['verify8_over_step1']:10.2f}x",
-             "  expected speedup (best γ):   " + "  ".join(
-                 f"α={a}: {v['speedup']:.2f}x @γ={v['gamma']}" for a, v in r["expected_speedup"].items())]
+    lines = [
+        f"synthetic bench {r['name']} on {r['gpu']} ({r['dtype']}, draft {r['draft_quantization']}, "
+        f"CUDA graphs {'on' if r['cuda_graphs'] else 'off'}; torch {r['torch']}, transformers "
+        f"{r['transformers']})",
+        f"  prompt {r['prompt_tokens']} tokens, {r['new_tokens']} new; target {r['target_params'] / 1e9:.2f}B "
+        f"params, draft {r['draft_params'] / 1e9:.2f}B",
+        f"  read bandwidth (x.sum)       {r['read_bandwidth_GBps']:10.1f} GB/s",
+        f"  bandwidth bound              {r['bandwidth_bound_tok_s']:10.1f} tok/s",
+        f"  specchat plain decode        {r['specchat_plain_tok_s']:10.1f} tok/s  "
+        f"({r['specchat_fraction_of_bound']:.0%} of bound, {r['specchat_vs_hf_plain']:.2f}x transformers)",
+        f"  transformers generate()      {r['hf_plain_tok_s']:10.1f} tok/s  ({r['hf_fraction_of_bound']:.0%} of bound)",
+        f"  transformers assisted        {r['hf_assisted_step_ms']:10.2f} ms/target step "
+        f"({r['hf_assisted_target_forwards']} steps, {r['hf_assisted_tok_s']:.1f} tok/s)",
+        f"  draft step (1 token)         {r['draft_step_ms']:10.2f} ms",
+        "  target step ms by tokens:    " + "  ".join(f"{n}:{ms:.2f}" for n, ms in r["target_step_ms"].items()),
+        f"  8-token step / 1-token step  {r['verify8_over_step1']:10.2f}x",
+        "  expected speedup (best γ):   "
+        + "  ".join(f"α={a}: {v['speedup']:.2f}x @γ={v['gamma']}" for a, v in r["expected_speedup"].items()),
+    ]
     lines += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(lines)
 
@@ -249,10 +269,15 @@ def check_synthetic_fits(pair: SyntheticPair, device: torch.device) -> None:
 
     need, free = synthetic_bytes(pair, device), free_memory(device)
     if need > free:
-        hint = "run it on a CUDA GPU (--device cuda), or use --synthetic tiny on CPU" if device.type == "cpu" else \
-            "free memory on the device or use a larger GPU"
-        raise InsufficientMemoryError(f"bench --synthetic {pair.name} needs about {format_bytes(need)} on {device} "
-                                      f"but only {format_bytes(free)} is free; {hint}")
+        hint = (
+            "run it on a CUDA GPU (--device cuda), or use --synthetic tiny on CPU"
+            if device.type == "cpu"
+            else "free memory on the device or use a larger GPU"
+        )
+        raise InsufficientMemoryError(
+            f"bench --synthetic {pair.name} needs about {format_bytes(need)} on {device} "
+            f"but only {format_bytes(free)} is free; {hint}"
+        )
 
 
 def run_synthetic(args) -> int:
@@ -264,8 +289,13 @@ def run_synthetic(args) -> int:
         raise ConfigError(f"bench --synthetic {name!r}: unknown name; known: {', '.join(SYNTHETIC)}")
     device = resolve_device(getattr(args, "device", None))
     check_synthetic_fits(SYNTHETIC[name], device)
-    result = measure(SYNTHETIC[name], device, new_tokens=getattr(args, "max_new_tokens", None),
-                     seed=getattr(args, "seed", 0) or 0, progress=lambda m: print(m, flush=True))
+    result = measure(
+        SYNTHETIC[name],
+        device,
+        new_tokens=getattr(args, "max_new_tokens", None),
+        seed=getattr(args, "seed", 0) or 0,
+        progress=lambda m: print(m, flush=True),
+    )
     print(format_table(result))
     out_dir = Path(getattr(args, "out", None) or "bench_out")
     out_dir.mkdir(parents=True, exist_ok=True)

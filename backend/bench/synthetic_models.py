@@ -16,15 +16,46 @@ from dataclasses import dataclass
 
 import torch
 
-LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-LLAMA32_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                  num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-TINY_TARGET = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                   tie_word_embeddings=False)
+LLAMA3_8B = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+LLAMA32_1B = dict(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+TINY_TARGET = dict(
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 TINY_DRAFT = dict(TINY_TARGET, hidden_size=32, intermediate_size=64, num_hidden_layers=1, head_dim=8)
 
 
@@ -32,24 +63,49 @@ TINY_DRAFT = dict(TINY_TARGET, hidden_size=32, intermediate_size=64, num_hidden_
 class SyntheticPair:
     name: str
     description: str
-    target: dict                 # config fields, model_type included
+    target: dict  # config fields, model_type included
     draft: dict
-    draft_quantization: str      # "nf4" | "none" (nf4 falls back to the compute dtype without bitsandbytes)
+    draft_quantization: str  # "nf4" | "none" (nf4 falls back to the compute dtype without bitsandbytes)
     prompt_tokens: int
-    new_tokens: int              # default; --max-new-tokens overrides
-    repeats: int                 # timed repetitions per step size
-    bandwidth_bytes: int         # size of the tensor the read bandwidth is measured on
+    new_tokens: int  # default; --max-new-tokens overrides
+    repeats: int  # timed repetitions per step size
+    bandwidth_bytes: int  # size of the tensor the read bandwidth is measured on
 
 
 SYNTHETIC: dict[str, SyntheticPair] = {
-    "llama3-8b": SyntheticPair("llama3-8b", "Llama-3-8B-shaped target (bf16), Llama-3.2-1B-shaped draft in nf4",
-                               LLAMA3_8B, LLAMA32_1B, "nf4", prompt_tokens=512, new_tokens=256, repeats=20,
-                               bandwidth_bytes=4 << 30),
-    "llama3-8b-bf16-draft": SyntheticPair("llama3-8b-bf16-draft", "as llama3-8b with the draft in bf16",
-                                          LLAMA3_8B, LLAMA32_1B, "none", prompt_tokens=512, new_tokens=256,
-                                          repeats=20, bandwidth_bytes=4 << 30),
-    "tiny": SyntheticPair("tiny", "two tiny Llamas; runs on CPU in seconds (tests)", TINY_TARGET, TINY_DRAFT,
-                          "none", prompt_tokens=32, new_tokens=12, repeats=3, bandwidth_bytes=32 << 20),
+    "llama3-8b": SyntheticPair(
+        "llama3-8b",
+        "Llama-3-8B-shaped target (bf16), Llama-3.2-1B-shaped draft in nf4",
+        LLAMA3_8B,
+        LLAMA32_1B,
+        "nf4",
+        prompt_tokens=512,
+        new_tokens=256,
+        repeats=20,
+        bandwidth_bytes=4 << 30,
+    ),
+    "llama3-8b-bf16-draft": SyntheticPair(
+        "llama3-8b-bf16-draft",
+        "as llama3-8b with the draft in bf16",
+        LLAMA3_8B,
+        LLAMA32_1B,
+        "none",
+        prompt_tokens=512,
+        new_tokens=256,
+        repeats=20,
+        bandwidth_bytes=4 << 30,
+    ),
+    "tiny": SyntheticPair(
+        "tiny",
+        "two tiny Llamas; runs on CPU in seconds (tests)",
+        TINY_TARGET,
+        TINY_DRAFT,
+        "none",
+        prompt_tokens=32,
+        new_tokens=12,
+        repeats=3,
+        bandwidth_bytes=32 << 20,
+    ),
 }
 
 
@@ -59,8 +115,7 @@ def build_random(fields: dict, device: torch.device, dtype: torch.dtype, *, seed
     from transformers.initialization import no_init_weights
 
     fields = dict(fields)
-    config = AutoConfig.for_model(fields.pop("model_type"), pad_token_id=0, bos_token_id=1, eos_token_id=None,
-                                  **fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), pad_token_id=0, bos_token_id=1, eos_token_id=None, **fields)
     with torch.device(device), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -84,8 +139,14 @@ def quantize_nf4(model, compute_dtype: torch.dtype) -> None:
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, torch.nn.Linear) or child is head:
                 continue
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                quant_type="nf4",
+                device="meta",
+            )
             weight = child.weight.data
             q.weight = bnb.nn.Params4bit(weight.to("cpu"), requires_grad=False, quant_type="nf4").to(weight.device)
             if child.bias is not None:
@@ -118,13 +179,21 @@ def build_loaded(fields: dict, device: torch.device, *, seed: int, quantization:
             quant = "nf4"
         except ImportError:
             (notes if notes is not None else []).append(
-                f"bitsandbytes is not importable: the draft runs in {str(dtype).removeprefix('torch.')}, not nf4")
+                f"bitsandbytes is not importable: the draft runs in {str(dtype).removeprefix('torch.')}, not nf4"
+            )
     pairs = load_pairs()
     base = pairs[default_pair_name(pairs)]
-    spec = dataclasses.replace(base.target, source=f"synthetic:{fields['model_type']}-{fields['hidden_size']}",
-                               quantization=quant)
-    loaded = LoadedModel(model=model, tokenizer=synthetic_tokenizer(fields["vocab_size"]), spec=spec,
-                         device=device, dtype=dtype, generation_config={})
+    spec = dataclasses.replace(
+        base.target, source=f"synthetic:{fields['model_type']}-{fields['hidden_size']}", quantization=quant
+    )
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=synthetic_tokenizer(fields["vocab_size"]),
+        spec=spec,
+        device=device,
+        dtype=dtype,
+        generation_config={},
+    )
     return loaded, base
 
 

@@ -37,11 +37,11 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
-        full = self._tok.decode(self._ids[self._prefix_offset:], skip_special_tokens=True)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
             return ""  # incomplete character (or a token that decodes to nothing yet)
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return self._release(delta)
@@ -64,7 +64,7 @@ class IncrementalDetokenizer:
                 if any(s.startswith(tail) for s in self._stop):
                     keep = n
                     break
-            out, self._pending = buffer[: len(buffer) - keep], buffer[len(buffer) - keep:]
+            out, self._pending = buffer[: len(buffer) - keep], buffer[len(buffer) - keep :]
         self.text += out
         return out
 

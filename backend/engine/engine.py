@@ -60,8 +60,9 @@ class Engine:
     one verification step).
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None, pair: PairConfig,
-                 *, kv_tokens: int | None = None) -> None:
+    def __init__(
+        self, target: LoadedModel, draft: LoadedModel | None, pair: PairConfig, *, kv_tokens: int | None = None
+    ) -> None:
         self.target, self.draft, self.pair = target, draft, pair
         self.tokenizer = target.tokenizer
         self.context_length = pair.context_length
@@ -83,8 +84,11 @@ class Engine:
         if draft is not None:
             self.draft_runner = ModelRunner(draft, kv_tokens=tokens)
             self.drafters["draft-model"] = DraftModelDrafter(
-                self.draft_runner.forward, self.draft_runner.cache, vocab_limit=self.vocab_limit,
-                eos_token_ids=self.eos_ids)
+                self.draft_runner.forward,
+                self.draft_runner.cache,
+                vocab_limit=self.vocab_limit,
+                eos_token_ids=self.eos_ids,
+            )
         # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
         self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
@@ -152,14 +156,17 @@ class Engine:
             if not ids:
                 raise RequestError("the prompt is empty: give at least one token")
             if len(ids) > budget:
-                raise RequestError(f"the prompt has {len(ids)} tokens but the context allows {budget}; "
-                                   "shorten it or raise the pair's context_length")
+                raise RequestError(
+                    f"the prompt has {len(ids)} tokens but the context allows {budget}; "
+                    "shorten it or raise the pair's context_length"
+                )
             return ids, None
         if not request.messages:
             raise RequestError("the request has no messages: type something to send")
         messages = validate_messages(request.messages)
-        ids, dropped, notice = fit_to_context(self.tokenizer, messages, budget=budget,
-                                              already_dropped=conv.dropped if conv else 0)
+        ids, dropped, notice = fit_to_context(
+            self.tokenizer, messages, budget=budget, already_dropped=conv.dropped if conv else 0
+        )
         if conv is not None:
             conv.dropped = dropped
         return ids, notice
@@ -203,8 +210,10 @@ class Engine:
         sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
         drafter_name = request.drafter or self.pair.drafter
         if drafter_name == "draft-model" and "draft-model" not in self.drafters:
-            raise RequestError(f"pair {self.pair.name!r} has no draft model; use --drafter prompt-lookup, suffix or "
-                               "none, or pick a pair with a draft model")
+            raise RequestError(
+                f"pair {self.pair.name!r} has no draft model; use --drafter prompt-lookup, suffix or "
+                "none, or pick a pair with a draft model"
+            )
         gamma = request.gamma if request.gamma is not None else self.pair.gamma
         gamma = check_gamma(gamma)
         conv = self._conversation(request.conversation)
@@ -216,17 +225,19 @@ class Engine:
             conv.seq.truncate(keep)
             del conv.cached[keep:]
             self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + MAX_GAMMA)
-            target = Target(self.runner, self.tokenizer, self.eos_ids, self.vocab_limit, self.context_length,
-                            self.threads)
-            speculation = Speculation(self.drafters, self.policies, self.disabled_drafters,
-                                      self.disabled_drafters.__setitem__)
+            target = Target(
+                self.runner, self.tokenizer, self.eos_ids, self.vocab_limit, self.context_length, self.threads
+            )
+            speculation = Speculation(
+                self.drafters, self.policies, self.disabled_drafters, self.disabled_drafters.__setitem__
+            )
             state = RequestState(target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start)
             yield from state.run(notice, request.prefill_progress)
         finally:
             if request.conversation is None:
                 conv.seq.free()
             if state is not None and self.remember_replies:
-                self.reply_memory.remember(state.context[len(state.prompt):])
+                self.reply_memory.remember(state.context[len(state.prompt) :])
 
 
 def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, confirm_download=None) -> Engine:
@@ -239,8 +250,13 @@ def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, c
     start_heap()
     # Only the name: loading registers the function with transformers where it builds a transformers model
     # (registering imports transformers' modelling code, which the light int4 model on CPU never needs).
-    target, draft = load_pair(pair, dev, attn_implementation=attention.ATTN_IMPLEMENTATION, progress=progress,
-                              confirm_download=confirm_download)
+    target, draft = load_pair(
+        pair,
+        dev,
+        attn_implementation=attention.ATTN_IMPLEMENTATION,
+        progress=progress,
+        confirm_download=confirm_download,
+    )
     engine = Engine(target, draft, pair)
     settle_heap()
     return engine
@@ -271,4 +287,3 @@ def settle_heap() -> None:
     """
     gc.collect()
     gc.freeze()
-

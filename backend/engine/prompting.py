@@ -82,7 +82,7 @@ def fit_to_context(
 
     def rendered(index: int) -> list[int]:
         if index not in renders:
-            renders[index] = render(tokenizer, system + rest[starts[index]:])
+            renders[index] = render(tokenizer, system + rest[starts[index] :])
         return renders[index]
 
     # The first start whose rendering fits in the target (fewer messages never render longer), else the last.

@@ -83,8 +83,18 @@ def _describe(error: BaseException) -> str:
 class RequestState:
     """The mutable state of one request; :meth:`run` is the generator the engine yields from."""
 
-    def __init__(self, target: Target, spec: Speculation, conv: Conversation, prompt: list[int],
-                 sampling: Sampling, drafter: str, gamma: Gamma, cancel: threading.Event, t_start: float) -> None:
+    def __init__(
+        self,
+        target: Target,
+        spec: Speculation,
+        conv: Conversation,
+        prompt: list[int],
+        sampling: Sampling,
+        drafter: str,
+        gamma: Gamma,
+        cancel: threading.Event,
+        t_start: float,
+    ) -> None:
         self.target, self.spec, self.conv, self.prompt, self.s = target, spec, conv, prompt, sampling
         self.rule = sampling.rule
         self.cancel, self.t_start = cancel, t_start
@@ -102,16 +112,19 @@ class RequestState:
             self.candidates = [drafter]
         self.fixed = gamma if isinstance(gamma, int) else None
         # A fixed γ gets a fresh policy that never pauses; "auto" shares the engine's learned one.
-        self.policies = {n: GammaPolicy(fixed_gamma=self.fixed, max_gamma=max(self.fixed, 1)) if self.fixed
-                         else spec.policies[n] for n in self.candidates}
+        self.policies = {
+            n: GammaPolicy(fixed_gamma=self.fixed, max_gamma=max(self.fixed, 1)) if self.fixed else spec.policies[n]
+            for n in self.candidates
+        }
         for name in self.candidates:  # drafters keep their state across requests (the draft model's cache)
             spec.drafters[name].configure(self.rule, len(prompt))
         self.notices: list[str] = []
         for name in [n for n in self.candidates if n in spec.disabled]:
             self.candidates.remove(name)  # switched off by an earlier failure (out of memory): say so each time
             self.notices.append(f"The {name} drafter is off since {spec.disabled[name]}; decoding without it.")
-        self.drafter_used = self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates
-                                                                                    else "auto")
+        self.drafter_used = (
+            self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates else "auto")
+        )
 
     # -- logits -> tokens -------------------------------------------------------------------------------
 
@@ -141,26 +154,30 @@ class RequestState:
                 f"the target model {runner.loaded.spec.source} ran out of memory on {runner.device} while "
                 f"generating ({_describe(error)}); the reply was stopped. Retry with a lower max_new_tokens or a "
                 "new conversation, or choose a smaller context_length, a quantized or smaller pair "
-                "(`specchat models`)") from error
+                "(`specchat models`)"
+            ) from error
         logits = logits[:, : self.target.vocab_limit].float()  # over the tokenizer's ids only
         if self.s.repetition_penalty and parents is None:
-            drafts = ids[len(ids) - keep + 1:]  # row j sees the drafts before it (none for a prefill row)
-            logits = apply_repetition_penalty(logits, self._penalty_context(), self.s.repetition_penalty,
-                                              draft_ids=drafts)
+            drafts = ids[len(ids) - keep + 1 :]  # row j sees the drafts before it (none for a prefill row)
+            logits = apply_repetition_penalty(
+                logits, self._penalty_context(), self.s.repetition_penalty, draft_ids=drafts
+            )
         return logits
 
     def _tree_decider(self, logits: torch.Tensor):
         """The target's token at a row of a tree pass, given the accepted tokens before it: the row's penalty
         sees the context plus exactly those tokens (its ancestors), its reply position is ``produced`` plus
         their number (its depth)."""
+
         def decide(row: int, path: list[int]) -> int:
-            rows = logits[row:row + 1]
+            rows = logits[row : row + 1]
             if self.s.repetition_penalty:
                 context = self._penalty_context()
                 if path:
                     context = torch.cat([context, torch.tensor(path, dtype=context.dtype, device=context.device)])
                 rows = apply_repetition_penalty(rows, context, self.s.repetition_penalty)
             return pick(rows, self.rule, [self.produced + len(path)])[0]
+
         return decide
 
     def _cut(self, tokens: list[int], sources: list[TokenSource]) -> tuple[list[int], list[TokenSource], list[str]]:
@@ -198,17 +215,44 @@ class RequestState:
             return PolicyState.PAUSED
         return PolicyState.NO_DRAFT
 
-    def _event(self, tokens: list[int], sources: list[TokenSource], texts: list[str], *, gamma: int, accepted: int,
-               draft_s: float, verify_s: float, t_step: float, policy: PolicyState, drafter: str,
-               is_prefill: bool = False, prefill_tokens: int = 0, message: str | None = None) -> StepEvent:
-        return StepEvent(token_ids=tokens, sources=sources, token_texts=texts, text="".join(texts), gamma=gamma,
-                         accepted=accepted, draft_s=draft_s, verify_s=verify_s,
-                         overhead_s=max(time.perf_counter() - t_step - draft_s - verify_s, 0.0), policy=policy,
-                         drafter=drafter, is_prefill=is_prefill, prefill_tokens=prefill_tokens, message=message)
+    def _event(
+        self,
+        tokens: list[int],
+        sources: list[TokenSource],
+        texts: list[str],
+        *,
+        gamma: int,
+        accepted: int,
+        draft_s: float,
+        verify_s: float,
+        t_step: float,
+        policy: PolicyState,
+        drafter: str,
+        is_prefill: bool = False,
+        prefill_tokens: int = 0,
+        message: str | None = None,
+    ) -> StepEvent:
+        return StepEvent(
+            token_ids=tokens,
+            sources=sources,
+            token_texts=texts,
+            text="".join(texts),
+            gamma=gamma,
+            accepted=accepted,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            overhead_s=max(time.perf_counter() - t_step - draft_s - verify_s, 0.0),
+            policy=policy,
+            drafter=drafter,
+            is_prefill=is_prefill,
+            prefill_tokens=prefill_tokens,
+            message=message,
+        )
 
     def _report(self) -> RequestStats:
-        return self.stats.report(prompt_tokens=len(self.prompt),
-                                 drafter=self.drafter_used if self.drafter_used != "auto" else "none")
+        return self.stats.report(
+            prompt_tokens=len(self.prompt), drafter=self.drafter_used if self.drafter_used != "auto" else "none"
+        )
 
     def _finish_reason(self, pending: int) -> FinishReason | None:
         if pending in self.target.eos_ids:
@@ -226,22 +270,34 @@ class RequestState:
     def run(self, notice: str | None, prefill_progress: bool = False) -> Iterator[StepEvent]:
         conv = self.conv
         t0 = time.perf_counter()
-        todo = self.prompt[len(conv.cached):]
+        todo = self.prompt[len(conv.cached) :]
         logits = None
         for start in range(0, len(todo), PREFILL_CHUNK):
             if self.cancel.is_set():
                 yield self._final(None, "cancelled", None)
                 return
             if prefill_progress:  # not a step: no tokens, no statistics (backend/api.py, StepEvent)
-                yield StepEvent(token_ids=[], sources=[], token_texts=[], text="", gamma=0, accepted=0, draft_s=0.0,
-                                verify_s=0.0, overhead_s=0.0, policy=PolicyState.OFF, drafter=self.drafter_used,
-                                prefill_tokens=len(todo), prefill_done=start)
+                yield StepEvent(
+                    token_ids=[],
+                    sources=[],
+                    token_texts=[],
+                    text="",
+                    gamma=0,
+                    accepted=0,
+                    draft_s=0.0,
+                    verify_s=0.0,
+                    overhead_s=0.0,
+                    policy=PolicyState.OFF,
+                    drafter=self.drafter_used,
+                    prefill_tokens=len(todo),
+                    prefill_done=start,
+                )
                 if self.cancel.is_set():
                     yield self._final(None, "cancelled", None)
                     return
             if self.target.threads is not None:
                 self.target.threads.step()
-            chunk = todo[start:start + PREFILL_CHUNK]
+            chunk = todo[start : start + PREFILL_CHUNK]
             logits = self._target_logits(chunk, keep=1)  # only the last chunk's row is used
             conv.seq.commit(len(chunk))
             conv.cached.extend(chunk)
@@ -255,10 +311,21 @@ class RequestState:
         self.produced = 1
         policy_state = self._idle_state()
         self.stats.observe_prefill(tokens=len(todo), seconds=prefill_s, policy=policy_state)
-        event = self._event(tokens, sources, texts, gamma=0, accepted=0, draft_s=0.0, verify_s=prefill_s,
-                            t_step=t0, policy=policy_state, drafter=self.drafter_used, is_prefill=True,
-                            prefill_tokens=len(todo),
-                            message=" ".join(m for m in (notice, *self.notices) if m) or None)
+        event = self._event(
+            tokens,
+            sources,
+            texts,
+            gamma=0,
+            accepted=0,
+            draft_s=0.0,
+            verify_s=prefill_s,
+            t_step=t0,
+            policy=policy_state,
+            drafter=self.drafter_used,
+            is_prefill=True,
+            prefill_tokens=len(todo),
+            message=" ".join(m for m in (notice, *self.notices) if m) or None,
+        )
         event.stats = self._report()
         while (reason := self._finish_reason(pending)) is None:
             yield event
@@ -322,8 +389,14 @@ class RequestState:
         self.context.extend(tokens)
         self.seen.add(tokens)
         if name is not None:
-            self.policies[name].observe(gamma=gamma, proposed=len(draft_ids), accepted=result.accepted,
-                                        draft_s=draft_s, verify_s=verify_s, tried=result.tried)
+            self.policies[name].observe(
+                gamma=gamma,
+                proposed=len(draft_ids),
+                accepted=result.accepted,
+                draft_s=draft_s,
+                verify_s=verify_s,
+                tried=result.tried,
+            )
             if name in self.candidates:
                 self.spec.drafters[name].observe(result.accepted)
         elif self.candidates:  # a plain step measures T_target(1) for every candidate's policy
@@ -332,12 +405,30 @@ class RequestState:
         state = PolicyState.SPECULATING if draft_ids else self._idle_state()
         if message is not None and state is PolicyState.OFF:
             state = PolicyState.NO_DRAFT  # the step whose drafter failed: the drafter did not pause
-        event = self._event(tokens, sources, texts, gamma=len(draft_ids), accepted=result.accepted,
-                            draft_s=draft_s, verify_s=verify_s, t_step=t_step, policy=state,
-                            drafter=name or self.drafter_used, message=message)
-        self.stats.observe_step(drafter=name or self.drafter_used, gamma=len(draft_ids), accepted=result.accepted,
-                                emitted=len(tokens), policy=state, draft_s=draft_s, verify_s=verify_s,
-                                overhead_s=event.overhead_s, tried=result.tried)
+        event = self._event(
+            tokens,
+            sources,
+            texts,
+            gamma=len(draft_ids),
+            accepted=result.accepted,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            t_step=t_step,
+            policy=state,
+            drafter=name or self.drafter_used,
+            message=message,
+        )
+        self.stats.observe_step(
+            drafter=name or self.drafter_used,
+            gamma=len(draft_ids),
+            accepted=result.accepted,
+            emitted=len(tokens),
+            policy=state,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            overhead_s=event.overhead_s,
+            tried=result.tried,
+        )
         if parents is not None:
             self.stats.observe_tree(parents, result.path)
         event.stats = self._report()
@@ -355,17 +446,29 @@ class RequestState:
             self.spec.disable(name, f"it ran out of memory ({_describe(error)})")
             if self.target.runner.device.type == "cuda":
                 torch.cuda.empty_cache()
-            return (f"The {name} drafter ran out of memory ({_describe(error)}); it is switched off until the pair "
-                    f"is loaded again, continuing {rest}.")
+            return (
+                f"The {name} drafter ran out of memory ({_describe(error)}); it is switched off until the pair "
+                f"is loaded again, continuing {rest}."
+            )
         return f"The {name} drafter failed ({_describe(error)}); continuing without it ({rest})."
 
     def _final(self, event: StepEvent | None, reason: FinishReason, message: str | None) -> StepEvent:
         """Close the request: ``event`` (the last step's, or None for an empty closing event) gets the finish
         reason, the request's totals and any text held back for a stop string that never completed."""
         if event is None:
-            event = StepEvent(token_ids=[], sources=[], token_texts=[], text="", gamma=0, accepted=0,
-                              draft_s=0.0, verify_s=0.0, overhead_s=0.0, policy=self._idle_state(),
-                              drafter=self.drafter_used)
+            event = StepEvent(
+                token_ids=[],
+                sources=[],
+                token_texts=[],
+                text="",
+                gamma=0,
+                accepted=0,
+                draft_s=0.0,
+                verify_s=0.0,
+                overhead_s=0.0,
+                policy=self._idle_state(),
+                drafter=self.drafter_used,
+            )
         elif reason != "stop" and event.token_texts:
             tail = self.detok.flush()
             event.token_texts[-1] += tail

@@ -50,11 +50,26 @@ def resolve_sampling(params: SamplingParams, pair, generation_config: dict) -> S
     temperature = setting("temperature", 0.7 if do_sample else 0.0)
     top_k, top_p = setting("top_k", None), setting("top_p", None)
     penalty = setting("repetition_penalty", None)
-    max_new = params.max_new_tokens if params.max_new_tokens is not None else defaults.get(
-        "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                        ("repetition_penalty", penalty), ("max_new_tokens", max_new)):
+    max_new = (
+        params.max_new_tokens
+        if params.max_new_tokens is not None
+        else defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    )
+    for name, value in (
+        ("temperature", temperature),
+        ("top_k", top_k),
+        ("top_p", top_p),
+        ("repetition_penalty", penalty),
+        ("max_new_tokens", max_new),
+    ):
         check_sampling_value(name, value)  # the pair's and the model's defaults pass the request's limits too
     seed = params.seed if params.seed is not None else draw_seed()
-    return Sampling(float(temperature), top_k or None, top_p if top_p and top_p < 1 else None,
-                    penalty if penalty and penalty != 1 else None, max_new, seed, tuple(params.stop))
+    return Sampling(
+        float(temperature),
+        top_k or None,
+        top_p if top_p and top_p < 1 else None,
+        penalty if penalty and penalty != 1 else None,
+        max_new,
+        seed,
+        tuple(params.stop),
+    )

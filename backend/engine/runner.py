@@ -42,10 +42,16 @@ PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations
 log = logging.getLogger(__name__)
 
 
-def forward_paged(model, seq: Sequence, input_ids: list[int] | torch.Tensor, *, logits_to_keep: int = 1,
-                  graphs: cuda_graphs.GraphRunner | None = None,
-                  fast: compact.CompactForward | None = None,
-                  parents: list[int] | None = None) -> torch.Tensor:  # [logits_to_keep, vocab] float
+def forward_paged(
+    model,
+    seq: Sequence,
+    input_ids: list[int] | torch.Tensor,
+    *,
+    logits_to_keep: int = 1,
+    graphs: cuda_graphs.GraphRunner | None = None,
+    fast: compact.CompactForward | None = None,
+    parents: list[int] | None = None,
+) -> torch.Tensor:  # [logits_to_keep, vocab] float
     """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The static
     forward of ``graphs`` when given and it takes the step, else the compact forward ``fast`` when given,
     else the model's own.
@@ -93,8 +99,9 @@ def forward_paged(model, seq: Sequence, input_ids: list[int] | torch.Tensor, *, 
     if fast is not None:
         return fast(ids, positions, ctx, logits_to_keep)
     with torch.inference_mode():
-        out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=ctx,
-                    logits_to_keep=logits_to_keep)
+        out = model(
+            input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=ctx, logits_to_keep=logits_to_keep
+        )
     return out.logits[0].float()
 
 
@@ -118,8 +125,13 @@ class ModelRunner:
         self.native: native.Attachment | None = None
         wants_graphs = cuda_graphs.graphs_wanted(loaded.device)
         # The graph runner keeps one block of its own for the K/V of padded tokens.
-        self.cache = PagedKVCache.for_model(model.config, max_tokens=kv_tokens + (BLOCK_SIZE if wants_graphs else 0),
-                                            block_size=BLOCK_SIZE, dtype=loaded.dtype, device=loaded.device)
+        self.cache = PagedKVCache.for_model(
+            model.config,
+            max_tokens=kv_tokens + (BLOCK_SIZE if wants_graphs else 0),
+            block_size=BLOCK_SIZE,
+            dtype=loaded.dtype,
+            device=loaded.device,
+        )
         if wants_graphs:
             self.graphs = cuda_graphs.GraphRunner(model, self.cache, max_kv=kv_tokens)
         elif loaded.device.type == "cpu" and quant_linear.quantized_layers(model):
@@ -129,9 +141,11 @@ class ModelRunner:
         elif loaded.device.type == "cpu":
             self.packed_layers = _pack_if_it_fits(loaded)
         if light and self.compact is None:
-            raise ModelLoadError(f"{loaded.spec.source} was loaded for the compact forward on CPU, which is not "
-                                 f"available now (SPECCHAT_COMPACT={os.environ.get('SPECCHAT_COMPACT', '')!r}, device "
-                                 f"{loaded.device}); load the model again in this setting")
+            raise ModelLoadError(
+                f"{loaded.spec.source} was loaded for the compact forward on CPU, which is not "
+                f"available now (SPECCHAT_COMPACT={os.environ.get('SPECCHAT_COMPACT', '')!r}, device "
+                f"{loaded.device}); load the model again in this setting"
+            )
 
     @property
     def model(self):
@@ -150,12 +164,25 @@ class ModelRunner:
             return "cpu-compact"
         return "cpu-packed" if self.packed_layers else "eager"
 
-    def forward(self, seq: Sequence, input_ids: list[int] | torch.Tensor, *, logits_to_keep: int = 1,
-                parents: list[int] | None = None) -> torch.Tensor:  # [logits_to_keep, vocab] float
+    def forward(
+        self,
+        seq: Sequence,
+        input_ids: list[int] | torch.Tensor,
+        *,
+        logits_to_keep: int = 1,
+        parents: list[int] | None = None,
+    ) -> torch.Tensor:  # [logits_to_keep, vocab] float
         """One forward over ``input_ids`` after ``seq``'s committed tokens (reserves, writes, never commits);
         ``parents``: a tree of drafts (see :func:`forward_paged`)."""
-        return forward_paged(self.model, seq, input_ids, logits_to_keep=logits_to_keep, graphs=self.graphs,
-                             fast=self.compact, parents=parents)
+        return forward_paged(
+            self.model,
+            seq,
+            input_ids,
+            logits_to_keep=logits_to_keep,
+            graphs=self.graphs,
+            fast=self.compact,
+            parents=parents,
+        )
 
     def adopt_native(self) -> bool:
         """Between requests: switch to the native decoder layers if they became ready since the last call; True
@@ -181,8 +208,12 @@ def _pack_if_it_fits(loaded: LoadedModel) -> int:
         return 0
     free = free_memory(torch.device("cpu"))
     if need + PACKING_SPARE_BYTES > free:
-        log.info("not packing %s's linear layers for oneDNN: %s needed, %s free", loaded.spec.source,
-                 format_bytes(need), format_bytes(free))
+        log.info(
+            "not packing %s's linear layers for oneDNN: %s needed, %s free",
+            loaded.spec.source,
+            format_bytes(need),
+            format_bytes(free),
+        )
         return 0
     count = cpu_linear.pack_linears(loaded.model)
     if count:

@@ -80,10 +80,16 @@ def wanted_threads(cores: int, others: float, most: int) -> int:
 class ThreadGovernor:
     """See the module docstring. ``reader`` and ``set_threads`` are the system's; tests pass their own."""
 
-    def __init__(self, *, reader: Callable[[frozenset[int]], Reading | None] = read_proc,
-                 set_threads: Callable[[int], None] = torch.set_num_threads,
-                 get_threads: Callable[[], int] = torch.get_num_threads, most: int | None = None,
-                 cores: frozenset[int] | None = None, interval: float = INTERVAL_S) -> None:
+    def __init__(
+        self,
+        *,
+        reader: Callable[[frozenset[int]], Reading | None] = read_proc,
+        set_threads: Callable[[int], None] = torch.set_num_threads,
+        get_threads: Callable[[], int] = torch.get_num_threads,
+        most: int | None = None,
+        cores: frozenset[int] | None = None,
+        interval: float = INTERVAL_S,
+    ) -> None:
         self.most = most if most is not None else get_threads()
         self.cores = cores if cores is not None else _allowed_cores()
         self.threads = self.most
@@ -116,13 +122,23 @@ class ThreadGovernor:
         self._last, self._read = now, True
         self.others = max(0.0, others_ticks / self._ticks_per_s / wall)
         wanted = wanted_threads(len(self.cores), self.others, self.most)
-        log.debug("thread reading: others %.2f cores over %.2f s, wanted %d, in use %d", self.others, wall, wanted,
-                  self.threads)
+        log.debug(
+            "thread reading: others %.2f cores over %.2f s, wanted %d, in use %d",
+            self.others,
+            wall,
+            wanted,
+            self.threads,
+        )
         if wanted == self.threads:
             self._proposal = None
         elif wanted < self.threads or wanted == self._proposal:
-            log.info("compute threads %d -> %d: other programs use %.1f of %d cores", self.threads, wanted,
-                     self.others, len(self.cores))
+            log.info(
+                "compute threads %d -> %d: other programs use %.1f of %d cores",
+                self.threads,
+                wanted,
+                self.others,
+                len(self.cores),
+            )
             self._set(wanted)
             self.threads, self._proposal = wanted, None
         else:

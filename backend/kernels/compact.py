@@ -53,9 +53,14 @@ def _join(layers: list[nn.Module]) -> nn.Module | None:
         return None
     first = layers[0]
     block = int4_layout.cpu_block_n()
-    same = all(m.group_size == first.group_size and m.in_features == first.in_features
-               and m.compute_dtype == first.compute_dtype and (m.bias is None) == (first.bias is None)
-               and m.packed.device.type == "cpu" for m in layers)
+    same = all(
+        m.group_size == first.group_size
+        and m.in_features == first.in_features
+        and m.compute_dtype == first.compute_dtype
+        and (m.bias is None) == (first.bias is None)
+        and m.packed.device.type == "cpu"
+        for m in layers
+    )
     if block is None or not same or any(m.out_features % block for m in layers):
         return None
     packed = torch.cat([m.packed for m in layers])
@@ -64,14 +69,37 @@ def _join(layers: list[nn.Module]) -> nn.Module | None:
     joined = Int4Linear(first.in_features, packed.shape[0], first.group_size, packed, scales, bias)
     start = 0
     for m in layers:  # the separate layers read their rows of the joined copy: no second copy of the weights
-        m.packed = packed[start:start + m.out_features]
+        m.packed = packed[start : start + m.out_features]
         start += m.out_features
     return joined
 
 
 class _Layer:
-    __slots__ = ("attn", "norm1", "norm2", "eps1", "eps2", "qkv", "q", "k", "v", "o", "gate_up", "gate", "up",
-                 "down", "window", "scaling", "q_width", "kv_width", "heads", "kv_heads", "head_dim", "inter", "run")
+    __slots__ = (
+        "attn",
+        "norm1",
+        "norm2",
+        "eps1",
+        "eps2",
+        "qkv",
+        "q",
+        "k",
+        "v",
+        "o",
+        "gate_up",
+        "gate",
+        "up",
+        "down",
+        "window",
+        "scaling",
+        "q_width",
+        "kv_width",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "inter",
+        "run",
+    )
 
     def __init__(self, layer: nn.Module, config) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -94,10 +122,21 @@ class _Layer:
         self.window = window
         self.scaling = float(attn.scaling)
         # Each projection's matmul, bound once (quant_linear.kernel_call), by name.
-        self.run = {name: kernel_call(module) for name, module in
-                    (("qkv", self.qkv), ("q", self.q), ("k", self.k), ("v", self.v), ("o", self.o),
-                     ("gate_up", self.gate_up), ("gate", self.gate), ("up", self.up), ("down", self.down))
-                    if module is not None}
+        self.run = {
+            name: kernel_call(module)
+            for name, module in (
+                ("qkv", self.qkv),
+                ("q", self.q),
+                ("k", self.k),
+                ("v", self.v),
+                ("o", self.o),
+                ("gate_up", self.gate_up),
+                ("gate", self.gate),
+                ("up", self.up),
+                ("down", self.down),
+            )
+            if module is not None
+        }
 
 
 def _attend_rows(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
@@ -165,8 +204,11 @@ def tree_keys(tree, start: int, first: int, window: int | None, device: torch.de
         seen = torch.nonzero(visible[i], as_tuple=False).flatten()
         if window is not None:
             seen = seen[depths[seen] > depth - window]
-        out.append(torch.cat([torch.arange(max(low, first) - first, start - first, device=device),
-                              (start - first) + seen.to(device)]))
+        out.append(
+            torch.cat(
+                [torch.arange(max(low, first) - first, start - first, device=device), (start - first) + seen.to(device)]
+            )
+        )
     return out
 
 
@@ -206,8 +248,9 @@ class CompactForward:
         if n > ROWWISE_ROWS or not isinstance(ctx, attention.PagedContext):
             if v.dtype != q.dtype:
                 v = v.to(q.dtype)
-            out, _ = attention.paged_attention_forward(layer.attn, q, k, v, None, scaling=layer.scaling, paged=ctx,
-                                                       sliding_window=layer.window)
+            out, _ = attention.paged_attention_forward(
+                layer.attn, q, k, v, None, scaling=layer.scaling, paged=ctx, sliding_window=layer.window
+            )
             out = out.reshape(n, layer.q_width)
         else:
             out = _attend_rows(layer, q, k, v, ctx)
@@ -239,7 +282,7 @@ class CompactForward:
                 native.layers(h, cos, signed_sin, ctx)
             else:
                 self._layers(h, n, cos, signed_sin, ctx)
-            last = F.rms_norm(h[n - logits_to_keep:], shape, self.final_norm, self.final_eps)
+            last = F.rms_norm(h[n - logits_to_keep :], shape, self.final_norm, self.final_eps)
             return self.run_head(last).float()
 
     def _layers(self, h: torch.Tensor, n: int, cos, signed_sin, ctx) -> None:

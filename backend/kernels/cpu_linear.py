@@ -56,13 +56,19 @@ def enabled() -> bool:
     if switched_off(ENV_SWITCH):
         return False
     ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_reorder_linear_weight")
+        and hasattr(ops, "_linear_pointwise")
+    )
 
 
 def _candidates(model: nn.Module) -> list[nn.Linear]:
-    return [m for m in model.modules()
-            if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    return [
+        m
+        for m in model.modules()
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+    ]
 
 
 def packed_bytes(model: nn.Module) -> int:

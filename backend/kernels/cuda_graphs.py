@@ -67,12 +67,18 @@ class StaticContext:
 
     __slots__ = ("cache", "positions", "write_slots", "read_slots", "key_positions", "_masks")
 
-    def __init__(self, cache: PagedKVCache, positions: torch.Tensor, write_slots: torch.Tensor,
-                 read_slots: torch.Tensor, key_positions: torch.Tensor) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        read_slots: torch.Tensor,
+        key_positions: torch.Tensor,
+    ) -> None:
         self.cache = cache
-        self.positions = positions          # [nb] long: query positions (padding repeats the last real one)
-        self.write_slots = write_slots      # [nb] long: where new K/V go (padding: the trash block)
-        self.read_slots = read_slots        # [kvb] long: slot of key position j (stale beyond kv_len: masked)
+        self.positions = positions  # [nb] long: query positions (padding repeats the last real one)
+        self.write_slots = write_slots  # [nb] long: where new K/V go (padding: the trash block)
+        self.read_slots = read_slots  # [kvb] long: slot of key position j (stale beyond kv_len: masked)
         self.key_positions = key_positions  # [kvb] long: 0 .. kvb-1
         self._masks: dict[tuple[int | None, int], torch.Tensor] = {}
 
@@ -94,8 +100,16 @@ class StaticContext:
             self._masks[key] = mask
         return mask
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-               window: int | None, softcap: float | None) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
         """query [1, Hq, nb, D], key/value [1, Hkv, nb, D] -> [1, nb, Hq, D]."""
         cache = self.cache
         k_pool, v_pool = cache.k_layers[layer], cache.v_layers[layer]
@@ -131,8 +145,16 @@ class _Shape:
 class GraphRunner:
     """Static-shape forwards of ``model`` over ``cache``; see the module docstring for the rules."""
 
-    def __init__(self, model, cache: PagedKVCache, *, token_buckets=DEFAULT_TOKEN_BUCKETS,
-                 kv_step: int = DEFAULT_KV_STEP, max_kv: int | None = None, capture: bool | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        *,
+        token_buckets=DEFAULT_TOKEN_BUCKETS,
+        kv_step: int = DEFAULT_KV_STEP,
+        max_kv: int | None = None,
+        capture: bool | None = None,
+    ) -> None:
         buckets = tuple(sorted(set(int(b) for b in token_buckets)))
         if not buckets or buckets[0] < 1 or kv_step < 1:
             raise ValueError(f"GraphRunner: token_buckets {token_buckets!r} must be >= 1 and kv_step {kv_step} >= 1")
@@ -155,11 +177,11 @@ class GraphRunner:
         self._host = torch.zeros(size, dtype=torch.long, pin_memory=on_cuda)
         self._copied = torch.cuda.Event() if on_cuda else None
         nbm = self.max_nb
-        self.input_ids = self._dev[:nbm]                    # [max_nb]
-        self.positions = self._dev[nbm : 2 * nbm]           # [max_nb]
-        self.write_slots = self._dev[2 * nbm : 3 * nbm]     # [max_nb]
-        self.keep_row = self._dev[3 * nbm : 3 * nbm + 1]    # [1] the last real token's row (one-row shapes)
-        self.read_slots = self._dev[3 * nbm + 1 :]          # [max_kv]
+        self.input_ids = self._dev[:nbm]  # [max_nb]
+        self.positions = self._dev[nbm : 2 * nbm]  # [max_nb]
+        self.write_slots = self._dev[2 * nbm : 3 * nbm]  # [max_nb]
+        self.keep_row = self._dev[3 * nbm : 3 * nbm + 1]  # [1] the last real token's row (one-row shapes)
+        self.read_slots = self._dev[3 * nbm + 1 :]  # [max_kv]
         head = model.get_output_embeddings()
         vocab = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
         self._logits = torch.zeros(nbm, vocab, dtype=torch.float32, device=dev)  # every shape's output
@@ -186,8 +208,12 @@ class GraphRunner:
         return kvb if kvb <= self.max_kv else None
 
     def fits(self, seq: Sequence, n: int) -> bool:
-        return (self.disabled_reason is None and seq.cache is self.cache and self.token_bucket(n) is not None
-                and self.kv_bucket(seq.length + n) is not None)
+        return (
+            self.disabled_reason is None
+            and seq.cache is self.cache
+            and self.token_bucket(n) is not None
+            and self.kv_bucket(seq.length + n) is not None
+        )
 
     # -- one step -----------------------------------------------------------------------------------------
 
@@ -224,15 +250,21 @@ class GraphRunner:
             self.input_ids[:n].copy_(ids)
 
     def _context(self, nb: int, kvb: int) -> StaticContext:
-        return StaticContext(self.cache, self.positions[:nb], self.write_slots[:nb], self.read_slots[:kvb],
-                             self._key_positions[:kvb])
+        return StaticContext(
+            self.cache, self.positions[:nb], self.write_slots[:nb], self.read_slots[:kvb], self._key_positions[:kvb]
+        )
 
     def _run(self, shape: _Shape, nb: int) -> None:
         """The forward; its logits rows land in the shared buffer (rows 0 .. shape.rows - 1)."""
         shape.ctx.begin()
         keep = self.keep_row if shape.rows == 1 and nb > 1 else 0
-        out = self.model(input_ids=self.input_ids[:nb][None], position_ids=self.positions[:nb][None],
-                         use_cache=False, paged=shape.ctx, logits_to_keep=keep)
+        out = self.model(
+            input_ids=self.input_ids[:nb][None],
+            position_ids=self.positions[:nb][None],
+            use_cache=False,
+            paged=shape.ctx,
+            logits_to_keep=keep,
+        )
         self._logits[: shape.rows].copy_(out.logits[0])
 
     def _capture(self, shape: _Shape, nb: int) -> None:
@@ -255,8 +287,9 @@ class GraphRunner:
         shape.graph = graph
         self.stats["captures"] += 1
 
-    def try_forward(self, seq: Sequence, input_ids: list[int] | torch.Tensor, logits_to_keep: int = 1
-                    ) -> torch.Tensor | None:  # [logits_to_keep, vocab] float, or None: run the eager path
+    def try_forward(
+        self, seq: Sequence, input_ids: list[int] | torch.Tensor, logits_to_keep: int = 1
+    ) -> torch.Tensor | None:  # [logits_to_keep, vocab] float, or None: run the eager path
         """The static forward of the model runner (same contract: reserves, writes, does not commit)."""
         n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if n < 1 or not self.fits(seq, n):

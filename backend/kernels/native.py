@@ -89,8 +89,13 @@ class Native:
                 ints.append(p.group_size)
             index = layer.attn.layer_idx
             tensors += [cache.k_layers[index], cache.v_layers[index]]
-            ints += [layer.heads, layer.kv_heads, layer.head_dim, layer.inter,
-                     -1 if layer.window is None else layer.window]
+            ints += [
+                layer.heads,
+                layer.kv_heads,
+                layer.head_dim,
+                layer.inter,
+                -1 if layer.window is None else layer.window,
+            ]
             floats += [layer.eps1, layer.eps2, layer.scaling]
         self.cache = cache
         self.windows = [layer.window for layer in forward.layers]
@@ -105,16 +110,26 @@ class Native:
         plan = ctx.plan
         if ctx.tree is not None and any(w is not None and w < plan.kv_len for w in self.windows):
             return False
-        return n <= self.rows and ctx.cache is self.cache and (plan.read_start is not None
-                                                               or plan.read_slots is not None)
+        return (
+            n <= self.rows and ctx.cache is self.cache and (plan.read_start is not None or plan.read_slots is not None)
+        )
 
     def layers(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, ctx) -> None:
         """Every decoder layer over the residual stream ``h`` [n, hidden] float32, in place."""
         plan = ctx.plan
         tree = [] if ctx.tree is None else compact.tree_keys(ctx.tree, plan.start, 0, None, h.device)
         run = plan.read_start is not None  # position p in slot read_start + p; else plan.read_slots[p]
-        self._ops.layers(self.handle, h, cos, signed_sin, plan.start, plan.read_start if run else -1, plan.kv_len,
-                         None if run else plan.read_slots, tree)
+        self._ops.layers(
+            self.handle,
+            h,
+            cos,
+            signed_sin,
+            plan.start,
+            plan.read_start if run else -1,
+            plan.kv_len,
+            None if run else plan.read_slots,
+            tree,
+        )
 
     def release(self) -> None:
         if self.handle >= 0:
@@ -244,8 +259,15 @@ def check(forward, cache) -> str | None:
     verification keeps exactly the tokens plain decoding picks), and its logits must be within TOLERANCE of the
     Python loop's."""
     first = forward.layers[0]
-    scratch = PagedKVCache(num_layers=len(cache.k_layers), num_kv_heads=first.kv_heads, head_dim=first.head_dim,
-                           num_blocks=3, block_size=16, dtype=cache.dtype, device="cpu")
+    scratch = PagedKVCache(
+        num_layers=len(cache.k_layers),
+        num_kv_heads=first.kv_heads,
+        head_dim=first.head_dim,
+        num_blocks=3,
+        block_size=16,
+        dtype=cache.dtype,
+        device="cpu",
+    )
     probe = Native(forward, scratch)
     try:
         ids = torch.randint(0, forward.embed.num_embeddings, (44,), generator=torch.Generator().manual_seed(0))
@@ -256,7 +278,7 @@ def check(forward, cache) -> str | None:
         rows = _pass(forward, seq, ids[40:44], probe)
         ones = []
         for i in range(4):
-            ones.append(_pass(forward, seq, ids[40 + i:41 + i], probe))
+            ones.append(_pass(forward, seq, ids[40 + i : 41 + i], probe))
             seq.commit(1)
         if not torch.equal(rows, torch.cat(ones)):
             return "a 4-token pass's rows differ from one-token passes' logits"
@@ -278,8 +300,9 @@ def attach(forward, cache, name: str) -> Attachment | None:
     if reason is None and cache.dtype not in (torch.bfloat16, torch.float32):
         reason = f"a {cache.dtype} cache (bfloat16 or float32 only)"
     if reason is not None:
-        log.info("%s decodes through the compact forward's Python loop: the native layers do not cover %s",
-                 name, reason)
+        log.info(
+            "%s decodes through the compact forward's Python loop: the native layers do not cover %s", name, reason
+        )
         return None
     return Attachment(forward, cache, name)
 

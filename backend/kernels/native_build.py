@@ -30,9 +30,15 @@ FLAGS = ("-O3", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", "-w")  # 
 
 
 def _key() -> str:
-    parts = [SOURCE.read_bytes(), *(h.read_bytes() for h in HEADERS), " ".join(FLAGS).encode(),
-             torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.platform.encode(),
-             platform.machine().encode()]
+    parts = [
+        SOURCE.read_bytes(),
+        *(h.read_bytes() for h in HEADERS),
+        " ".join(FLAGS).encode(),
+        torch.__version__.encode(),
+        str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+        sys.platform.encode(),
+        platform.machine().encode(),
+    ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -53,10 +59,19 @@ def build_command(cxx: str, out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     libs = cpp_extension.library_paths()
-    return [cxx, *FLAGS,
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()), str(SOURCE), "-o", str(out),
-            *(f"-L{p}" for p in libs), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{p}" for p in libs)]
+    return [
+        cxx,
+        *FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-I{p}" for p in cpp_extension.include_paths()),
+        str(SOURCE),
+        "-o",
+        str(out),
+        *(f"-L{p}" for p in libs),
+        "-lc10",
+        "-ltorch_cpu",
+        *(f"-Wl,-rpath,{p}" for p in libs),
+    ]
 
 
 NO_COMPILER = "no C++ compiler found (set CXX, or install g++ or clang++)"
@@ -112,8 +127,7 @@ def build(out: Path | None = None) -> str | None:
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     try:
         try:
-            done = subprocess.run(build_command(cxx, partial), capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S)
+            done = subprocess.run(build_command(cxx, partial), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
             reason = f"{cxx} did not run: {exc}"
         else:
@@ -158,9 +172,14 @@ def build_in_background(out: Path, wait_s: float = BUILD_TIMEOUT_S) -> str | Non
     if _building(out):
         return _wait_for(out, wait_s)
     nice = (lambda: os.nice(19)) if hasattr(os, "nice") else None
-    child = subprocess.Popen([sys.executable, "-m", "specchat.backend.kernels.native_build", "build", str(out)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                             preexec_fn=nice)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "specchat.backend.kernels.native_build", "build", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=nice,
+    )
     _, err = child.communicate()
     if child.returncode == 0 and out.exists():
         return None

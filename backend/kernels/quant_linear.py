@@ -61,21 +61,37 @@ class Int4Linear(nn.Module):
     packed: torch.Tensor
     scales_zeros: torch.Tensor  # [K / group, N, 2] in compute_dtype: (scale, zero) per group and output row
 
-    def __init__(self, in_features: int, out_features: int, group_size: int, packed: torch.Tensor,
-                 scales_zeros: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        group_size: int,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         if group_size not in GROUP_SIZES or in_features % group_size:
-            raise ValueError(f"int4 layers need a group size in {GROUP_SIZES} dividing in_features ({in_features}), "
-                             f"got {group_size}")
+            raise ValueError(
+                f"int4 layers need a group size in {GROUP_SIZES} dividing in_features ({in_features}), got {group_size}"
+            )
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.register_buffer("packed", packed)
         self.register_buffer("scales_zeros", scales_zeros)
         self.bias = None if bias is None else nn.Parameter(bias.to(scales_zeros.dtype), requires_grad=False)
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *, group_size: int,
-                   bias: torch.Tensor | None = None, device: torch.device | str = "cpu",
-                   compute_dtype: torch.dtype = torch.bfloat16) -> Int4Linear:
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        *,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ) -> Int4Linear:
         """From ``codes`` uint8 [N, K] (0..15) and ``scale`` / ``zero`` [N, K / group] (``w = (q-8)·scale + zero``).
         ``compute_dtype`` float32 keeps the scales exact but runs the kernels' scalar loop (CPU)."""
         device = torch.device(device)
@@ -122,8 +138,10 @@ class Int4Linear(nn.Module):
         return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
-                f"compute_dtype={self.compute_dtype}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+            f"compute_dtype={self.compute_dtype}, bias={self.bias is not None}"
+        )
 
 
 class Int8Linear(nn.Module):
@@ -140,16 +158,28 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(scales.dtype), requires_grad=False)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
-                    device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+    def from_weight(
+        cls,
+        weight: torch.Tensor,
+        *,
+        bias: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.bfloat16,
+    ) -> Int8Linear:
         """Quantise a float ``weight`` [N, K] symmetrically per row (``scale = max|w| / 127``)."""
         codes, scales = quantize_int8_rows(weight.float())
         return cls(codes.to(device), scales.to(device=device, dtype=compute_dtype), bias)
 
     @classmethod
-    def from_rows(cls, rows: Callable[[int, int], torch.Tensor], shape: tuple[int, int], *,
-                  device: torch.device | str = "cpu", compute_dtype: torch.dtype = torch.bfloat16,
-                  chunk: int = 1024) -> Int8Linear:
+    def from_rows(
+        cls,
+        rows: Callable[[int, int], torch.Tensor],
+        shape: tuple[int, int],
+        *,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype = torch.bfloat16,
+        chunk: int = 1024,
+    ) -> Int8Linear:
         """:meth:`from_weight` of the weight whose float rows ``a..b`` are ``rows(a, b)``, made a chunk of rows
         at a time: the same codes and scales (each row is quantised alone) without the whole float weight in
         memory at once (a 49,152-row head: 113 MB; in a start, 0.5 s became 0.08 s)."""
@@ -206,7 +236,8 @@ class Q8Embedding(nn.Module):
         """Rows ``first .. end-1`` (all by default) as float32."""
         codes, scales = self.codes[first:end], self.scales[first:end]
         return (codes.view(codes.shape[0], -1, self.group).float() * scales.unsqueeze(-1)).view(
-            codes.shape[0], self.embedding_dim)
+            codes.shape[0], self.embedding_dim
+        )
 
 
 def kernel_call(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -235,6 +266,7 @@ def _bound(layer: Int4Linear | Int8Linear, kernel: Callable[[torch.Tensor], torc
             return long_input(x)
         out = kernel(x.to(dtype).contiguous())
         return out if bias is None else out + bias
+
     return call
 
 

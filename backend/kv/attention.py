@@ -91,8 +91,10 @@ def tree_tensors(parents: list[int], device: torch.device) -> tuple[torch.Tensor
         depth[i] = depth[above] + 1
         visible[i] = list(visible[above])
         visible[i][i] = True
-    return (torch.tensor(depth, dtype=torch.long, device=device),
-            torch.tensor(visible, dtype=torch.bool, device=device))
+    return (
+        torch.tensor(depth, dtype=torch.long, device=device),
+        torch.tensor(visible, dtype=torch.bool, device=device),
+    )
 
 
 class PagedContext:
@@ -105,8 +107,9 @@ class PagedContext:
 
     __slots__ = ("cache", "plan", "tree", "_layouts")
 
-    def __init__(self, cache: PagedKVCache, plan: SlotPlan,
-                 tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, cache: PagedKVCache, plan: SlotPlan, tree: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         self.cache = cache
         self.plan = plan
         self.tree = tree
@@ -190,14 +193,14 @@ def softcapped(q, k, v, blocked, scale: float, softcap: float) -> torch.Tensor:
 
 def paged_attention_forward(
     module: torch.nn.Module,
-    query: torch.Tensor,           # [1, Hq, n, D]
-    key: torch.Tensor,             # [1, Hkv, n, D]
-    value: torch.Tensor,           # [1, Hkv, n, D]
+    query: torch.Tensor,  # [1, Hq, n, D]
+    key: torch.Tensor,  # [1, Hkv, n, D]
+    value: torch.Tensor,  # [1, Hkv, n, D]
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
-) -> tuple[torch.Tensor, None]:   # ([1, n, Hq, D], no attention weights)
+) -> tuple[torch.Tensor, None]:  # ([1, n, Hq, D], no attention weights)
     """The function registered as ``ATTN_IMPLEMENTATION``: write new K/V into the cache, attend over it."""
     ctx = kwargs.get("paged")  # a PagedContext, or the static context of a graph runner
     if ctx is None:

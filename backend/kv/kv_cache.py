@@ -66,13 +66,13 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 class SlotPlan:
     """Where one forward writes its ``num_new`` tokens and how it reads keys ``0 .. kv_len-1``."""
 
-    start: int                          # position of the first new token (= committed length)
+    start: int  # position of the first new token (= committed length)
     num_new: int
-    kv_len: int                         # start + num_new
-    write_start: int | None             # first slot when the new tokens' slots are consecutive
-    write_slots: torch.Tensor | None    # [num_new] long, when they are not
-    read_start: int | None              # first slot when keys 0..kv_len-1 are consecutive (zero-copy slice)
-    read_slots: torch.Tensor | None     # [kv_len] long, when they are not (gather)
+    kv_len: int  # start + num_new
+    write_start: int | None  # first slot when the new tokens' slots are consecutive
+    write_slots: torch.Tensor | None  # [num_new] long, when they are not
+    read_start: int | None  # first slot when keys 0..kv_len-1 are consecutive (zero-copy slice)
+    read_slots: torch.Tensor | None  # [kv_len] long, when they are not (gather)
 
 
 class PagedKVCache:
@@ -113,8 +113,15 @@ class PagedKVCache:
             raise KVCacheUsageError(f"PagedKVCache.for_model: max_tokens must be >= 1, got {max_tokens}")
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
         num_blocks = -(-max_tokens // block_size)
-        return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=num_blocks,
-                   block_size=block_size, dtype=dtype, device=device)
+        return cls(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+        )
 
     @classmethod
     def from_budget(
@@ -129,8 +136,15 @@ class PagedKVCache:
                 f"({per_block} bytes for this model); free memory or lower context_length in models.yaml."
             )
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
-        return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=num_blocks,
-                   block_size=block_size, dtype=dtype, device=device)
+        return cls(
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+        )
 
     @property
     def num_slots(self) -> int:
@@ -158,8 +172,9 @@ class PagedKVCache:
             return
         for position in (p for pair in pairs for p in pair):
             if not 0 <= position < seq.capacity:
-                raise KVCacheUsageError(f"PagedKVCache.move: position {position} is outside the sequence's "
-                                        f"{seq.capacity} reserved slots")
+                raise KVCacheUsageError(
+                    f"PagedKVCache.move: position {position} is outside the sequence's {seq.capacity} reserved slots"
+                )
         source = torch.tensor([seq.slot(s) for s, _ in pairs], dtype=torch.long, device=self.device)
         target = torch.tensor([seq.slot(d) for _, d in pairs], dtype=torch.long, device=self.device)
         with torch.inference_mode():

@@ -55,8 +55,10 @@ def file_sha256(path: Path, progress: Progress | None = None) -> str:
         store.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(store, json.dumps(known, indent=0))  # a concurrent reader sees the old or the new file
     except OSError as exc:
-        raise ModelLoadError(f"cannot write the hash cache {store}: {exc.strerror or exc}; make the folder "
-                             "writable or set SPECCHAT_CACHE_DIR to a folder you can write") from exc
+        raise ModelLoadError(
+            f"cannot write the hash cache {store}: {exc.strerror or exc}; make the folder "
+            "writable or set SPECCHAT_CACHE_DIR to a folder you can write"
+        ) from exc
     return value
 
 
@@ -68,7 +70,7 @@ def transformers_version() -> str:
     spec = importlib.util.find_spec("transformers")
     if spec is not None and spec.origin:
         site = Path(spec.origin).parent.parent
-        found = [p.name[len("transformers-"):-len(".dist-info")] for p in site.glob("transformers-*.dist-info")]
+        found = [p.name[len("transformers-") : -len(".dist-info")] for p in site.glob("transformers-*.dist-info")]
         if len(found) == 1:
             return found[0]
     try:

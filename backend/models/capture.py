@@ -37,8 +37,19 @@ from typing import Any
 from tqdm.std import tqdm as _std_tqdm
 
 Progress = Callable[[str, float | None], None]
-LIBRARY_LOGGERS = ("transformers", "huggingface_hub", "bitsandbytes", "accelerate", "safetensors", "gguf",
-                   "torch", "httpx", "httpcore", "filelock", "urllib3")
+LIBRARY_LOGGERS = (
+    "transformers",
+    "huggingface_hub",
+    "bitsandbytes",
+    "accelerate",
+    "safetensors",
+    "gguf",
+    "torch",
+    "httpx",
+    "httpcore",
+    "filelock",
+    "urllib3",
+)
 
 
 @dataclass
@@ -99,8 +110,11 @@ class _LineHandler(logging.Handler):
 
 def _file_handlers() -> list[logging.Handler]:
     """The root logger's handlers that do not write to a terminal (e.g. the app's log file)."""
-    return [h for h in logging.getLogger().handlers
-            if isinstance(h, logging.FileHandler) or not isinstance(h, logging.StreamHandler)]
+    return [
+        h
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.FileHandler) or not isinstance(h, logging.StreamHandler)
+    ]
 
 
 _callback = threading.local()  # .active: this thread is running a user callback (its prints must show)
@@ -204,8 +218,9 @@ def transformers_imported() -> None:
 
 
 @contextlib.contextmanager
-def capture_library_output(progress: Progress | None = None, log_file: str | Path | None = None
-                           ) -> Iterator[CapturedOutput]:
+def capture_library_output(
+    progress: Progress | None = None, log_file: str | Path | None = None
+) -> Iterator[CapturedOutput]:
     """Route library logging, warnings, progress bars and Python-level prints away from the terminal."""
     captured = CapturedOutput()
     lock = threading.Lock()
@@ -228,8 +243,11 @@ def capture_library_output(progress: Progress | None = None, log_file: str | Pat
                 target.handle(record)
 
     def emit_line(line: str, name: str = "stdout", level: int = logging.INFO) -> None:
-        emit_record(logging.makeLogRecord({"name": name, "levelno": level, "levelname": logging.getLevelName(level),
-                                           "msg": line}))
+        emit_record(
+            logging.makeLogRecord(
+                {"name": name, "levelno": level, "levelname": logging.getLevelName(level), "msg": line}
+            )
+        )
 
     handler = _LineHandler(emit_record)
     saved_loggers = []
@@ -255,10 +273,10 @@ def capture_library_output(progress: Progress | None = None, log_file: str | Pat
 
     out_writer, err_writer = _LineWriter(emit_line, sys.stdout), _LineWriter(emit_line, sys.stderr)
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(out_writer), \
-                contextlib.redirect_stderr(err_writer):
-            warnings.showwarning = (lambda message, category, filename, lineno, file=None, line=None:
-                                    emit_line(f"{category.__name__}: {message}", "py.warnings", logging.WARNING))
+        with warnings.catch_warnings(), contextlib.redirect_stdout(out_writer), contextlib.redirect_stderr(err_writer):
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: emit_line(
+                f"{category.__name__}: {message}", "py.warnings", logging.WARNING
+            )
             yield captured
     finally:
         out_writer.flush()
@@ -269,4 +287,3 @@ def capture_library_output(progress: Progress | None = None, log_file: str | Pat
             logger.handlers, logger.propagate = handlers, propagate
         if log is not None:
             log.close()
-

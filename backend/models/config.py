@@ -165,8 +165,12 @@ def _reject_unknown(where: _Where, allowed: set[str]) -> None:
     for key in where.node or {}:
         if key not in allowed:
             name = str(key) if str(key).isprintable() else shown(str(key))[1:-1]  # a newline in a key: escaped
-            raise where.error(name, (where.node or {})[key], "unknown field",
-                              "remove it or fix its name; allowed fields: " + ", ".join(sorted(allowed)))
+            raise where.error(
+                name,
+                (where.node or {})[key],
+                "unknown field",
+                "remove it or fix its name; allowed fields: " + ", ".join(sorted(allowed)),
+            )
 
 
 def resolve_source(source: str, *, base_dir: Path | None = None) -> tuple[str, str | None]:
@@ -190,8 +194,10 @@ def resolve_source(source: str, *, base_dir: Path | None = None) -> tuple[str, s
         raise ValueError(f"local directory {where} does not exist")
     if _HUB_ID.fullmatch(source) and "--" not in source and ".." not in source and not source.endswith(".git"):
         return "hub", None
-    raise ValueError("not packaged:NAME, an existing directory, a .gguf file, or a hub id of the form org/name "
-                     "(letters, digits, '_', '.' and '-', each half starting and ending with a letter or digit)")
+    raise ValueError(
+        "not packaged:NAME, an existing directory, a .gguf file, or a hub id of the form org/name "
+        "(letters, digits, '_', '.' and '-', each half starting and ending with a letter or digit)"
+    )
 
 
 _SPEC_INT_FIELDS = {  # field -> (minimum, where a user finds the number)
@@ -202,14 +208,28 @@ _SPEC_INT_FIELDS = {  # field -> (minimum, where a user finds the number)
     "hidden_size": (1, "config.json: hidden_size"),
     "vocab_size": (1, "config.json: vocab_size (output rows)"),
 }
-_SPEC_FIELDS = {"source", "revision", "dtype", "quantization", "download_bytes", "gated", "allow_pickle",
-                "trust_remote_code", "tie_word_embeddings", *_SPEC_INT_FIELDS}
+_SPEC_FIELDS = {
+    "source",
+    "revision",
+    "dtype",
+    "quantization",
+    "download_bytes",
+    "gated",
+    "allow_pickle",
+    "trust_remote_code",
+    "tie_word_embeddings",
+    *_SPEC_INT_FIELDS,
+}
 
 
 def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> ModelSpec:
     if not isinstance(node, dict):
-        raise _Where(file, pair, parent).error(role, node, "expected a mapping of model fields",
-                                               "write it as an indented block with at least source: and params:")
+        raise _Where(file, pair, parent).error(
+            role,
+            node,
+            "expected a mapping of model fields",
+            "write it as an indented block with at least source: and params:",
+        )
     where = _Where(file, pair, node, prefix=f"{role}.")
     _reject_unknown(where, _SPEC_FIELDS)
     source = _take(where, "source", (str,), "packaged:NAME, a hub id org/name, a local directory or a .gguf file")
@@ -219,20 +239,31 @@ def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> Mo
         raise where.error("source", source, str(exc), "fix the path or hub id") from None
     revision = _take(where, "revision", (str,), "a branch, tag or commit of the hub repository", None)
     if revision is not None and not _REVISION.fullmatch(revision):
-        raise where.error("revision", revision, "not a branch, tag or commit name",
-                          "use printable ASCII without spaces or ~ ^ : ? * [ \\ (e.g. main, v1.0 or a commit hash)")
+        raise where.error(
+            "revision",
+            revision,
+            "not a branch, tag or commit name",
+            "use printable ASCII without spaces or ~ ^ : ? * [ \\ (e.g. main, v1.0 or a commit hash)",
+        )
     if revision is not None and kind != "hub":
-        raise where.error("revision", revision, f"only hub sources have revisions (this one is {kind})",
-                          "remove revision")
+        raise where.error(
+            "revision", revision, f"only hub sources have revisions (this one is {kind})", "remove revision"
+        )
     ints = {k: _bounded_int(where, k, low, None, fix) for k, (low, fix) in _SPEC_INT_FIELDS.items()}
-    flags = {k: _take(where, k, (bool,), "true or false", False)
-             for k in ("gated", "allow_pickle", "trust_remote_code", "tie_word_embeddings")}
+    flags = {
+        k: _take(where, k, (bool,), "true or false", False)
+        for k in ("gated", "allow_pickle", "trust_remote_code", "tie_word_embeddings")
+    }
     return ModelSpec(
-        source=source, kind=kind, revision=revision,
+        source=source,
+        kind=kind,
+        revision=revision,
         dtype=_choice(where, "dtype", DTYPES, "auto"),
         quantization=_choice(where, "quantization", QUANTIZATIONS, "none"),
         download_bytes=_bounded_int(where, "download_bytes", 0, None, "size of the weights in bytes", 0),
-        path=path, **ints, **flags,
+        path=path,
+        **ints,
+        **flags,
     )
 
 
@@ -251,23 +282,30 @@ def _parse_remote(file: Path, pair: str, node: Any) -> RemoteSpec:
     server = _take(where, "server", (str,), "the server's OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
     server = server.strip().rstrip("/")
     if not _SERVER_URL.match(server):
-        raise where.error("server", server, "not an http:// or https:// URL",
-                          "write the base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1")
+        raise where.error(
+            "server",
+            server,
+            "not an http:// or https:// URL",
+            "write the base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1",
+        )
     model = _take(where, "model", (str,), "the model id the server lists at GET <server>/models")
     if not model.strip() or len(model) > 512 or not model.isprintable():
         raise where.error("model", model, "must be 1-512 printable characters", "use the id the server lists")
     kind = _choice(where, "kind", REMOTE_KINDS, "openai")
     key_env = _take(where, "api_key_env", (str,), "the name of an environment variable holding the API key", None)
     if key_env is not None and not _ENV_NAME.match(key_env):
-        raise where.error("api_key_env", key_env, "not an environment variable name",
-                          "use letters, digits and '_', e.g. VLLM_API_KEY")
+        raise where.error(
+            "api_key_env", key_env, "not an environment variable name", "use letters, digits and '_', e.g. VLLM_API_KEY"
+        )
     return RemoteSpec(server=server, model=model, server_kind=kind, api_key_env=key_env)
 
 
 def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
     if not isinstance(node, dict):
-        raise ConfigError(f"{file}: pairs[{index}] = {shown(node)}: expected a mapping with name:, target:, drafter:, "
-                          "context_length:; indent the pair's fields under '- name: ...'")
+        raise ConfigError(
+            f"{file}: pairs[{index}] = {shown(node)}: expected a mapping with name:, target:, drafter:, "
+            "context_length:; indent the pair's fields under '- name: ...'"
+        )
     where = _Where(file, None, node)
     name = _take(where, "name", (str,), "a short name such as qwen2.5-7b")
     if not _PAIR_NAME.fullmatch(name):
@@ -278,33 +316,63 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
     if remote:
         for key in ("drafter", "draft", "gamma", "context_length"):
             if key in node:
-                raise where.error(key, node[key], "a remote pair's speculation and context are its server's",
-                                  "remove it (start the server with the speculation you want)")
+                raise where.error(
+                    key,
+                    node[key],
+                    "a remote pair's speculation and context are its server's",
+                    "remove it (start the server with the speculation you want)",
+                )
     _reject_unknown(where, _REMOTE_PAIR_FIELDS if remote else _PAIR_FIELDS)
     description = _take(where, "description", (str,), "one line", "")
     if remote:
-        return PairConfig(name=name, description=description, target=_parse_remote(file, name, target_node),
-                          drafter=REMOTE_DRAFTER, draft=None, gamma="auto", context_length=0,
-                          sampling=_parse_sampling(file, name, where, node), source_file=str(file))
+        return PairConfig(
+            name=name,
+            description=description,
+            target=_parse_remote(file, name, target_node),
+            drafter=REMOTE_DRAFTER,
+            draft=None,
+            gamma="auto",
+            context_length=0,
+            sampling=_parse_sampling(file, name, where, node),
+            source_file=str(file),
+        )
     target = _parse_spec(file, name, "target", _take(where, "target", (dict,), "a model block"), node)
     drafter = _choice(where, "drafter", DRAFTERS)
     draft_node = _take(where, "draft", (dict,), "a model block", None)
     if drafter == "draft-model" and draft_node is None:
-        raise where.error("draft", _MISSING, "drafter is draft-model but no draft model is given",
-                          "add a draft: block (source, params, ...) or use drafter: prompt-lookup")
+        raise where.error(
+            "draft",
+            _MISSING,
+            "drafter is draft-model but no draft model is given",
+            "add a draft: block (source, params, ...) or use drafter: prompt-lookup",
+        )
     if drafter != "draft-model" and draft_node is not None:
-        raise where.error("draft", "{...}", f"a draft model is given but drafter is {drafter}",
-                          "remove the draft: block or set drafter: draft-model")
+        raise where.error(
+            "draft",
+            "{...}",
+            f"a draft model is given but drafter is {drafter}",
+            "remove the draft: block or set drafter: draft-model",
+        )
     draft = _parse_spec(file, name, "draft", draft_node, node) if draft_node is not None else None
     gamma = _take(where, "gamma", (int, str), f"an integer 1..{MAX_GAMMA} or auto", "auto")
     if isinstance(gamma, str) and gamma != "auto" or isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
-        raise where.error("gamma", gamma, "not a valid number of drafted tokens",
-                          f"use an integer from 1 to {MAX_GAMMA}, or auto")
-    context_length = _bounded_int(where, "context_length", MIN_CONTEXT, MAX_CONTEXT,
-                                  "tokens of context the KV cache holds, e.g. 8192")
-    return PairConfig(name=name, description=description, target=target, drafter=drafter, draft=draft,
-                      gamma=gamma, context_length=context_length, sampling=_parse_sampling(file, name, where, node),
-                      source_file=str(file))
+        raise where.error(
+            "gamma", gamma, "not a valid number of drafted tokens", f"use an integer from 1 to {MAX_GAMMA}, or auto"
+        )
+    context_length = _bounded_int(
+        where, "context_length", MIN_CONTEXT, MAX_CONTEXT, "tokens of context the KV cache holds, e.g. 8192"
+    )
+    return PairConfig(
+        name=name,
+        description=description,
+        target=target,
+        drafter=drafter,
+        draft=draft,
+        gamma=gamma,
+        context_length=context_length,
+        sampling=_parse_sampling(file, name, where, node),
+        source_file=str(file),
+    )
 
 
 def _parse_sampling(file: Path, name: str, where: _Where, node: Any) -> dict:
@@ -325,8 +393,10 @@ def load_pairs_file(file: Path) -> dict[str, PairConfig]:
     if data is None:
         return {}
     if not isinstance(data, dict) or "pairs" not in data:
-        raise ConfigError(f"{file}: top level = {type(data).__name__}: expected a mapping with a 'pairs:' list; "
-                          "start the file with 'pairs:' followed by '- name: ...' entries")
+        raise ConfigError(
+            f"{file}: top level = {type(data).__name__}: expected a mapping with a 'pairs:' list; "
+            "start the file with 'pairs:' followed by '- name: ...' entries"
+        )
     where = _Where(file, None, data)
     _reject_unknown(where, {"pairs"})
     entries = _take(where, "pairs", (list,), "a list of pairs, each starting with '- name:'")
@@ -336,8 +406,10 @@ def load_pairs_file(file: Path) -> dict[str, PairConfig]:
         pair = _parse_pair(file, node, index)
         line = getattr(node, "line", 0)
         if pair.name in pairs:
-            raise ConfigError(f"{file}:{line}: pair '{pair.name}': field 'name' = {pair.name!r}: the name is "
-                              f"already used by the pair on line {lines[pair.name]}; rename one of them")
+            raise ConfigError(
+                f"{file}:{line}: pair '{pair.name}': field 'name' = {pair.name!r}: the name is "
+                f"already used by the pair on line {lines[pair.name]}; rename one of them"
+            )
         pairs[pair.name], lines[pair.name] = pair, line
     return pairs
 
@@ -365,8 +437,10 @@ def _check_models_path(path: Path, what: str) -> None:
     if stat.S_ISDIR(mode):
         raise ConfigError(f"{path}: is a folder, not a models file; give the models.yaml inside it")
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"{path}: is not a regular file (a device, pipe or socket); give a models.yaml file, "
-                          "e.g. a copy of the packaged one")
+        raise ConfigError(
+            f"{path}: is not a regular file (a device, pipe or socket); give a models.yaml file, "
+            "e.g. a copy of the packaged one"
+        )
 
 
 def load_pairs(models_file: str | Path | None = None, *, user_file: Path | None = None) -> dict[str, PairConfig]:
@@ -388,8 +462,10 @@ def get_pair(pairs: dict[str, PairConfig], name: str) -> PairConfig:
     """The pair called ``name``; ConfigError naming the known pairs otherwise."""
     if name not in pairs:
         files = sorted({p.source_file for p in pairs.values()})
-        raise ConfigError(f"unknown pair '{name}': known pairs are {', '.join(pairs)} (from {', '.join(files)}); "
-                          "run `specchat models` to see them")
+        raise ConfigError(
+            f"unknown pair '{name}': known pairs are {', '.join(pairs)} (from {', '.join(files)}); "
+            "run `specchat models` to see them"
+        )
     return pairs[name]
 
 

@@ -77,13 +77,17 @@ def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
     """Integers of at most ~40 digits, in any YAML notation (Python's int-string limit raises a bare ValueError)."""
     if len(str(node.value)) > MAX_INT_DIGITS + 20:
         raise yaml.constructor.ConstructorError(
-            None, None, f"the number {shown(node.value)} has {len(str(node.value))} characters (at most "
-            f"{MAX_INT_DIGITS} digits)", node.start_mark)
+            None,
+            None,
+            f"the number {shown(node.value)} has {len(str(node.value))} characters (at most {MAX_INT_DIGITS} digits)",
+            node.start_mark,
+        )
     try:
         return loader.construct_yaml_int(node)
     except ValueError:
-        raise yaml.constructor.ConstructorError(None, None, f"{shown(node.value)} is not an integer",
-                                                node.start_mark) from None
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{shown(node.value)} is not an integer", node.start_mark
+        ) from None
 
 
 def _construct_timestamp(loader: _Loader, node: yaml.ScalarNode) -> Any:
@@ -92,8 +96,11 @@ def _construct_timestamp(loader: _Loader, node: yaml.ScalarNode) -> Any:
         return loader.construct_yaml_timestamp(node)
     except (ValueError, OverflowError) as exc:
         raise yaml.constructor.ConstructorError(
-            None, None, f"{shown(node.value)} looks like a date but is not one ({exc}); quote it if it is text",
-            node.start_mark) from None
+            None,
+            None,
+            f"{shown(node.value)} looks like a date but is not one ({exc}); quote it if it is text",
+            node.start_mark,
+        ) from None
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
@@ -128,8 +135,10 @@ def read_yaml(file: Path) -> Any:
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read the file ({exc.strerror or exc}); check the path") from None
     if len(data) > MAX_YAML_BYTES:
-        raise ConfigError(f"{file}: larger than {MAX_YAML_BYTES >> 20} MiB; a models file is a few kB of text: "
-                          "check that --models names the right file")
+        raise ConfigError(
+            f"{file}: larger than {MAX_YAML_BYTES >> 20} MiB; a models file is a few kB of text: "
+            "check that --models names the right file"
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -145,14 +154,18 @@ def read_yaml(file: Path) -> Any:
         finally:
             loader.dispose()
     except _TooDeep as exc:
-        raise ConfigError(f"{file}:{exc.line}: nested deeper than {MAX_DEPTH} levels (or an alias contains itself); "
-                          "a models file needs 4 (pairs, a pair, its target, a field): fix the indentation, the "
-                          "brackets or the aliases") from None
+        raise ConfigError(
+            f"{file}:{exc.line}: nested deeper than {MAX_DEPTH} levels (or an alias contains itself); "
+            "a models file needs 4 (pairs, a pair, its target, a field): fix the indentation, the "
+            "brackets or the aliases"
+        ) from None
     except _DuplicateKey as exc:
         raise ConfigError(f"{file}: {exc}; remove or rename one of them") from None
     except (ValueError, OverflowError, TypeError, RecursionError) as exc:  # defence in depth: a value no check saw
-        raise ConfigError(f"{file}: a value cannot be read ({type(exc).__name__}: {shown(str(exc))}); check the "
-                          "numbers and dates in the file, or quote them") from None
+        raise ConfigError(
+            f"{file}: a value cannot be read ({type(exc).__name__}: {shown(str(exc))}); check the "
+            "numbers and dates in the file, or quote them"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
@@ -162,5 +175,6 @@ def read_yaml(file: Path) -> Any:
             problem += f" ({context} at line {start.line + 1})"
         if isinstance(exc, yaml.constructor.ConstructorError) and not (exc.problem or "").startswith("could not"):
             raise ConfigError(f"{where}: cannot read the value: {problem}") from None
-        raise ConfigError(f"{where}: YAML syntax error: {problem}; fix the syntax (indentation, quotes, colons, "
-                          "brackets)") from None
+        raise ConfigError(
+            f"{where}: YAML syntax error: {problem}; fix the syntax (indentation, quotes, colons, brackets)"
+        ) from None

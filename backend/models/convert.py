@@ -279,9 +279,11 @@ def _disk_full(where: Path, need: int, exc: BaseException | None = None) -> Mode
     except OSError:
         free = "free space unknown"
     cause = f" ({exc})" if exc is not None else ""
-    return ModelLoadError(f"no room on the disk holding the model cache {where}{cause}: the converted model needs "
-                          f"about {need / 2**20:.0f} MB ({free}); free some space there, or set SPECCHAT_CACHE_DIR "
-                          "to a folder on a disk with room")
+    return ModelLoadError(
+        f"no room on the disk holding the model cache {where}{cause}: the converted model needs "
+        f"about {need / 2**20:.0f} MB ({free}); free some space there, or set SPECCHAT_CACHE_DIR "
+        "to a folder on a disk with room"
+    )
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -307,8 +309,10 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None, *, weigh
             raise _disk_full(parent, need)
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{dest.name}-pid{os.getpid()}-", dir=parent))
     except OSError as exc:
-        raise ModelLoadError(f"cannot use the model cache {parent}: {exc.strerror or exc}; make it writable or set "
-                             "SPECCHAT_CACHE_DIR to a folder you can write") from exc
+        raise ModelLoadError(
+            f"cannot use the model cache {parent}: {exc.strerror or exc}; make it writable or set "
+            "SPECCHAT_CACHE_DIR to a folder you can write"
+        ) from exc
     started = time.perf_counter()
     lock_fd = _hold_lock(tmp)
     try:
@@ -318,16 +322,24 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None, *, weigh
             if _is_disk_full(exc):
                 raise _disk_full(parent, _needed_bytes(gguf_path, weights), exc) from exc
             if isinstance(exc, OSError) and exc.filename and str(exc.filename).startswith(str(parent)):
-                raise ModelLoadError(f"cannot write the converted model into {parent}: {exc.strerror or exc}; make "
-                                     "the folder writable or set SPECCHAT_CACHE_DIR to another folder") from exc
+                raise ModelLoadError(
+                    f"cannot write the converted model into {parent}: {exc.strerror or exc}; make "
+                    "the folder writable or set SPECCHAT_CACHE_DIR to another folder"
+                ) from exc
             size = gguf_path.stat().st_size
-            raise ModelLoadError(f"{gguf_path}: cannot convert this GGUF file ({size} bytes) with transformers "
-                                 f"({type(exc).__name__}: {exc}); if it is truncated or damaged, download it again, "
-                                 "else use a GGUF of an architecture transformers supports, or a safetensors "
-                                 "directory") from exc
+            raise ModelLoadError(
+                f"{gguf_path}: cannot convert this GGUF file ({size} bytes) with transformers "
+                f"({type(exc).__name__}: {exc}); if it is truncated or damaged, download it again, "
+                "else use a GGUF of an architecture transformers supports, or a safetensors "
+                "directory"
+            ) from exc
         files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file() and not p.name.startswith(LOCK)}
-        info = {"gguf": str(gguf_path), "key": dest.name, "seconds": round(time.perf_counter() - started, 2),
-                "files": files}
+        info = {
+            "gguf": str(gguf_path),
+            "key": dest.name,
+            "seconds": round(time.perf_counter() - started, 2),
+            "files": files,
+        }
         try:
             (tmp / MARKER).write_text(json.dumps(info), encoding="utf-8")
             (tmp / LOCK).unlink()
@@ -336,8 +348,10 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None, *, weigh
             if not is_complete(dest):  # not a lost race with another process: a real failure
                 if _is_disk_full(exc):
                     raise _disk_full(parent, _needed_bytes(gguf_path, weights), exc) from exc
-                raise ModelLoadError(f"cannot finish the converted model in {parent}: {exc.strerror or exc}; make "
-                                     "the folder writable or set SPECCHAT_CACHE_DIR to another folder") from exc
+                raise ModelLoadError(
+                    f"cannot finish the converted model in {parent}: {exc.strerror or exc}; make "
+                    "the folder writable or set SPECCHAT_CACHE_DIR to another folder"
+                ) from exc
     finally:
         if lock_fd is not None:
             os.close(lock_fd)

@@ -42,8 +42,19 @@ TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", 
 # (its enums cost ~0.2 s of a start); other types ask the ``gguf`` package.
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
-          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_NUMPY = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 _MAX_DIMS = 8
 
@@ -113,7 +124,7 @@ class _Cursor:
         end = self.pos + size
         if size < 0 or end > len(self.buffer):
             raise GgufFormatError(f"the file ends early (needs {end} bytes, has {len(self.buffer)}): truncated?")
-        view = self.buffer[self.pos:end]
+        view = self.buffer[self.pos : end]
         self.pos = end
         return view
 
@@ -181,8 +192,9 @@ def _header(cursor: _Cursor) -> tuple[int, int, int]:
         raise GgufFormatError(f"GGUF version {version} is not supported (2 and 3 are)")
     tensor_count, kv_count = cursor.scalar("<Q"), cursor.scalar("<Q")
     if tensor_count > size // 24 or kv_count > size // 12:
-        raise GgufFormatError(f"the header claims {tensor_count} tensors and {kv_count} metadata values in a "
-                              f"{size}-byte file: damaged")
+        raise GgufFormatError(
+            f"the header claims {tensor_count} tensors and {kv_count} metadata values in a {size}-byte file: damaged"
+        )
     return version, tensor_count, kv_count
 
 
@@ -224,15 +236,17 @@ def read_gguf(path: str | Path, *, keep_arrays: tuple[str, ...] = ()) -> GgufFil
         per_block, block_bytes = _block_size(ggml_type)
         columns = shape[-1]
         if columns % per_block:
-            raise GgufFormatError(f"tensor {name!r}: {columns} columns is not a whole number of "
-                                  f"{per_block}-weight blocks")
+            raise GgufFormatError(
+                f"tensor {name!r}: {columns} columns is not a whole number of {per_block}-weight blocks"
+            )
         rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
         row_bytes = columns // per_block * block_bytes
         start = data_start + offset
         if start + rows * row_bytes > size:
-            raise GgufFormatError(f"tensor {name!r} ends at byte {start + rows * row_bytes} of a {size}-byte file: "
-                                  "truncated")
-        raw = whole[start:start + rows * row_bytes].reshape(rows, row_bytes)
+            raise GgufFormatError(
+                f"tensor {name!r} ends at byte {start + rows * row_bytes} of a {size}-byte file: truncated"
+            )
+        raw = whole[start : start + rows * row_bytes].reshape(rows, row_bytes)
         tensors[name] = GgufTensor(name, ggml_type, shape, raw)
     return GgufFile(path=path, version=version, metadata=metadata, tensors=tensors)
 
@@ -273,8 +287,13 @@ class MetadataReader:
     def _parse(self, cursor: _Cursor) -> None:
         version, tensor_count, kv_count = _header(cursor)
         self.fields: dict[str, ReaderField] = {  # GGUFReader's own entries for the header, first
-            name: ReaderField(name, [[value]], [0], [kind]) for name, value, kind in
-            (("GGUF.version", version, 4), ("GGUF.tensor_count", tensor_count, 10), ("GGUF.kv_count", kv_count, 10))}
+            name: ReaderField(name, [[value]], [0], [kind])
+            for name, value, kind in (
+                ("GGUF.version", version, 4),
+                ("GGUF.tensor_count", tensor_count, 10),
+                ("GGUF.kv_count", kv_count, 10),
+            )
+        }
         for _ in range(kv_count):
             name = bytes(cursor.take(cursor.scalar("<Q"))).decode("utf-8")
             kind = cursor.scalar("<I")
@@ -304,7 +323,7 @@ def _raw_items(cursor: _Cursor, kind: int, count: int) -> list[Any]:
 
 def _fp16_column(blocks: np.ndarray, at: int) -> torch.Tensor:
     """The fp16 value stored at byte ``at`` of every block, as a float32 tensor ``[rows, blocks]``."""
-    return torch.from_numpy(np.array(blocks[..., at:at + 2]).view(np.float16)[..., 0]).float()
+    return torch.from_numpy(np.array(blocks[..., at : at + 2]).view(np.float16)[..., 0]).float()
 
 
 def q4_blocks(tensor: GgufTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -317,7 +336,7 @@ def q4_blocks(tensor: GgufTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     blocks = tensor.raw.reshape(rows, width // 32, block)
     d = _fp16_column(blocks, 0)
     m = _fp16_column(blocks, 2) if tensor.ggml_type == Q4_1 else -8.0 * d
-    packed = torch.from_numpy(np.array(blocks[..., block - 16:]))  # [N, K/32, 16]
+    packed = torch.from_numpy(np.array(blocks[..., block - 16 :]))  # [N, K/32, 16]
     codes = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(rows, width)
     return codes, d, m
 

@@ -48,8 +48,10 @@ def _patterns(spec: ModelSpec, tokenizer_only: bool) -> list[str]:
 
 
 def _login_hint(spec: ModelSpec) -> str:
-    return (f"accept its licence at https://huggingface.co/{spec.source}, then run `hf auth login` "
-            "(older huggingface_hub: `huggingface-cli login`)")
+    return (
+        f"accept its licence at https://huggingface.co/{spec.source}, then run `hf auth login` "
+        "(older huggingface_hub: `huggingface-cli login`)"
+    )
 
 
 def _translate(spec: ModelSpec, exc: Exception) -> ModelLoadError:
@@ -60,15 +62,19 @@ def _translate(spec: ModelSpec, exc: Exception) -> ModelLoadError:
     if isinstance(exc, errors.GatedRepoError):
         return ModelLoadError(f"hub repo {name} is gated: {_login_hint(spec)}")
     if isinstance(exc, errors.RepositoryNotFoundError):
-        return ModelLoadError(f"hub repo {name} was not found (or is private): check the source in models.yaml, "
-                              "or log in with `hf auth login` if it is private")
+        return ModelLoadError(
+            f"hub repo {name} was not found (or is private): check the source in models.yaml, "
+            "or log in with `hf auth login` if it is private"
+        )
     if isinstance(exc, errors.RevisionNotFoundError):
         return ModelLoadError(f"hub repo {spec.source} has no revision {spec.revision!r}; fix revision in models.yaml")
     if isinstance(exc, errors.LocalEntryNotFoundError):
         why = "HF_HUB_OFFLINE is set" if offline() else "the hub cannot be reached"
-        return ModelLoadError(f"hub repo {name} is not (completely) in the Hugging Face cache and {why}: connect "
-                              f"and retry, or download it elsewhere with `hf download {spec.source}` and copy the "
-                              "cache (HF_HOME)")
+        return ModelLoadError(
+            f"hub repo {name} is not (completely) in the Hugging Face cache and {why}: connect "
+            f"and retry, or download it elsewhere with `hf download {spec.source}` and copy the "
+            "cache (HF_HOME)"
+        )
     return ModelLoadError(f"hub repo {name}: download failed ({exc}); check the connection and retry")
 
 
@@ -76,13 +82,21 @@ def _cached(spec: ModelSpec, tokenizer_only: bool) -> Path | None:
     from huggingface_hub import errors, snapshot_download
 
     try:
-        folder = snapshot_download(spec.source, revision=spec.revision, local_files_only=True,
-                                   allow_patterns=_patterns(spec, tokenizer_only), ignore_patterns=_IGNORE)
+        folder = snapshot_download(
+            spec.source,
+            revision=spec.revision,
+            local_files_only=True,
+            allow_patterns=_patterns(spec, tokenizer_only),
+            ignore_patterns=_IGNORE,
+        )
     except (errors.LocalEntryNotFoundError, OSError):
         return None
     folder = Path(folder)
-    if not tokenizer_only and not any(folder.glob("*.safetensors")) and not (
-            spec.allow_pickle and any(p.suffix in {".bin", ".pt", ".pth"} for p in folder.iterdir())):
+    if (
+        not tokenizer_only
+        and not any(folder.glob("*.safetensors"))
+        and not (spec.allow_pickle and any(p.suffix in {".bin", ".pt", ".pth"} for p in folder.iterdir()))
+    ):
         return None  # only the tokenizer was fetched earlier (e.g. a declined or failed weights download)
     return folder
 
@@ -101,8 +115,13 @@ def download_size(spec: ModelSpec) -> int:
             raise _translate(spec, errors.LocalEntryNotFoundError("offline"))
         return 0
     try:
-        infos = snapshot_download(spec.source, revision=spec.revision, allow_patterns=_patterns(spec, False),
-                                  ignore_patterns=_IGNORE, dry_run=True)
+        infos = snapshot_download(
+            spec.source,
+            revision=spec.revision,
+            allow_patterns=_patterns(spec, False),
+            ignore_patterns=_IGNORE,
+            dry_run=True,
+        )
     except (errors.GatedRepoError, errors.RepositoryNotFoundError, errors.RevisionNotFoundError) as exc:
         raise _translate(spec, exc) from exc
     except TypeError:  # an older huggingface_hub without dry runs: fall back to models.yaml's number
@@ -125,9 +144,14 @@ def snapshot(spec: ModelSpec, *, tokenizer_only: bool = False, progress: Progres
         what = "tokenizer of " if tokenizer_only else ""
         progress(f"Fetching the {what}{spec.source} from the Hugging Face hub", None)
     try:
-        folder = snapshot_download(spec.source, revision=spec.revision, allow_patterns=_patterns(spec, tokenizer_only),
-                                   ignore_patterns=_IGNORE, local_files_only=offline(),
-                                   tqdm_class=progress_tqdm_class(progress))
+        folder = snapshot_download(
+            spec.source,
+            revision=spec.revision,
+            allow_patterns=_patterns(spec, tokenizer_only),
+            ignore_patterns=_IGNORE,
+            local_files_only=offline(),
+            tqdm_class=progress_tqdm_class(progress),
+        )
     except Exception as exc:  # noqa: BLE001 - every hub failure becomes one actionable message
         if cached is not None:  # the hub is unreachable but a complete snapshot is here
             return cached
@@ -145,7 +169,9 @@ def confirm_download(specs: list[ModelSpec], confirm: Callable[[int], bool] | No
     names = ", ".join(spec.source for spec in unique.values())
     size = f"{total / 1e9:.2f} GB"
     if confirm is None:
-        raise ModelLoadError(f"{label} needs a {size} download from the Hugging Face hub ({names}); confirm it when "
-                             f"asked, or download first with `hf download REPO` for each of: {names}")
+        raise ModelLoadError(
+            f"{label} needs a {size} download from the Hugging Face hub ({names}); confirm it when "
+            f"asked, or download first with `hf download REPO` for each of: {names}"
+        )
     if not confirm(total):
         raise ModelLoadError(f"{label}: the {size} download of {names} was declined; nothing was downloaded")

@@ -34,8 +34,15 @@ from typing import Any
 
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # The tokenizer classes whose saved tokenizer.json is all there is to them (no Python-side pre-processing).
-_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast", "Qwen2Tokenizer",
-            "Qwen2TokenizerFast", "LlamaTokenizerFast")
+_CLASSES = (
+    "TokenizersBackend",
+    "PreTrainedTokenizerFast",
+    "GPT2Tokenizer",
+    "GPT2TokenizerFast",
+    "Qwen2Tokenizer",
+    "Qwen2TokenizerFast",
+    "LlamaTokenizerFast",
+)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -69,8 +76,17 @@ def _reproducible_config(folder: Path) -> dict | None:
         return None
     # Options transformers applies in Python around the backend (prefix spaces, legacy SentencePiece handling,
     # forced BOS/EOS): leave such folders to transformers.
-    if any(config.get(key) for key in ("add_prefix_space", "legacy", "add_bos_token", "add_eos_token",
-                                       "split_special_tokens", "do_lower_case")):
+    if any(
+        config.get(key)
+        for key in (
+            "add_prefix_space",
+            "legacy",
+            "add_bos_token",
+            "add_eos_token",
+            "split_special_tokens",
+            "do_lower_case",
+        )
+    ):
         return None
     return config
 
@@ -131,22 +147,31 @@ class LightTokenizer:
         return {"input_ids": ids, "attention_mask": [1] * len(ids)}
 
     def decode(self, ids: Sequence[int] | int, skip_special_tokens: bool = False) -> str:
-        return self._backend.decode([ids] if isinstance(ids, int) else list(ids),
-                                    skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(
+            [ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens
+        )
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True, return_dict: bool = True
-                            ) -> dict[str, list[int]] | list[int] | str:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
+    ) -> dict[str, list[int]] | list[int] | str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         plain = []
         for i, message in enumerate(messages):
-            if not isinstance(message, dict) or set(message) != {"role", "content"} or not all(
-                    isinstance(v, str) for v in message.values()):
+            if (
+                not isinstance(message, dict)
+                or set(message) != {"role", "content"}
+                or not all(isinstance(v, str) for v in message.values())
+            ):
                 raise ValueError(f"message {i}: only role and content strings can be rendered here")
             plain.append(dict(message))
-        text = _compiled(self.chat_template).render(messages=plain, tools=None, documents=None,
-                                                    add_generation_prompt=add_generation_prompt, **self._special)
+        text = _compiled(self.chat_template).render(
+            messages=plain, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self._special
+        )
         if not tokenize:
             return text
         return self(text, add_special_tokens=False) if return_dict else self.encode(text, add_special_tokens=False)
@@ -161,10 +186,10 @@ def _compiled(template: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:  # not jinja's, which escapes HTML characters
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+    def tojson(
+        value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:  # not jinja's, which escapes HTML characters
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson

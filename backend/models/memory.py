@@ -63,11 +63,13 @@ class MemoryEstimate:
 
     def describe(self, context_length: int) -> str:
         """One line naming each term, for messages and `specchat models`."""
-        return (f"target weights {format_bytes(self.target_weights)}, draft weights "
-                f"{format_bytes(self.draft_weights)}, KV caches {format_bytes(self.target_kv + self.draft_kv)} "
-                f"for {context_length} tokens, scratch {format_bytes(self.scratch)}"
-                f"{f', CUDA graphs {format_bytes(self.graphs)}' if self.graphs else ''}, 8% headroom "
-                f"{format_bytes(self.headroom)}")
+        return (
+            f"target weights {format_bytes(self.target_weights)}, draft weights "
+            f"{format_bytes(self.draft_weights)}, KV caches {format_bytes(self.target_kv + self.draft_kv)} "
+            f"for {context_length} tokens, scratch {format_bytes(self.scratch)}"
+            f"{f', CUDA graphs {format_bytes(self.graphs)}' if self.graphs else ''}, 8% headroom "
+            f"{format_bytes(self.headroom)}"
+        )
 
 
 def format_bytes(n: int | float) -> str:
@@ -97,8 +99,11 @@ def _torch_quantized_bytes(spec: ModelSpec, device: torch.device) -> int:
     linear = max(spec.params - embedding * (1 if spec.tie_word_embeddings else 2), 0)
     per_linear = 0.5 + 4 / 32 if spec.quantization == "int4-torch" else 1 + 2 / spec.hidden_size
     from_gguf = spec.kind in ("packaged", "gguf")
-    embed_bytes = embedding * (1 + 4 / 32 if from_gguf else (4 if spec.dtype == "auto" and device.type == "cpu"
-                                                            else _DTYPE_BYTES.get(spec.dtype, 2)))
+    embed_bytes = embedding * (
+        1 + 4 / 32
+        if from_gguf
+        else (4 if spec.dtype == "auto" and device.type == "cpu" else _DTYPE_BYTES.get(spec.dtype, 2))
+    )
     head_bytes = embedding * (1 + 2 / spec.hidden_size)
     return int(linear * per_linear + embed_bytes + head_bytes)
 
@@ -122,8 +127,9 @@ def kv_bytes(spec: ModelSpec, device: torch.device, tokens: int) -> int:
     return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes(spec, device) * tokens
 
 
-def _forward_bytes(spec: ModelSpec, device: torch.device, context_length: int, tokens: int, rows: int,
-                   per_logit: int) -> int:
+def _forward_bytes(
+    spec: ModelSpec, device: torch.device, context_length: int, tokens: int, rows: int, per_logit: int
+) -> int:
     """Activations of one forward over ``tokens`` new tokens against ``context_length`` keys, keeping ``rows``
     logits rows of ``per_logit`` bytes each."""
     heads = max(spec.hidden_size // spec.head_dim, spec.num_kv_heads)
@@ -160,9 +166,16 @@ def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | 
     graphs = graph_bytes(pair.target, device, tokens) + (graph_bytes(draft, device, tokens) if draft else 0)
     subtotal = target_weights + target_kv + draft_weights + draft_kv + scratch + graphs
     headroom = int(subtotal * HEADROOM)
-    return MemoryEstimate(target_weights=target_weights, draft_weights=draft_weights, target_kv=target_kv,
-                          draft_kv=draft_kv, scratch=scratch, graphs=graphs, headroom=headroom,
-                          total=subtotal + headroom)
+    return MemoryEstimate(
+        target_weights=target_weights,
+        draft_weights=draft_weights,
+        target_kv=target_kv,
+        draft_kv=draft_kv,
+        scratch=scratch,
+        graphs=graphs,
+        headroom=headroom,
+        total=subtotal + headroom,
+    )
 
 
 def _cgroup_available() -> int | None:
@@ -206,5 +219,6 @@ def check_fits(pair: PairConfig, device: torch.device, context_length: int | Non
             f"pair '{pair.name}' needs about {format_bytes(estimate.total)} on {device} "
             f"({estimate.describe(tokens)}) but only {format_bytes(free)} is free; choose a smaller pair "
             f"(`specchat models`), lower context_length in {pair.source_file}, use quantization: nf4, or free "
-            "memory on the device")
+            "memory on the device"
+        )
     return estimate

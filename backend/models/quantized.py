@@ -41,11 +41,32 @@ from specchat.backend.models.skeleton import LightCausalLM, LightConfig
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 GROUP_SIZE = 32
 # ggml types with at most 4 bits a weight: re-quantised to int4 when they cannot be kept as they are.
-_FOUR_BITS = {"Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ1_S",
-              "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"}
-_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj"}
+_FOUR_BITS = {
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "IQ4_NL",
+    "IQ4_XS",
+    "IQ3_S",
+    "IQ3_XXS",
+    "IQ2_S",
+    "IQ2_XS",
+    "IQ2_XXS",
+    "IQ1_S",
+    "IQ1_M",
+    "TQ1_0",
+    "TQ2_0",
+    "MXFP4",
+}
+_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 _NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 Progress = Callable[[str, "float | None"], None]
 
@@ -59,8 +80,10 @@ def _skeleton(config: Any) -> nn.Module:
     """The model of ``config`` on the meta device: the light model for a ``skeleton.LightConfig`` (the compact
     forward will run it; no transformers modelling code is imported), else transformers' own."""
     if getattr(config, "model_type", None) not in SUPPORTED_TYPES:
-        raise ModelLoadError(f"int4-torch / int8-torch loading from GGUF supports {', '.join(SUPPORTED_TYPES)} "
-                             f"models, not {getattr(config, 'model_type', None)!r}; use quantization: none")
+        raise ModelLoadError(
+            f"int4-torch / int8-torch loading from GGUF supports {', '.join(SUPPORTED_TYPES)} "
+            f"models, not {getattr(config, 'model_type', None)!r}; use quantization: none"
+        )
     if isinstance(config, LightConfig):
         return LightCausalLM(config)  # its tensors start on the meta device (computing on it imports torch._dynamo)
     from transformers import AutoModelForCausalLM
@@ -70,14 +93,16 @@ def _skeleton(config: Any) -> nn.Module:
     return model
 
 
-def _requantized(weight: torch.Tensor, bias: torch.Tensor | None, *, int4: bool, device: torch.device,
-                 scale_dtype: torch.dtype) -> nn.Module:
+def _requantized(
+    weight: torch.Tensor, bias: torch.Tensor | None, *, int4: bool, device: torch.device, scale_dtype: torch.dtype
+) -> nn.Module:
     """A float ``weight`` as int4 group 32 (when ``int4`` and its width is a multiple of the group; scales and
     zeros in ``scale_dtype``), else as int8 per row (scales in the compute dtype)."""
     if int4 and weight.shape[1] % GROUP_SIZE == 0:
         codes, scale, zero = quantize_int4(weight, GROUP_SIZE)
-        return Int4Linear.from_codes(codes, scale, zero, group_size=GROUP_SIZE, bias=bias, device=device,
-                                     compute_dtype=scale_dtype)
+        return Int4Linear.from_codes(
+            codes, scale, zero, group_size=GROUP_SIZE, bias=bias, device=device, compute_dtype=scale_dtype
+        )
     return Int8Linear.from_weight(weight, bias=bias, device=device, compute_dtype=compute_dtype(device))
 
 
@@ -103,8 +128,10 @@ class _Builder:
         try:
             return self.gguf.tensors[name]
         except KeyError:
-            raise ModelLoadError(f"{self.gguf.path}: tensor {name!r} is missing from the GGUF file; it does not "
-                                 "look like a complete model of its architecture") from None
+            raise ModelLoadError(
+                f"{self.gguf.path}: tensor {name!r} is missing from the GGUF file; it does not "
+                "look like a complete model of its architecture"
+            ) from None
 
     def _row_order(self, name: str) -> torch.Tensor | None:
         if self.gguf.architecture != "llama" or not name.endswith((".attn_q.weight", ".attn_k.weight")):
@@ -121,8 +148,9 @@ class _Builder:
             codes, d, m = gguf_file.q4_blocks(tensor)
             if order is not None:
                 codes, d, m = codes[order], d[order], m[order]
-            return Int4Linear.from_codes(codes, d, m + 8 * d, group_size=GROUP_SIZE, bias=bias, device=self.device,
-                                         compute_dtype=self.dtype)
+            return Int4Linear.from_codes(
+                codes, d, m + 8 * d, group_size=GROUP_SIZE, bias=bias, device=self.device, compute_dtype=self.dtype
+            )
         weight = gguf_file.dequantize(tensor)
         if order is not None:
             weight = weight[order]
@@ -131,15 +159,27 @@ class _Builder:
         return self.from_float(weight, bias, four_bits=tensor.type_name in _FOUR_BITS)
 
     def from_float(self, weight: torch.Tensor, bias: torch.Tensor | None, *, four_bits: bool) -> nn.Module:
-        return _requantized(weight, bias, int4=self.quantization == "int4-torch" and four_bits, device=self.device,
-                            scale_dtype=self.dtype)
+        return _requantized(
+            weight,
+            bias,
+            int4=self.quantization == "int4-torch" and four_bits,
+            device=self.device,
+            scale_dtype=self.dtype,
+        )
 
     def vector(self, name: str) -> torch.Tensor:
         return gguf_file.dequantize(self.tensor(name)).reshape(-1)
 
 
-def from_gguf(gguf: GgufFile, config: Any, quantization: str, device: torch.device, *,
-              progress: Progress | None = None, exact_scales: bool = False) -> tuple[nn.Module, list[str]]:
+def from_gguf(
+    gguf: GgufFile,
+    config: Any,
+    quantization: str,
+    device: torch.device,
+    *,
+    progress: Progress | None = None,
+    exact_scales: bool = False,
+) -> tuple[nn.Module, list[str]]:
     """The quantised model of ``gguf`` and notes on tensors that were re-quantised (see the module docstring)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}")
@@ -193,15 +233,18 @@ def _fill(model: nn.Module, build: _Builder, config: Any, progress: Progress | N
     dtype = compute_dtype(device)
     if head is None and embed_weight is None:  # tied to the Q8_0 embedding: re-quantised a chunk of rows at a time
         table = model.model.embed_tokens
-        model.lm_head = Int8Linear.from_rows(table.dequantized, (table.num_embeddings, table.embedding_dim),
-                                             device=device, compute_dtype=dtype)
+        model.lm_head = Int8Linear.from_rows(
+            table.dequantized, (table.num_embeddings, table.embedding_dim), device=device, compute_dtype=dtype
+        )
     else:
         head_weight = gguf_file.dequantize(head) if head is not None else embed_weight
         model.lm_head = Int8Linear.from_weight(head_weight, device=device, compute_dtype=dtype)
     _finish(model, config, device)
-    notes = [f"{count} {name} tensor(s) de-quantised and re-quantised to "
-             f"{'int4 group 32 or int8' if quantization == 'int4-torch' else 'int8'}"
-             for name, count in sorted(build.requantized.items())]
+    notes = [
+        f"{count} {name} tensor(s) de-quantised and re-quantised to "
+        f"{'int4 group 32 or int8' if quantization == 'int4-torch' else 'int8'}"
+        for name, count in sorted(build.requantized.items())
+    ]
     notes.append(f"output head re-quantised to int8 per row from {(head or embedding).type_name}")
     return notes
 
@@ -216,8 +259,10 @@ def _finish(model: nn.Module, config: Any, device: torch.device) -> None:
         model._tied_weights_keys = {} if isinstance(model._tied_weights_keys, dict) else []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.device.type == "meta":
-            raise ModelLoadError(f"{name} was not filled from the GGUF file (an unexpected tensor layout for "
-                                 f"{config.model_type}); use quantization: none for this model")
+            raise ModelLoadError(
+                f"{name} was not filled from the GGUF file (an unexpected tensor layout for "
+                f"{config.model_type}); use quantization: none for this model"
+            )
     model.eval()
     model.requires_grad_(False)
 
@@ -258,13 +303,17 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device) ->
             continue
         weight, bias = module.weight.detach().float(), module.bias
         bias = None if bias is None else bias.detach().float()
-        _set(decoder, name, _requantized(weight, bias, int4=quantization == "int4-torch", device=device,
-                                         scale_dtype=dtype))
+        _set(
+            decoder,
+            name,
+            _requantized(weight, bias, int4=quantization == "int4-torch", device=device, scale_dtype=dtype),
+        )
         count += 1
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, nn.Linear):
         bias = None if head.bias is None else head.bias.detach().float()
-        model.set_output_embeddings(Int8Linear.from_weight(head.weight.detach().float(), bias=bias, device=device,
-                                                           compute_dtype=dtype))
+        model.set_output_embeddings(
+            Int8Linear.from_weight(head.weight.detach().float(), bias=bias, device=device, compute_dtype=dtype)
+        )
         model.config.tie_word_embeddings = False
     return [f"{count} linear layers quantised to {quantization} while loading, the output head to int8 per row"]

@@ -44,9 +44,19 @@ from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
 
 # Fields the light model and its users read (compact.py, kv_cache.kv_geometry, attention.check_supported,
 # quantized.py): a config.json lacking one keeps transformers' config, which would supply a default.
-_REQUIRED = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "intermediate_size", "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_parameters",
-             "hidden_act")
+_REQUIRED = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "rms_norm_eps",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_parameters",
+    "hidden_act",
+)
 _FAMILY_FIELDS = {"mistral": ("sliding_window",), "qwen2": ("sliding_window", "layer_types")}
 
 
@@ -82,9 +92,14 @@ def _usable(values: Any) -> bool:
     if not all(type(n) is int and n > 0 for n in counts) or type(values["rms_norm_eps"]) not in (int, float):
         return False  # not what transformers writes: its own path handles the file, as before
     rope = values["rope_parameters"]
-    return (values["hidden_act"] == "silu" and not values.get("mlp_bias", False) and isinstance(rope, dict)
-            and rope.get("rope_type") == "default" and isinstance(rope.get("rope_theta"), (int, float))
-            and set(rope) <= {"rope_type", "rope_theta"})
+    return (
+        values["hidden_act"] == "silu"
+        and not values.get("mlp_bias", False)
+        and isinstance(rope, dict)
+        and rope.get("rope_type") == "default"
+        and isinstance(rope.get("rope_theta"), (int, float))
+        and set(rope) <= {"rope_type", "rope_theta"}
+    )
 
 
 def read_config(folder: Path) -> LightConfig | None:
@@ -225,12 +240,15 @@ class LightCausalLM(nn.Module):
 
     def set_attn_implementation(self, name: str) -> None:
         if name != ATTN_IMPLEMENTATION:
-            raise ModelLoadError(f"this model was loaded for specchat's compact forward, which attends through "
-                                 f"{ATTN_IMPLEMENTATION!r}; it cannot use {name!r} (load it with that attention, or "
-                                 "use transformers_model())")
+            raise ModelLoadError(
+                f"this model was loaded for specchat's compact forward, which attends through "
+                f"{ATTN_IMPLEMENTATION!r}; it cannot use {name!r} (load it with that attention, or "
+                "use transformers_model())"
+            )
         self.config._attn_implementation = name
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise ModelLoadError("this model runs only through specchat's compact forward (backend/kernels/compact.py, "
-                             "via the model runner); quantized.transformers_model(model) runs transformers' forward")
-
+        raise ModelLoadError(
+            "this model runs only through specchat's compact forward (backend/kernels/compact.py, "
+            "via the model runner); quantized.transformers_model(model) runs transformers' forward"
+        )

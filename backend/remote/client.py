@@ -77,18 +77,26 @@ def api_key(spec: RemoteSpec, pair_name: str) -> str | None:
         return None
     key = os.environ.get(spec.api_key_env)
     if not key:
-        raise RemoteError(f"pair '{pair_name}': api_key_env {spec.api_key_env} is not set; export "
-                          f"{spec.api_key_env}=<the API key of {spec.server}>")
+        raise RemoteError(
+            f"pair '{pair_name}': api_key_env {spec.api_key_env} is not set; export "
+            f"{spec.api_key_env}=<the API key of {spec.server}>"
+        )
     return key
 
 
 def make_client(spec: RemoteSpec, pair_name: str, *, read_timeout_s: float = READ_TIMEOUT_S) -> httpx.Client:
     key = api_key(spec, pair_name)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=read_timeout_s, write=WRITE_TIMEOUT_S,
-                            pool=CONNECT_TIMEOUT_S)
-    return httpx.Client(base_url=spec.server + "/", headers=headers, timeout=timeout, trust_env=False,
-                        transport=httpx.HTTPTransport(retries=CONNECT_RETRIES))
+    timeout = httpx.Timeout(
+        connect=CONNECT_TIMEOUT_S, read=read_timeout_s, write=WRITE_TIMEOUT_S, pool=CONNECT_TIMEOUT_S
+    )
+    return httpx.Client(
+        base_url=spec.server + "/",
+        headers=headers,
+        timeout=timeout,
+        trust_env=False,
+        transport=httpx.HTTPTransport(retries=CONNECT_RETRIES),
+    )
 
 
 def http_error(spec: RemoteSpec, pair_name: str, response: httpx.Response) -> RemoteError:
@@ -97,11 +105,13 @@ def http_error(spec: RemoteSpec, pair_name: str, response: httpx.Response) -> Re
     where = f"pair '{pair_name}': {spec.server} answered {status}"
     if status == 401 or status == 403:
         env = spec.api_key_env
-        fix = (f"check the key in {env}" if env else "set api_key_env: VAR in the pair and export VAR=<the key>")
+        fix = f"check the key in {env}" if env else "set api_key_env: VAR in the pair and export VAR=<the key>"
         return RemoteError(f"{where} (API key refused: {text}); {fix}")
     if status == 404:
-        return RemoteError(f"{where} ({text}); check the pair's server URL (it ends in /v1) and model "
-                           f"'{spec.model}' against GET {spec.server}/models")
+        return RemoteError(
+            f"{where} ({text}); check the pair's server URL (it ends in /v1) and model "
+            f"'{spec.model}' against GET {spec.server}/models"
+        )
     if status in (429, 503):
         return RemoteError(f"{where} (busy: {text}); try again in a moment")
     return RemoteError(f"{where}: {text}")
@@ -166,8 +176,10 @@ class RemoteEngine:
         """Stream one reply (see the module docstring). RequestError before any network use for a request a
         remote pair cannot take (token ids instead of messages)."""
         if request.prompt_ids is not None or not request.messages:
-            raise RequestError(f"pair '{self.pair.name}' runs on {self.spec.server}: send messages (the server "
-                               "applies its own chat template), not token ids")
+            raise RequestError(
+                f"pair '{self.pair.name}' runs on {self.spec.server}: send messages (the server "
+                "applies its own chat template), not token ids"
+            )
         body = self.request_body(request)
         return self._stream(body, request, cancel or threading.Event())
 
@@ -191,12 +203,20 @@ class RemoteEngine:
     def request_body(self, request: GenerationRequest) -> dict[str, Any]:
         """The JSON body of one chat completions request: the request's sampling, else the pair's defaults."""
         messages = validate_messages(request.messages or [])
-        body: dict[str, Any] = {"model": self.spec.model, "messages": messages, "stream": True,
-                                "stream_options": {"include_usage": True}}
+        body: dict[str, Any] = {
+            "model": self.spec.model,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         s, defaults = request.sampling, self.pair.sampling
         value = lambda name: getattr(s, name) if getattr(s, name) is not None else defaults.get(name)  # noqa: E731
-        for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("max_new_tokens", "max_tokens"),
-                             ("seed", "seed")):
+        for ours, theirs in (
+            ("temperature", "temperature"),
+            ("top_p", "top_p"),
+            ("max_new_tokens", "max_tokens"),
+            ("seed", "seed"),
+        ):
             if value(ours) is not None:
                 body[theirs] = value(ours)
         if s.stop:
@@ -213,19 +233,22 @@ class RemoteEngine:
         if kind == "llama-server":
             body["timings_per_token"] = True
         if kind == "specchat" and (request.drafter is not None or request.gamma is not None):
-            body["specchat"] = {k: v for k, v in (("drafter", request.drafter), ("gamma", request.gamma))
-                                if v is not None}
+            body["specchat"] = {
+                k: v for k, v in (("drafter", request.drafter), ("gamma", request.gamma)) if v is not None
+            }
         return body
 
     def _notice(self, request: GenerationRequest) -> str | None:
-        if self.spec.server_kind != "specchat" and (request.drafter not in (None, "auto") or request.gamma
-                                                    not in (None, "auto")):
-            return (f"pair '{self.pair.name}' runs on its server, which speculates as it was started: the drafter "
-                    "and γ settings do not apply")
+        if self.spec.server_kind != "specchat" and (
+            request.drafter not in (None, "auto") or request.gamma not in (None, "auto")
+        ):
+            return (
+                f"pair '{self.pair.name}' runs on its server, which speculates as it was started: the drafter "
+                "and γ settings do not apply"
+            )
         return None
 
-    def _stream(self, body: dict[str, Any], request: GenerationRequest,
-                cancel: threading.Event) -> Iterator[StepEvent]:
+    def _stream(self, body: dict[str, Any], request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
         t0 = time.perf_counter()
         state = _Reply(self.pair.name, t0, self._notice(request))
         try:
@@ -249,11 +272,15 @@ class RemoteEngine:
                 finally:
                     watch.stop()
         except httpx.ConnectError as error:
-            raise RemoteError(f"pair '{self.pair.name}': cannot reach {self.spec.server} ({error}); is the server "
-                              "running and the URL right?") from None
+            raise RemoteError(
+                f"pair '{self.pair.name}': cannot reach {self.spec.server} ({error}); is the server "
+                "running and the URL right?"
+            ) from None
         except httpx.TimeoutException as error:
-            raise RemoteError(f"pair '{self.pair.name}': {self.spec.server} did not answer in time "
-                              f"({type(error).__name__}); check the server") from None
+            raise RemoteError(
+                f"pair '{self.pair.name}': {self.spec.server} did not answer in time "
+                f"({type(error).__name__}); check the server"
+            ) from None
         yield state.last(cancel.is_set(), self.spec.server)
 
 
@@ -277,8 +304,13 @@ class _Reply:
     def stats(self) -> RequestStats:
         wall = (self.t_last or time.perf_counter()) - self.t0
         ttft = None if self.t_first is None else self.t_first - self.t0
-        return remote_stats(self.figures, wall_s=wall, ttft_s=ttft, counted_tokens=self.counted,
-                            drafter=str(self.figures.get("drafter", self.drafter)))
+        return remote_stats(
+            self.figures,
+            wall_s=wall,
+            ttft_s=ttft,
+            counted_tokens=self.counted,
+            drafter=str(self.figures.get("drafter", self.drafter)),
+        )
 
     def chunk(self, data: str) -> StepEvent | None:
         try:
@@ -301,9 +333,11 @@ class _Reply:
         raw_ids = choice.get("token_ids")
         ids = [int(t) for t in raw_ids if isinstance(t, int)] if isinstance(raw_ids, list) else []
         if choice.get("finish_reason") is not None:
-            self.finish = own.get("finish_reason") if own.get("finish_reason") in (
-                "eos", "stop", "length", "context", "cancelled", "error") else _finish(
-                choice.get("finish_reason"), choice.get("stop_reason"))
+            self.finish = (
+                own.get("finish_reason")
+                if own.get("finish_reason") in ("eos", "stop", "length", "context", "cancelled", "error")
+                else _finish(choice.get("finish_reason"), choice.get("stop_reason"))
+            )
         if not text and not ids:
             return None
         now = time.perf_counter()
@@ -316,20 +350,33 @@ class _Reply:
         message, self.notice = self.notice, None
         policy = own.get("policy")
         return StepEvent(
-            token_ids=ids, sources=sources, token_texts=texts, text=text,
+            token_ids=ids,
+            sources=sources,
+            token_texts=texts,
+            text=text,
             gamma=own.get("gamma") if isinstance(own.get("gamma"), int) else 0,
             accepted=own.get("accepted") if isinstance(own.get("accepted"), int) else 0,
-            draft_s=0.0, verify_s=0.0, overhead_s=0.0,
+            draft_s=0.0,
+            verify_s=0.0,
+            overhead_s=0.0,
             policy=PolicyState(policy) if policy in ("speculating", "paused", "off") else PolicyState.OFF,
-            drafter=str(self.figures.get("drafter", self.drafter)), is_prefill=first, message=message,
-            stats=self.stats())
+            drafter=str(self.figures.get("drafter", self.drafter)),
+            is_prefill=first,
+            message=message,
+            stats=self.stats(),
+        )
 
     @staticmethod
     def _tokens(own: Mapping[str, Any], ids: list[int], text: str) -> tuple[list[TokenSource], list[str]]:
         sources, texts = own.get("sources"), own.get("token_texts")
-        if (isinstance(sources, list) and isinstance(texts, list) and len(sources) == len(texts) == len(ids)
-                and all(s in (0, 1, 2, 3) for s in sources) and all(isinstance(t, str) for t in texts)
-                and "".join(texts) == text):
+        if (
+            isinstance(sources, list)
+            and isinstance(texts, list)
+            and len(sources) == len(texts) == len(ids)
+            and all(s in (0, 1, 2, 3) for s in sources)
+            and all(isinstance(t, str) for t in texts)
+            and "".join(texts) == text
+        ):
             return [TokenSource(s) for s in sources], list(texts)
         return [TokenSource.TARGET] * len(ids), [""] * (len(ids) - 1) + [text] if ids else []
 
@@ -346,16 +393,29 @@ class _Reply:
             reason, message = "error", f"pair '{self.pair_name}': {self.failed}; the partial reply is kept"
         elif self.finish is None:
             reason = "error"
-            message = (f"pair '{self.pair_name}': {server} ended the stream without finishing the reply (the "
-                       "server may have stopped); the partial reply is kept")
+            message = (
+                f"pair '{self.pair_name}': {server} ended the stream without finishing the reply (the "
+                "server may have stopped); the partial reply is kept"
+            )
         else:
             reason, message = self.finish, None
         stats = self.stats()
-        return StepEvent(token_ids=[], sources=[], token_texts=[], text="", gamma=0, accepted=0, draft_s=0.0,
-                         verify_s=0.0, overhead_s=0.0, policy=PolicyState.OFF,
-                         drafter=str(self.figures.get("drafter", self.drafter)),
-                         finish_reason=reason,
-                         message=message, stats=stats)
+        return StepEvent(
+            token_ids=[],
+            sources=[],
+            token_texts=[],
+            text="",
+            gamma=0,
+            accepted=0,
+            draft_s=0.0,
+            verify_s=0.0,
+            overhead_s=0.0,
+            policy=PolicyState.OFF,
+            drafter=str(self.figures.get("drafter", self.drafter)),
+            finish_reason=reason,
+            message=message,
+            stats=stats,
+        )
 
 
 def check_server(spec: RemoteSpec, pair_name: str, *, timeout_s: float = 3.0) -> dict[str, Any]:

@@ -43,9 +43,25 @@ from typing import Any
 from specchat.backend.api import GammaSummary, PolicyState, RequestStats
 
 # The RequestStats fields a remote reply leaves None unless its server reports them.
-SERVER_FIELDS = ("prefill_s", "prefill_tokens", "steps", "spec_paused_steps", "drafted", "accepted", "draft_s",
-                 "verify_s", "overhead_s", "last_gamma", "acceptance_rate", "mean_accepted_length",
-                 "tokens_per_step", "alpha_hat", "expected_speedup", "spec_tok_s", "plain_tok_s")
+SERVER_FIELDS = (
+    "prefill_s",
+    "prefill_tokens",
+    "steps",
+    "spec_paused_steps",
+    "drafted",
+    "accepted",
+    "draft_s",
+    "verify_s",
+    "overhead_s",
+    "last_gamma",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "tokens_per_step",
+    "alpha_hat",
+    "expected_speedup",
+    "spec_tok_s",
+    "plain_tok_s",
+)
 
 
 def _count(value: Any) -> int | None:
@@ -127,7 +143,8 @@ def from_vllm(chunk: Mapping[str, Any]) -> dict[str, Any]:
     elif histogram and steps and k and drafted == steps * k and len(histogram) == k + 1:
         # `summary`, every step drafted k tokens: a step reached position j iff it accepted >= j drafts.
         out["per_position_acceptance"] = tuple(
-            round(sum(histogram[j + 1:]) / sum(histogram[j:]), 4) if sum(histogram[j:]) else None for j in range(k))
+            round(sum(histogram[j + 1 :]) / sum(histogram[j:]), 4) if sum(histogram[j:]) else None for j in range(k)
+        )
         out["gamma"] = GammaSummary(mode=k, mean=float(k), max=k)
         out["last_gamma"] = k
     return out
@@ -215,8 +232,9 @@ def server_figures(chunk: Mapping[str, Any]) -> dict[str, Any]:
 CLIENT_FIELDS = ("wall_s", "ttft_s", "tok_s")
 
 
-def remote_stats(figures: Mapping[str, Any], *, wall_s: float, ttft_s: float | None, counted_tokens: int,
-                 drafter: str) -> RequestStats:
+def remote_stats(
+    figures: Mapping[str, Any], *, wall_s: float, ttft_s: float | None, counted_tokens: int, drafter: str
+) -> RequestStats:
     """The RequestStats of a remote reply: ``figures`` (from :func:`server_figures`) plus the client's own clock.
     ``counted_tokens``: tokens the client saw ids of (used when the server gave no count)."""
     values: dict[str, Any] = {name: None for name in SERVER_FIELDS}
@@ -233,8 +251,11 @@ def remote_stats(figures: Mapping[str, Any], *, wall_s: float, ttft_s: float | N
     return RequestStats(**values)
 
 
-VLLM_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_total")
+VLLM_COUNTERS = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+)
 VLLM_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 
@@ -247,7 +268,7 @@ def vllm_counters(text: str) -> dict[str, Any]:
         if not line.startswith("vllm:spec_decode_num_"):
             continue
         name, _, rest = line.partition("{")
-        labels, value_text = (rest.rsplit("}", 1) if rest else ("", line.split()[-1]))
+        labels, value_text = rest.rsplit("}", 1) if rest else ("", line.split()[-1])
         name = name.split()[0]
         try:
             value = float(value_text.split()[0])
@@ -273,5 +294,7 @@ def vllm_per_position_between(before: Mapping[str, Any], after: Mapping[str, Any
     if drafts <= 0:
         return ()
     last = max(after["per_position"], default=-1)
-    return tuple(round((after["per_position"].get(j, 0.0) - before["per_position"].get(j, 0.0)) / drafts, 4)
-                 for j in range(last + 1))
+    return tuple(
+        round((after["per_position"].get(j, 0.0) - before["per_position"].get(j, 0.0)) / drafts, 4)
+        for j in range(last + 1)
+    )

@@ -214,8 +214,9 @@ class GammaPolicy:
         return self._formula(gamma, self._expected_table(), self.target_time(1), self.draft_time())
 
     def _formula(self, gamma: int, table: list[float], t1: float, td: float) -> float:
-        return speedup(table[min(gamma, self.max_gamma)], gamma, t1=t1, draft_s_per_token=td,
-                       target_s=self.target_time(gamma + 1))
+        return speedup(
+            table[min(gamma, self.max_gamma)], gamma, t1=t1, draft_s_per_token=td, target_s=self.target_time(gamma + 1)
+        )
 
     def _speedups(self) -> list[float]:
         """S(γ) for γ = 0 .. max_gamma (index γ; S(0) = 1, a plain step). Cached until the next observe():
@@ -293,8 +294,9 @@ class GammaPolicy:
         self._plain_while_paused = 0
         self._probing = 0
 
-    def observe(self, *, gamma: int, accepted: int, draft_s: float, verify_s: float, proposed: int,
-                tried: int | None = None) -> None:
+    def observe(
+        self, *, gamma: int, accepted: int, draft_s: float, verify_s: float, proposed: int, tried: int | None = None
+    ) -> None:
         """Record one step: γ asked for, tokens really ``proposed`` (<= γ) and ``accepted`` (<= proposed), the
         drafting time and the target pass time (over proposed + 1 tokens). A step with proposed 0 is plain.
         A tree of ``proposed`` nodes gives ``tried``, the positions judged along the followed path (accepted,

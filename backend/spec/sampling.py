@@ -212,8 +212,9 @@ def pick(logits: torch.Tensor, rule: SamplingRule, positions: Sequence[int]) -> 
     Raises :class:`ModelOutputError` for a row whose winner is NaN (the model produced NaN logits): never a
     token drawn from a broken distribution."""
     if logits.dim() != 2 or logits.shape[0] != len(positions):
-        raise ValueError(f"pick: need [{len(positions)}, V] logits for {len(positions)} positions, "
-                         f"got {tuple(logits.shape)}")
+        raise ValueError(
+            f"pick: need [{len(positions)}, V] logits for {len(positions)} positions, got {tuple(logits.shape)}"
+        )
     if rule.greedy:
         token = logits.argmax(dim=-1)  # ties: the lowest id
         best = logits.gather(1, token[:, None])[:, 0]
@@ -230,9 +231,11 @@ def pick(logits: torch.Tensor, rule: SamplingRule, positions: Sequence[int]) -> 
         token = at if kept is None else ids.gather(1, at[:, None])[:, 0]
     out = torch.stack([token.to(best.dtype), best]).tolist()  # one device sync
     if any(value != value for value in out[1]):  # NaN
-        raise ModelOutputError("the model produced NaN logits, so no token can be chosen; the reply was stopped. "
-                               "This is a numerical problem of the model or its dtype: try dtype: float32 or "
-                               "bfloat16 for the pair in models.yaml")
+        raise ModelOutputError(
+            "the model produced NaN logits, so no token can be chosen; the reply was stopped. "
+            "This is a numerical problem of the model or its dtype: try dtype: float32 or "
+            "bfloat16 for the pair in models.yaml"
+        )
     return [int(t) for t in out[0]]
 
 
@@ -262,5 +265,3 @@ def _nucleus_candidates(x: torch.Tensor, top_p: float) -> tuple[torch.Tensor, to
             return vals, idx, probs
     vals, idx = torch.sort(x, dim=-1, descending=True)
     return vals, idx, torch.exp(vals - lse)
-
-

@@ -84,9 +84,20 @@ class StepCounts:
     verify_s: float = 0.0
     overhead_s: float = 0.0
 
-    def observe(self, *, drafter: str, gamma: int, accepted: int, emitted: int, draft_s: float, verify_s: float,
-                overhead_s: float = 0.0, paused: bool = False, no_draft: bool = False,
-                tried: int | None = None) -> None:
+    def observe(
+        self,
+        *,
+        drafter: str,
+        gamma: int,
+        accepted: int,
+        emitted: int,
+        draft_s: float,
+        verify_s: float,
+        overhead_s: float = 0.0,
+        paused: bool = False,
+        no_draft: bool = False,
+        tried: int | None = None,
+    ) -> None:
         """One step: ``gamma`` tokens drafted by ``drafter`` (0: plain), ``accepted`` of them kept, ``emitted``
         tokens yielded (accepted + 1, fewer when EOS or the token limit cut the step). A tree of ``gamma`` nodes
         gives ``tried``: the positions judged along the followed path (accepted, plus one where no child
@@ -137,9 +148,19 @@ class StepCounts:
             _add_rows(self.reached.setdefault(name, []), counts)
             _add_rows(self.accepted_at.setdefault(name, []), other.accepted_at[name])
         self.accepted_lengths.update(other.accepted_lengths)
-        for name in ("drafted", "accepted", "rejected_steps", "paused_steps", "no_draft_steps", "spec_emitted",
-                     "plain_emitted",
-                     "spec_time_s", "plain_time_s", "verify_s", "overhead_s"):
+        for name in (
+            "drafted",
+            "accepted",
+            "rejected_steps",
+            "paused_steps",
+            "no_draft_steps",
+            "spec_emitted",
+            "plain_emitted",
+            "spec_time_s",
+            "plain_time_s",
+            "verify_s",
+            "overhead_s",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_dict(self) -> dict[str, Any]:
@@ -150,7 +171,9 @@ class StepCounts:
             "pass_s": {str(n): list(v) for n, v in self.pass_s.items()},
             "reached": {d: list(v) for d, v in self.reached.items()},
             "accepted_at": {d: list(v) for d, v in self.accepted_at.items()},
-            "drafted": self.drafted, "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
         }
 
@@ -216,8 +239,9 @@ class StepCounts:
         if t1 is None or not self.steps:
             return None
         tokens = seconds = 0.0
-        tables = {name: expected_tokens_table([a or 0.0 for a in self.per_position_acceptance(name)])
-                  for name in self.reached}
+        tables = {
+            name: expected_tokens_table([a or 0.0 for a in self.per_position_acceptance(name)]) for name in self.reached
+        }
         for (name, gamma), count in self.steps.items():
             table = tables.get(name, [1.0])
             target = self.mean_pass_s(gamma + 1)
@@ -235,8 +259,9 @@ class SpecStats:
     :meth:`observe_step` after every later target pass, and :meth:`report` for each event.
     """
 
-    def __init__(self, *, clock: Callable[[], float] = time.perf_counter, t0: float | None = None,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self, *, clock: Callable[[], float] = time.perf_counter, t0: float | None = None, seed: int | None = None
+    ) -> None:
         self._clock = clock
         self.seed = seed  # the seed the reply is sampled with (reported so it can be replayed)
         self.draft_context: tuple[int, int] | None = None  # (fed, reused) at the draft model's first draft
@@ -262,8 +287,9 @@ class SpecStats:
         self.t_last = now
         self.new_tokens += n
 
-    def observe_prefill(self, *, tokens: int, seconds: float, emitted: int = 1,
-                        policy: PolicyState | None = None) -> None:
+    def observe_prefill(
+        self, *, tokens: int, seconds: float, emitted: int = 1, policy: PolicyState | None = None
+    ) -> None:
         """The prefill pass: ``tokens`` actually prefilled (after prefix reuse) in ``seconds``; it yields
         ``emitted`` tokens (the first one)."""
         self.prefill_tokens += tokens
@@ -271,12 +297,32 @@ class SpecStats:
         self.last_policy = policy
         self._emit(emitted)
 
-    def observe_step(self, *, drafter: str, gamma: int, accepted: int, emitted: int, policy: PolicyState,
-                     draft_s: float, verify_s: float, overhead_s: float, tried: int | None = None) -> None:
+    def observe_step(
+        self,
+        *,
+        drafter: str,
+        gamma: int,
+        accepted: int,
+        emitted: int,
+        policy: PolicyState,
+        draft_s: float,
+        verify_s: float,
+        overhead_s: float,
+        tried: int | None = None,
+    ) -> None:
         """One target pass after prefill (see :meth:`StepCounts.observe`)."""
-        self.counts.observe(drafter=drafter, gamma=gamma, accepted=accepted, emitted=emitted, draft_s=draft_s,
-                            verify_s=verify_s, overhead_s=overhead_s, paused=policy is PolicyState.PAUSED,
-                            no_draft=policy is PolicyState.NO_DRAFT, tried=tried)
+        self.counts.observe(
+            drafter=drafter,
+            gamma=gamma,
+            accepted=accepted,
+            emitted=emitted,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            overhead_s=overhead_s,
+            paused=policy is PolicyState.PAUSED,
+            no_draft=policy is PolicyState.NO_DRAFT,
+            tried=tried,
+        )
         self.last_gamma = gamma
         self.last_policy = policy
         self._emit(emitted)
@@ -350,6 +396,9 @@ class SpecStats:
             draft_prefill_tokens=self.draft_context[0] if self.draft_context else 0,
             draft_reused_tokens=self.draft_context[1] if self.draft_context else 0,
             seed=self.seed,
-            tree_nodes=self.tree[0], tree_depth=self.tree[1], tree_width=self.tree[2], tree_accepted=self.tree[3],
+            tree_nodes=self.tree[0],
+            tree_depth=self.tree[1],
+            tree_width=self.tree[2],
+            tree_accepted=self.tree[3],
             tree_branch=self.tree[4],
         )

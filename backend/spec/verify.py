@@ -60,8 +60,11 @@ def verify_tokens(target_tokens: Sequence[int], draft_ids: Sequence[int]) -> Ver
     while accepted < k and draft_ids[accepted] == target_tokens[accepted]:
         accepted += 1
     source = TokenSource.TARGET if k == 0 else TokenSource.BONUS if accepted == k else TokenSource.RECOVERED
-    return VerifyResult(tokens=list(draft_ids[:accepted]) + [int(target_tokens[accepted])],
-                        sources=[TokenSource.ACCEPTED] * accepted + [source], accepted=accepted)
+    return VerifyResult(
+        tokens=list(draft_ids[:accepted]) + [int(target_tokens[accepted])],
+        sources=[TokenSource.ACCEPTED] * accepted + [source],
+        accepted=accepted,
+    )
 
 
 def verify(
@@ -75,8 +78,10 @@ def verify(
     k = len(draft_ids)
     if target_logits.dim() != 2 or target_logits.shape[0] < k + 1 or len(positions) != k + 1:
         shape = tuple(target_logits.shape)
-        raise ValueError(f"verify: need [{k + 1}, V] target logits and {k + 1} positions for {k} drafts, got "
-                         f"{shape} and {len(positions)}")
+        raise ValueError(
+            f"verify: need [{k + 1}, V] target logits and {k + 1} positions for {k} drafts, got "
+            f"{shape} and {len(positions)}"
+        )
     return verify_tokens(pick(target_logits[: k + 1], rule, positions), draft_ids)
 
 
@@ -108,10 +113,16 @@ def verify_tree(
         following = children.get(node, {}).get(token)
         if following is None:
             has_children = node in children
-            source = (TokenSource.TARGET if not draft_ids else TokenSource.RECOVERED if has_children
-                      else TokenSource.BONUS)
-            return VerifyResult(tokens=tokens + [token], sources=[TokenSource.ACCEPTED] * len(path) + [source],
-                                accepted=len(path), path=path, tried=len(path) + has_children)
+            source = (
+                TokenSource.TARGET if not draft_ids else TokenSource.RECOVERED if has_children else TokenSource.BONUS
+            )
+            return VerifyResult(
+                tokens=tokens + [token],
+                sources=[TokenSource.ACCEPTED] * len(path) + [source],
+                accepted=len(path),
+                path=path,
+                tried=len(path) + has_children,
+            )
         path.append(following)
         tokens.append(token)
         node = following

@@ -12,8 +12,13 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parents[2] / "app"
-BACKEND_FOR_THE_UI = {"specchat.backend.api", "specchat.backend.errors", "specchat.backend.paths",
-                      "specchat.backend.files", "specchat.backend.inputs"}
+BACKEND_FOR_THE_UI = {
+    "specchat.backend.api",
+    "specchat.backend.errors",
+    "specchat.backend.paths",
+    "specchat.backend.files",
+    "specchat.backend.inputs",
+}
 ANNOTATIONS_ONLY = {"specchat.backend.models.config"}
 
 

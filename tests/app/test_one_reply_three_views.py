@@ -93,6 +93,10 @@ async def test_ui_json_and_history_show_the_same_numbers(tmp_path) -> None:
     assert totals == reply_totals(RequestStats.from_dict(row), row["finish_reason"])
     assert f"{as_json['stats']['new_tokens']} tokens" in totals
     assert f"acc {round(final.acceptance_rate * 100)}%" in line and f"τ {final.mean_accepted_length:.2f}" in line
-    for label, value in (("tokens", final.new_tokens), ("drafted", final.drafted), ("accepted", final.accepted),
-                         ("steps", final.steps)):
+    for label, value in (
+        ("tokens", final.new_tokens),
+        ("drafted", final.drafted),
+        ("accepted", final.accepted),
+        ("steps", final.steps),
+    ):
         assert any(part.split() == [label, str(value)] for part in details.splitlines()), (label, details)

@@ -20,13 +20,30 @@ from specchat.backend.api import (
 from specchat.backend.errors import RequestError
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("temperature", -0.5), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "hot"),
-    ("temperature", api.MAX_TEMPERATURE + 0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("top_k", 2.5),
-    ("top_k", True), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("repetition_penalty", api.MAX_REPETITION_PENALTY * 2), ("max_new_tokens", 0), ("max_new_tokens", 2.0),
-    ("max_new_tokens", api.MAX_NEW_TOKENS + 1), ("seed", -1), ("seed", api.MAX_SEED + 1), ("seed", "abc"),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -0.5),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "hot"),
+        ("temperature", api.MAX_TEMPERATURE + 0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("top_k", True),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", api.MAX_REPETITION_PENALTY * 2),
+        ("max_new_tokens", 0),
+        ("max_new_tokens", 2.0),
+        ("max_new_tokens", api.MAX_NEW_TOKENS + 1),
+        ("seed", -1),
+        ("seed", api.MAX_SEED + 1),
+        ("seed", "abc"),
+    ],
+)
 def test_sampling_params_refuse_out_of_range_values_by_name(field, value) -> None:
     with pytest.raises(RequestError) as info:
         SamplingParams(**{field: value})
@@ -35,8 +52,13 @@ def test_sampling_params_refuse_out_of_range_values_by_name(field, value) -> Non
 
 def test_sampling_params_accept_the_limits_themselves() -> None:
     SamplingParams(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=0)
-    SamplingParams(temperature=api.MAX_TEMPERATURE, top_p=1e-9, repetition_penalty=api.MAX_REPETITION_PENALTY,
-                   max_new_tokens=api.MAX_NEW_TOKENS, seed=api.MAX_SEED)
+    SamplingParams(
+        temperature=api.MAX_TEMPERATURE,
+        top_p=1e-9,
+        repetition_penalty=api.MAX_REPETITION_PENALTY,
+        max_new_tokens=api.MAX_NEW_TOKENS,
+        seed=api.MAX_SEED,
+    )
     SamplingParams()  # every field unset: the pair's defaults
 
 
@@ -55,11 +77,27 @@ def test_unknown_drafter_is_refused_when_the_request_is_built() -> None:
 
 
 def test_request_stats_round_trip_and_the_json_contract() -> None:
-    stats = RequestStats(new_tokens=12, wall_s=1.5, ttft_s=0.2, tok_s=8.0, steps=5, drafted=8, accepted=6,
-                         acceptance_rate=0.75, mean_accepted_length=2.5, per_position_acceptance=(1.0, 0.5, None),
-                         gamma=GammaSummary(4, 3.5, 4), drafter="prompt-lookup", last_policy=PolicyState.PAUSED,
-                         accepted_length_histogram=(1, 0, 2), policy={"alpha_hat": 0.6}, no_draft_steps=2,
-                         draft_prefill_tokens=3, draft_reused_tokens=40, seed=2**64 - 1)
+    stats = RequestStats(
+        new_tokens=12,
+        wall_s=1.5,
+        ttft_s=0.2,
+        tok_s=8.0,
+        steps=5,
+        drafted=8,
+        accepted=6,
+        acceptance_rate=0.75,
+        mean_accepted_length=2.5,
+        per_position_acceptance=(1.0, 0.5, None),
+        gamma=GammaSummary(4, 3.5, 4),
+        drafter="prompt-lookup",
+        last_policy=PolicyState.PAUSED,
+        accepted_length_histogram=(1, 0, 2),
+        policy={"alpha_hat": 0.6},
+        no_draft_steps=2,
+        draft_prefill_tokens=3,
+        draft_reused_tokens=40,
+        seed=2**64 - 1,
+    )
     data = stats.to_dict()
     assert RequestStats.from_dict(data) == stats
     assert RequestStats.from_dict(json.loads(json.dumps(data))).seed == 2**64 - 1  # a whole number, exact
@@ -68,11 +106,22 @@ def test_request_stats_round_trip_and_the_json_contract() -> None:
     assert stats.to_json_stats()["gamma"] == {"mode": 4, "mean": 3.5, "max": 4}
 
 
-@pytest.mark.parametrize("damage", [
-    {"new_tokens": "many"}, {"gamma": [1, 2]}, {"per_position_acceptance": "x"}, {"last_policy": "dancing"},
-    {"tok_s": float("nan")}, {"drafter": 7}, {"steps": "x"}, {"policy": [1]}, {"unknown_field": 1},
-    {"seed": 1.5}, {"seed": "7"},
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"new_tokens": "many"},
+        {"gamma": [1, 2]},
+        {"per_position_acceptance": "x"},
+        {"last_policy": "dancing"},
+        {"tok_s": float("nan")},
+        {"drafter": 7},
+        {"steps": "x"},
+        {"policy": [1]},
+        {"unknown_field": 1},
+        {"seed": 1.5},
+        {"seed": "7"},
+    ],
+)
 def test_request_stats_from_a_damaged_row_keeps_what_it_can(damage) -> None:
     row = {"new_tokens": 3, "wall_s": 2.0} | damage
     stats = RequestStats.from_dict(row)

@@ -71,8 +71,9 @@ def test_a_symlink_is_replaced_not_followed(tmp_path: Path) -> None:
     assert not link.is_symlink() and link.read_text() == "new" and real.read_text() == "real"
 
 
-def test_the_data_is_fsynced_before_the_rename_and_the_folder_after(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_data_is_fsynced_before_the_rename_and_the_folder_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -104,8 +105,9 @@ def test_a_folder_that_cannot_be_fsynced_is_not_an_error(tmp_path: Path, monkeyp
 
 
 @pytest.mark.parametrize("failing", ["write", "fsync", "replace"])
-def test_a_failure_leaves_the_old_file_and_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             failing: str) -> None:
+def test_a_failure_leaves_the_old_file_and_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
     target = tmp_path / "settings.json"
     target.write_text("old")
 
@@ -162,8 +164,11 @@ def test_the_hash_cache_write_failure_is_a_model_load_error(tmp_path: Path, monk
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
-    with pytest.raises(ModelLoadError, match=r"cannot write the hash cache .*hashes\.json: Permission denied.*"
-                                             r"SPECCHAT_CACHE_DIR"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"cannot write the hash cache .*hashes\.json: Permission denied.*"
+        r"SPECCHAT_CACHE_DIR",
+    ):
         convert.file_sha256(model)
     assert list(cache.iterdir()) == []
     monkeypatch.setattr(os, "replace", real_replace)

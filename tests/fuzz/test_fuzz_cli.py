@@ -27,14 +27,22 @@ class Reached(Exception):
 
 
 NUMBERS = st.one_of(
-    st.integers(min_value=-5, max_value=70).map(str), st.integers().map(str), st.floats().map(repr),
+    st.integers(min_value=-5, max_value=70).map(str),
+    st.integers().map(str),
+    st.floats().map(repr),
     st.text(st.sampled_from(UNICODE_DIGITS + "0123456789.-e"), min_size=1, max_size=6),
     st.sampled_from(["nan", "inf", "-inf", "1e400", "", " 3", "0x10", "1_0", "9" * 5000, "auto", "²", "٣"]),
 )
 NAMES = st.one_of(st.sampled_from(["smollm2-135m", "", " ", "nope", "smollm2-135m\n"]), NASTY_TEXT)
-MODES = st.lists(st.one_of(st.sampled_from(["plain", "prompt-lookup", "auto", "hf-plain", "draft-model"]),
-                           st.tuples(st.sampled_from(["prompt-lookup", "auto", "plain"]), NUMBERS)
-                           .map(lambda t: f"{t[0]}:{t[1]}"), NASTY_TEXT), min_size=1, max_size=3)
+MODES = st.lists(
+    st.one_of(
+        st.sampled_from(["plain", "prompt-lookup", "auto", "hf-plain", "draft-model"]),
+        st.tuples(st.sampled_from(["prompt-lookup", "auto", "plain"]), NUMBERS).map(lambda t: f"{t[0]}:{t[1]}"),
+        NASTY_TEXT,
+    ),
+    min_size=1,
+    max_size=3,
+)
 DEVICES = st.one_of(st.sampled_from(["cpu", "cuda", "cuda:7", "cpu:1", "mps", "", "auto", "cuda:-1"]), NASTY_TEXT)
 
 
@@ -46,8 +54,15 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "folder").mkdir(exist_ok=True)
     (tmp / "a-file").write_text("not a folder")
     (tmp / "bad.yaml").write_text("pairs: [[[\n")
-    return {"good": str(good), "bad": str(bad), "missing": str(tmp / "missing"), "folder": str(tmp / "folder"),
-            "devnull": "/dev/null", "file": str(tmp / "a-file"), "yaml": str(tmp / "bad.yaml")}
+    return {
+        "good": str(good),
+        "bad": str(bad),
+        "missing": str(tmp / "missing"),
+        "folder": str(tmp / "folder"),
+        "devnull": "/dev/null",
+        "file": str(tmp / "a-file"),
+        "yaml": str(tmp / "bad.yaml"),
+    }
 
 
 def _argv(tmp: Path) -> st.SearchStrategy[list[str]]:
@@ -55,13 +70,30 @@ def _argv(tmp: Path) -> st.SearchStrategy[list[str]]:
     paths = st.one_of(st.sampled_from(sorted(files.values())), NASTY_TEXT.filter(lambda t: "\x00" not in t))
     common = {"--device": DEVICES, "--models": paths, "--pair": NAMES}
     options = {
-        "generate": {**common, "--drafter": st.sampled_from(["none", "prompt-lookup", "auto", "draft-model", "x"]),
-                     "--max-new-tokens": NUMBERS, "--temperature": NUMBERS, "--top-k": NUMBERS, "--top-p": NUMBERS,
-                     "--repetition-penalty": NUMBERS, "--seed": NUMBERS, "--samples": NUMBERS, "--gamma": NUMBERS,
-                     "--system": NASTY_TEXT},
-        "bench": {**common, "--suite": st.sampled_from(["all", "edit", "mt-bench", "nope"]), "--limit": NUMBERS,
-                  "--max-new-tokens": NUMBERS, "--out": paths, "--temperature": NUMBERS, "--seed": NUMBERS,
-                  "--synthetic": st.sampled_from(["tiny", "llama3-8b", "nope", ""]), "--modes": MODES},
+        "generate": {
+            **common,
+            "--drafter": st.sampled_from(["none", "prompt-lookup", "auto", "draft-model", "x"]),
+            "--max-new-tokens": NUMBERS,
+            "--temperature": NUMBERS,
+            "--top-k": NUMBERS,
+            "--top-p": NUMBERS,
+            "--repetition-penalty": NUMBERS,
+            "--seed": NUMBERS,
+            "--samples": NUMBERS,
+            "--gamma": NUMBERS,
+            "--system": NASTY_TEXT,
+        },
+        "bench": {
+            **common,
+            "--suite": st.sampled_from(["all", "edit", "mt-bench", "nope"]),
+            "--limit": NUMBERS,
+            "--max-new-tokens": NUMBERS,
+            "--out": paths,
+            "--temperature": NUMBERS,
+            "--seed": NUMBERS,
+            "--synthetic": st.sampled_from(["tiny", "llama3-8b", "nope", ""]),
+            "--modes": MODES,
+        },
         "models": common,
     }
 
@@ -117,13 +149,16 @@ def test_any_command_line_runs_or_names_the_bad_option(no_models, tmp_path: Path
     fuzz("command line", _argv(tmp_path), check, 250 * scale)
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["generate", "--pair", "", "--prompt", "hi"], "expected a pair name"),
-    (["generate", "--models", "/dev/null", "--prompt", "hi"], "not a regular file"),
-    (["bench", "--modes", "prompt-lookup:٣"], "gamma must be 1..31"),
-    (["bench", "--out", "{file}"], "is a file, not a folder"),
-    (["generate", "--prompt", "hi", "--max-new-tokens", "٣"], "written in digits 0-9"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["generate", "--pair", "", "--prompt", "hi"], "expected a pair name"),
+        (["generate", "--models", "/dev/null", "--prompt", "hi"], "not a regular file"),
+        (["bench", "--modes", "prompt-lookup:٣"], "gamma must be 1..31"),
+        (["bench", "--out", "{file}"], "is a file, not a folder"),
+        (["generate", "--prompt", "hi", "--max-new-tokens", "٣"], "written in digits 0-9"),
+    ],
+)
 def test_the_classes_of_the_issue_are_refused_by_name(no_models, tmp_path: Path, capsys, argv, expected) -> None:
     file = tmp_path / "a-file"
     file.write_text("x")

@@ -23,14 +23,27 @@ class BadText(bytes):
     """Bytes stored as TEXT (not a BLOB): what a store that wrote invalid UTF-8 leaves."""
 
 
-TEXT = st.one_of(NASTY_TEXT, st.binary(max_size=20).map(BadText), st.binary(max_size=8), st.integers(),
-                 st.floats(allow_nan=False))
-TIME = st.one_of(st.floats(allow_nan=False), st.integers(min_value=-(2**63), max_value=2**63 - 1), NASTY_TEXT,
-                 st.binary(max_size=8), st.just(1.7e9))
+TEXT = st.one_of(
+    NASTY_TEXT, st.binary(max_size=20).map(BadText), st.binary(max_size=8), st.integers(), st.floats(allow_nan=False)
+)
+TIME = st.one_of(
+    st.floats(allow_nan=False),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    NASTY_TEXT,
+    st.binary(max_size=8),
+    st.just(1.7e9),
+)
 ROLE = st.one_of(st.sampled_from(["user", "assistant", "system"]), TEXT)
-STATS = st.one_of(st.none(), st.just('{"tok_s": 12.5, "new_tokens": 3}'), NASTY_TEXT, st.binary(max_size=8),
-                  st.integers(), st.integers(min_value=33, max_value=100_000).map(lambda n: "[" * n + "]" * n),
-                  st.just('{"a": ' + "9" * 5000 + "}"), st.just('{"x": NaN, "y": Infinity}'))
+STATS = st.one_of(
+    st.none(),
+    st.just('{"tok_s": 12.5, "new_tokens": 3}'),
+    NASTY_TEXT,
+    st.binary(max_size=8),
+    st.integers(),
+    st.integers(min_value=33, max_value=100_000).map(lambda n: "[" * n + "]" * n),
+    st.just('{"a": ' + "9" * 5000 + "}"),
+    st.just('{"x": NaN, "y": Infinity}'),
+)
 COMPLETE = st.one_of(st.sampled_from([0, 1]), st.integers(), NASTY_TEXT)
 MESSAGE = st.tuples(ROLE, TEXT, STATS, TIME, COMPLETE)
 CHAT = st.tuples(TEXT, TEXT, TIME, TIME, st.lists(MESSAGE, max_size=4))
@@ -52,12 +65,17 @@ def _insert(conn: sqlite3.Connection, chats: list) -> None:
     conn.execute("DELETE FROM chats")
     for title, pair, created, updated, messages in chats:
         parts = [_sql(v) for v in (title, pair, created, updated)]
-        chat_id = conn.execute(f"INSERT INTO chats (title, pair, created_at, updated_at) VALUES "
-                               f"({', '.join(p for p, _ in parts)})", [v for _, v in parts]).lastrowid
+        chat_id = conn.execute(
+            f"INSERT INTO chats (title, pair, created_at, updated_at) VALUES ({', '.join(p for p, _ in parts)})",
+            [v for _, v in parts],
+        ).lastrowid
         for message in messages:
             parts = [_sql(v) for v in message]
-            conn.execute(f"INSERT INTO messages (chat_id, role, content, stats, created_at, complete) VALUES "
-                         f"(?, {', '.join(p for p, _ in parts)})", [chat_id] + [v for _, v in parts])
+            conn.execute(
+                f"INSERT INTO messages (chat_id, role, content, stats, created_at, complete) VALUES "
+                f"(?, {', '.join(p for p, _ in parts)})",
+                [chat_id] + [v for _, v in parts],
+            )
     conn.commit()
 
 
@@ -98,11 +116,15 @@ def test_the_classes_of_the_issue_are_shown_as_unreadable(tmp_path: Path) -> Non
         good = store.create_chat("good", "p")
         store.add_message(good, "user", "kept")
     raw = sqlite3.connect(db)
-    raw.execute("INSERT INTO chats (title, pair, created_at, updated_at) VALUES (CAST(x'ff61' AS TEXT), 'p', "
-                "'yesterday', 1e300)")
+    raw.execute(
+        "INSERT INTO chats (title, pair, created_at, updated_at) VALUES (CAST(x'ff61' AS TEXT), 'p', "
+        "'yesterday', 1e300)"
+    )
     bad = raw.execute("SELECT max(id) FROM chats").fetchone()[0]
-    raw.execute("INSERT INTO messages (chat_id, role, content, stats, created_at) VALUES (?, 'user', 'hi', ?, 'x')",
-                (bad, "[" * 50_000 + "]" * 50_000))
+    raw.execute(
+        "INSERT INTO messages (chat_id, role, content, stats, created_at) VALUES (?, 'user', 'hi', ?, 'x')",
+        (bad, "[" * 50_000 + "]" * 50_000),
+    )
     raw.execute("INSERT INTO messages (chat_id, role, content, created_at) VALUES (?, 'robot', 'beep', 1.0)", (bad,))
     raw.commit()
     raw.close()

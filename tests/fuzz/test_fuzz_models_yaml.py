@@ -19,19 +19,73 @@ from reliability import SCALES, Raw, dump_json, fuzz, values
 from specchat.backend.errors import ConfigError
 from specchat.backend.models.config import _PAIR_NAME, load_pairs, load_pairs_file
 
-BASE = {"name": "fuzzed", "description": "a pair",
-        "target": {"source": "org/model", "params": 1000, "num_layers": 2, "num_kv_heads": 1, "head_dim": 8,
-                   "hidden_size": 8, "vocab_size": 100},
-        "drafter": "prompt-lookup", "gamma": "auto", "context_length": 256, "sampling": {"temperature": 0.2}}
-PATHS = [("name",), ("description",), ("target",), ("drafter",), ("gamma",), ("context_length",), ("sampling",),
-         ("draft",), ("target", "source"), ("target", "revision"), ("target", "params"), ("target", "dtype"),
-         ("target", "download_bytes"), ("target", "gated"), ("sampling", "top_k"), ("sampling", "temperature"),
-         ("sampling", "max_new_tokens"), ("pairs",)]
+BASE = {
+    "name": "fuzzed",
+    "description": "a pair",
+    "target": {
+        "source": "org/model",
+        "params": 1000,
+        "num_layers": 2,
+        "num_kv_heads": 1,
+        "head_dim": 8,
+        "hidden_size": 8,
+        "vocab_size": 100,
+    },
+    "drafter": "prompt-lookup",
+    "gamma": "auto",
+    "context_length": 256,
+    "sampling": {"temperature": 0.2},
+}
+PATHS = [
+    ("name",),
+    ("description",),
+    ("target",),
+    ("drafter",),
+    ("gamma",),
+    ("context_length",),
+    ("sampling",),
+    ("draft",),
+    ("target", "source"),
+    ("target", "revision"),
+    ("target", "params"),
+    ("target", "dtype"),
+    ("target", "download_bytes"),
+    ("target", "gated"),
+    ("sampling", "top_k"),
+    ("sampling", "temperature"),
+    ("sampling", "max_new_tokens"),
+    ("pairs",),
+]
 YAML_RAW = st.one_of(
-    st.sampled_from(["2001-13-45", "2001-02-29", "9" * 5000, "0b" + "1" * 200, "0x" + "f" * 100, ".inf", "-.inf",
-                     ".nan", "!!int x", "!!float y", "!!binary ==", "*nope", "&a [*a]", "!!python/name:os.system",
-                     "~", "1:2:3:4:5", "0o777", "1e400", "!!timestamp 2001-99-99", "? [a]", "'unclosed", "|-",
-                     "!!set {a, b}", "!!omap [a: 1]", "<<: 3"]),
+    st.sampled_from(
+        [
+            "2001-13-45",
+            "2001-02-29",
+            "9" * 5000,
+            "0b" + "1" * 200,
+            "0x" + "f" * 100,
+            ".inf",
+            "-.inf",
+            ".nan",
+            "!!int x",
+            "!!float y",
+            "!!binary ==",
+            "*nope",
+            "&a [*a]",
+            "!!python/name:os.system",
+            "~",
+            "1:2:3:4:5",
+            "0o777",
+            "1e400",
+            "!!timestamp 2001-99-99",
+            "? [a]",
+            "'unclosed",
+            "|-",
+            "!!set {a, b}",
+            "!!omap [a: 1]",
+            "<<: 3",
+        ]
+    ),
     st.integers(min_value=33, max_value=3000).map(lambda n: "[" * n + "]" * n),
     st.integers(min_value=10, max_value=400).map(lambda n: "{a: " * n + "1" + "}" * n),
 )
@@ -56,8 +110,9 @@ DOCUMENTS = st.one_of(
     st.tuples(st.just(("target", "source")), HUBBY).map(_document),
     st.tuples(st.just(("name",)), NAMEY).map(_document),
     st.tuples(st.just(("target", "revision")), st.one_of(HUBBY, st.text(max_size=8))).map(_document),
-    st.tuples(st.just(_document((("name",), "ok"))), st.integers(min_value=0, max_value=400))
-      .map(lambda t: t[0][: t[1]]),
+    st.tuples(st.just(_document((("name",), "ok"))), st.integers(min_value=0, max_value=400)).map(
+        lambda t: t[0][: t[1]]
+    ),
     st.text(max_size=200),
     YAML_RAW.map(lambda raw: f"pairs:\n  - name: x\n    target: {raw}\n"),
 )
@@ -98,13 +153,20 @@ def test_any_models_file_parses_to_valid_pairs_or_one_named_error(tmp_path: Path
     fuzz("models.yaml", DOCUMENTS, check, 250 * scale)
 
 
-@pytest.mark.parametrize("field, value, expected", [
-    ("target.source", "org/name-", "hub id"), ("target.source", "org/name.", "hub id"),
-    ("target.source", "org/name\n", "hub id"), ("target.source", "org/x.git", "hub id"),
-    ("name", "pair\n", "must be 1-64 letters"), ("target.revision", "main\n", "not a branch"),
-    ("context_length", Raw("9" * 5000), "5000 characters"), ("description", Raw("2001-13-45"), "looks like a date"),
-    ("description", Raw("[" * 60 + "]" * 60), "nested deeper than 32"),
-])
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("target.source", "org/name-", "hub id"),
+        ("target.source", "org/name.", "hub id"),
+        ("target.source", "org/name\n", "hub id"),
+        ("target.source", "org/x.git", "hub id"),
+        ("name", "pair\n", "must be 1-64 letters"),
+        ("target.revision", "main\n", "not a branch"),
+        ("context_length", Raw("9" * 5000), "5000 characters"),
+        ("description", Raw("2001-13-45"), "looks like a date"),
+        ("description", Raw("[" * 60 + "]" * 60), "nested deeper than 32"),
+    ],
+)
 def test_the_classes_of_the_issue_are_named(tmp_path: Path, field: str, value: object, expected: str) -> None:
     file = tmp_path / "models.yaml"
     file.write_text(_document((tuple(field.split(".")), value)))
@@ -113,8 +175,10 @@ def test_the_classes_of_the_issue_are_named(tmp_path: Path, field: str, value: o
     assert expected in str(info.value) and str(file) in str(info.value)
 
 
-@pytest.mark.parametrize("where, expected", [("/dev/null", "not a regular file"), ("folder", "is a folder"),
-                                             ("missing.yaml", "models file not found")])
+@pytest.mark.parametrize(
+    "where, expected",
+    [("/dev/null", "not a regular file"), ("folder", "is a folder"), ("missing.yaml", "models file not found")],
+)
 def test_a_models_path_that_is_not_a_file_says_what_it_is(tmp_path: Path, where: str, expected: str) -> None:
     path = where if where.startswith("/") else str(tmp_path / where)
     if where == "folder":

@@ -14,13 +14,25 @@ from specchat.app.chat.history.store import ChatStore
 from specchat.app.tui.app import SpecchatApp
 
 
-def make_app(tmp_path: Path, *, factory: FakeEngineFactory | None = None, store: Any = "new",
-             pairs: dict | None = None, **kwargs: Any) -> SpecchatApp:
+def make_app(
+    tmp_path: Path,
+    *,
+    factory: FakeEngineFactory | None = None,
+    store: Any = "new",
+    pairs: dict | None = None,
+    **kwargs: Any,
+) -> SpecchatApp:
     if store == "new":
         store = ChatStore(tmp_path / "history.sqlite3")
-    return SpecchatApp(pairs if pairs is not None else fake_pairs(), engine_factory=factory or FakeEngineFactory(),
-                       pair_info=kwargs.pop("pair_info", fake_pair_info), store=store,
-                       settings_path=tmp_path / "settings.json", log_path=tmp_path / "specchat.log", **kwargs)
+    return SpecchatApp(
+        pairs if pairs is not None else fake_pairs(),
+        engine_factory=factory or FakeEngineFactory(),
+        pair_info=kwargs.pop("pair_info", fake_pair_info),
+        store=store,
+        settings_path=tmp_path / "settings.json",
+        log_path=tmp_path / "specchat.log",
+        **kwargs,
+    )
 
 
 async def wait_for(pilot: Any, predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:

@@ -44,19 +44,39 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_loaded(family: str = "llama", *, seed: int = 0, **overrides) -> LoadedModel:
     model = build_tiny(family, seed=seed, **overrides)
     pair = load_pairs()["smollm2-135m"]
-    return LoadedModel(model=model, tokenizer=tiny_tokenizer(), spec=pair.target, device=torch.device("cpu"),
-                       dtype=torch.float32, generation_config={"eos_token_id": 2})
+    return LoadedModel(
+        model=model,
+        tokenizer=tiny_tokenizer(),
+        spec=pair.target,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        generation_config={"eos_token_id": 2},
+    )
 
 
 def tiny_pair(*, drafter: str = "prompt-lookup", gamma="auto", context_length: int = 256, sampling=None):
     base = load_pairs()["smollm2-135m" if drafter != "draft-model" else "smollm2-135m-nf4-draft"]
-    return dataclasses.replace(base, name=f"tiny-{drafter}", drafter=drafter, gamma=gamma,
-                               context_length=context_length, sampling=sampling or {})
+    return dataclasses.replace(
+        base,
+        name=f"tiny-{drafter}",
+        drafter=drafter,
+        gamma=gamma,
+        context_length=context_length,
+        sampling=sampling or {},
+    )
 
 
-def tiny_engine(family: str = "llama", *, drafter: str = "prompt-lookup", draft_family: str | None = None,
-                draft_seed: int = 0, gamma="auto", context_length: int = 256, kv_tokens: int | None = None,
-                **overrides) -> Engine:
+def tiny_engine(
+    family: str = "llama",
+    *,
+    drafter: str = "prompt-lookup",
+    draft_family: str | None = None,
+    draft_seed: int = 0,
+    gamma="auto",
+    context_length: int = 256,
+    kv_tokens: int | None = None,
+    **overrides,
+) -> Engine:
     """Target = tiny ``family`` (seed 0). With ``draft_family`` a draft model is attached; a draft with the
     same family and seed as the target is the target's twin (greedy acceptance 100%)."""
     target = tiny_loaded(family, **overrides)
@@ -65,13 +85,20 @@ def tiny_engine(family: str = "llama", *, drafter: str = "prompt-lookup", draft_
     return Engine(target, draft, pair, kv_tokens=kv_tokens)
 
 
-def hf_greedy(family: str, prompt: list[int], max_new_tokens: int, *, repetition_penalty: float | None = None,
-              **overrides) -> list[int]:
+def hf_greedy(
+    family: str, prompt: list[int], max_new_tokens: int, *, repetition_penalty: float | None = None, **overrides
+) -> list[int]:
     """transformers generate() greedy on a fresh copy of the same tiny model (its own attention and cache), with
     transformers' own repetition penalty when given."""
     attn = "eager" if family == "gemma2" else "sdpa"  # Gemma 2 has no SDPA path (softcapping)
     model = build_tiny(family, attn_implementation=attn, **overrides)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         repetition_penalty=repetition_penalty, eos_token_id=2, pad_token_id=0,
-                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        repetition_penalty=repetition_penalty,
+        eos_token_id=2,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt) :].tolist()

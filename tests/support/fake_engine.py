@@ -69,29 +69,49 @@ class FakePair:
 def fake_pairs() -> dict[str, FakePair]:
     return {
         "smollm2-135m": FakePair("smollm2-135m", "embedded default, prompt lookup"),
-        "big-pair": FakePair("big-pair", "a big hub pair", drafter="draft-model",
-                             target=FakeSpec("Org/Big-7B", kind="hub", download_bytes=15_000_000_000, gated=True),
-                             draft=FakeSpec("Org/Small-0.5B", kind="hub", download_bytes=1_000_000_000), gamma=5),
+        "big-pair": FakePair(
+            "big-pair",
+            "a big hub pair",
+            drafter="draft-model",
+            target=FakeSpec("Org/Big-7B", kind="hub", download_bytes=15_000_000_000, gated=True),
+            draft=FakeSpec("Org/Small-0.5B", kind="hub", download_bytes=1_000_000_000),
+            gamma=5,
+        ),
         "plain": FakePair("plain", "no drafter", drafter="none", gamma=1),
     }
 
 
 def fake_pair_info(pair: Any) -> dict[str, Any]:
     big = pair.name == "big-pair"
-    return {"memory_bytes": 18_000_000_000 if big else 600_000_000, "free_bytes": 16_000_000_000,
-            "fits": not big,
-            "download_bytes": pair.target.download_bytes + (pair.draft.download_bytes if pair.draft else 0),
-            "gated": pair.target.gated}
+    return {
+        "memory_bytes": 18_000_000_000 if big else 600_000_000,
+        "free_bytes": 16_000_000_000,
+        "fits": not big,
+        "download_bytes": pair.target.download_bytes + (pair.draft.download_bytes if pair.draft else 0),
+        "gated": pair.target.gated,
+    }
 
 
 class FakeEngine:
-    def __init__(self, pair: Any, *, reply: str | Callable[[GenerationRequest], str] = CANNED_REPLY,
-                 gamma: int = 4, accept_pattern: tuple[int, ...] = (4, 2, 0, 3, 1), pause_every: int = 0,
-                 step_delay_s: float = 0.0, fail_at_step: int | None = None,
-                 error: BaseException | None = None, end_with_context: bool = False,
-                 notice_at_step: int | None = None, expected_speedup: float | None = 1.8,
-                 wall_s: float | None = None, prefill_passes: int = 0, prefill_tokens: int = 5000,
-                 prefill_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        pair: Any,
+        *,
+        reply: str | Callable[[GenerationRequest], str] = CANNED_REPLY,
+        gamma: int = 4,
+        accept_pattern: tuple[int, ...] = (4, 2, 0, 3, 1),
+        pause_every: int = 0,
+        step_delay_s: float = 0.0,
+        fail_at_step: int | None = None,
+        error: BaseException | None = None,
+        end_with_context: bool = False,
+        notice_at_step: int | None = None,
+        expected_speedup: float | None = 1.8,
+        wall_s: float | None = None,
+        prefill_passes: int = 0,
+        prefill_tokens: int = 5000,
+        prefill_delay_s: float = 0.0,
+    ) -> None:
         self.pair, self.context_length, self.tokenizer = pair, pair.context_length, None
         self.reply, self.gamma, self.accept_pattern, self.pause_every = reply, gamma, accept_pattern, pause_every
         self.step_delay_s, self.fail_at_step, self.error = step_delay_s, fail_at_step, error
@@ -116,11 +136,31 @@ class FakeEngine:
     def close(self) -> None:
         self.closed = True
 
-    def _event(self, tokens: list[str], sources: list[TokenSource], *, gamma: int, accepted: int, policy: PolicyState,
-               drafter: str, **extra: Any) -> StepEvent:
-        return StepEvent(token_ids=list(range(len(tokens))), sources=sources, token_texts=tokens, text="".join(tokens),
-                         gamma=gamma, accepted=accepted, draft_s=0.001 * gamma, verify_s=0.01, overhead_s=0.001,
-                         policy=policy, drafter=drafter, **extra)
+    def _event(
+        self,
+        tokens: list[str],
+        sources: list[TokenSource],
+        *,
+        gamma: int,
+        accepted: int,
+        policy: PolicyState,
+        drafter: str,
+        **extra: Any,
+    ) -> StepEvent:
+        return StepEvent(
+            token_ids=list(range(len(tokens))),
+            sources=sources,
+            token_texts=tokens,
+            text="".join(tokens),
+            gamma=gamma,
+            accepted=accepted,
+            draft_s=0.001 * gamma,
+            verify_s=0.01,
+            overhead_s=0.001,
+            policy=policy,
+            drafter=drafter,
+            **extra,
+        )
 
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StepEvent]:
         if self.active.is_set():
@@ -138,16 +178,35 @@ class FakeEngine:
         text = self.reply(request) if callable(self.reply) else self.reply
         pieces = split_tokens(text)
         drafter = request.drafter or self.pair.drafter
-        passes = range(0, self.prefill_tokens, -(-self.prefill_tokens // self.prefill_passes)) if self.prefill_passes \
+        passes = (
+            range(0, self.prefill_tokens, -(-self.prefill_tokens // self.prefill_passes))
+            if self.prefill_passes
             else range(0)
+        )
         for done in passes:
             if cancel.is_set():
-                yield self._event([], [], gamma=0, accepted=0, policy=PolicyState.OFF, drafter=drafter,
-                                  finish_reason="cancelled", stats=SpecStats().report(drafter=drafter))
+                yield self._event(
+                    [],
+                    [],
+                    gamma=0,
+                    accepted=0,
+                    policy=PolicyState.OFF,
+                    drafter=drafter,
+                    finish_reason="cancelled",
+                    stats=SpecStats().report(drafter=drafter),
+                )
                 return
             if request.prefill_progress:
-                yield self._event([], [], gamma=0, accepted=0, policy=PolicyState.OFF, drafter=drafter,
-                                  prefill_tokens=self.prefill_tokens, prefill_done=done)
+                yield self._event(
+                    [],
+                    [],
+                    gamma=0,
+                    accepted=0,
+                    policy=PolicyState.OFF,
+                    drafter=drafter,
+                    prefill_tokens=self.prefill_tokens,
+                    prefill_done=done,
+                )
             cancel.wait(self.prefill_delay_s)
         limit = request.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
         drafter = request.drafter or self.pair.drafter
@@ -160,8 +219,17 @@ class FakeEngine:
         first_policy = PolicyState.OFF if drafter == "none" else PolicyState.NO_DRAFT  # the prefill drafts nothing
         now[0] = 0.01
         stats.observe_prefill(tokens=17, seconds=0.01, policy=first_policy)
-        yield self._event(pieces[:1], [TokenSource.TARGET], gamma=0, accepted=0, policy=first_policy,
-                          drafter=drafter, is_prefill=True, prefill_tokens=17, stats=stats.report(drafter=drafter))
+        yield self._event(
+            pieces[:1],
+            [TokenSource.TARGET],
+            gamma=0,
+            accepted=0,
+            policy=first_policy,
+            drafter=drafter,
+            is_prefill=True,
+            prefill_tokens=17,
+            stats=stats.report(drafter=drafter),
+        )
         self.started.set()
         emitted = 1
         finish = "eos"
@@ -186,23 +254,32 @@ class FakeEngine:
             steps += 1
             message = "fake notice: drafter switched off" if self.notice_at_step == steps else None
             if drafter == "none" or (self.pause_every and steps % self.pause_every == 0):
-                chunk = pieces[emitted:emitted + 1]
+                chunk = pieces[emitted : emitted + 1]
                 gamma, acc, sources = 0, 0, [TokenSource.TARGET]
                 policy = PolicyState.OFF if drafter == "none" else PolicyState.PAUSED
             else:
                 gamma = fixed or self.gamma
                 acc = min(self.accept_pattern[(steps - 1) % len(self.accept_pattern)], gamma)
-                chunk = pieces[emitted:emitted + acc + 1]
+                chunk = pieces[emitted : emitted + acc + 1]
                 acc = min(acc, len(chunk) - 1)  # the reply's end cuts the draft short
                 sources = [TokenSource.ACCEPTED] * acc + [TokenSource.BONUS if acc == gamma else TokenSource.RECOVERED]
                 policy = PolicyState.SPECULATING
-            event = self._event(chunk, sources, gamma=gamma, accepted=acc, policy=policy, drafter=drafter,
-                                message=message)
+            event = self._event(
+                chunk, sources, gamma=gamma, accepted=acc, policy=policy, drafter=drafter, message=message
+            )
             emitted += len(chunk)
             if self.wall_s and emitted >= len(pieces):
                 now[0] = self.wall_s
-            stats.observe_step(drafter=drafter, gamma=gamma, accepted=acc, emitted=len(chunk), policy=policy,
-                               draft_s=event.draft_s, verify_s=event.verify_s, overhead_s=event.overhead_s)
+            stats.observe_step(
+                drafter=drafter,
+                gamma=gamma,
+                accepted=acc,
+                emitted=len(chunk),
+                policy=policy,
+                draft_s=event.draft_s,
+                verify_s=event.verify_s,
+                overhead_s=event.overhead_s,
+            )
             event.stats = stats.report(prompt_tokens=30, drafter=drafter)
             if emitted >= len(pieces):
                 last = event
@@ -218,16 +295,31 @@ class FakeEngine:
             yield last
         else:
             message = "fake: the conversation is longer than the context" if finish == "context" else None
-            yield self._event([], [], gamma=0, accepted=0, policy=first_policy, drafter=drafter,
-                              finish_reason=finish, stats=final, message=message)
+            yield self._event(
+                [],
+                [],
+                gamma=0,
+                accepted=0,
+                policy=first_policy,
+                drafter=drafter,
+                finish_reason=finish,
+                stats=final,
+                message=message,
+            )
 
 
 class FakeEngineFactory:
     """An ``EngineFactory`` (app/tui/seams.py): ``factory(pair, progress, confirm_download) -> FakeEngine``;
     records calls, can fail per pair, be slow, or need a download (then asks ``confirm_download``)."""
 
-    def __init__(self, *, load_delay_s: float = 0.0, fail: dict[str, BaseException] | None = None,
-                 downloads: dict[str, int] | None = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        load_delay_s: float = 0.0,
+        fail: dict[str, BaseException] | None = None,
+        downloads: dict[str, int] | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
         self.load_delay_s, self.fail, self.engine_kwargs = load_delay_s, dict(fail or {}), engine_kwargs
         self.downloads = dict(downloads or {})  # pair -> bytes still to download (asks confirm_download)
         self.confirmations: list[tuple[str, bool]] = []
@@ -236,8 +328,9 @@ class FakeEngineFactory:
         self.release = threading.Event()  # set to let a load with load_delay_s < 0 finish
         self.release.set()
 
-    def __call__(self, pair: Any, progress: Callable[[str, float | None], None],
-                 confirm_download: Callable[[int], bool]) -> FakeEngine:
+    def __call__(
+        self, pair: Any, progress: Callable[[str, float | None], None], confirm_download: Callable[[int], bool]
+    ) -> FakeEngine:
         self.calls.append(pair.name)
         if pair.name in self.downloads:  # as backend/models/loading.py: ask once for the total, refuse when declined
             ok = confirm_download(self.downloads[pair.name])

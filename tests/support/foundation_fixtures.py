@@ -40,19 +40,29 @@ def word_tokenizer(words: list[str], *, order: list[str] | None = None, eos: str
     tokens = order if order is not None else SPECIALS + words
     backend = Tokenizer(WordLevel({tok: i for i, tok in enumerate(tokens)}, unk_token="<unk>"))
     backend.pre_tokenizer = Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token=eos,
-                                   pad_token="<pad>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token=eos, pad_token="<pad>"
+    )
 
 
-def save_tiny_llama(folder: Path, tokenizer, vocab_size: int, *, seed: int = 0, dtype=torch.float32,
-                    tie: bool = True):
+def save_tiny_llama(folder: Path, tokenizer, vocab_size: int, *, seed: int = 0, dtype=torch.float32, tie: bool = True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         tie_word_embeddings=tie, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = LlamaForCausalLM(config).to(dtype).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
@@ -62,11 +72,23 @@ def save_tiny_llama(folder: Path, tokenizer, vocab_size: int, *, seed: int = 0, 
 
 def local_spec(folder: Path, model, **fields) -> ModelSpec:
     config = model.config
-    spec = ModelSpec(source=str(folder), kind="local", revision=None, dtype="float32", quantization="none",
-                     params=sum(p.numel() for p in model.parameters()), num_layers=config.num_hidden_layers,
-                     num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                     hidden_size=config.hidden_size, vocab_size=config.vocab_size, download_bytes=0, gated=False,
-                     tie_word_embeddings=config.tie_word_embeddings, path=str(folder))
+    spec = ModelSpec(
+        source=str(folder),
+        kind="local",
+        revision=None,
+        dtype="float32",
+        quantization="none",
+        params=sum(p.numel() for p in model.parameters()),
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        download_bytes=0,
+        gated=False,
+        tie_word_embeddings=config.tie_word_embeddings,
+        path=str(folder),
+    )
     return dataclasses.replace(spec, **fields)
 
 
@@ -83,8 +105,18 @@ def _byte_level_alphabet() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def write_tiny_gguf(path: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4,
-                    kv_heads: int = 2, intermediate: int = 128, weights: str = "F32", embedding: str = "F32") -> Path:
+def write_tiny_gguf(
+    path: Path,
+    *,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    weights: str = "F32",
+    embedding: str = "F32",
+) -> Path:
     """A Llama GGUF (random weights) with a 262-token byte-level BPE tokenizer; the decoder's linear weights
     stored as ``weights`` and the token embedding as ``embedding`` (ggml type names: F32, F16, Q4_0, Q4_1,
     Q8_0)."""

@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-SCALES = pytest.mark.parametrize("scale", [pytest.param(1, id="default"),
-                                           pytest.param(10, id="soak", marks=pytest.mark.soak)])
+SCALES = pytest.mark.parametrize(
+    "scale", [pytest.param(1, id="default"), pytest.param(10, id="soak", marks=pytest.mark.soak)]
+)
 
 FUZZED: Counter[str] = Counter()  # surface -> inputs tried
 KILLS: Counter[str] = Counter()  # kind -> kill -9 sent
@@ -42,8 +43,9 @@ def fuzz(surface: str, strategy: st.SearchStrategy[Any], check: Callable[[Any], 
 def summary_lines() -> list[str]:
     lines = []
     if FUZZED:
-        lines.append(f"fuzzed inputs: {sum(FUZZED.values())} ("
-                     + ", ".join(f"{k} {v}" for k, v in sorted(FUZZED.items())) + ")")
+        lines.append(
+            f"fuzzed inputs: {sum(FUZZED.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(FUZZED.items())) + ")"
+        )
     for kind in sorted(KILLS):
         lines.append(f"kill -9 of {kind}: {KILLS[kind]} sent, {SURVIVED[kind]} survived")
     lines += [f"{name}: {value}" for name, value in sorted(READINGS.items())]
@@ -58,13 +60,38 @@ NASTY_TEXT = st.one_of(
     st.text(max_size=40),
     st.text(st.sampled_from(UNICODE_DIGITS + "0123456789-+.eE "), min_size=1, max_size=12),
     st.text(st.sampled_from(CONTROL + "ab"), max_size=12),
-    st.sampled_from(["", " ", "auto", "nan", "NaN", "inf", "-inf", "Infinity", "1e400", "-0", "0x10", "1_000",
-                     "\ud800", "a\udcff", "𝟙𝟚", "null", "true", "[]", "{}", "9" * 5000, "-" * 3, "\n"]),
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "auto",
+            "nan",
+            "NaN",
+            "inf",
+            "-inf",
+            "Infinity",
+            "1e400",
+            "-0",
+            "0x10",
+            "1_000",
+            "\ud800",
+            "a\udcff",
+            "𝟙𝟚",
+            "null",
+            "true",
+            "[]",
+            "{}",
+            "9" * 5000,
+            "-" * 3,
+            "\n",
+        ]
+    ),
 )
 NUMBERS = st.one_of(
-    st.integers(), st.integers(min_value=-(10**60), max_value=10**60),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0, -1, 1, 2**63, 2**64, -(2**63) - 1, 1e-320,
-                                                                     5e-324, 1e308, 0.5, 31, 32, 64, 65]),
+    st.integers(),
+    st.integers(min_value=-(10**60), max_value=10**60),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, -1, 1, 2**63, 2**64, -(2**63) - 1, 1e-320, 5e-324, 1e308, 0.5, 31, 32, 64, 65]),
 )
 SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, NASTY_TEXT)
 
@@ -74,8 +101,24 @@ class Raw(str):
 
 
 JSON_RAW = st.one_of(
-    st.sampled_from(["9" * 5000, "-" + "1" * 4400, "1e400", "-1e999", "NaN", "Infinity", "-Infinity", "1" * 41,
-                     "0.0000000000000000000000000000000001e-400", "[1, 2", "{", "]", '"\\ud800"', '"\\udfff x"']),
+    st.sampled_from(
+        [
+            "9" * 5000,
+            "-" + "1" * 4400,
+            "1e400",
+            "-1e999",
+            "NaN",
+            "Infinity",
+            "-Infinity",
+            "1" * 41,
+            "0.0000000000000000000000000000000001e-400",
+            "[1, 2",
+            "{",
+            "]",
+            '"\\ud800"',
+            '"\\udfff x"',
+        ]
+    ),
     st.integers(min_value=33, max_value=5000).map(lambda n: "[" * n + "]" * n),
     st.integers(min_value=33, max_value=500).map(lambda n: '{"a": ' * n + "1" + "}" * n),
 )
@@ -98,8 +141,12 @@ def values(raw: st.SearchStrategy[str]) -> st.SearchStrategy[Any]:
     leaf = st.one_of(SCALARS, raw.map(Raw))
     return st.one_of(
         leaf,
-        st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                   st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-                     max_leaves=10),
+        st.recursive(
+            leaf,
+            lambda inner: st.one_of(
+                st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+            ),
+            max_leaves=10,
+        ),
         st.integers(min_value=1000, max_value=200_000).map(lambda n: ["user"] * n),
     )

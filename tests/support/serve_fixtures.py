@@ -23,11 +23,17 @@ SUPPORT = Path(__file__).resolve().parent
 
 
 @contextlib.contextmanager
-def running_server(engine: Any, *, model: str = "tiny", api_key: str | None = None, queue_size: int = 8,
-                   limits: Limits | None = None) -> Iterator[tuple[SpecchatServer, str]]:
+def running_server(
+    engine: Any, *, model: str = "tiny", api_key: str | None = None, queue_size: int = 8, limits: Limits | None = None
+) -> Iterator[tuple[SpecchatServer, str]]:
     """Serve ``engine`` on 127.0.0.1:<free port> in a thread; yields (server, base URL ending /v1)."""
-    config = ServeConfig(model=model, limits=limits or Limits(), queue_size=queue_size, api_key=api_key,
-                         blocks_in_use=getattr(engine, "blocks_in_use", None))
+    config = ServeConfig(
+        model=model,
+        limits=limits or Limits(),
+        queue_size=queue_size,
+        api_key=api_key,
+        blocks_in_use=getattr(engine, "blocks_in_use", None),
+    )
     server = make_server(engine, config, host="127.0.0.1", port=0)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
@@ -46,8 +52,16 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def remote_pair(tmp_path: Path, url: str, model: str = "tiny", *, kind: str | None = "specchat",
-                api_key_env: str | None = None, name: str = "remote", extra: str = "") -> PairConfig:
+def remote_pair(
+    tmp_path: Path,
+    url: str,
+    model: str = "tiny",
+    *,
+    kind: str | None = "specchat",
+    api_key_env: str | None = None,
+    name: str = "remote",
+    extra: str = "",
+) -> PairConfig:
     """A remote pair parsed from a real models.yaml entry (the same path as a user's file)."""
     fields = [f"server: {url}", f"model: {model}"]
     if kind is not None:
@@ -85,8 +99,12 @@ class SlowEngine:
 def server_process(*, step_s: float = 0.0) -> Iterator[tuple[subprocess.Popen, str]]:
     """`specchat serve` of a tiny random-weight engine in a child process (tiny_server.py); yields (process, base
     URL). The process is killed at the end if still alive."""
-    proc = subprocess.Popen([sys.executable, str(SUPPORT / "tiny_server.py"), str(step_s)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SUPPORT / "tiny_server.py"), str(step_s)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         line = ""

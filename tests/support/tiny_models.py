@@ -80,8 +80,9 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # above go into its text_config (see tiny_config), plus a one-layer vision tower that text never touches.
     "gemma3_mm": ("gemma3", {}),
 }
-_VISION_TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                    patch_size=14)
+_VISION_TINY = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
 
 FAMILIES: tuple[str, ...] = tuple(_FAMILY_CONFIGS)
 
@@ -98,9 +99,7 @@ def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
     return AutoConfig.for_model(model_type, **fields)
 
 
-def build_tiny(
-    family: str, *, seed: int = 0, attn_implementation: str = "eager", **overrides: Any
-) -> PreTrainedModel:
+def build_tiny(family: str, *, seed: int = 0, attn_implementation: str = "eager", **overrides: Any) -> PreTrainedModel:
     """A float32, eval-mode random-weight model of ``family``; same (family, seed, overrides) -> same weights."""
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)

@@ -75,8 +75,10 @@ def prepare(path: Path, *, tighten: bool) -> str | None:
     reason = read_only_reason(path)
     if reason is not None:
         if not path.exists():
-            raise StoreError(f"cannot create the history file {path}: {reason}. Make it writable, or set "
-                             "SPECCHAT_DATA_DIR to a folder you can write.")
+            raise StoreError(
+                f"cannot create the history file {path}: {reason}. Make it writable, or set "
+                "SPECCHAT_DATA_DIR to a folder you can write."
+            )
         return reason
     folder = path.parent
     try:
@@ -86,15 +88,19 @@ def prepare(path: Path, *, tighten: bool) -> str | None:
         elif tighten:
             _owner_only(folder)  # specchat's own data folder: owner only
     except OSError as exc:
-        raise StoreError(f"cannot create the history folder {folder}: {exc.strerror or exc}. Make it writable, or "
-                         "set SPECCHAT_DATA_DIR to a folder you can write.") from exc
+        raise StoreError(
+            f"cannot create the history folder {folder}: {exc.strerror or exc}. Make it writable, or "
+            "set SPECCHAT_DATA_DIR to a folder you can write."
+        ) from exc
     try:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     except FileExistsError:
         pass
     except OSError as exc:
-        raise StoreError(f"cannot create the history file {path}: {exc.strerror or exc}. Make its folder "
-                         "writable, or set SPECCHAT_DATA_DIR to a folder you can write.") from exc
+        raise StoreError(
+            f"cannot create the history file {path}: {exc.strerror or exc}. Make its folder "
+            "writable, or set SPECCHAT_DATA_DIR to a folder you can write."
+        ) from exc
     for suffix in ("", "-wal", "-shm"):
         _owner_only(Path(f"{path}{suffix}"))
     return None
@@ -128,8 +134,9 @@ def connect(path: Path, *, read_only: bool) -> sqlite3.Connection:
         option = "mode=ro" if unmerged else "immutable=1"
         target = f"file:{urllib.parse.quote(os.fspath(path))}?{option}"
     try:
-        conn = sqlite3.connect(target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None,
-                               check_same_thread=False, uri=read_only)
+        conn = sqlite3.connect(
+            target, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False, uri=read_only
+        )
     except sqlite3.Error as exc:
         raise StoreError(f"cannot open the history file {path}: {exc}. Check its permissions.") from exc
     conn.text_factory = _text

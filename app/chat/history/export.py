@@ -37,8 +37,13 @@ def _stats_line(stats: dict) -> str:
 
 def render_markdown(chat: ChatSummary, messages: list[StoredMessage]) -> str:
     """The chat as a Markdown document: title, pair and dates, then one section per message."""
-    lines = [f"# {chat.title}", "", f"*Model pair `{chat.pair}` · started {_when(chat.created_at)} · "
-             f"{len(messages)} messages · exported from specchat*", ""]
+    lines = [
+        f"# {chat.title}",
+        "",
+        f"*Model pair `{chat.pair}` · started {_when(chat.created_at)} · "
+        f"{len(messages)} messages · exported from specchat*",
+        "",
+    ]
     for message in messages:
         lines += [f"## {_ROLE_HEADINGS.get(message.role, message.role)} · {_when(message.created_at)}", ""]
         lines += [message.content.rstrip("\n"), ""]

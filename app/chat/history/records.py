@@ -79,8 +79,12 @@ def _text(value: Any) -> str:
 
 
 def _time(value: Any) -> float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-            and 0 < value <= _LAST_TIME:
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= _LAST_TIME
+    ):
         return float(value)
     return UNKNOWN_TIME
 
@@ -100,9 +104,10 @@ def summary_from_row(row: tuple) -> ChatSummary:
     chat_id, title, pair, created, updated, count = row
     title = _text(title).strip() or "(untitled)"
     if len(title) > MAX_TITLE_CHARS:
-        title = title[:MAX_TITLE_CHARS - 1] + "…"
-    return ChatSummary(int(chat_id), title, _text(pair), _time(created), _time(updated),
-                       count if isinstance(count, int) else 0)
+        title = title[: MAX_TITLE_CHARS - 1] + "…"
+    return ChatSummary(
+        int(chat_id), title, _text(pair), _time(created), _time(updated), count if isinstance(count, int) else 0
+    )
 
 
 def message_from_row(row: tuple) -> StoredMessage | None:

@@ -27,9 +27,7 @@ class StreamingSaver:
     the final write in ``finish`` raises :class:`StoreError` if it fails too.
     """
 
-    def __init__(
-        self, store: ChatStore, message_id: int, interval_s: float = 0.5, *, initial_text: str = ""
-    ) -> None:
+    def __init__(self, store: ChatStore, message_id: int, interval_s: float = 0.5, *, initial_text: str = "") -> None:
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, not {interval_s!r}")
         self.store = store

@@ -78,6 +78,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
+
 class _Corrupt(Exception):
     pass
 
@@ -103,9 +104,11 @@ class ChatStore:
                 self._conn = self._open()
         except _Corrupt as exc:
             if self.read_only:
-                raise StoreError(f"the history file {self.path} is damaged ({exc}) and read-only "
-                                 f"({self.read_only_reason}); it was left as it is. Move it away or make it "
-                                 "writable, and start specchat again.") from None
+                raise StoreError(
+                    f"the history file {self.path} is damaged ({exc}) and read-only "
+                    f"({self.read_only_reason}); it was left as it is. Move it away or make it "
+                    "writable, and start specchat again."
+                ) from None
             moved = access.move_aside(self.path, str(exc))
             if moved is not None:
                 self.recovered_from, self.recovery_message = moved
@@ -120,8 +123,10 @@ class ChatStore:
         """What the UI tells the user about a read-only history (None when writable)."""
         if self.read_only_reason is None:
             return None
-        return (f"The chat history is read-only ({self.read_only_reason}): your chats are shown, but nothing new "
-                "is saved. Make it writable (chmod u+w) to save chats.")
+        return (
+            f"The chat history is read-only ({self.read_only_reason}): your chats are shown, but nothing new "
+            "is saved. Make it writable (chmod u+w) to save chats."
+        )
 
     # -- opening ---------------------------------------------------------------------------------------------
     def _open(self) -> sqlite3.Connection:
@@ -130,8 +135,9 @@ class ChatStore:
             conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
             if not self.read_only:
                 if access.set_wal(conn) != "wal":
-                    log.warning("%s: this file system does not support WAL; concurrent writers will wait longer",
-                                self.path)
+                    log.warning(
+                        "%s: this file system does not support WAL; concurrent writers will wait longer", self.path
+                    )
                 conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
             check = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
@@ -156,9 +162,11 @@ class ChatStore:
         if version == SCHEMA_VERSION:
             return
         if self.read_only:
-            raise StoreError(f"the history file {self.path} has schema {version} (this specchat uses "
-                             f"{SCHEMA_VERSION}) and is read-only ({self.read_only_reason}), so it cannot be "
-                             "upgraded. Make it writable once, or use a specchat of its version.")
+            raise StoreError(
+                f"the history file {self.path} has schema {version} (this specchat uses "
+                f"{SCHEMA_VERSION}) and is read-only ({self.read_only_reason}), so it cannot be "
+                "upgraded. Make it writable once, or use a specchat of its version."
+            )
         conn.execute("BEGIN IMMEDIATE")
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]  # another process may have migrated
@@ -194,8 +202,10 @@ class ChatStore:
     @contextmanager
     def _write(self, what: str) -> Iterator[sqlite3.Connection]:
         if self.read_only_reason is not None:
-            raise StoreError(f"could not {what}: the history {self.path} is read-only ({self.read_only_reason}); "
-                             "make it writable (chmod u+w) to save chats.")
+            raise StoreError(
+                f"could not {what}: the history {self.path} is read-only ({self.read_only_reason}); "
+                "make it writable (chmod u+w) to save chats."
+            )
         with self._lock:
             conn = self._connection()
             try:

@@ -179,8 +179,9 @@ class ChatScreen(ChatActionsMixin, Screen):
     def _history_error(self, message: str) -> None:
         if not self._history_warned:  # one notification, not one per token batch
             self._history_warned = True
-            self.notify(message + " The chat goes on, but may not be saved.", title="History", severity="error",
-                        timeout=10)
+            self.notify(
+                message + " The chat goes on, but may not be saved.", title="History", severity="error", timeout=10
+            )
 
     def update_title(self) -> None:
         self.app.sub_title = f"{self.app.current_pair_name or 'no model'} · {self.conv.title}"
@@ -241,16 +242,24 @@ class ChatScreen(ChatActionsMixin, Screen):
         if engine is None:
             if self.app.loading_pair:
                 self._waiting_reply, self._waiting_edit = True, edit
-                self.notify(f"{self.app.loading_pair} is still loading; the reply starts when it is ready.",
-                            timeout=4)
+                self.notify(f"{self.app.loading_pair} is still loading; the reply starts when it is ready.", timeout=4)
             else:
-                self.notify("No model is loaded. Choose a model pair with F2, then press Ctrl+R to answer.",
-                            title="No model", severity="error", timeout=8)
+                self.notify(
+                    "No model is loaded. Choose a model pair with F2, then press Ctrl+R to answer.",
+                    title="No model",
+                    severity="error",
+                    timeout=8,
+                )
             return
         settings = self.app.settings
-        request = GenerationRequest(messages=self.conv.request_messages(settings.system_prompt),
-                                    sampling=settings.sampling(), drafter=settings.request_drafter(),
-                                    gamma=settings.gamma, conversation=self.conv.key, prefill_progress=True)
+        request = GenerationRequest(
+            messages=self.conv.request_messages(settings.system_prompt),
+            sampling=settings.sampling(),
+            drafter=settings.request_drafter(),
+            gamma=settings.gamma,
+            conversation=self.conv.key,
+            prefill_progress=True,
+        )
         turn, saver = self.conv.start_reply()
         view = AssistantMessage(header=f"Assistant · {self.app.current_pair_name}", token_view=self.token_view)
         await self._mount_messages(view)
@@ -264,9 +273,14 @@ class ChatScreen(ChatActionsMixin, Screen):
 
     @work(thread=True, exclusive=True, group="generate", exit_on_error=False)
     def _generate(self, engine: EngineAPI, request: GenerationRequest, reply: ActiveReply) -> None:
-        run_generation(engine, request, reply.cancel, reply.buffer,
-                       lambda: self.post_message(ReplyProgress(reply.reply_id)),
-                       interval_s=lambda: self.stats_interval)  # read at each step: the UI adapts it
+        run_generation(
+            engine,
+            request,
+            reply.cancel,
+            reply.buffer,
+            lambda: self.post_message(ReplyProgress(reply.reply_id)),
+            interval_s=lambda: self.stats_interval,
+        )  # read at each step: the UI adapts it
 
     async def engine_ready(self) -> None:
         """Called by the app when a model finished loading: start a reply that was waiting for it."""
@@ -349,8 +363,16 @@ class ChatScreen(ChatActionsMixin, Screen):
         error = (outcome.message or "unknown error") if outcome.finish_reason == "error" else None
         await reply.view.finish(reply_totals(stats, outcome.finish_reason, error))
         complete = outcome.finish_reason in COMPLETE_REASONS
-        self.conv.finish_reply(reply.turn, reply.saver, reply.view.text, stats, finish_reason=outcome.finish_reason,
-                               pair=self.app.current_pair_name or "", complete=complete, error=error)
+        self.conv.finish_reply(
+            reply.turn,
+            reply.saver,
+            reply.view.text,
+            stats,
+            finish_reason=outcome.finish_reason,
+            pair=self.app.current_pair_name or "",
+            complete=complete,
+            error=error,
+        )
         self._last = live
         self.stats_bar.show_live(live, streaming=False)
         self.query_one(DetailsPanel).update_stats(live)

@@ -38,11 +38,14 @@ log = logging.getLogger("specchat.app.tui.screens.chat")
 
 __all__ = ["COMMANDS_HELP", "WELCOME", "ChatActionsMixin", "split_path_argument"]
 
-WELCOME = ("[b]specchat[/b] — chat with a local model, sped up by speculative decoding.\n"
-           "Type a message and press Enter · [b]/edit PATH[/b] to edit a file · [b]↑[/b] edits your last message · "
-           "[b]F1[/b] help · [b]F2[/b] model pair · [b]F4[/b] history")
-COMMANDS_HELP = ("/edit PATH..., /file PATH, /undo, /drop, /new, /help (start with // to send a message that begins "
-                 "with /)")
+WELCOME = (
+    "[b]specchat[/b] — chat with a local model, sped up by speculative decoding.\n"
+    "Type a message and press Enter · [b]/edit PATH[/b] to edit a file · [b]↑[/b] edits your last message · "
+    "[b]F1[/b] help · [b]F2[/b] model pair · [b]F4[/b] history"
+)
+COMMANDS_HELP = (
+    "/edit PATH..., /file PATH, /undo, /drop, /new, /help (start with // to send a message that begins with /)"
+)
 
 
 class ChatActionsMixin(EditActionsMixin):
@@ -58,8 +61,12 @@ class ChatActionsMixin(EditActionsMixin):
             paths = [paths] if isinstance(paths, str) else paths
             request = "\n".join(part for part in (inline, rest.strip()) if part)
             if not any(paths):
-                self.notify(f"{command} needs a file path, e.g. {command} src/main.py", title=command,
-                            severity="error", timeout=6)
+                self.notify(
+                    f"{command} needs a file path, e.g. {command} src/main.py",
+                    title=command,
+                    severity="error",
+                    timeout=6,
+                )
                 return False
             try:
                 if command == "/edit":
@@ -90,8 +97,9 @@ class ChatActionsMixin(EditActionsMixin):
         if command == "/help":
             self.app.action_help()
             return True
-        self.notify(f"Unknown command {command}. Commands: {COMMANDS_HELP}.", title="Command", severity="error",
-                    timeout=8)
+        self.notify(
+            f"Unknown command {command}. Commands: {COMMANDS_HELP}.", title="Command", severity="error", timeout=8
+        )
         return False
 
     def update_attachments(self) -> None:
@@ -152,7 +160,7 @@ class ChatActionsMixin(EditActionsMixin):
         views = list(scroll.query(MessageView))
         if index < len(views):
             children = list(scroll.children)
-            await scroll.remove_children(children[children.index(views[index]):])
+            await scroll.remove_children(children[children.index(views[index]) :])
         self.conv.truncate(index)
 
     async def on_branch_from(self, message: BranchFrom) -> None:
@@ -172,29 +180,50 @@ class ChatActionsMixin(EditActionsMixin):
             self._reattach(turn)
             self._put_in_prompt(turn.request)
             self.update_attachments()
-        self.notify(f"A new chat branches from “{old_title}” with its first {keep} message(s); the old chat is "
-                    "unchanged in the history (F4).", title="Branch", timeout=8)
+        self.notify(
+            f"A new chat branches from “{old_title}” with its first {keep} message(s); the old chat is "
+            "unchanged in the history (F4).",
+            title="Branch",
+            timeout=8,
+        )
 
     # -- how a reply ended --------------------------------------------------------------------------------------
     def _report(self, outcome: ReplyOutcome) -> None:
         reason, error = outcome.finish_reason, outcome.error
         if reason == "error":
             if isinstance(error, KVCacheFullError):
-                self.notify(f"{error} Start a new chat (Ctrl+N) or shorten the conversation; the partial reply "
-                            "was kept.", title="Context full", severity="error", timeout=12)
+                self.notify(
+                    f"{error} Start a new chat (Ctrl+N) or shorten the conversation; the partial reply was kept.",
+                    title="Context full",
+                    severity="error",
+                    timeout=12,
+                )
             elif error is None or isinstance(error, SpecchatError):
                 reason_text = (outcome.message or "unknown error").rstrip(".")
-                self.notify(f"{reason_text}. The partial reply was kept; press Ctrl+R to try again, or ↑ in the empty "
-                            "input to edit your message and send it again.", title="Reply failed", severity="error",
-                            timeout=12)
+                self.notify(
+                    f"{reason_text}. The partial reply was kept; press Ctrl+R to try again, or ↑ in the empty "
+                    "input to edit your message and send it again.",
+                    title="Reply failed",
+                    severity="error",
+                    timeout=12,
+                )
             else:
                 log.error("unexpected error during a reply", exc_info=error)
-                self.notify(f"Internal error: {type(error).__name__}: {error}. The partial reply was kept; the "
-                            f"traceback is in {self.app.log_path}.", title="Reply failed", severity="error",
-                            timeout=12)
+                self.notify(
+                    f"Internal error: {type(error).__name__}: {error}. The partial reply was kept; the "
+                    f"traceback is in {self.app.log_path}.",
+                    title="Reply failed",
+                    severity="error",
+                    timeout=12,
+                )
         elif reason == "context":
-            self.notify(outcome.message or "The conversation no longer fits in the model's context. Start a new "
-                        "chat (Ctrl+N) to go on.", title="Context full", severity="warning", timeout=12)
+            self.notify(
+                outcome.message
+                or "The conversation no longer fits in the model's context. Start a new chat (Ctrl+N) to go on.",
+                title="Context full",
+                severity="warning",
+                timeout=12,
+            )
         elif outcome.message:
             self.notify(outcome.message, timeout=6)
 
@@ -225,8 +254,7 @@ class ChatActionsMixin(EditActionsMixin):
         self.update_attachments()
         current = self.app.current_pair_name
         if current and stored_pair and current not in stored_pair.split(", "):
-            self.notify(f"This chat was with {stored_pair}; it goes on with {current} (F2 switches pairs).",
-                        timeout=6)
+            self.notify(f"This chat was with {stored_pair}; it goes on with {current} (F2 switches pairs).", timeout=6)
         await self.show_turns()
 
     async def show_turns(self) -> None:
@@ -238,9 +266,14 @@ class ChatActionsMixin(EditActionsMixin):
             else:
                 said = turn.complete or turn.meta.get("finish_reason") in ("cancelled", "error")  # its totals say so
                 totals = stored_totals(turn.meta) + ("" if said else " · interrupted")
-                views.append(AssistantMessage(header=f"Assistant · {turn.meta.get('pair', '')}".rstrip(" ·"),
-                                              text=turn.content, totals=totals.strip(" ·"),
-                                              token_view=self.token_view))
+                views.append(
+                    AssistantMessage(
+                        header=f"Assistant · {turn.meta.get('pair', '')}".rstrip(" ·"),
+                        text=turn.content,
+                        totals=totals.strip(" ·"),
+                        token_view=self.token_view,
+                    )
+                )
         await self.clear_messages()
         if views:
             await self._mount_messages(*views)

@@ -15,8 +15,11 @@ from textual.widgets import Button, Input, Label, Static
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    BINDINGS = [Binding("escape", "dismiss(False)", "Cancel"), Binding("y", "dismiss(True)", "Yes", show=False),
-                Binding("n", "dismiss(False)", "No", show=False)]
+    BINDINGS = [
+        Binding("escape", "dismiss(False)", "Cancel"),
+        Binding("y", "dismiss(True)", "Yes", show=False),
+        Binding("n", "dismiss(False)", "No", show=False),
+    ]
 
     def __init__(self, title: str, body: str, *, yes: str = "Yes", no: str = "Cancel") -> None:
         super().__init__(classes="dialog-screen")
@@ -97,8 +100,10 @@ class DiffScreen(ModalScreen[bool]):
                     if len(self.sections) > 1:
                         yield Static(heading, classes="diff-heading", markup=False)
                     yield Static(Syntax(diff, "diff", theme="ansi_dark", word_wrap=False), classes="diff")
-            yield Static("A backup of each file is kept next to it; /undo puts them back. a: apply · Esc: cancel",
-                         classes="dialog-hint")
+            yield Static(
+                "A backup of each file is kept next to it; /undo puts them back. a: apply · Esc: cancel",
+                classes="dialog-hint",
+            )
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Apply", variant="success", id="apply")
                 yield Button("Cancel", id="cancel")

@@ -38,7 +38,7 @@ def split_path_argument(text: str) -> tuple[str, str]:
     if text[:1] in ("'", '"'):
         end = text.find(text[0], 1)
         if end > 0:
-            return text[1:end], text[end + 1:].strip()
+            return text[1:end], text[end + 1 :].strip()
     if not text or Path(text).expanduser().exists():
         return text, ""
     path, _, request = text.partition(" ")
@@ -75,11 +75,15 @@ def plan_notes(plan: EditPlan) -> list[str]:
         if target.link:
             notes.append(f"{target.shown} is a symlink: the edit writes {target.path}.")
         if target.mixed_newlines:
-            notes.append(f"{name} mixes CRLF and LF line ends: each line keeps its own, new lines get "
-                         f"{'CRLF' if target.newline == chr(13) + chr(10) else 'LF'}.")
+            notes.append(
+                f"{name} mixes CRLF and LF line ends: each line keeps its own, new lines get "
+                f"{'CRLF' if target.newline == chr(13) + chr(10) else 'LF'}."
+            )
         if change.how == "whole file":
-            notes.append(f"The reply is a whole new {name} (not SEARCH/REPLACE blocks); it keeps every definition "
-                         "of the old one.")
+            notes.append(
+                f"The reply is a whole new {name} (not SEARCH/REPLACE blocks); it keeps every definition "
+                "of the old one."
+            )
         notes.extend(change.notes)
     return notes
 

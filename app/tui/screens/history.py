@@ -42,9 +42,13 @@ def when(ts: float) -> str:
 
 async def export_chat(screen: Screen, store: ChatStore, chat_id: int, title: str) -> None:
     """Ask where to export ``chat_id`` and write it (shared with the chat screen's export command)."""
-    target = await screen.app.push_screen_wait(TextPromptScreen(
-        f"Export “{title}” to Markdown", str(Path.cwd()),
-        hint="A file name (.md) or a folder (the file is named after the chat)."))
+    target = await screen.app.push_screen_wait(
+        TextPromptScreen(
+            f"Export “{title}” to Markdown",
+            str(Path.cwd()),
+            hint="A file name (.md) or a folder (the file is named after the chat).",
+        )
+    )
     if target is None:
         return
     try:
@@ -72,8 +76,9 @@ class HistoryScreen(ModalScreen[HistoryResult]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog wide", id="history"):
-            yield Label("Chat history  (Enter open · r rename · d delete · e export · Esc close)",
-                        classes="dialog-title")
+            yield Label(
+                "Chat history  (Enter open · r rename · d delete · e export · Esc close)", classes="dialog-title"
+            )
             yield DataTable(id="chats", cursor_type="row", zebra_stripes=True)
             yield Static("", id="history-empty")
 
@@ -108,8 +113,9 @@ class HistoryScreen(ModalScreen[HistoryResult]):
             title = marker + chat.title
             if len(title) > self.title_width:
                 title = title[: self.title_width - 1] + "…"
-            table.add_row(Text(title), Text(chat.pair), str(chat.message_count), when(chat.updated_at),
-                          key=str(chat.id))
+            table.add_row(
+                Text(title), Text(chat.pair), str(chat.message_count), when(chat.updated_at), key=str(chat.id)
+            )
         self.query_one("#history-empty", Static).update("" if chats else "No saved chats yet.")
         if chats:
             table.move_cursor(row=min(row, len(chats) - 1))
@@ -148,8 +154,11 @@ class HistoryScreen(ModalScreen[HistoryResult]):
         if chat_id is None:
             return
         title = self.titles.get(chat_id, str(chat_id))
-        if not await self.app.push_screen_wait(ConfirmScreen(
-                "Delete chat?", f"Delete “{title}” and all its messages? This cannot be undone.", yes="Delete")):
+        if not await self.app.push_screen_wait(
+            ConfirmScreen(
+                "Delete chat?", f"Delete “{title}” and all its messages? This cannot be undone.", yes="Delete"
+            )
+        ):
             return
         try:
             self.store.delete_chat(chat_id)

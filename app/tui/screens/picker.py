@@ -91,14 +91,21 @@ class PairPickerScreen(ModalScreen[str | None]):
         table = self.query_one(DataTable)
         dialog_width = min(130, self.app.size.width)  # styles.tcss: #picker is the terminal's width, up to 130
         pairs = list(self.pairs.values())
-        self.widths = column_widths(dialog_width - DIALOG_CHROME, list(self.pairs),
-                                    [drafter_label(p) for p in pairs], [p.target.source for p in pairs])
+        self.widths = column_widths(
+            dialog_width - DIALOG_CHROME,
+            list(self.pairs),
+            [drafter_label(p) for p in pairs],
+            [p.target.source for p in pairs],
+        )
         for column, width in self.widths.items():  # fixed widths: the estimates arrive later and must fit
             table.add_column(column, key=column, width=width)
         for name, pair in self.pairs.items():
             marker = "● " if name == self.current else "  "
-            cells = {"pair": Text(marker + name), "drafter": Text(drafter_label(pair)),
-                     "target": Text(pair.target.source)}
+            cells = {
+                "pair": Text(marker + name),
+                "drafter": Text(drafter_label(pair)),
+                "target": Text(pair.target.source),
+            }
             table.add_row(*(cells.get(column, "…") for column in self.widths), key=name)
         if self.current in self.pairs:
             table.move_cursor(row=list(self.pairs).index(self.current))
@@ -127,8 +134,9 @@ class PairPickerScreen(ModalScreen[str | None]):
         }
         if info.get("remote"):
             cells["memory"] = "server"
-            cells["fits"] = ("DOWN" if not info.get("reachable") else "404" if info.get("model_listed") is False
-                             else "up")
+            cells["fits"] = (
+                "DOWN" if not info.get("reachable") else "404" if info.get("model_listed") is False else "up"
+            )
         for column, value in cells.items():
             if column in self.widths:
                 table.update_cell(message.pair_name, column, value)
@@ -144,19 +152,26 @@ class PairPickerScreen(ModalScreen[str | None]):
         pair = self.pairs[names[row]]
         info = self.info.get(names[row], {})
         # Text, not markup: descriptions come from models.yaml and may contain [brackets]
-        text = Text.assemble((names[row], "bold"), f" — {pair.description}\n",
-                             f"target {pair.target.source} · drafter {drafter_label(pair, long=True)} · γ {pair.gamma}")
+        text = Text.assemble(
+            (names[row], "bold"),
+            f" — {pair.description}\n",
+            f"target {pair.target.source} · drafter {drafter_label(pair, long=True)} · γ {pair.gamma}",
+        )
         if info.get("gated"):
             text.append(" · gated: accept its licence on the Hugging Face hub first", style="yellow")
         if info.get("remote"):
             state = "answers" if info.get("reachable") else "does not answer"
-            text.append(f"\nruns on its server, which {state}" + (f": {info['error']}" if info.get("error") else ""),
-                        style="yellow" if info.get("error") else "")
+            text.append(
+                f"\nruns on its server, which {state}" + (f": {info['error']}" if info.get("error") else ""),
+                style="yellow" if info.get("error") else "",
+            )
         elif info.get("error"):
             text.append(f"\nestimate unavailable: {info['error']}", style="yellow")
         elif info.get("free_bytes") is not None:
-            text.append(f"\nneeds about {human_bytes(info.get('memory_bytes'))}, "
-                        f"{human_bytes(info['free_bytes'])} free on {info.get('device', 'the device')}")
+            text.append(
+                f"\nneeds about {human_bytes(info.get('memory_bytes'))}, "
+                f"{human_bytes(info['free_bytes'])} free on {info.get('device', 'the device')}"
+            )
         self.query_one("#pair-description", Static).update(text)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
@@ -167,16 +182,30 @@ class PairPickerScreen(ModalScreen[str | None]):
         info = self.info.get(name, {})
         checks = []
         if info.get("download_bytes"):
-            gated = " It is gated: accept its licence on the Hugging Face hub and log in first." if info.get(
-                "gated") else ""
-            checks.append(("Download needed", f"{name} needs a download of {human_bytes(info['download_bytes'])} "
-                                              f"from the Hugging Face hub.{gated} Download it now?", "Download"))
+            gated = (
+                " It is gated: accept its licence on the Hugging Face hub and log in first."
+                if info.get("gated")
+                else ""
+            )
+            checks.append(
+                (
+                    "Download needed",
+                    f"{name} needs a download of {human_bytes(info['download_bytes'])} "
+                    f"from the Hugging Face hub.{gated} Download it now?",
+                    "Download",
+                )
+            )
         if info.get("remote") and info.get("error"):
             checks.append(("Server problem", f"{name}: {info['error']}. Open it anyway?", "Open anyway"))
         if info.get("fits") is False:
-            checks.append(("It may not fit", f"{name} needs about {human_bytes(info.get('memory_bytes'))} but only "
-                                             f"{human_bytes(info.get('free_bytes'))} is free. Try anyway?",
-                           "Load anyway"))
+            checks.append(
+                (
+                    "It may not fit",
+                    f"{name} needs about {human_bytes(info.get('memory_bytes'))} but only "
+                    f"{human_bytes(info.get('free_bytes'))} is free. Try anyway?",
+                    "Load anyway",
+                )
+            )
         for title, body, yes in checks:
             if not await self.app.push_screen_wait(ConfirmScreen(title, body, yes=yes)):
                 return

@@ -52,8 +52,12 @@ class SettingsScreen(ModalScreen[Settings | None]):
             with VerticalScroll(id="settings-scroll"):
                 with Grid(id="settings-grid"):
                     yield Label("Temperature (0 = greedy)")
-                    yield Input(_text(s.temperature), placeholder=self.pair_default("temperature"), id="temperature",
-                                compact=True)
+                    yield Input(
+                        _text(s.temperature),
+                        placeholder=self.pair_default("temperature"),
+                        id="temperature",
+                        compact=True,
+                    )
                     yield Label("Top-p (0..1]")
                     yield Input(_text(s.top_p), placeholder=self.pair_default("top_p"), id="top_p", compact=True)
                     yield Label("Top-k (0 = off)")
@@ -61,17 +65,31 @@ class SettingsScreen(ModalScreen[Settings | None]):
                     yield Label("Max new tokens")
                     yield Input(_text(s.max_new_tokens), id="max_new_tokens", compact=True)
                     yield Label("Drafter")
-                    yield Select([(label, key) for key, label in DRAFTER_CHOICES.items()], value=s.drafter,
-                                 allow_blank=False, id="drafter", compact=True)
+                    yield Select(
+                        [(label, key) for key, label in DRAFTER_CHOICES.items()],
+                        value=s.drafter,
+                        allow_blank=False,
+                        id="drafter",
+                        compact=True,
+                    )
                     yield Label("γ (draft tokens per step)")
                     with Horizontal(id="gamma-row"):
-                        yield Select([(label, key) for key, label in modes.items()], value=gamma_mode,
-                                     allow_blank=False, id="gamma_mode", compact=True)
+                        yield Select(
+                            [(label, key) for key, label in modes.items()],
+                            value=gamma_mode,
+                            allow_blank=False,
+                            id="gamma_mode",
+                            compact=True,
+                        )
                         yield Input(_text(s.gamma) if gamma_mode == "fixed" else "4", id="gamma", compact=True)
                     yield Label("Earlier replies")
-                    yield Select([("Suffix drafter matches them (next load)", "on"), ("Not used for drafting", "off")],
-                                 value="on" if s.draft_from_history else "off", allow_blank=False,
-                                 id="draft_from_history", compact=True)
+                    yield Select(
+                        [("Suffix drafter matches them (next load)", "on"), ("Not used for drafting", "off")],
+                        value="on" if s.draft_from_history else "off",
+                        allow_blank=False,
+                        id="draft_from_history",
+                        compact=True,
+                    )
                 yield Label("System prompt")
                 yield TextArea(s.system_prompt, id="system_prompt", soft_wrap=True)
             yield Static("", id="settings-error", markup=False)
@@ -108,17 +126,19 @@ class SettingsScreen(ModalScreen[Settings | None]):
         max_new = self._parse("max_new_tokens", int)
         if max_new is None:
             raise SettingsError("max new tokens: a number is required (1 .. 32768)")
-        return validate_settings(replace(
-            self.settings,
-            temperature=self._parse("temperature", float),
-            top_p=self._parse("top_p", float),
-            top_k=self._parse("top_k", int),
-            max_new_tokens=max_new,
-            drafter=self.query_one("#drafter", Select).value,
-            gamma=gamma,
-            system_prompt=self.query_one("#system_prompt", TextArea).text,
-            draft_from_history=self.query_one("#draft_from_history", Select).value == "on",
-        ))
+        return validate_settings(
+            replace(
+                self.settings,
+                temperature=self._parse("temperature", float),
+                top_p=self._parse("top_p", float),
+                top_k=self._parse("top_k", int),
+                max_new_tokens=max_new,
+                drafter=self.query_one("#drafter", Select).value,
+                gamma=gamma,
+                system_prompt=self.query_one("#system_prompt", TextArea).text,
+                draft_from_history=self.query_one("#draft_from_history", Select).value == "on",
+            )
+        )
 
     def action_save(self) -> None:
         for widget in self.query(Input):

@@ -42,12 +42,15 @@ def count(value: int | None) -> str:
 
 def tree_line(stats: RequestStats) -> str:
     """The latest tree draft (the suffix drafter): its size and shape, and the branch the target followed."""
-    shape = (f"tree {stats.tree_nodes} node{'s' if stats.tree_nodes != 1 else ''} · depth {stats.tree_depth} · "
-             f"{stats.tree_width} branch{'es' if stats.tree_width != 1 else ''}")
+    shape = (
+        f"tree {stats.tree_nodes} node{'s' if stats.tree_nodes != 1 else ''} · depth {stats.tree_depth} · "
+        f"{stats.tree_width} branch{'es' if stats.tree_width != 1 else ''}"
+    )
     if not stats.tree_accepted:
         return f"{shape}; no branch matched"
     return f"{shape}; followed branch {stats.tree_branch} for {stats.tree_accepted} token" + (
-        "s" if stats.tree_accepted != 1 else "")
+        "s" if stats.tree_accepted != 1 else ""
+    )
 
 
 def measured_speedup(stats: RequestStats) -> float | None:
@@ -82,8 +85,11 @@ def render_details(live: LiveView) -> Text:
     speculating, plain = step_counts(stats)
     text.append(f"  spec ÷ plain steps {num(measured, 2) + '×' if measured is not None else '—'}\n")
     if measured is None:
-        text.append(f"  (needs {MIN_STEPS} of each; this reply: {speculating} speculating, {plain} plain; "
-                    "`specchat bench` measures the speed-up)\n", style="dim")
+        text.append(
+            f"  (needs {MIN_STEPS} of each; this reply: {speculating} speculating, {plain} plain; "
+            "`specchat bench` measures the speed-up)\n",
+            style="dim",
+        )
     text.append("\nCounters\n", style="bold")
     for label, value in (
         ("tokens", str(stats.new_tokens)),

@@ -244,6 +244,7 @@ class AssistantMessage(MessageView):
         if self.tokens:
             body = render_tokens(self.tokens)
         else:
-            body = Text(self.text + "\n\n") + Text("(token sources are only known for replies made in this session)",
-                                                   style="dim italic")
+            body = Text(self.text + "\n\n") + Text(
+                "(token sources are only known for replies made in this session)", style="dim italic"
+            )
         self.query_one("#tokens", Static).update(body)

@@ -37,8 +37,14 @@ from specchat.backend.api import PolicyState, RequestStats
 SPARK_SAMPLES = 60
 SPARK_WIDTH = 30  # columns; each shows the highest of SPARK_SAMPLES // SPARK_WIDTH samples
 SPARK_BARS = "▁▂▃▄▅▆▇█"
-FINISH_NOTES = {"cancelled": "stopped", "length": "max tokens reached", "context": "context full",
-                "error": "error", "stop": "stop string", "eos": ""}
+FINISH_NOTES = {
+    "cancelled": "stopped",
+    "length": "max tokens reached",
+    "context": "context full",
+    "error": "error",
+    "stop": "stop string",
+    "eos": "",
+}
 BAR_CELLS = 12  # the width of a percentage bar (loading, reading a prompt)
 
 
@@ -76,7 +82,7 @@ def seconds(value: float) -> str:
 
 
 def prefill_line(done: int, total: int, elapsed: float | None = None) -> str:
-    """"reading prompt 2,300 / 4,936 tokens 47%" (and the time so far)."""
+    """ "reading prompt 2,300 / 4,936 tokens 47%" (and the time so far)."""
     fraction = done / total if total else 0.0
     line = f"reading prompt {done:,} / {total:,} tokens {fraction * 100:.0f}%"
     return line if elapsed is None else f"{line} · {seconds(elapsed)}"
@@ -107,14 +113,15 @@ def stored_totals(meta: Mapping[str, Any] | None) -> str:
     if not meta:
         return ""
     error = meta.get("error")
-    return reply_totals(RequestStats.from_dict(meta), str(meta.get("finish_reason", "")),
-                        error if isinstance(error, str) else None)
+    return reply_totals(
+        RequestStats.from_dict(meta), str(meta.get("finish_reason", "")), error if isinstance(error, str) else None
+    )
 
 
 def sparkline(samples: list[float], width: int = SPARK_WIDTH) -> Text:
     """Bars scaled to the highest sample; ``width`` columns, each the highest of its share of ``samples``."""
     step = max(1, len(samples) // width)
-    columns = [max(samples[i:i + step]) for i in range(0, len(samples), step)][-width:]
+    columns = [max(samples[i : i + step]) for i in range(0, len(samples), step)][-width:]
     top = max(columns, default=0.0)
     if top <= 0:
         return Text(" " * len(columns))
@@ -185,8 +192,11 @@ class StatsLine(Widget):
             self.spark = spark
         self._lines = None
         width = self.size.width
-        count = 1 if not width or self.text.cell_len <= width else min(
-            self.MAX_LINES, len(self.text.wrap(self.app.console, width)))
+        count = (
+            1
+            if not width or self.text.cell_len <= width
+            else min(self.MAX_LINES, len(self.text.wrap(self.app.console, width)))
+        )
         if count != self._line_count:
             self._line_count = count
             self.styles.height = count  # a layout pass only when the number of lines changes
@@ -215,8 +225,9 @@ class StatsLine(Widget):
             line = line.copy()
             line.truncate(width)
             segments = list(line.render(self.app.console, end=""))  # one line: no wrapping pass, no newline
-            strips.append(Strip(Segment.apply_style(segments, self.rich_style)).adjust_cell_length(width,
-                                                                                                  self.rich_style))
+            strips.append(
+                Strip(Segment.apply_style(segments, self.rich_style)).adjust_cell_length(width, self.rich_style)
+            )
         return strips
 
     def render_line(self, y: int) -> Strip:

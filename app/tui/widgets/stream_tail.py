@@ -144,8 +144,9 @@ class StreamTail(Widget):
             return lines
         console = self.app.console
         options = console.options.update(width=width, height=None)
-        return [Strip(line, width) for line in console.render_lines(RichMarkdown(source), options, style=base,
-                                                                     pad=True)]
+        return [
+            Strip(line, width) for line in console.render_lines(RichMarkdown(source), options, style=base, pad=True)
+        ]
 
     def render_line(self, y: int) -> Strip:
         if y < len(self._lines):

@@ -35,8 +35,15 @@ class DraftModelDrafter:
 
     name = "draft-model"
 
-    def __init__(self, forward: Forward, cache: PagedKVCache, *, vocab_limit: int,
-                 eos_token_ids: Sequence[int], prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        cache: PagedKVCache,
+        *,
+        vocab_limit: int,
+        eos_token_ids: Sequence[int],
+        prefill_chunk: int = PREFILL_CHUNK,
+    ) -> None:
         self.forward = forward
         self.cache = cache
         self.vocab_limit = vocab_limit  # the tokenizer's ids: the draft picks among the target's ids only
@@ -84,7 +91,7 @@ class DraftModelDrafter:
         todo = list(context[keep:])
         logits = None
         for start in range(0, len(todo), self.prefill_chunk):
-            logits = self._forward(todo[start:start + self.prefill_chunk])
+            logits = self._forward(todo[start : start + self.prefill_chunk])
         assert logits is not None  # todo is never empty: keep <= len(context) - 1
         return logits, len(todo), keep
 

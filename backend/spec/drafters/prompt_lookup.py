@@ -69,13 +69,23 @@ class PromptLookupDrafter(StatelessHooks):
 
     name = "prompt-lookup"
 
-    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, eos_token_ids: Iterable[int] = (),
-                 draft_factor: float | None = 1.0, draft_offset: float = 1.0, max_match: int = 32) -> None:
+    def __init__(
+        self,
+        *,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        eos_token_ids: Iterable[int] = (),
+        draft_factor: float | None = 1.0,
+        draft_offset: float = 1.0,
+        max_match: int = 32,
+    ) -> None:
         if not (isinstance(min_ngram, int) and isinstance(max_ngram, int) and 1 <= min_ngram <= max_ngram):
             raise ValueError(f"PromptLookupDrafter: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         if draft_factor is not None and not (draft_factor > 0 and draft_offset >= 0 and max_match >= max_ngram):
-            raise ValueError(f"PromptLookupDrafter: need draft_factor > 0, draft_offset >= 0 and max_match >= "
-                             f"max_ngram, got {draft_factor}, {draft_offset}, {max_match}")
+            raise ValueError(
+                f"PromptLookupDrafter: need draft_factor > 0, draft_offset >= 0 and max_match >= "
+                f"max_ngram, got {draft_factor}, {draft_offset}, {max_match}"
+            )
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.draft_factor, self.draft_offset, self.max_match = draft_factor, draft_offset, max_match

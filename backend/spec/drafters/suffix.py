@@ -50,7 +50,7 @@ class ReplyMemory:
         """Keep one finished reply (a reply longer than the whole budget keeps its end). When the budget is
         exceeded the oldest replies go until a quarter of it is free: dropping rebuilds the index (~1 s for
         200,000 tokens), so it happens once per quarter of the budget, not at every reply."""
-        tokens = list(tokens)[-self.max_tokens:]
+        tokens = list(tokens)[-self.max_tokens :]
         if not tokens:
             return
         if self.index.num_tokens + len(tokens) > self.max_tokens:
@@ -82,9 +82,19 @@ class SuffixDrafter(StatelessHooks):
 
     name = "suffix"
 
-    def __init__(self, *, memory: ReplyMemory | None = None, eos_token_ids: Iterable[int] = (), key_len: int = 3,
-                 max_match: int = 64, max_occurrences: int = 16, max_depth: int = 32, spec_factor: float = 1.0,
-                 spec_offset: float = 2.0, min_prob: float = 0.1) -> None:
+    def __init__(
+        self,
+        *,
+        memory: ReplyMemory | None = None,
+        eos_token_ids: Iterable[int] = (),
+        key_len: int = 3,
+        max_match: int = 64,
+        max_occurrences: int = 16,
+        max_depth: int = 32,
+        spec_factor: float = 1.0,
+        spec_offset: float = 2.0,
+        min_prob: float = 0.1,
+    ) -> None:
         self.memory = memory
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.key_len, self.max_occurrences, self.max_depth = key_len, max_occurrences, max_depth
@@ -105,7 +115,7 @@ class SuffixDrafter(StatelessHooks):
         if not grew:
             self.reset()
         if len(context) > len(self.conversation.tokens):
-            self.conversation.extend(list(context[len(self.conversation.tokens):]))
+            self.conversation.extend(list(context[len(self.conversation.tokens) :]))
 
     def _continuation(self, index: SuffixIndex, match: Match, depth: int) -> list[int]:
         if index is self.conversation:
@@ -128,8 +138,12 @@ class SuffixDrafter(StatelessHooks):
         self.last_tree = (0, 0)
         if max_tokens <= 0:
             return Draft([])
-        found = [(self.conversation, m) for m in self.conversation.matches(
-            context, limit=self.max_occurrences, exclude_end=len(self.conversation.tokens))]
+        found = [
+            (self.conversation, m)
+            for m in self.conversation.matches(
+                context, limit=self.max_occurrences, exclude_end=len(self.conversation.tokens)
+            )
+        ]
         if self.memory is not None:
             found += [(self.memory.index, m) for m in self.memory.index.matches(context, limit=self.max_occurrences)]
         if not found:
@@ -159,8 +173,7 @@ class SuffixDrafter(StatelessHooks):
                 parent = node
         return self._select(tokens, parents, weights, total, max_tokens)
 
-    def _select(self, tokens: list[int], parents: list[int], weights: list[float], total: float,
-                budget: int) -> Draft:
+    def _select(self, tokens: list[int], parents: list[int], weights: list[float], total: float, budget: int) -> Draft:
         """The best ``budget`` nodes by estimated probability (>= min_prob; equal ones shallower first), each
         after its parent."""
         children: dict[int, list[int]] = {}

@@ -43,8 +43,10 @@ class SuffixIndex:
 
     def __init__(self, *, key_len: int = 3, max_match: int = 64, max_occurrences: int = 64) -> None:
         if not (1 <= key_len <= max_match and max_occurrences >= 1):
-            raise ValueError(f"SuffixIndex: need 1 <= key_len <= max_match and max_occurrences >= 1, got "
-                             f"{key_len}, {max_match}, {max_occurrences}")
+            raise ValueError(
+                f"SuffixIndex: need 1 <= key_len <= max_match and max_occurrences >= 1, got "
+                f"{key_len}, {max_match}, {max_occurrences}"
+            )
         self.key_len, self.max_match, self.max_occurrences = key_len, max_match, max_occurrences
         self.clear()
 
@@ -74,7 +76,7 @@ class SuffixIndex:
             ids.append(int(token))
             end = len(ids)
             if end - start >= n:
-                ends = index.setdefault(tuple(ids[end - n:end]), [])
+                ends = index.setdefault(tuple(ids[end - n : end]), [])
                 ends.append(end)
                 if len(ends) > cap:
                     del ends[0]
@@ -130,8 +132,13 @@ class SuffixIndex:
             if end == exclude_end or end >= len(ids) or ids[end] == -1:
                 continue  # nothing followed it (yet)
             length = n
-            while length < cap and length < qlen and end - length - 1 >= 0 \
-                    and ids[end - length - 1] == query[qlen - length - 1] and ids[end - length - 1] != -1:
+            while (
+                length < cap
+                and length < qlen
+                and end - length - 1 >= 0
+                and ids[end - length - 1] == query[qlen - length - 1]
+                and ids[end - length - 1] != -1
+            ):
                 length += 1
             found.append(Match(end, length))
         found.sort(key=lambda m: -m.length)
@@ -139,7 +146,7 @@ class SuffixIndex:
 
     def continuation(self, match: Match, max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` ids that followed ``match``, stopping at the end of its sequence."""
-        out = self.tokens[match.end:match.end + max_tokens]
+        out = self.tokens[match.end : match.end + max_tokens]
         if -1 in out:
-            out = out[:out.index(-1)]
+            out = out[: out.index(-1)]
         return out

@@ -12,8 +12,9 @@ def exchange(conv: Conversation, text: str, pair: str) -> None:
     conv.add_user(text, pair)
     turn, saver = conv.start_reply()
     saver.append(f"re: {text}")  # as the UI does while the reply streams
-    conv.finish_reply(turn, saver, f"re: {text}", RequestStats(new_tokens=3), finish_reason="eos", pair=pair,
-                      complete=True)
+    conv.finish_reply(
+        turn, saver, f"re: {text}", RequestStats(new_tokens=3), finish_reason="eos", pair=pair, complete=True
+    )
 
 
 def test_truncate_drops_a_message_and_everything_after_it_in_the_store_too(store: ChatStore) -> None:
@@ -52,6 +53,14 @@ def test_an_error_is_kept_with_the_reply(store: ChatStore) -> None:
     conv = Conversation(store, lambda message: None)
     conv.add_user("hi", "p")
     turn, saver = conv.start_reply()
-    conv.finish_reply(turn, saver, "", RequestStats(), finish_reason="error", pair="p", complete=False,
-                      error="the model ran out of memory")
+    conv.finish_reply(
+        turn,
+        saver,
+        "",
+        RequestStats(),
+        finish_reason="error",
+        pair="p",
+        complete=False,
+        error="the model ran out of memory",
+    )
     assert store.messages(conv.chat_id)[-1].stats["error"] == "the model ran out of memory"

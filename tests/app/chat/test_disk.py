@@ -52,12 +52,14 @@ def _chat_a_little(store: ChatStore, errors: list[str], turns: int = 3, size: in
         reply, saver = conversation.start_reply()
         if saver is not None:
             saver.append("y" * size)
-        conversation.finish_reply(reply, saver, "y" * size, RequestStats(), finish_reason="eos", pair="p",
-                                  complete=True)
+        conversation.finish_reply(
+            reply, saver, "y" * size, RequestStats(), finish_reason="eos", pair="p", complete=True
+        )
     return conversation
 
 
 # -- read-only by mode bits ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("what", ["file", "folder"])
 def test_a_read_only_history_is_read_and_left_exactly_as_it_was(tmp_path: Path, what: str) -> None:
@@ -127,20 +129,24 @@ def test_temporary_files_of_dead_processes_are_removed_and_live_ones_kept(tmp_pa
     os.utime(old, (0, 0))
     (tmp_path / ".other.json.1-0a1b2c3d.tmp").write_text("")
     assert load_settings(path) == (Settings(), None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.json.1-0a1b2c3d.tmp",
-                                                          f".settings.json.{os.getpid()}-0a1b2c3d.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".other.json.1-0a1b2c3d.tmp",
+        f".settings.json.{os.getpid()}-0a1b2c3d.tmp",
+    ]
     assert remove_stale_temporaries(tmp_path / "missing-folder" / "x") == 0
 
 
 # -- full and read-only file systems (tmpfs) -----------------------------------------------------------------
+
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     mount = tmp_path / "mnt"
     mount.mkdir()
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         pytest.skip(f"cannot mount a tmpfs here ({error}): the full-disk tests need root on Linux")
     if done.returncode != 0:

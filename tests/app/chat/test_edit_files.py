@@ -95,6 +95,7 @@ def test_a_refused_plan_writes_nothing(tmp_path: Path) -> None:
 def test_a_backup_is_linked_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a = tmp_path / "a.py"
     a.write_text("a = 1\n")
+
     def no_links(*args):
         raise OSError(1, "Operation not permitted")
 
@@ -106,8 +107,13 @@ def test_a_backup_is_linked_whole_or_not_at_all(tmp_path: Path, monkeypatch: pyt
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_git_diff_of_a_tracked_file(tmp_path: Path) -> None:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     a, loose = tmp_path / "a.py", tmp_path / "loose.py"
     a.write_text("a = 1\n")
     loose.write_text("b = 1\n")
@@ -178,8 +184,9 @@ def kill_during_applies(tmp_path: Path, kills: int, seed: int = 0) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     applies, seen = 0, set()
     for _ in range(kills):
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(path), a, b], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, env=env)
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(path), a, b], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
         assert child.stdout is not None and child.stdout.readline() == b"ready\n"
         time.sleep(rng.uniform(0.05, 0.4))
         os.kill(child.pid, signal.SIGKILL)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from specchat.app.chat.edit_plan import EditBlock, apply_block, definitions, parse_blocks, plan_edit, split_lines
 from specchat.app.chat.editing import EditTarget, load_edit_target
 
-CALC = '''def add(a, b):
+CALC = """def add(a, b):
     return a + b
 
 
@@ -23,7 +23,7 @@ def sub(a, b):
 
 def mul(a, b):
     return a * b
-'''
+"""
 
 
 def block(search: str, replace: str, name: str = "calc.py") -> str:
@@ -100,22 +100,30 @@ def test_a_file_without_a_final_newline_keeps_it(tmp_path: Path) -> None:
 
 # -- SEARCH/REPLACE blocks ----------------------------------------------------------------------------------------
 def test_a_block_applies_exactly_and_leaves_the_rest(calc) -> None:
-    plan = plan_edit([calc], "Sure:\n\n" + block("def sub(a, b):\n    return a - b\n",
-                                                 "def sub(a: int, b: int) -> int:\n    return a - b\n"), "hints")
+    plan = plan_edit(
+        [calc],
+        "Sure:\n\n"
+        + block("def sub(a, b):\n    return a - b\n", "def sub(a: int, b: int) -> int:\n    return a - b\n"),
+        "hints",
+    )
     assert plan.ok and plan.changes[0].how == "SEARCH/REPLACE blocks"
     assert plan.changes[0].text == CALC.replace("def sub(a, b):", "def sub(a: int, b: int) -> int:")
 
 
 def test_blocks_apply_in_order_and_without_fences_or_file_name(calc) -> None:
-    reply = ("<<<<<<< SEARCH\n    return a + b\n=======\n    return b + a\n>>>>>>> REPLACE\n"
-             "<<<<<<< SEARCH\n    return b + a\n=======\n    return (b + a)\n>>>>>>> REPLACE\n")
+    reply = (
+        "<<<<<<< SEARCH\n    return a + b\n=======\n    return b + a\n>>>>>>> REPLACE\n"
+        "<<<<<<< SEARCH\n    return b + a\n=======\n    return (b + a)\n>>>>>>> REPLACE\n"
+    )
     assert plan_edit([calc], reply).changes[0].text == CALC.replace("a + b", "(b + a)")
 
 
 def test_a_block_whose_search_is_not_in_the_file_is_refused_with_the_closest_line(calc) -> None:
     plan = plan_edit([calc], block("def sub(a, b):\n    return a-b\n", "x\n"), "x")
-    assert plan.refusals == ("Block 1 (calc.py) was refused: its SEARCH text is not in the file: its line 2 "
-                             "`return a-b` is not in calc.py; the closest is line 6: `return a - b`.",)
+    assert plan.refusals == (
+        "Block 1 (calc.py) was refused: its SEARCH text is not in the file: its line 2 "
+        "`return a-b` is not in calc.py; the closest is line 6: `return a - b`.",
+    )
 
 
 def test_a_block_differing_in_indentation_only_is_refused_and_says_so(calc) -> None:
@@ -141,7 +149,8 @@ def test_one_refused_block_refuses_the_whole_edit(calc) -> None:
 
 def test_an_incomplete_block_is_refused(calc) -> None:
     assert parse_blocks("<<<<<<< SEARCH\na\n=======\nb\n")[1] == [
-        "Block 1 is incomplete: no `>>>>>>> REPLACE` line (the reply ended inside it)."]
+        "Block 1 is incomplete: no `>>>>>>> REPLACE` line (the reply ended inside it)."
+    ]
     assert "no `=======` line" in plan_edit([calc], "<<<<<<< SEARCH\n    return a + b\n", "x").message()
 
 
@@ -153,8 +162,11 @@ def test_several_files_in_one_reply(tmp_path: Path, calc) -> None:
     util = tmp_path / "util.py"
     util.write_text("def helper():\n    return add(1, 2)\n")
     other = load_edit_target(util)
-    reply = (block("def add(a, b):\n", "def plus(a, b):\n") + "\nand\n\n"
-             + block("    return add(1, 2)\n", "    return plus(1, 2)\n", name="util.py"))
+    reply = (
+        block("def add(a, b):\n", "def plus(a, b):\n")
+        + "\nand\n\n"
+        + block("    return add(1, 2)\n", "    return plus(1, 2)\n", name="util.py")
+    )
     plan = plan_edit([calc, other], reply, "rename add to plus")
     assert plan.ok and [c.target.path.name for c in plan.changes] == ["calc.py", "util.py"]
     assert "plus(1, 2)" in plan.changes[1].text
@@ -177,8 +189,9 @@ def test_planning_never_raises_on_any_reply(reply: str) -> None:
 
 
 # -- the fuzz of the applier -------------------------------------------------------------------------------------
-LINES = st.lists(st.sampled_from(["a", "b", "c", "", "  a", "def f():", "    return 1", "x = 1", "\t", "é"]),
-                 min_size=1, max_size=25)
+LINES = st.lists(
+    st.sampled_from(["a", "b", "c", "", "  a", "def f():", "    return 1", "x = 1", "\t", "é"]), min_size=1, max_size=25
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -201,7 +214,7 @@ def test_a_block_applies_exactly_where_its_search_text_occurs_once_else_is_refus
         assert new is None and why.startswith("Block 1 (f.txt)")  # refused, with the reason
         return
     assert why == ""
-    expected = hay[:where[0]] + replace + hay[where[0] + len(search):]
+    expected = hay[: where[0]] + replace + hay[where[0] + len(search) :]
     if not text.endswith("\n") and expected.endswith("\n"):
         expected = expected[:-1]
     assert new == expected  # exactly the one occurrence replaced, nothing else touched

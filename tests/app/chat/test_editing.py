@@ -225,7 +225,7 @@ def test_file_context(tmp_path: Path) -> None:
         ("Sure:\n```python\nx = 1\n```\nDone.", "x = 1\n"),
         ("~~~py\nx = 1\n~~~", "x = 1\n"),
         ("```\nno tag\n```", "no tag\n"),
-        ("```python title=\"a.py\"\nx\n```", "x\n"),
+        ('```python title="a.py"\nx\n```', "x\n"),
         ("small:\n```\na\n```\nwhole file:\n```py\na\nb\nc\n```\nnote:\n```\nz\n```", "a\nb\nc\n"),  # largest
         ("```\nfirst\n```\n```\nlast!\n```", "last!\n"),  # equal size: the last
         ("Here it is:\n```python\ndef f():\n    return 1\n", "def f():\n    return 1\n"),  # partial reply
@@ -272,8 +272,10 @@ def test_extract_never_raises_on_any_text(reply: str) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.text(alphabet=st.characters(blacklist_characters="`~\r\n", blacklist_categories=("Cs",)), max_size=40),
-             max_size=20),
+    st.lists(
+        st.text(alphabet=st.characters(blacklist_characters="`~\r\n", blacklist_categories=("Cs",)), max_size=40),
+        max_size=20,
+    ),
     st.text(alphabet=st.characters(blacklist_characters="`~\r\n", blacklist_categories=("Cs",)), max_size=40),
 )
 def test_extract_returns_the_file_the_model_wrote(lines: list[str], prose: str) -> None:
@@ -316,9 +318,9 @@ def test_apply_writes_only_the_file_and_keeps_a_backup(py_file: Path) -> None:
     assert py_file.read_text() == "x = 1\n"
 
 
-
 def test_apply_that_cannot_write_leaves_the_file_the_backup_and_no_temporary_file(
-        py_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    py_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = load_edit_target(py_file)
 
     real_replace = os.replace
@@ -332,11 +334,14 @@ def test_apply_that_cannot_write_leaves_the_file_the_backup_and_no_temporary_fil
     with pytest.raises(EditError) as err:
         apply_edit(target, NEW_PY)
     monkeypatch.undo()
-    assert f"/edit {py_file}: could not write {py_file}: No space left on device. The file is unchanged; the " \
-           "backup is " in str(err.value)
+    assert (
+        f"/edit {py_file}: could not write {py_file}: No space left on device. The file is unchanged; the "
+        "backup is " in str(err.value)
+    )
     assert py_file.read_text() == PY
     (backup,) = [p for p in py_file.parent.iterdir() if p != py_file]  # the backup, and no temporary file
     assert backup.name.startswith("calc.py.specchat-bak-") and backup.read_text() == PY
+
 
 def test_apply_refuses_a_file_changed_since_it_was_loaded(py_file: Path) -> None:
     target = load_edit_target(py_file)
@@ -396,8 +401,8 @@ def test_mixed_line_ends_are_kept_line_by_line(tmp_path: Path) -> None:
     target = load_edit_target(f)
     assert target.mixed_newlines and target.text == "one\ntwo\nthree\nfour\nfive"
     assert unified_diff(target, "one\ntwo\nTHREE\nfour\nfive") == (
-        f"--- a{f}\n+++ b{f}\n@@ -1,5 +1,5 @@\n one\n two\n-three\n+THREE\n four\n five\n"
-        "\\ No newline at end of file\n")
+        f"--- a{f}\n+++ b{f}\n@@ -1,5 +1,5 @@\n one\n two\n-three\n+THREE\n four\n five\n\\ No newline at end of file\n"
+    )
     apply_edit(target, "one\ntwo\nTHREE\nfour\nnew\nfive")
     assert f.read_bytes() == b"one\r\ntwo\nTHREE\r\nfour\nnew\r\nfive"  # unchanged lines keep their own end
 

@@ -15,8 +15,12 @@ from specchat.app.chat.history.store import ChatStore
 def test_export_markdown(store: ChatStore, tmp_path: Path) -> None:
     chat = store.create_chat("Fix my loop / please", "smollm2-135m")
     store.add_message(chat, "user", "Why does `for i in range(3)` stop at 2?")
-    store.add_message(chat, "assistant", "Because range excludes the end.\n\n```python\nprint(list(range(3)))\n```\n",
-                      stats={"tokens": 42, "tokens_per_s": 31.25, "acceptance_rate": 0.6667, "per_position": [1, 2]})
+    store.add_message(
+        chat,
+        "assistant",
+        "Because range excludes the end.\n\n```python\nprint(list(range(3)))\n```\n",
+        stats={"tokens": 42, "tokens_per_s": 31.25, "acceptance_rate": 0.6667, "per_position": [1, 2]},
+    )
     store.add_message(chat, "assistant", "Half a rep", complete=False)
 
     out = export_markdown(store, chat, tmp_path / "chat.md")
@@ -39,8 +43,9 @@ def test_export_markdown(store: ChatStore, tmp_path: Path) -> None:
         export_markdown(store, chat, tmp_path / "no-such-dir" / "x.md")
 
 
-def test_a_failed_export_leaves_no_temporary_file(store: ChatStore, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_export_leaves_no_temporary_file(
+    store: ChatStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     chat = store.create_chat("c", "p")
     store.add_message(chat, "user", "hi")
     folder = tmp_path / "out"

@@ -66,8 +66,9 @@ def _reply(turn: int) -> list[str]:
 
 def _kill_at_random(script: Path, target: Path, rng: random.Random) -> list[list[str]]:
     """Start the child, kill -9 it 0.02-0.6 s after it is ready; its reported lines."""
-    child = subprocess.Popen([sys.executable, str(script), str(target)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert child.stdout is not None
     first = child.stdout.readline()
     assert first.startswith("ready"), first + child.stderr.read()

@@ -84,9 +84,12 @@ def test_kill_9_while_a_reply_streams_loses_at_most_half_a_second(tmp_path: Path
         msgs = s.messages(s.last_chat_id())
     finished = [(m.role, m.content, m.complete) for m in msgs[:-1]]
     assert finished == [
-        ("user", "question 0", True), ("assistant", "answer 0", True),
-        ("user", "question 1", True), ("assistant", "answer 1", True),
-        ("user", "question 2", True), ("assistant", "answer 2", True),
+        ("user", "question 0", True),
+        ("assistant", "answer 0", True),
+        ("user", "question 1", True),
+        ("assistant", "answer 1", True),
+        ("user", "question 2", True),
+        ("assistant", "answer 2", True),
         ("user", "last question", True),
     ]
     assert [m.stats for m in msgs[:6:2]] == [None] * 3

@@ -44,24 +44,53 @@ def _isolate(isolated_dirs):
 BASE_PAIR = {
     "name": "fuzzed",
     "description": "a pair",
-    "target": {"source": "packaged:smollm2-135m-instruct", "params": 1000, "num_layers": 2, "num_kv_heads": 1,
-               "head_dim": 8, "hidden_size": 8, "vocab_size": 100},
+    "target": {
+        "source": "packaged:smollm2-135m-instruct",
+        "params": 1000,
+        "num_layers": 2,
+        "num_kv_heads": 1,
+        "head_dim": 8,
+        "hidden_size": 8,
+        "vocab_size": 100,
+    },
     "drafter": "prompt-lookup",
     "gamma": "auto",
     "context_length": 256,
     "sampling": {"temperature": 0.2},
 }
 ANY_VALUE = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=30),
-    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=30),
+    st.lists(st.integers(), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
-FIELDS = [("name",), ("description",), ("target",), ("drafter",), ("gamma",), ("context_length",), ("sampling",),
-          ("draft",), ("target", "source"), ("target", "params"), ("target", "dtype"), ("target", "quantization"),
-          ("target", "num_layers"), ("target", "revision"), ("target", "allow_pickle"),
-          ("target", "trust_remote_code"), ("target", "download_bytes"), ("sampling", "temperature"),
-          ("sampling", "top_p"), ("sampling", "top_k"), ("sampling", "max_new_tokens"),
-          ("sampling", "repetition_penalty")]
+FIELDS = [
+    ("name",),
+    ("description",),
+    ("target",),
+    ("drafter",),
+    ("gamma",),
+    ("context_length",),
+    ("sampling",),
+    ("draft",),
+    ("target", "source"),
+    ("target", "params"),
+    ("target", "dtype"),
+    ("target", "quantization"),
+    ("target", "num_layers"),
+    ("target", "revision"),
+    ("target", "allow_pickle"),
+    ("target", "trust_remote_code"),
+    ("target", "download_bytes"),
+    ("sampling", "temperature"),
+    ("sampling", "top_p"),
+    ("sampling", "top_k"),
+    ("sampling", "max_new_tokens"),
+    ("sampling", "repetition_penalty"),
+]
 
 
 def _write(tmp_path: Path, data) -> Path:
@@ -100,8 +129,10 @@ def test_fuzzed_field_values_are_accepted_or_named(tmp_path, field, value):
 
 @FUZZ
 # not YAML line breaks in keys
-@given(key=st.text(st.characters(blacklist_characters="\r\x85\u2028\u2029"), min_size=1, max_size=20),
-       where=st.sampled_from(["pair", "target", "sampling", "top"]))
+@given(
+    key=st.text(st.characters(blacklist_characters="\r\x85\u2028\u2029"), min_size=1, max_size=20),
+    where=st.sampled_from(["pair", "target", "sampling", "top"]),
+)
 def test_unknown_keys_are_named(tmp_path, key, where):
     pair = copy.deepcopy(BASE_PAIR)
     data = {"pairs": [pair]}
@@ -124,8 +155,12 @@ def test_duplicate_names_huge_values_and_non_finite_numbers(tmp_path):
     twice = {"pairs": [BASE_PAIR, dict(BASE_PAIR, description="again")]}
     _, error = _load_or_error(_write(tmp_path, twice))
     assert "'fuzzed'" in error and "already used" in error and "rename one" in error
-    for field, value, expected in [("context_length", 10**40, "between 64 and"), ("gamma", 10**12, "1 to 31"),
-                                   ("gamma", -3, "1 to 31"), ("gamma", 0, "1 to 31")]:
+    for field, value, expected in [
+        ("context_length", 10**40, "between 64 and"),
+        ("gamma", 10**12, "1 to 31"),
+        ("gamma", -3, "1 to 31"),
+        ("gamma", 0, "1 to 31"),
+    ]:
         _, error = _load_or_error(_write(tmp_path, {"pairs": [dict(BASE_PAIR, **{field: value})]}))
         assert f"'{field}'" in error and expected in error, error
     for value in (".nan", ".inf", "-.inf", "1e400"):
@@ -144,18 +179,25 @@ def test_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
     assert "'description'" in error and "expected str" in error and len(error) < 600
 
 
-@pytest.mark.parametrize("tag", ["!!python/object/apply:os.system ['touch {marker}']",
-                                 "!!python/name:os.system",
-                                 "!!python/object/new:subprocess.Popen [['touch', '{marker}']]"])
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "!!python/object/apply:os.system ['touch {marker}']",
+        "!!python/name:os.system",
+        "!!python/object/new:subprocess.Popen [['touch', '{marker}']]",
+    ],
+)
 def test_python_tags_are_refused_and_run_nothing(tmp_path, tag):
     marker = tmp_path / "ran"
-    text = yaml.safe_dump({"pairs": [BASE_PAIR]}).replace("description: a pair",
-                                                          "description: " + tag.format(marker=marker))
+    text = yaml.safe_dump({"pairs": [BASE_PAIR]}).replace(
+        "description: a pair", "description: " + tag.format(marker=marker)
+    )
     _, error = _load_or_error(_write(tmp_path, text))
     assert "YAML syntax error" in error and "python" in error and not marker.exists()
 
 
 # --- model files -------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> tuple[Path, object]:
@@ -176,8 +218,14 @@ def test_corrupt_safetensors_names_the_file_and_what_to_do(tmp_path, tiny_dir, d
     folder = _copy_model(tiny_dir, tmp_path / "m")
     weights = folder / "model.safetensors"
     good = weights.read_bytes()
-    weights.write_bytes({"empty": b"", "garbage": b"\x00not safetensors" * 50, "truncated": good[: len(good) // 2],
-                         "header cut": good[:100]}[damage])
+    weights.write_bytes(
+        {
+            "empty": b"",
+            "garbage": b"\x00not safetensors" * 50,
+            "truncated": good[: len(good) // 2],
+            "header cut": good[:100],
+        }[damage]
+    )
     with pytest.raises(ModelLoadError) as info:
         load_model(local_spec(folder, tiny_dir[1]), "cpu")
     text = str(info.value)
@@ -199,8 +247,14 @@ def test_missing_weights_and_config_name_the_folder(tmp_path, tiny_dir):
 def test_corrupt_gguf_names_the_file_and_what_to_do(tmp_path, tiny_dir, damage):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     good = gguf.read_bytes()
-    gguf.write_bytes({"empty": b"", "garbage": b"GGUF" + bytes(range(256)) * 2, "truncated": good[: len(good) // 2],
-                      "header cut": good[:100]}[damage])
+    gguf.write_bytes(
+        {
+            "empty": b"",
+            "garbage": b"GGUF" + bytes(range(256)) * 2,
+            "truncated": good[: len(good) // 2],
+            "header cut": good[:100],
+        }[damage]
+    )
     spec = dataclasses.replace(local_spec(tmp_path, tiny_dir[1]), source=str(gguf), kind="gguf", path=str(gguf))
     with pytest.raises(ModelLoadError) as info:
         load_model(spec, "cpu")
@@ -216,12 +270,21 @@ def test_missing_gguf_is_a_config_error_naming_the_path(tmp_path):
 
 # --- the CLI -----------------------------------------------------------------------------------------------
 
+
 def _spec_yaml(folder: Path, model, **extra) -> dict:
     config = model.config
-    return {"source": str(folder), "dtype": "float32", "params": sum(p.numel() for p in model.parameters()),
-            "num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
-            "head_dim": config.head_dim, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-            "tie_word_embeddings": config.tie_word_embeddings, **extra}
+    return {
+        "source": str(folder),
+        "dtype": "float32",
+        "params": sum(p.numel() for p in model.parameters()),
+        "num_layers": config.num_hidden_layers,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        **extra,
+    }
 
 
 @pytest.fixture
@@ -252,10 +315,14 @@ def test_unknown_pair_through_the_cli(capsys, models_file):
     assert code == 2 and "unknown pair 'no-such-pair'" in line and "tiny" in line and "specchat models" in line
 
 
-@pytest.mark.parametrize("content, expected", [
-    ("pairs: [\n", "YAML syntax error"), ("pairs:\n  - name: x\n    bogus: 1\n", "unknown field"),
-    ("not-utf8", None),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ("pairs: [\n", "YAML syntax error"),
+        ("pairs:\n  - name: x\n    bogus: 1\n", "unknown field"),
+        ("not-utf8", None),
+    ],
+)
 def test_bad_models_file_through_the_cli(capsys, tmp_path, content, expected):
     file = tmp_path / "bad.yaml"
     if content == "not-utf8":
@@ -274,8 +341,13 @@ def test_draft_with_a_different_tokenizer_is_refused_through_the_cli(capsys, tmp
     other = tmp_path / "other"
     reordered = list(reversed(WORDS))
     draft_model = save_tiny_llama(other, word_tokenizer(reordered), len(WORDS) + 4, seed=1)
-    pair = {"name": "mixed", "target": _spec_yaml(*tiny_dir), "drafter": "draft-model",
-            "draft": _spec_yaml(other, draft_model), "context_length": 64}
+    pair = {
+        "name": "mixed",
+        "target": _spec_yaml(*tiny_dir),
+        "drafter": "draft-model",
+        "draft": _spec_yaml(other, draft_model),
+        "context_length": 64,
+    }
     file = _write(tmp_path, {"pairs": [pair]})
     code, _, err = cli(capsys, "generate", "--models", str(file), "--pair", "mixed", "--prompt", "w1 w2")
     line = _error_line(err)
@@ -286,27 +358,48 @@ def test_corrupt_weights_through_the_cli(capsys, tmp_path, tiny_dir):
     folder = _copy_model(tiny_dir, tmp_path / "m")
     (folder / "model.safetensors").write_bytes(b"\x00" * 10)
     pair = {"name": "broken", "target": _spec_yaml(folder, tiny_dir[1]), "drafter": "none", "context_length": 64}
-    code, _, err = cli(capsys, "generate", "--models", str(_write(tmp_path, {"pairs": [pair]})), "--pair", "broken",
-                       "--prompt", "w1")
+    code, _, err = cli(
+        capsys, "generate", "--models", str(_write(tmp_path, {"pairs": [pair]})), "--pair", "broken", "--prompt", "w1"
+    )
     assert code == 2 and "model.safetensors" in _error_line(err)
 
 
-@pytest.mark.parametrize("option, value, field", [
-    ("--temperature", "-1", "temperature"), ("--temperature", "nan", "temperature"), ("--top-p", "1.5", "top_p"),
-    ("--top-p", "0", "top_p"), ("--top-k", "-3", "top_k"), ("--repetition-penalty", "0", "repetition_penalty"),
-    ("--seed", str(2**70), "seed"),
-])
+@pytest.mark.parametrize(
+    "option, value, field",
+    [
+        ("--temperature", "-1", "temperature"),
+        ("--temperature", "nan", "temperature"),
+        ("--top-p", "1.5", "top_p"),
+        ("--top-p", "0", "top_p"),
+        ("--top-k", "-3", "top_k"),
+        ("--repetition-penalty", "0", "repetition_penalty"),
+        ("--seed", str(2**70), "seed"),
+    ],
+)
 def test_sampling_out_of_range_through_the_cli(capsys, models_file, option, value, field):
-    code, _, err = cli(capsys, "generate", "--models", str(models_file), "--pair", "tiny", "--prompt", "w1 w2",
-                       option, value, "--max-new-tokens", "2")
+    code, _, err = cli(
+        capsys,
+        "generate",
+        "--models",
+        str(models_file),
+        "--pair",
+        "tiny",
+        "--prompt",
+        "w1 w2",
+        option,
+        value,
+        "--max-new-tokens",
+        "2",
+    )
     line = _error_line(err)
     assert code == 2 and f"{field}=" in line and "out of range" in line and "use " in line
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "65", "1000000", "many"])
 def test_gamma_out_of_range_through_the_cli(capsys, models_file, value):
-    code, _, err = cli(capsys, "generate", "--models", str(models_file), "--pair", "tiny", "--prompt", "w1",
-                       "--gamma", value)
+    code, _, err = cli(
+        capsys, "generate", "--models", str(models_file), "--pair", "tiny", "--prompt", "w1", "--gamma", value
+    )
     assert code == 2 and "--gamma" in err and value in err
 
 
@@ -319,15 +412,18 @@ def _prompts_file(tmp_path: Path, lines: list[bytes]) -> Path:
 GOOD_LINE = json.dumps({"id": "ok", "messages": [{"role": "user", "content": "w1 w2"}]}).encode()
 
 
-@pytest.mark.parametrize("bad, expected", [
-    (b'{"id": 1, "messages": [{"role": "user", "content": "w1 \xff\xfe"}]}', "not UTF-8 text (byte 0xff at column"),
-    (b'{"id": 2, "messages": [', "not valid JSON"),
-    (b"[" * 100000, "not valid JSON"),
-    (b'{"id": 3, "messages": [{"role": "user", "content": 7}]}', "content must be text"),
-    (b'{"id": 4, "messages": [{"role": "robot", "content": "hi"}]}', "role 'robot'"),
-    (b'{"id": 5, "messages": [{"role": "user", "content": "   "}]}', "is empty"),
-    (b'{"id": 6, "messages": []}', '"messages" list'),
-])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        (b'{"id": 1, "messages": [{"role": "user", "content": "w1 \xff\xfe"}]}', "not UTF-8 text (byte 0xff at column"),
+        (b'{"id": 2, "messages": [', "not valid JSON"),
+        (b"[" * 100000, "not valid JSON"),
+        (b'{"id": 3, "messages": [{"role": "user", "content": 7}]}', "content must be text"),
+        (b'{"id": 4, "messages": [{"role": "robot", "content": "hi"}]}', "role 'robot'"),
+        (b'{"id": 5, "messages": [{"role": "user", "content": "   "}]}', "is empty"),
+        (b'{"id": 6, "messages": []}', '"messages" list'),
+    ],
+)
 def test_bad_prompts_line_is_named_before_loading(capsys, tmp_path, models_file, bad, expected):
     file = _prompts_file(tmp_path, [GOOD_LINE, bad])
     code, out, err = cli(capsys, "generate", "--models", str(models_file), "--pair", "tiny", "--prompts", str(file))
@@ -344,8 +440,19 @@ def test_hostile_prompts_run_or_are_refused_by_name(capsys, tmp_path, models_fil
         json.dumps({"id": "huge", "messages": [{"role": "user", "content": "w6 " * 500}]}).encode(),
     ]
     file = _prompts_file(tmp_path, lines)
-    code, out, err = cli(capsys, "generate", "--models", str(models_file), "--pair", "tiny", "--prompts", str(file),
-                         "--json", "--max-new-tokens", "3")
+    code, out, err = cli(
+        capsys,
+        "generate",
+        "--models",
+        str(models_file),
+        "--pair",
+        "tiny",
+        "--prompts",
+        str(file),
+        "--json",
+        "--max-new-tokens",
+        "3",
+    )
     records = [json.loads(line) for line in out.splitlines()]
     # A 200 000-character line without spaces is one (unknown) word: it runs; 500 words exceed the context.
     assert [r["id"] for r in records] == ["ctrl", "sur?", "longline"]  # the lone surrogate replaced
@@ -356,6 +463,7 @@ def test_hostile_prompts_run_or_are_refused_by_name(capsys, tmp_path, models_fil
 
 
 # --- the engine --------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def engine():
@@ -368,30 +476,48 @@ def _generate(engine, **kw):
     return events
 
 
-@pytest.mark.parametrize("request_kw, expected", [
-    (dict(prompt_ids=[]), "the prompt is empty"),
-    (dict(messages=[]), "no messages"),
-    (dict(messages=[{"role": "user", "content": ""}]), "is empty"),
-    (dict(messages=[{"role": "assistant", "content": "w1"}]), "no user message"),
-    (dict(messages=[{"role": "user"}]), "'role' and 'content'"),
-    (dict(messages=["w1"]), "'role' and 'content'"),
-    (dict(prompt_ids=list(range(3, 100))), "context allows 63"),
-    (dict(messages=[{"role": "user", "content": "w7 " * 100}]), "too long for the context"),
-    (dict(prompt_ids=[5], drafter="magic"), "unknown drafter 'magic'"),
-    (dict(prompt_ids=[5], drafter="draft-model"), "has no draft model"),
-])
+@pytest.mark.parametrize(
+    "request_kw, expected",
+    [
+        (dict(prompt_ids=[]), "the prompt is empty"),
+        (dict(messages=[]), "no messages"),
+        (dict(messages=[{"role": "user", "content": ""}]), "is empty"),
+        (dict(messages=[{"role": "assistant", "content": "w1"}]), "no user message"),
+        (dict(messages=[{"role": "user"}]), "'role' and 'content'"),
+        (dict(messages=["w1"]), "'role' and 'content'"),
+        (dict(prompt_ids=list(range(3, 100))), "context allows 63"),
+        (dict(messages=[{"role": "user", "content": "w7 " * 100}]), "too long for the context"),
+        (dict(prompt_ids=[5], drafter="magic"), "unknown drafter 'magic'"),
+        (dict(prompt_ids=[5], drafter="draft-model"), "has no draft model"),
+    ],
+)
 def test_bad_requests_are_refused_by_name(engine, request_kw, expected):
     with pytest.raises(RequestError, match=expected):
         _generate(engine, **request_kw)
     assert engine.blocks_in_use() == 0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "hot"),
-    ("top_p", 1.01), ("top_p", 0.0), ("top_p", -1), ("top_k", -1), ("top_k", 2.5),
-    ("repetition_penalty", 0), ("repetition_penalty", 1e9), ("max_new_tokens", 0), ("max_new_tokens", -5),
-    ("max_new_tokens", 10**12), ("seed", 2**80), ("seed", "abc"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("temperature", "hot"),
+        ("top_p", 1.01),
+        ("top_p", 0.0),
+        ("top_p", -1),
+        ("top_k", -1),
+        ("top_k", 2.5),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", 1e9),
+        ("max_new_tokens", 0),
+        ("max_new_tokens", -5),
+        ("max_new_tokens", 10**12),
+        ("seed", 2**80),
+        ("seed", "abc"),
+    ],
+)
 def test_sampling_out_of_range_in_the_engine(engine, field, value):
     with pytest.raises(RequestError) as info:
         _generate(engine, prompt_ids=[5, 6], sampling=SamplingParams(**{field: value}))
@@ -409,7 +535,8 @@ def test_gamma_out_of_range_in_the_engine(engine, gamma):
 def test_any_text_through_the_engine(engine, content, system):
     """Any Unicode (control characters, lone surrogates, RTL marks) either generates or is refused by name."""
     messages = ([{"role": "system", "content": system}] if system is not None else []) + [
-        {"role": "user", "content": content}]
+        {"role": "user", "content": content}
+    ]
     try:
         events = _generate(engine, messages=messages, sampling=SamplingParams(temperature=0, max_new_tokens=2))
     except RequestError as error:

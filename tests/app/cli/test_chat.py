@@ -67,7 +67,8 @@ def test_a_history_that_cannot_be_opened_is_a_notice(recorded, monkeypatch: pyte
     (app,) = recorded
     assert app.kwargs["store"] is None
     assert app.kwargs["startup_notices"] == [
-        "History is disabled for this session: cannot create the history folder /nope: Permission denied."]
+        "History is disabled for this session: cannot create the history folder /nope: Permission denied."
+    ]
 
 
 def test_a_read_only_history_is_opened_and_said_once_at_start(recorded, isolated_dirs: Path) -> None:
@@ -104,5 +105,9 @@ def test_the_app_refuses_an_unknown_pair_even_when_a_last_pair_is_known(tmp_path
 
     save_settings(Settings(last_pair="smollm2-135m"), tmp_path / "settings.json")
     with pytest.raises(SpecchatError, match="--pair nope: no such pair"):
-        SpecchatApp(load_pairs(None), engine_factory=lambda *a: None, settings_path=tmp_path / "settings.json",
-                    initial_pair="nope")
+        SpecchatApp(
+            load_pairs(None),
+            engine_factory=lambda *a: None,
+            settings_path=tmp_path / "settings.json",
+            initial_pair="nope",
+        )

@@ -32,7 +32,7 @@ class PerfectDrafter(StatelessHooks):
         self.start = reply_start
 
     def propose(self, context, max_tokens):
-        return Draft(token_ids=self.reply[len(context) - self.start:][:max_tokens])
+        return Draft(token_ids=self.reply[len(context) - self.start :][:max_tokens])
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +58,9 @@ def test_a_stop_string_inside_a_speculative_step_reports_plain_decodings_tokens(
     assert len(words) > 10 and isinstance(full["seed"], int)
     for stop in (words[3], f"{words[6]} {words[7]}"):
         plain = generate(monkeypatch, capsys, "--drafter", "none", "--stop", stop)
-        drafted = generate(monkeypatch, capsys, "--drafter", "prompt-lookup", "--gamma", "8", "--stop", stop,
-                           reply=full["token_ids"])
+        drafted = generate(
+            monkeypatch, capsys, "--drafter", "prompt-lookup", "--gamma", "8", "--stop", stop, reply=full["token_ids"]
+        )
         assert plain["finish_reason"] == drafted["finish_reason"] == "stop"
         assert plain["text"] == drafted["text"] and not plain["text"].rstrip().endswith(stop)
         assert plain["token_ids"] == drafted["token_ids"] and len(plain["token_ids"]) < len(full["token_ids"])

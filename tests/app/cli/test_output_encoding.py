@@ -43,8 +43,9 @@ def test_json_is_exact_on_any_stdout(fake_reply, monkeypatch, capsys, encoding: 
 
 
 @pytest.mark.parametrize("encoding", ["ascii", "cp1252", "latin-1", "utf-8"])
-def test_text_writes_what_the_encoding_lacks_as_a_question_mark_and_says_so_once(fake_reply, monkeypatch, capsys,
-                                                                                  encoding: str) -> None:
+def test_text_writes_what_the_encoding_lacks_as_a_question_mark_and_says_so_once(
+    fake_reply, monkeypatch, capsys, encoding: str
+) -> None:
     code, out, err = _run(monkeypatch, capsys, encoding)
     expected = REPLY.encode(encoding, "replace").decode(encoding)
     assert code == 0 and out.split("\n")[:2] == [expected, expected] and "Traceback" not in err

@@ -22,22 +22,48 @@ def _isolate(isolated_dirs):
 
 def _models_file(tmp_path: Path, url: str, *, kind: str = "specchat", model: str = "tiny") -> Path:
     path = tmp_path / "remote.yaml"
-    path.write_text("pairs:\n  - name: smollm2-135m\n    target: {source: packaged:smollm2-135m-instruct, params: "
-                    "134515008, num_layers: 30, num_kv_heads: 3, head_dim: 64, hidden_size: 576, vocab_size: 49152}\n"
-                    "    drafter: prompt-lookup\n    context_length: 8192\n"
-                    f"  - name: far\n    target: {{server: {url}, model: {model}, kind: {kind}}}\n", encoding="utf-8")
+    path.write_text(
+        "pairs:\n  - name: smollm2-135m\n    target: {source: packaged:smollm2-135m-instruct, params: "
+        "134515008, num_layers: 30, num_kv_heads: 3, head_dim: 64, hidden_size: 576, vocab_size: 49152}\n"
+        "    drafter: prompt-lookup\n    context_length: 8192\n"
+        f"  - name: far\n    target: {{server: {url}, model: {model}, kind: {kind}}}\n",
+        encoding="utf-8",
+    )
     return path
 
 
 def test_generate_json_on_a_remote_pair_has_the_fields_of_a_local_pair(tmp_path, capsys) -> None:
     with running_server(tiny_engine()) as (_, url):
         models = _models_file(tmp_path, url)
-        code = main(["generate", "--models", str(models), "--pair", "far", "--prompt", "w7 w8 w9 w7 w8 w9",
-                     "--temperature", "0", "--max-new-tokens", "10", "--json"])
+        code = main(
+            [
+                "generate",
+                "--models",
+                str(models),
+                "--pair",
+                "far",
+                "--prompt",
+                "w7 w8 w9 w7 w8 w9",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "10",
+                "--json",
+            ]
+        )
     record = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert set(record) == {"id", "sample", "text", "token_ids", "prompt_tokens", "finish_reason", "drafter", "seed",
-                           "stats"}
+    assert set(record) == {
+        "id",
+        "sample",
+        "text",
+        "token_ids",
+        "prompt_tokens",
+        "finish_reason",
+        "drafter",
+        "seed",
+        "stats",
+    }
     assert tuple(record["stats"]) == JSON_STATS_FIELDS
     assert record["finish_reason"] == "length" and len(record["token_ids"]) == 10
     assert record["stats"]["new_tokens"] == 10 and record["stats"]["steps"] is not None  # specchat serve gives all
@@ -46,8 +72,22 @@ def test_generate_json_on_a_remote_pair_has_the_fields_of_a_local_pair(tmp_path,
 def test_generate_json_on_an_openai_kind_pair_has_null_for_what_the_server_does_not_say(tmp_path, capsys) -> None:
     with running_server(tiny_engine()) as (_, url):
         models = _models_file(tmp_path, url, kind="openai")
-        code = main(["generate", "--models", str(models), "--pair", "far", "--prompt", "w7 w8", "--temperature",
-                     "0", "--max-new-tokens", "6", "--json"])
+        code = main(
+            [
+                "generate",
+                "--models",
+                str(models),
+                "--pair",
+                "far",
+                "--prompt",
+                "w7 w8",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "6",
+                "--json",
+            ]
+        )
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert code == 0 and tuple(stats) == JSON_STATS_FIELDS and stats["new_tokens"] == 6 and stats["ttft_s"] > 0
 
@@ -58,8 +98,20 @@ def test_generate_on_a_server_that_dies_keeps_the_partial_reply_and_exits_1(tmp_
         import threading
 
         threading.Timer(2.5, proc.kill).start()
-        code = main(["generate", "--models", str(models), "--pair", "far", "--prompt", "w7 w8",
-                     "--max-new-tokens", "200", "--json"])
+        code = main(
+            [
+                "generate",
+                "--models",
+                str(models),
+                "--pair",
+                "far",
+                "--prompt",
+                "w7 w8",
+                "--max-new-tokens",
+                "200",
+                "--json",
+            ]
+        )
     captured = capsys.readouterr()
     record = json.loads(captured.out)
     assert code == 1 and record["finish_reason"] == "error" and record["text"].strip()
@@ -90,8 +142,26 @@ def test_models_lists_remote_pairs_with_a_reachability_check(tmp_path, capsys) -
 def test_bench_on_a_remote_pair(tmp_path, capsys) -> None:
     with running_server(SlowEngine(tiny_engine())) as (_, url):
         models = _models_file(tmp_path, url)
-        code = main(["bench", "--models", str(models), "--pair", "far", "--suite", "code-edit", "--limit", "1",
-                     "--max-new-tokens", "8", "--modes", "server", "prompt-lookup", "--out", str(tmp_path / "out")])
+        code = main(
+            [
+                "bench",
+                "--models",
+                str(models),
+                "--pair",
+                "far",
+                "--suite",
+                "code-edit",
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "8",
+                "--modes",
+                "server",
+                "prompt-lookup",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     assert code == 0
     bench = json.loads((tmp_path / "out" / "bench.json").read_text())
     rows = bench["rows"]

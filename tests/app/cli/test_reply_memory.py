@@ -36,19 +36,46 @@ def tiny_dir(tmp_path_factory) -> tuple[Path, object]:
 def models_file(tmp_path, tiny_dir) -> Path:
     folder, model = tiny_dir
     config = model.config
-    target = {"source": str(folder), "dtype": "float32", "params": sum(p.numel() for p in model.parameters()),
-              "num_layers": config.num_hidden_layers, "num_kv_heads": config.num_key_value_heads,
-              "head_dim": config.head_dim, "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-              "tie_word_embeddings": config.tie_word_embeddings}
+    target = {
+        "source": str(folder),
+        "dtype": "float32",
+        "params": sum(p.numel() for p in model.parameters()),
+        "num_layers": config.num_hidden_layers,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }
     file = tmp_path / "models.yaml"
-    file.write_text(yaml.safe_dump({"pairs": [{"name": "tiny", "target": target, "drafter": "suffix",
-                                               "context_length": 256}]}))
+    file.write_text(
+        yaml.safe_dump({"pairs": [{"name": "tiny", "target": target, "drafter": "suffix", "context_length": 256}]})
+    )
     return file
 
 
 def generate(capsys, models_file: Path, *extra: str) -> dict:
-    code = main(["generate", "--models", str(models_file), "--pair", "tiny", "--prompt", "w1 w2 w3 w4",
-                 "--temperature", "1", "--seed", "5", "--gamma", "8", "--max-new-tokens", "40", "--json", *extra])
+    code = main(
+        [
+            "generate",
+            "--models",
+            str(models_file),
+            "--pair",
+            "tiny",
+            "--prompt",
+            "w1 w2 w3 w4",
+            "--temperature",
+            "1",
+            "--seed",
+            "5",
+            "--gamma",
+            "8",
+            "--max-new-tokens",
+            "40",
+            "--json",
+            *extra,
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0 and "Traceback" not in err
     return json.loads(out)

@@ -20,8 +20,24 @@ PROMPT = "Write a Python function that returns the sum of a list of numbers."
 
 
 def _generate(capsys, *args: str) -> dict:
-    assert main(["generate", "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "48", "--json",
-                 "--device", "cpu", *args]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--prompt",
+                PROMPT,
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "48",
+                "--json",
+                "--device",
+                "cpu",
+                *args,
+            ]
+        )
+        == 0
+    )
     return json.loads(capsys.readouterr().out)
 
 
@@ -29,9 +45,25 @@ def test_greedy_output_over_the_api_equals_specchat_generate(tmp_path: Path, cap
     # -X faulthandler: a server that does not stop is made to print every thread's stack (below). SIGINT is set
     # back to its default in the child, as a terminal's Ctrl+C finds it: a test run started in the background by a
     # non-interactive shell inherits it ignored, and Python then never raises KeyboardInterrupt.
-    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "specchat.app.cli.main", "serve", "--pair",
-                             "smollm2-135m", "--port", "0", "--device", "cpu"], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-m",
+            "specchat.app.cli.main",
+            "serve",
+            "--pair",
+            "smollm2-135m",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         url = ""
         deadline = time.monotonic() + 300
@@ -41,8 +73,10 @@ def test_greedy_output_over_the_api_equals_specchat_generate(tmp_path: Path, cap
                 url = line.split(" on ", 1)[1].split(" ", 1)[0]
         assert url.startswith("http://127.0.0.1:"), "the server did not start"
         models = tmp_path / "remote.yaml"
-        models.write_text("pairs:\n  - name: served\n"
-                          f"    target: {{server: {url}, model: smollm2-135m, kind: specchat}}\n", encoding="utf-8")
+        models.write_text(
+            f"pairs:\n  - name: served\n    target: {{server: {url}, model: smollm2-135m, kind: specchat}}\n",
+            encoding="utf-8",
+        )
         local = _generate(capsys)
         remote = _generate(capsys, "--models", str(models), "--pair", "served")
         assert remote["token_ids"] == local["token_ids"] and remote["text"] == local["text"]

@@ -18,8 +18,12 @@ from serve_fixtures import SlowEngine, running_server
 from specchat.app.serve.boundary import Limits
 from specchat.backend.remote.stats import from_llama_server, from_vllm
 
-BODY = {"model": "tiny", "messages": [{"role": "user", "content": "w7 w8 w9 w7 w8 w9 w7 w8"}], "max_tokens": 12,
-        "temperature": 0}
+BODY = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "w7 w8 w9 w7 w8 w9 w7 w8"}],
+    "max_tokens": 12,
+    "temperature": 0,
+}
 
 
 def _post(url: str, body: object, **kwargs) -> httpx.Response:
@@ -72,23 +76,26 @@ def test_a_stream_is_server_sent_events_ending_with_usage_and_done(served) -> No
     assert all("stats" in c["specchat"] for c in chunks)  # live statistics on every chunk
 
 
-@pytest.mark.parametrize(("body", "status", "named"), [
-    (b"{not json", 400, "not valid JSON"),
-    (b"[1, 2]", 400, "field 'body'"),
-    ({"messages": BODY["messages"]}, 400, "field 'model'"),
-    ({**BODY, "model": "gpt-4"}, 404, "models: tiny"),
-    ({**BODY, "messages": []}, 400, "field 'messages'"),
-    ({**BODY, "messages": [{"role": "robot", "content": "x"}]}, 400, "field 'messages[0].role'"),
-    ({**BODY, "messages": [{"role": "user", "content": 5}]}, 400, "field 'messages[0].content'"),
-    ({**BODY, "max_tokens": 65}, 400, "field 'max_tokens'"),
-    ({**BODY, "temperature": -1}, 400, "field 'temperature'"),
-    ({**BODY, "top_p": "high"}, 400, "field 'top_p'"),
-    ({**BODY, "n": 3}, 400, "field 'n'"),
-    ({**BODY, "stream": "yes"}, 400, "field 'stream'"),
-    ({**BODY, "stop": [1]}, 400, "field 'stop'"),
-    ({**BODY, "specchat": {"gamma": 99}}, 400, "field 'specchat.gamma'"),
-    ({**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}, 413, "at most 4096"),
-])
+@pytest.mark.parametrize(
+    ("body", "status", "named"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "field 'body'"),
+        ({"messages": BODY["messages"]}, 400, "field 'model'"),
+        ({**BODY, "model": "gpt-4"}, 404, "models: tiny"),
+        ({**BODY, "messages": []}, 400, "field 'messages'"),
+        ({**BODY, "messages": [{"role": "robot", "content": "x"}]}, 400, "field 'messages[0].role'"),
+        ({**BODY, "messages": [{"role": "user", "content": 5}]}, 400, "field 'messages[0].content'"),
+        ({**BODY, "max_tokens": 65}, 400, "field 'max_tokens'"),
+        ({**BODY, "temperature": -1}, 400, "field 'temperature'"),
+        ({**BODY, "top_p": "high"}, 400, "field 'top_p'"),
+        ({**BODY, "n": 3}, 400, "field 'n'"),
+        ({**BODY, "stream": "yes"}, 400, "field 'stream'"),
+        ({**BODY, "stop": [1]}, 400, "field 'stop'"),
+        ({**BODY, "specchat": {"gamma": 99}}, 400, "field 'specchat.gamma'"),
+        ({**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}, 413, "at most 4096"),
+    ],
+)
 def test_the_input_boundary_answers_json_naming_the_field(served, body, status, named) -> None:
     _, _, url = served
     if isinstance(body, bytes):

@@ -33,13 +33,15 @@ async def test_send_streams_the_reply_and_saves_it(tmp_path):
         assert len(views) == 1 and views[0].text == CANNED_REPLY
         assert [type(v) for v in chat.query(".message")] == [UserMessage, AssistantMessage]
         # the code block was rendered as a fence (syntax highlighted), not as plain text
-        assert views[0].code_blocks() == ['def reverse(text: str) -> str:\n    return text[::-1]']
+        assert views[0].code_blocks() == ["def reverse(text: str) -> str:\n    return text[::-1]"]
         request = app.engine.requests[0]
         assert request.messages == [{"role": "user", "content": "reverse a string in python"}]
         assert request.conversation == f"chat-{chat.conv.chat_id}"
         stored = app.store.messages(chat.conv.chat_id)
-        assert [(m.role, m.content) for m in stored] == [("user", "reverse a string in python"),
-                                                        ("assistant", CANNED_REPLY)]
+        assert [(m.role, m.content) for m in stored] == [
+            ("user", "reverse a string in python"),
+            ("assistant", CANNED_REPLY),
+        ]
         assert stored[1].complete and stored[1].stats["finish_reason"] == "eos"
         assert stored[1].stats["new_tokens"] == 79
 
@@ -49,6 +51,7 @@ async def test_stream_is_incremental_and_coalesced(tmp_path):
     nudges: dict[int, ReplyProgress] = {}  # by id: the hook sees a message both when posted and handled
     factory = FakeEngineFactory(step_delay_s=0.04)
     app = make_app(tmp_path, factory=factory)
+
     def hook(message) -> None:
         if isinstance(message, ReplyProgress):
             nudges.setdefault(id(message), message)

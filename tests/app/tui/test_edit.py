@@ -103,8 +103,10 @@ async def test_file_context_and_attachment_errors(tmp_path, monkeypatch):
 # -- issue 19: edits that cannot destroy a file ------------------------------------------------------------------
 CALC = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
 FRAGMENT_REPLY = "Here is the updated function:\n\n```python\ndef sub(a: int, b: int) -> int:\n    return a - b\n```\n"
-BLOCK_REPLY = ("calc.py\n```python\n<<<<<<< SEARCH\ndef sub(a, b):\n    return a - b\n=======\n"
-               "def sub(a: int, b: int) -> int:\n    return a - b\n>>>>>>> REPLACE\n```\n")
+BLOCK_REPLY = (
+    "calc.py\n```python\n<<<<<<< SEARCH\ndef sub(a, b):\n    return a - b\n=======\n"
+    "def sub(a: int, b: int) -> int:\n    return a - b\n>>>>>>> REPLACE\n```\n"
+)
 
 
 async def test_a_reply_holding_only_the_changed_function_is_refused_and_the_file_kept(tmp_path, monkeypatch):
@@ -128,8 +130,13 @@ async def test_search_replace_blocks_apply_exactly_and_undo_restores_byte_for_by
     (tmp_path / "calc.py").write_bytes(original)
     git = shutil.which("git")
     if git:
-        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-               "GIT_COMMITTER_EMAIL": "t@t"}
+        env = {
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+        }
         for args in (["init", "-q"], ["add", "calc.py"], ["commit", "-qm", "start"]):
             subprocess.run([git, "-C", str(tmp_path), *args], check=True, env=env, capture_output=True)
     app = make_app(tmp_path, factory=FakeEngineFactory(reply=BLOCK_REPLY))
@@ -160,9 +167,11 @@ async def test_one_request_edits_several_files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "calc.py").write_text(CALC)
     (tmp_path / "use.py").write_text("from calc import add\n\nprint(add(1, 2))\n")
-    reply = ("calc.py\n<<<<<<< SEARCH\ndef add(a, b):\n=======\ndef plus(a, b):\n>>>>>>> REPLACE\n\n"
-             "use.py\n<<<<<<< SEARCH\nfrom calc import add\n\nprint(add(1, 2))\n=======\n"
-             "from calc import plus\n\nprint(plus(1, 2))\n>>>>>>> REPLACE\n")
+    reply = (
+        "calc.py\n<<<<<<< SEARCH\ndef add(a, b):\n=======\ndef plus(a, b):\n>>>>>>> REPLACE\n\n"
+        "use.py\n<<<<<<< SEARCH\nfrom calc import add\n\nprint(add(1, 2))\n=======\n"
+        "from calc import plus\n\nprint(plus(1, 2))\n>>>>>>> REPLACE\n"
+    )
     app = make_app(tmp_path, factory=FakeEngineFactory(reply=reply))
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
@@ -176,7 +185,9 @@ async def test_one_request_edits_several_files(tmp_path, monkeypatch):
         await wait_for(pilot, lambda: "plus" in (tmp_path / "use.py").read_text())
         assert "def plus(a, b):" in (tmp_path / "calc.py").read_text()
         assert app.store.messages(app.chat.conv.chat_id)[0].stats["edit"] == [
-            str(tmp_path / "calc.py"), str(tmp_path / "use.py")]
+            str(tmp_path / "calc.py"),
+            str(tmp_path / "use.py"),
+        ]
 
 
 async def test_the_dialog_names_the_real_file_behind_a_symlink(tmp_path, monkeypatch):

@@ -103,13 +103,15 @@ async def test_internal_error_is_logged_with_its_traceback(tmp_path):
             await ready(pilot)
             await send(pilot, "hi")
             await reply_done(pilot)
-            assert any("Internal error: ZeroDivisionError: boom" in n and str(log_path) in n
-                       for n in notifications(app))
+            assert any(
+                "Internal error: ZeroDivisionError: boom" in n and str(log_path) in n for n in notifications(app)
+            )
     text = log_path.read_text()
     assert "Traceback" in text and "ZeroDivisionError: boom" in text
     assert "stray library output from the loader thread" in text  # the loader's print went to the log
-    assert not logging.getLogger().handlers or all(h.__class__.__name__ != "FileHandler"
-                                                   for h in logging.getLogger().handlers)
+    assert not logging.getLogger().handlers or all(
+        h.__class__.__name__ != "FileHandler" for h in logging.getLogger().handlers
+    )
 
 
 async def test_brackets_in_user_text_are_never_parsed_as_markup(tmp_path, monkeypatch):

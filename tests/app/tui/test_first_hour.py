@@ -45,8 +45,9 @@ async def test_a_long_prompt_shows_prefill_progress_within_a_second_and_esc_stop
         assert app.engine.requests[0].prefill_progress
         reply = app.chat.query_one(AssistantMessage)
         moved = re.compile(r"reading prompt [1-9][\d,]* / 4,936 tokens \d+%")
-        await wait_for(pilot, lambda: moved.search(screen_text(app)) and moved.match(reply.totals), timeout=10,
-                       what="a pass read")
+        await wait_for(
+            pilot, lambda: moved.search(screen_text(app)) and moved.match(reply.totals), timeout=10, what="a pass read"
+        )
         assert "Esc stops" in reply.totals and re.search(r"tokens \d+% · \d+\.\d s", reply.totals)
         await pilot.press("escape")
         await reply_done(pilot)
@@ -132,12 +133,16 @@ async def test_up_in_the_empty_input_edits_and_resends_the_last_message(tmp_path
         await pilot.press("enter")
         await reply_done(pilot)
         assert [(t.role, t.content[:16]) for t in app.chat.conv.turns][::2] == [
-            ("user", "first question"), ("user", "reverse a string")]
+            ("user", "first question"),
+            ("user", "reverse a string"),
+        ]
         assert len(app.chat.conv.turns) == 4 and len(app.chat.query(UserMessage)) == 2
         stored = app.store.messages(app.chat.conv.chat_id)
         assert [m.content for m in stored if m.role == "user"] == ["first question", "reverse a string"]
         assert [m["content"] for m in app.engine.requests[-1].messages if m["role"] == "user"] == [
-            "first question", "reverse a string"]
+            "first question",
+            "reverse a string",
+        ]
 
 
 async def test_up_then_emptying_the_input_sends_a_new_message_instead(tmp_path):
@@ -173,7 +178,9 @@ async def test_branch_from_an_earlier_message(tmp_path):
         await send(pilot, "another way")
         await reply_done(pilot)
         assert [m.content for m in app.store.messages(app.chat.conv.chat_id) if m.role == "user"] == [
-            "first", "another way"]
+            "first",
+            "another way",
+        ]
         app.chat.query(UserMessage).last().focus()  # a user message: the branch holds what came before it
         await pilot.press("f")
         await wait_for(pilot, lambda: len(app.chat.conv.turns) == 2)

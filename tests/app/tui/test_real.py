@@ -24,12 +24,21 @@ pytestmark = pytest.mark.slow
 
 async def test_real_default_pair_answers_with_statistics(tmp_path):
     save_settings(Settings(temperature=0.0, max_new_tokens=24), tmp_path / "settings.json")
-    app = SpecchatApp(load_pairs(), engine_factory=default_engine_factory("cpu"), pair_info=default_pair_info("cpu"),
-                      store=ChatStore(tmp_path / "history.sqlite3"), settings_path=tmp_path / "settings.json",
-                      log_path=tmp_path / "specchat.log")
+    app = SpecchatApp(
+        load_pairs(),
+        engine_factory=default_engine_factory("cpu"),
+        pair_info=default_pair_info("cpu"),
+        store=ChatStore(tmp_path / "history.sqlite3"),
+        settings_path=tmp_path / "settings.json",
+        log_path=tmp_path / "specchat.log",
+    )
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None or any("Could not" in n for n in notifications(app)),
-                       timeout=300, what="the default pair to load")
+        await wait_for(
+            pilot,
+            lambda: app.engine is not None or any("Could not" in n for n in notifications(app)),
+            timeout=300,
+            what="the default pair to load",
+        )
         assert app.engine is not None, notifications(app)
         assert app.current_pair_name == "smollm2-135m"
         await send(pilot, "Write a Python function that adds two numbers.")

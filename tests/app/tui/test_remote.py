@@ -18,9 +18,15 @@ from specchat.app.tui.widgets.message_view import AssistantMessage
 
 def _app(tmp_path, pairs, *, max_new_tokens: int = 16) -> SpecchatApp:
     save_settings(Settings(temperature=0.0, max_new_tokens=max_new_tokens), tmp_path / "settings.json")
-    return SpecchatApp(pairs, engine_factory=default_engine_factory("cpu"), pair_info=default_pair_info("cpu"),
-                       store=ChatStore(tmp_path / "history.sqlite3"), settings_path=tmp_path / "settings.json",
-                       log_path=tmp_path / "specchat.log", initial_pair="remote")
+    return SpecchatApp(
+        pairs,
+        engine_factory=default_engine_factory("cpu"),
+        pair_info=default_pair_info("cpu"),
+        store=ChatStore(tmp_path / "history.sqlite3"),
+        settings_path=tmp_path / "settings.json",
+        log_path=tmp_path / "specchat.log",
+        initial_pair="remote",
+    )
 
 
 async def test_a_remote_reply_shows_the_servers_statistics_and_is_saved(tmp_path):
@@ -45,8 +51,12 @@ async def test_escape_stops_a_remote_reply_and_keeps_it(tmp_path):
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_for(pilot, lambda: app.engine is not None, what="the remote engine")
             await send(pilot, "w7 w8 w9")
-            await wait_for(pilot, lambda: app.chat.query(AssistantMessage) and app.chat.query_one(
-                AssistantMessage).text.strip(), timeout=30, what="the first tokens")
+            await wait_for(
+                pilot,
+                lambda: app.chat.query(AssistantMessage) and app.chat.query_one(AssistantMessage).text.strip(),
+                timeout=30,
+                what="the first tokens",
+            )
             await pilot.press("escape")
             await reply_done(pilot)
             stored = app.store.messages(app.chat.conv.chat_id)[-1]
@@ -72,8 +82,12 @@ async def test_a_server_that_dies_mid_reply_is_a_clear_error_and_the_partial_rep
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_for(pilot, lambda: app.engine is not None, what="the remote engine")
             await send(pilot, "w7 w8 w9")
-            await wait_for(pilot, lambda: app.chat.query(AssistantMessage) and app.chat.query_one(
-                AssistantMessage).text.strip(), timeout=30, what="the first tokens")
+            await wait_for(
+                pilot,
+                lambda: app.chat.query(AssistantMessage) and app.chat.query_one(AssistantMessage).text.strip(),
+                timeout=30,
+                what="the first tokens",
+            )
             proc.kill()
             await reply_done(pilot)
             assert any(n.startswith("Reply failed") and "partial reply is kept" in n for n in notifications(app))
@@ -85,8 +99,10 @@ async def test_the_picker_shows_remote_pairs_up_or_down(tmp_path):
     from specchat.app.tui.screens.picker import PairPickerScreen
 
     with running_server(tiny_engine()) as (_, url):
-        pairs = {"remote": remote_pair(tmp_path, url),
-                 "gone": remote_pair(tmp_path, f"http://127.0.0.1:{closed_port()}/v1", name="gone")}
+        pairs = {
+            "remote": remote_pair(tmp_path, url),
+            "gone": remote_pair(tmp_path, f"http://127.0.0.1:{closed_port()}/v1", name="gone"),
+        }
         app = _app(tmp_path, pairs)
         async with app.run_test(size=(140, 40)) as pilot:
             await wait_for(pilot, lambda: app.engine is not None, what="the remote engine")

@@ -60,8 +60,13 @@ async def test_picker_asks_before_a_download_and_a_pair_that_does_not_fit(tmp_pa
         await pilot.press("enter")
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")
-        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen)
-                       and "16.8 GiB" in str(app.screen.query_one(".dialog-body", Static).render()))
+        await wait_for(
+            pilot,
+            lambda: (
+                isinstance(app.screen, ConfirmScreen)
+                and "16.8 GiB" in str(app.screen.query_one(".dialog-body", Static).render())
+            ),
+        )
         await pilot.press("y")
         await wait_for(pilot, lambda: factory.calls == ["smollm2-135m", "big-pair"] and app.engine is not None)
         assert app.current_pair_name == "big-pair"
@@ -142,8 +147,19 @@ async def test_help_and_command_palette(tmp_path):
         assert isinstance(app.screen, HelpScreen)
         await pilot.press("escape")
         titles = {command.title for command in app.get_system_commands(app.screen)}
-        assert {"New chat", "Chat history", "Model pair", "Settings", "Regenerate", "Stop", "Accepted-token view",
-                "Details panel", "Copy last reply", "Export chat", "Theme"} <= titles
+        assert {
+            "New chat",
+            "Chat history",
+            "Model pair",
+            "Settings",
+            "Regenerate",
+            "Stop",
+            "Accepted-token view",
+            "Details panel",
+            "Copy last reply",
+            "Export chat",
+            "Theme",
+        } <= titles
         await send(pilot, "hi")
         await reply_done(pilot)
         await pilot.press("ctrl+p", *"Regen")

@@ -19,7 +19,7 @@ def test_split_finished_keeps_the_last_block_open():
     assert split_finished("```python\nx = 1\n```\n\nAfter") == len("```python\nx = 1\n```\n\n")
     assert split_finished("- a\n- b\n- c") == 0  # a list is one block until something follows it
     text = "# Title\n\nPara one.\n\n- item\n\nLast"
-    assert text[:split_finished(text)] == "# Title\n\nPara one.\n\n- item\n\n"
+    assert text[: split_finished(text)] == "# Title\n\nPara one.\n\n- item\n\n"
 
 
 def test_reserved_height_grows_in_whole_steps():

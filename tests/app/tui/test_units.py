@@ -27,24 +27,46 @@ class Clock:
         return self.now
 
 
-def step(n: int, *, gamma: int, accepted: int, prefill: bool = False, paused: bool = False,
-         stats: RequestStats | None = None) -> StepEvent:
+def step(
+    n: int, *, gamma: int, accepted: int, prefill: bool = False, paused: bool = False, stats: RequestStats | None = None
+) -> StepEvent:
     sources = [TokenSource.ACCEPTED] * accepted + [TokenSource.BONUS if accepted == gamma else TokenSource.RECOVERED]
     if gamma == 0:
         sources = [TokenSource.TARGET] * n
     policy = PolicyState.PAUSED if paused else PolicyState.SPECULATING
-    return StepEvent(token_ids=[0] * len(sources), sources=sources, token_texts=["x"] * len(sources),
-                     text="x" * len(sources), gamma=gamma, accepted=accepted, draft_s=0.01, verify_s=0.04,
-                     overhead_s=0.0, policy=policy, drafter="prompt-lookup", is_prefill=prefill, stats=stats)
+    return StepEvent(
+        token_ids=[0] * len(sources),
+        sources=sources,
+        token_texts=["x"] * len(sources),
+        text="x" * len(sources),
+        gamma=gamma,
+        accepted=accepted,
+        draft_s=0.01,
+        verify_s=0.04,
+        overhead_s=0.0,
+        policy=policy,
+        drafter="prompt-lookup",
+        is_prefill=prefill,
+        stats=stats,
+    )
 
 
 # -- settings -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("field, value, words", [
-    ("temperature", -0.1, "outside 0"), ("temperature", "hot", "expected a number"), ("top_p", 0.0, "(0, 1]"),
-    ("top_k", -1, "negative"), ("top_k", 2.5, "whole number"), ("max_new_tokens", 0, "1 .. 32768"),
-    ("drafter", "draft-model", "not one of"), ("gamma", 0, "1 .. 31"), ("gamma", "fast", "expected a number"),
-    ("system_prompt", 3, "expected text"),
-])
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("temperature", -0.1, "outside 0"),
+        ("temperature", "hot", "expected a number"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_k", -1, "negative"),
+        ("top_k", 2.5, "whole number"),
+        ("max_new_tokens", 0, "1 .. 32768"),
+        ("drafter", "draft-model", "not one of"),
+        ("gamma", 0, "1 .. 31"),
+        ("gamma", "fast", "expected a number"),
+        ("system_prompt", 3, "expected text"),
+    ],
+)
 def test_validate_settings_names_the_field_and_the_range(field, value, words):
     with pytest.raises(SettingsError) as error:
         validate_settings(Settings(**{field: value}))
@@ -78,7 +100,6 @@ def test_save_settings_where_no_folder_can_be_made_raises_a_clear_error(tmp_path
     assert str(blocker) in str(error.value)
 
 
-
 @pytest.mark.parametrize("failing", ["write", "replace"])
 def test_a_failed_save_keeps_the_old_settings_and_leaves_no_temporary_file(tmp_path, monkeypatch, failing):
     path = tmp_path / "settings.json"
@@ -95,14 +116,17 @@ def test_a_failed_save_keeps_the_old_settings_and_leaves_no_temporary_file(tmp_p
     assert load_settings(path) == (Settings(temperature=0.5), None)
     assert [p.name for p in tmp_path.iterdir()] == ["settings.json"]
 
+
 # -- statistics -----------------------------------------------------------------------------------------------
 def test_the_live_view_is_the_engines_latest_stats_plus_a_one_second_rate():
     clock = Clock()
     buffer = ReplyBuffer(clock)
-    events = [step(1, gamma=0, accepted=0, prefill=True, stats=RequestStats(new_tokens=1)),
-              step(0, gamma=4, accepted=4, stats=RequestStats(new_tokens=6, drafted=4, accepted=4)),
-              step(0, gamma=4, accepted=1), step(1, gamma=0, accepted=0, paused=True,
-                                                 stats=RequestStats(new_tokens=9, drafted=8, accepted=5))]
+    events = [
+        step(1, gamma=0, accepted=0, prefill=True, stats=RequestStats(new_tokens=1)),
+        step(0, gamma=4, accepted=4, stats=RequestStats(new_tokens=6, drafted=4, accepted=4)),
+        step(0, gamma=4, accepted=1),
+        step(1, gamma=0, accepted=0, paused=True, stats=RequestStats(new_tokens=9, drafted=8, accepted=5)),
+    ]
     for event in events:
         clock.now += 0.25
         buffer.push(event)
@@ -117,9 +141,19 @@ def test_the_live_view_is_the_engines_latest_stats_plus_a_one_second_rate():
 
 
 def test_totals_lines_and_the_measured_speedup():
-    stats = RequestStats(new_tokens=7, wall_s=0.5, tok_s=14.0, drafted=4, acceptance_rate=0.75,
-                         mean_accepted_length=2.5, drafter="prompt-lookup", spec_tok_s=30.0, plain_tok_s=20.0,
-                         steps=16, accepted_length_histogram=(2, 3, 3))
+    stats = RequestStats(
+        new_tokens=7,
+        wall_s=0.5,
+        tok_s=14.0,
+        drafted=4,
+        acceptance_rate=0.75,
+        mean_accepted_length=2.5,
+        drafter="prompt-lookup",
+        spec_tok_s=30.0,
+        plain_tok_s=20.0,
+        steps=16,
+        accepted_length_histogram=(2, 3, 3),
+    )
     line = reply_totals(stats, "cancelled")
     assert line == "7 tokens · 0.50 s · 14.0 tok/s · acceptance 75% · τ 2.50 · prompt-lookup · stopped"
     assert stored_totals(None) == "" and "max tokens reached" in stored_totals({"finish_reason": "length"})
@@ -140,8 +174,15 @@ def test_run_generation_streams_everything_and_throttles_nudges():
 
     engine._event = timed_event
     buffer, nudges = ReplyBuffer(clock), []
-    run_generation(engine, GenerationRequest(messages=[]), threading.Event(), buffer, lambda: nudges.append(1),
-                   interval_s=0.1, clock=clock)
+    run_generation(
+        engine,
+        GenerationRequest(messages=[]),
+        threading.Event(),
+        buffer,
+        lambda: nudges.append(1),
+        interval_s=0.1,
+        clock=clock,
+    )
     delta = buffer.drain()
     assert delta.text == CANNED_REPLY and "".join(t for t, _ in delta.tokens) == CANNED_REPLY
     assert delta.outcome.finish_reason == "eos" and delta.outcome.stats.new_tokens == 79
@@ -162,8 +203,9 @@ def test_run_generation_never_raises_and_honours_cancel():
     cancel = threading.Event()
     cancel.set()
     buffer = ReplyBuffer()
-    run_generation(FakeEngine(fake_pairs()["smollm2-135m"]), GenerationRequest(messages=[]), cancel, buffer,
-                   lambda: None)
+    run_generation(
+        FakeEngine(fake_pairs()["smollm2-135m"]), GenerationRequest(messages=[]), cancel, buffer, lambda: None
+    )
     assert buffer.drain().outcome.finish_reason == "cancelled"
 
 
@@ -185,13 +227,15 @@ def test_conversation_without_history_builds_requests():
     conv.add_user("  \nHow do I sort a list in Python? It is long " + "x" * 80, "p")
     reply, saver = conv.start_reply()
     assert saver is None and conv.request_messages("")[-1]["role"] == "user"  # the empty reply is left out
-    conv.finish_reply(reply, saver, "Use sorted().", RequestStats(new_tokens=3), finish_reason="eos", pair="p",
-                      complete=True)
+    conv.finish_reply(
+        reply, saver, "Use sorted().", RequestStats(new_tokens=3), finish_reason="eos", pair="p", complete=True
+    )
     assert reply.meta["new_tokens"] == 3 and reply.meta["finish_reason"] == "eos" and reply.meta["pair"] == "p"
     assert conv.request_messages("Be brief.") == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": conv.turns[0].content},
-        {"role": "assistant", "content": "Use sorted()."}]
+        {"role": "assistant", "content": "Use sorted()."},
+    ]
     assert conv.key.startswith("scratch-") and not errors
     assert conv.pop_last_reply() is reply and conv.pop_last_reply() is None
     assert title_for("\n  Fix the bug  \nmore") == "Fix the bug" and len(title_for("y" * 200)) == 60
@@ -255,8 +299,15 @@ def test_step_labels_say_what_the_latest_step_did():
 
 def test_the_step_speed_ratio_needs_enough_steps_of_each_kind():
     # issue 19: "measured 1.32×" at 6% acceptance, from a handful of plain steps
-    few = RequestStats(drafted=50, accepted=3, acceptance_rate=0.06, steps=30, spec_tok_s=13.2, plain_tok_s=10.0,
-                       accepted_length_histogram=(25, 2))
+    few = RequestStats(
+        drafted=50,
+        accepted=3,
+        acceptance_rate=0.06,
+        steps=30,
+        spec_tok_s=13.2,
+        plain_tok_s=10.0,
+        accepted_length_histogram=(25, 2),
+    )
     assert measured_speedup(few) is None
     many = RequestStats(steps=40, spec_tok_s=13.2, plain_tok_s=10.0, accepted_length_histogram=(20, 5))
     assert measured_speedup(many) == pytest.approx(1.32)
@@ -264,10 +315,13 @@ def test_the_step_speed_ratio_needs_enough_steps_of_each_kind():
 
 def test_a_failed_reply_totals_say_what_went_wrong_and_what_to_do():
     line = reply_totals(RequestStats(drafter="none"), "error", "the model ran out of memory.")
-    assert line == ("0 tokens · 0.00 s · — tok/s · plain decoding · error: the model ran out of memory · "
-                    "↑ edits your message, Ctrl+R retries")
-    assert stored_totals({"finish_reason": "error", "error": "boom"}).endswith("error: boom · ↑ edits your message, "
-                                                                             "Ctrl+R retries")
+    assert line == (
+        "0 tokens · 0.00 s · — tok/s · plain decoding · error: the model ran out of memory · "
+        "↑ edits your message, Ctrl+R retries"
+    )
+    assert stored_totals({"finish_reason": "error", "error": "boom"}).endswith(
+        "error: boom · ↑ edits your message, Ctrl+R retries"
+    )
     assert reply_totals(RequestStats(), "cancelled").endswith("stopped while reading the prompt")
 
 
@@ -313,7 +367,9 @@ def test_load_steps_time_each_step():
     steps.report("Hashing model.gguf", 0.9)
     steps.report("Reading the tokenizer from model.gguf (first start only)", None)
     clock.now += 0.5
-    assert steps.durations() == [("Hashing model.gguf", 2.0), ("Reading the tokenizer from model.gguf (first start "
-                                                                  "only)", 0.5)]
+    assert steps.durations() == [
+        ("Hashing model.gguf", 2.0),
+        ("Reading the tokenizer from model.gguf (first start only)", 0.5),
+    ]
     assert steps.total() == 2.5 and steps.step_elapsed() == 0.5
     assert short_step("Reading the tokenizer from model.gguf (first start only)") == "Reading the tokenizer"

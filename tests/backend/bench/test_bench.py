@@ -119,8 +119,20 @@ def test_compare_tokens():
 
 
 def _row(mode, prompt, tokens, wall, *, family="qa", ttft=0.1, tally=None):
-    return Row(pair="p", family=family, category="c", prompt_id=prompt, mode=mode, order=0, prompt_tokens=10,
-               token_ids=list(tokens), wall_s=wall, ttft_s=ttft, finish_reason="length", tally=tally)
+    return Row(
+        pair="p",
+        family=family,
+        category="c",
+        prompt_id=prompt,
+        mode=mode,
+        order=0,
+        prompt_tokens=10,
+        token_ids=list(tokens),
+        wall_s=wall,
+        ttft_s=ttft,
+        finish_reason="length",
+        tally=tally,
+    )
 
 
 def _synthetic_rows():
@@ -131,13 +143,21 @@ def _synthetic_rows():
     rows = []
     for prompt, n in (("a", 10), ("b", 30)):
         ids = list(range(n))
-        rows += [_row("plain", prompt, ids, n / 10, tally=plain), _row("prompt-lookup", prompt, ids, n / 20, tally=pl),
-                 _row("auto", prompt, ids, n / 25, tally=pl), _row("hf-plain", prompt, ids, n / 8),
-                 _row("hf-prompt-lookup", prompt, ids, n / 16)]
+        rows += [
+            _row("plain", prompt, ids, n / 10, tally=plain),
+            _row("prompt-lookup", prompt, ids, n / 20, tally=pl),
+            _row("auto", prompt, ids, n / 25, tally=pl),
+            _row("hf-plain", prompt, ids, n / 8),
+            _row("hf-prompt-lookup", prompt, ids, n / 16),
+        ]
     # Prompt c: prompt-lookup's tokens differ from plain (same length), hf stopped early (not comparable).
-    rows += [_row("plain", "c", [1, 2, 3, 4], 1.0), _row("prompt-lookup", "c", [1, 2, 9, 4], 0.1),
-             _row("auto", "c", [1, 2, 3, 4], 1.0), _row("hf-plain", "c", [1, 2, 3], 1.0),
-             _row("hf-prompt-lookup", "c", [1, 2, 3], 1.0)]
+    rows += [
+        _row("plain", "c", [1, 2, 3, 4], 1.0),
+        _row("prompt-lookup", "c", [1, 2, 9, 4], 0.1),
+        _row("auto", "c", [1, 2, 3, 4], 1.0),
+        _row("hf-plain", "c", [1, 2, 3], 1.0),
+        _row("hf-prompt-lookup", "c", [1, 2, 3], 1.0),
+    ]
     mark_equality(rows, greedy=True)
     return rows
 
@@ -211,8 +231,11 @@ def test_chart_shows_absolute_speeds_and_a_hatching_entry_only_when_drawn(tmp_pa
     assert not any("differ" in t or "hatch" in t for t in legend + [title])
     assert "2.00×\n3.0" in labels and "6.0" in labels[1]  # plain: 3 tok/s, 2× hf-plain's 1.5; lookup 6 tok/s
     assert "transformers plain qa 1.5 tok/s" in title  # the baseline's own tok/s
-    differ = [_row("plain", "a", [1, 2, 3], 1.0), _row("prompt-lookup", "a", [1, 9, 3], 0.5),
-              _row("hf-plain", "a", [1, 2, 3], 2.0)]
+    differ = [
+        _row("plain", "a", [1, 2, 3], 1.0),
+        _row("prompt-lookup", "a", [1, 9, 3], 0.5),
+        _row("hf-plain", "a", [1, 2, 3], 2.0),
+    ]
     mark_equality(differ, greedy=True)
     legend, _, _ = _chart(tmp_path, aggregate(differ), monkeypatch)
     assert "tokens differ from plain" in legend
@@ -225,10 +248,15 @@ def test_bench_help_shows_the_defaults():
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     text = " ".join(sub.choices["bench"].format_help().split())
-    for option, default in (("--limit", cmd_bench.DEFAULT_LIMIT),
-                            ("--max-new-tokens", cmd_bench.DEFAULT_MAX_NEW_TOKENS),
-                            ("--repeats", cmd_bench.DEFAULT_REPEATS), ("--suite", "all"), ("--out", "bench_out"),
-                            ("--temperature", 0), ("--seed", 0)):
+    for option, default in (
+        ("--limit", cmd_bench.DEFAULT_LIMIT),
+        ("--max-new-tokens", cmd_bench.DEFAULT_MAX_NEW_TOKENS),
+        ("--repeats", cmd_bench.DEFAULT_REPEATS),
+        ("--suite", "all"),
+        ("--out", "bench_out"),
+        ("--temperature", 0),
+        ("--seed", 0),
+    ):
         assert re.search(re.escape(option) + r" .*?\(default: " + re.escape(str(default)) + r"\)", text), option
 
 
@@ -240,8 +268,12 @@ def test_modes_default_and_parsing():
     assert parse_modes(["suffix:8"], has_draft=False, pair_name="x") == [Mode("suffix:8", "specchat", "suffix", 8)]
     assert "hf-assisted" in default_modes(True) and "draft-model" in default_modes(True)
     modes = parse_modes(["plain", "prompt-lookup:4", "auto", "hf-assisted"], has_draft=True, pair_name="x")
-    assert modes == [Mode("plain", "specchat", "none"), Mode("prompt-lookup:4", "specchat", "prompt-lookup", 4),
-                     Mode("auto", "specchat", "auto", "auto"), Mode("hf-assisted", "hf", "assisted")]
+    assert modes == [
+        Mode("plain", "specchat", "none"),
+        Mode("prompt-lookup:4", "specchat", "prompt-lookup", 4),
+        Mode("auto", "specchat", "auto", "auto"),
+        Mode("hf-assisted", "hf", "assisted"),
+    ]
     with pytest.raises(RequestError, match="needs a draft model, and pair 'x' has none"):
         parse_modes(["draft-model"], has_draft=False, pair_name="x")
     with pytest.raises(RequestError, match="unknown bench mode 'fast'"):
@@ -290,12 +322,24 @@ def test_tiny_bench_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setattr(cmd_bench, "_llamacpp_missing", lambda spec: "not installed")  # tested on its own below
     engines = [
         engine_fixtures.tiny_engine("llama", drafter="prompt-lookup", context_length=2048),
-        engine_fixtures.tiny_engine("llama", drafter="draft-model", draft_family="llama", draft_seed=1,
-                                    context_length=2048),
+        engine_fixtures.tiny_engine(
+            "llama", drafter="draft-model", draft_family="llama", draft_seed=1, context_length=2048
+        ),
     ]
     # The code-edit family (2 prompts): suite selection over every family is tested above without models.
-    args = argparse.Namespace(pair=None, suite="code-edit", limit=2, max_new_tokens=6, modes=None, out=str(tmp_path),
-                              temperature=0.0, seed=0, models=None, device=None, synthetic=None)
+    args = argparse.Namespace(
+        pair=None,
+        suite="code-edit",
+        limit=2,
+        max_new_tokens=6,
+        modes=None,
+        out=str(tmp_path),
+        temperature=0.0,
+        seed=0,
+        models=None,
+        device=None,
+        synthetic=None,
+    )
     out = Console(file=io.StringIO(), width=200, record=True)
     err = Console(file=io.StringIO(), width=200)
     assert cmd_bench.execute(args, len(engines), lambda i: engines[i], err=err, out=out) == 0
@@ -322,8 +366,9 @@ def test_tiny_bench_end_to_end(tmp_path, monkeypatch):
     assert re.search(r"took \d+\.\d min \(estimated \d+\.\d min", err.file.getvalue())
     assert data["meta"]["repeats"] == 2 and data["meta"]["estimated_s"] > 0
     spreads = [a for a in data["aggregates"] if a["tok_s_min"] is not None]
-    assert spreads and all(a["tok_s_min"] <= a["tok_s"] * 1.0001 and a["tok_s"] <= a["tok_s_max"] * 1.0001
-                           for a in spreads)
+    assert spreads and all(
+        a["tok_s_min"] <= a["tok_s"] * 1.0001 and a["tok_s"] <= a["tok_s_max"] * 1.0001 for a in spreads
+    )
     text = (tmp_path / "bench.txt").read_text()
     assert "spread" in text and "ttft s" in text
     assert "tiny-draft-model · code-edit" in text and "hf-assisted" in text
@@ -353,15 +398,28 @@ def test_ctrl_c_keeps_the_rows_measured_so_far(tmp_path):
 
     # 2 warm-ups, then prompt 1 in both modes; Ctrl-C during prompt 2.
     engine = _InterruptedAfter(engine_fixtures.tiny_engine("llama", context_length=2048), 4)
-    args = argparse.Namespace(pair=None, suite="code-edit", limit=2, max_new_tokens=4, modes=["plain", "prompt-lookup"],
-                              out=str(tmp_path), temperature=0.0, seed=0, models=None, device=None, synthetic=None)
+    args = argparse.Namespace(
+        pair=None,
+        suite="code-edit",
+        limit=2,
+        max_new_tokens=4,
+        modes=["plain", "prompt-lookup"],
+        out=str(tmp_path),
+        temperature=0.0,
+        seed=0,
+        models=None,
+        device=None,
+        synthetic=None,
+    )
     quiet = Console(file=io.StringIO())
     with pytest.raises(KeyboardInterrupt):
         cmd_bench.execute(args, 1, lambda i: engine, err=quiet, out=quiet)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["meta"]["interrupted"] and data["runs"][0]["interrupted"]
-    assert [(r["prompt_id"], r["mode"]) for r in data["rows"]] == [("edit-rename-1", "plain"),
-                                                                   ("edit-rename-1", "prompt-lookup")]
+    assert [(r["prompt_id"], r["mode"]) for r in data["rows"]] == [
+        ("edit-rename-1", "plain"),
+        ("edit-rename-1", "prompt-lookup"),
+    ]
     assert data["rows"][1]["vs_plain"] == "same"
 
 
@@ -371,9 +429,20 @@ def test_bench_on_the_embedded_default(tmp_path):
     tokens identical across specchat and transformers on a code-edit prompt."""
     from specchat.app.cli import bench as cmd_bench
 
-    args = argparse.Namespace(pair=None, suite="code-edit", limit=1, max_new_tokens=12,
-                              modes=["plain", "prompt-lookup", "hf-plain", "hf-prompt-lookup"], out=str(tmp_path),
-                              temperature=0.0, seed=0, models=None, device="cpu", synthetic=None, repeats=1)
+    args = argparse.Namespace(
+        pair=None,
+        suite="code-edit",
+        limit=1,
+        max_new_tokens=12,
+        modes=["plain", "prompt-lookup", "hf-plain", "hf-prompt-lookup"],
+        out=str(tmp_path),
+        temperature=0.0,
+        seed=0,
+        models=None,
+        device="cpu",
+        synthetic=None,
+        repeats=1,
+    )
     assert cmd_bench.run(args) == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == args.modes
@@ -393,8 +462,9 @@ def test_multi_turn_edits_are_one_conversation_per_mode():
     (prompt,) = prompts
     assert prompt.turns and "type hints" in prompt.turns[0] and "docstring" in prompt.turns[1]
     engine = engine_fixtures.tiny_engine("llama", drafter="prompt-lookup", context_length=2048)
-    runner = BenchRunner(engine, parse_modes(["plain", "prompt-lookup", "suffix"], has_draft=False,
-                                             pair_name="tiny"), max_new_tokens=8)
+    runner = BenchRunner(
+        engine, parse_modes(["plain", "prompt-lookup", "suffix"], has_draft=False, pair_name="tiny"), max_new_tokens=8
+    )
     rows = runner.run(prompts)
     assert len(rows) == 3 and not [r.mode for r in rows if r.mismatch]
     first_turn = len(runner.prompt_ids(prompt))
@@ -439,8 +509,9 @@ def fake_llama_cpp(monkeypatch):
 
     module = types.ModuleType("llama_cpp")
     module.Llama = _FakeLlama
-    module.llama_speculative = types.SimpleNamespace(LlamaPromptLookupDecoding=lambda num_pred_tokens: ("pld",
-                                                                                                        num_pred_tokens))
+    module.llama_speculative = types.SimpleNamespace(
+        LlamaPromptLookupDecoding=lambda num_pred_tokens: ("pld", num_pred_tokens)
+    )
     monkeypatch.setitem(sys.modules, "llama_cpp", module)
     monkeypatch.setattr(llamacpp, "unavailable", lambda gguf: None)
     _FakeLlama.made = []
@@ -455,9 +526,19 @@ def test_llamacpp_modes_run_interleaved_on_the_pairs_gguf(tmp_path, fake_llama_c
 
     monkeypatch.setattr(cmd_bench, "_llamacpp_missing", lambda spec: None)
     engine = engine_fixtures.tiny_engine("llama", context_length=2048)
-    args = argparse.Namespace(pair=None, suite="code-edit", limit=1, max_new_tokens=5,
-                              modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"], out=str(tmp_path),
-                              temperature=0.0, seed=0, models=None, device=None, synthetic=None)
+    args = argparse.Namespace(
+        pair=None,
+        suite="code-edit",
+        limit=1,
+        max_new_tokens=5,
+        modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"],
+        out=str(tmp_path),
+        temperature=0.0,
+        seed=0,
+        models=None,
+        device=None,
+        synthetic=None,
+    )
     out = Console(file=io.StringIO(), width=220, record=True)
     err = Console(file=io.StringIO(), width=220)
     assert cmd_bench.execute(args, 1, lambda i: engine, err=err, out=out) == 0
@@ -488,8 +569,9 @@ def test_llamacpp_modes_say_how_to_install_when_missing(monkeypatch):
     assert "pip install 'specchat[bench]'" in reason
     with pytest.raises(RequestError, match="specchat\\[bench\\]"):
         parse_modes(["llamacpp-plain"], has_draft=False, pair_name="p", llamacpp_missing=reason)
-    assert "llamacpp-plain" not in [m.name for m in parse_modes(None, has_draft=False, pair_name="p",
-                                                                llamacpp_missing=reason)]
+    assert "llamacpp-plain" not in [
+        m.name for m in parse_modes(None, has_draft=False, pair_name="p", llamacpp_missing=reason)
+    ]
 
 
 @pytest.mark.slow
@@ -501,9 +583,19 @@ def test_llamacpp_on_the_embedded_gguf(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional extra: specchat[bench])")
     from specchat.app.cli import bench as cmd_bench
 
-    args = argparse.Namespace(pair=None, suite="summarization", limit=1, max_new_tokens=16,
-                              modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"], out=str(tmp_path),
-                              temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
+    args = argparse.Namespace(
+        pair=None,
+        suite="summarization",
+        limit=1,
+        max_new_tokens=16,
+        modes=["plain", "llamacpp-plain", "llamacpp-prompt-lookup"],
+        out=str(tmp_path),
+        temperature=0.0,
+        seed=0,
+        models=None,
+        device="cpu",
+        synthetic=None,
+    )
     assert cmd_bench.run(args) == 0
     rows = {r["mode"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
     assert rows["plain"]["prompt_tokens"] > 512
@@ -527,8 +619,19 @@ def test_loading_progress_off_a_terminal_is_one_line_per_step(monkeypatch, capsy
         raise ModelLoadError("stop here (test)")
 
     monkeypatch.setattr(engine_module, "load_engine", fake_load)
-    args = argparse.Namespace(pair=None, suite="mt-bench", limit=1, max_new_tokens=4, modes=["plain"],
-                              out=None, temperature=0.0, seed=0, models=None, device="cpu", synthetic=None)
+    args = argparse.Namespace(
+        pair=None,
+        suite="mt-bench",
+        limit=1,
+        max_new_tokens=4,
+        modes=["plain"],
+        out=None,
+        temperature=0.0,
+        seed=0,
+        models=None,
+        device="cpu",
+        synthetic=None,
+    )
     with pytest.raises(ModelLoadError):  # main() turns it into "specchat: error: ..."
         cmd_bench.run(args)
     err = capsys.readouterr().err

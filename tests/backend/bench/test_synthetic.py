@@ -15,11 +15,26 @@ from specchat.backend.bench.synthetic import expected_speedups, run_synthetic
 from specchat.backend.bench.synthetic_models import TINY_TARGET, build_random, quantize_nf4, weight_bytes_per_step
 from specchat.backend.errors import ConfigError
 
-NUMBERS = ["target_params", "draft_params", "prompt_tokens", "new_tokens", "target_weight_bytes_per_step",
-           "kv_bytes_per_token", "read_bandwidth_GBps", "bandwidth_bound_tok_s", "specchat_plain_tok_s",
-           "hf_plain_tok_s", "specchat_vs_hf_plain", "specchat_fraction_of_bound", "hf_fraction_of_bound",
-           "verify8_over_step1", "draft_step_ms", "hf_assisted_target_forwards", "hf_assisted_step_ms",
-           "hf_assisted_tok_s"]
+NUMBERS = [
+    "target_params",
+    "draft_params",
+    "prompt_tokens",
+    "new_tokens",
+    "target_weight_bytes_per_step",
+    "kv_bytes_per_token",
+    "read_bandwidth_GBps",
+    "bandwidth_bound_tok_s",
+    "specchat_plain_tok_s",
+    "hf_plain_tok_s",
+    "specchat_vs_hf_plain",
+    "specchat_fraction_of_bound",
+    "hf_fraction_of_bound",
+    "verify8_over_step1",
+    "draft_step_ms",
+    "hf_assisted_target_forwards",
+    "hf_assisted_step_ms",
+    "hf_assisted_tok_s",
+]
 
 
 def _positive(x) -> bool:
@@ -79,5 +94,5 @@ def test_random_build_weights_and_nf4_swap() -> None:
         quantize_nf4(model, torch.float32)
         got = model(ids).logits
     assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.uint8  # packed 4-bit
-    assert model.lm_head.weight.dtype == torch.float32                   # the head stays unquantised
+    assert model.lm_head.weight.dtype == torch.float32  # the head stays unquantised
     assert torch.isfinite(got).all() and (got - ref).abs().max() < 0.25 * ref.abs().max()

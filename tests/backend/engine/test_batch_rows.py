@@ -26,10 +26,10 @@ def batch_vs_alone(runner: ModelRunner, ids: list[int], context: int, gamma: int
     try:
         runner.forward(seq, ids[:context], logits_to_keep=1)
         seq.commit(context)
-        batch = runner.forward(seq, ids[context:context + gamma + 1], logits_to_keep=gamma + 1).float()
+        batch = runner.forward(seq, ids[context : context + gamma + 1], logits_to_keep=gamma + 1).float()
         seq.truncate(context)
         alone = []
-        for token in ids[context:context + gamma + 1]:
+        for token in ids[context : context + gamma + 1]:
             alone.append(runner.forward(seq, [token], logits_to_keep=1).float()[0])
             seq.commit(1)
         rows = torch.stack(alone)
@@ -54,12 +54,20 @@ def test_rows_alone_and_among_gamma_plus_one_agree_on_the_embedded_default():
     engine = load_engine(load_pairs()["smollm2-135m"], device="cpu")
     try:
         tok = engine.tokenizer
-        messages = [{"role": "user", "content": "Write a Python function `fib(n)` that returns the n-th Fibonacci "
-                                                "number, with a docstring and a test."}]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                      return_dict=True)["input_ids"]
-        ids += tok('def fib(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
-                   "    return fib(n - 1) + fib(n - 2)\n")["input_ids"]
+        messages = [
+            {
+                "role": "user",
+                "content": "Write a Python function `fib(n)` that returns the n-th Fibonacci "
+                "number, with a docstring and a test.",
+            }
+        ]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+        ids += tok(
+            'def fib(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
+            "    return fib(n - 1) + fib(n - 2)\n"
+        )["input_ids"]
         for gamma in (4, 16):
             difference, scale = batch_vs_alone(engine.runner, ids, len(ids) - 17, gamma)
             assert difference <= RELATIVE_BOUND * scale, (gamma, difference, scale)

@@ -89,8 +89,11 @@ def chi2_pvalue(counts: dict, exact: dict[tuple[int, ...], float], n: int) -> fl
         stat += (rest - n * pooled) ** 2 / (n * pooled)
         cells += 1
     dof = cells - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0, dtype=torch.float64)
+        )
+    )
 
 
 def shifted_penalty_context(self: RequestState) -> torch.Tensor:
@@ -118,8 +121,9 @@ def test_two_verified_positions_follow_the_target(variant, exact, monkeypatch):
     counts: dict[tuple[int, ...], int] = {}
     one_pass = 0
     for seed in range(SAMPLES):
-        sampling = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, repetition_penalty=PENALTY,
-                                  max_new_tokens=3, seed=seed)
+        sampling = SamplingParams(
+            temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, repetition_penalty=PENALTY, max_new_tokens=3, seed=seed
+        )
         events = list(engine.generate(GenerationRequest(prompt_ids=PROMPT, sampling=sampling, conversation="c")))
         ids = [t for e in events for t in e.token_ids]
         key = (EOS,) if ids[0] == EOS else (EOS, EOS) if ids[1] == EOS else (ids[1], ids[2])

@@ -101,14 +101,16 @@ def test_rejection_at_every_position():
     plain, _ = run(tiny_engine("llama", drafter="none"), prompt_ids=prompt, sampling=GREEDY)
     for position in range(4):
         engine = tiny_engine("llama", drafter="prompt-lookup", gamma=4)
+
         # Draft the true continuation up to `position`, then a wrong token.
         def script(context, position=position):
             n = len(context) - len(prompt)
-            truth = plain[n:n + 4]
+            truth = plain[n : n + 4]
             draft = list(truth)
             if position < len(draft):
                 draft[position] = (draft[position] + 1) % 120 + 3
             return draft
+
         engine.drafters["prompt-lookup"] = ScriptedDrafter(script)
         ids, events = run(engine, prompt_ids=prompt, sampling=GREEDY)
         assert ids == plain, f"rejection at position {position} changed the output"
@@ -118,14 +120,19 @@ def test_rejection_at_every_position():
 
 def test_eos_inside_draft_and_max_tokens_mid_draft():
     prompt = random_ids(16, seed=6)
-    plain, _ = run(tiny_engine("llama", drafter="none"), prompt_ids=prompt,
-                   sampling=SamplingParams(temperature=0, max_new_tokens=7))
+    plain, _ = run(
+        tiny_engine("llama", drafter="none"),
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0, max_new_tokens=7),
+    )
     assert len(plain) == 7
     engine = tiny_engine("llama", drafter="prompt-lookup", gamma=5)
+
     # A perfect drafter that always proposes 5 tokens: max_new_tokens 7 ends inside a draft.
     def truth(context):
         n = len(context) - len(prompt)
-        return plain[n:n + 5] + [2] * 5
+        return plain[n : n + 5] + [2] * 5
+
     engine.drafters["prompt-lookup"] = ScriptedDrafter(truth)
     ids, events = run(engine, prompt_ids=prompt, sampling=SamplingParams(temperature=0, max_new_tokens=7))
     assert ids == plain and events[-1].finish_reason == "length"
@@ -145,8 +152,7 @@ def test_second_turn_prefills_only_the_difference_and_matches_fresh_run():
     first = [{"role": "user", "content": "w10 w11 w12 w13 w14"}]
     ids1, events1 = run(engine, messages=first, sampling=GREEDY, conversation="c")
     reply = "".join(e.text for e in events1)
-    second = first + [{"role": "assistant", "content": reply.strip()},
-                      {"role": "user", "content": "w20 w21 w22"}]
+    second = first + [{"role": "assistant", "content": reply.strip()}, {"role": "user", "content": "w20 w21 w22"}]
     ids2, events2 = run(engine, messages=second, sampling=GREEDY, conversation="c")
     full_prompt_len = events2[-1].stats.prompt_tokens
     prefilled = events2[0].prefill_tokens
@@ -163,8 +169,11 @@ def test_same_seed_same_sample_and_sampling_reproducible_with_speculation():
     a, _ = run(tiny_engine("llama", drafter="prompt-lookup", gamma=3), prompt_ids=prompt, sampling=params)
     b, _ = run(tiny_engine("llama", drafter="prompt-lookup", gamma=3), prompt_ids=prompt, sampling=params)
     assert a == b
-    c, _ = run(tiny_engine("llama", drafter="prompt-lookup", gamma=3), prompt_ids=prompt,
-               sampling=SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=30, seed=124))
+    c, _ = run(
+        tiny_engine("llama", drafter="prompt-lookup", gamma=3),
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0.8, top_p=0.95, max_new_tokens=30, seed=124),
+    )
     assert a != c
 
 
@@ -188,11 +197,14 @@ def test_context_full_ends_with_context_reason():
     assert 40 + len(ids) <= 48
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+    ],
+)
 def test_bad_sampling_settings_name_the_field(bad, field):
     with pytest.raises(RequestError, match=field):  # refused when the settings are built
         SamplingParams(**bad)
@@ -208,8 +220,11 @@ def test_stop_string_ends_reply_without_it():
     text = "".join(e.text for e in events)
     words = text.split()
     stop = words[3]
-    _, events = run(tiny_engine("llama", drafter="none"), prompt_ids=prompt,
-                    sampling=SamplingParams(temperature=0, max_new_tokens=40, stop=(stop,)))
+    _, events = run(
+        tiny_engine("llama", drafter="none"),
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0, max_new_tokens=40, stop=(stop,)),
+    )
     out = "".join(e.text for e in events)
     assert events[-1].finish_reason == "stop"
     assert stop not in out and text.startswith(out)
@@ -273,11 +288,15 @@ def test_prefill_progress_events_come_only_when_asked_and_change_nothing_else():
     prompt = random_ids(2 * PREFILL_CHUNK + 40, seed=3)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
     plain, plain_events = run(tiny_engine("llama", context_length=2048), prompt_ids=prompt, sampling=sampling)
-    ids, events = run(tiny_engine("llama", context_length=2048), prompt_ids=prompt, sampling=sampling,
-                      prefill_progress=True)
+    ids, events = run(
+        tiny_engine("llama", context_length=2048), prompt_ids=prompt, sampling=sampling, prefill_progress=True
+    )
     progress = [e for e in events if e.prefill_done is not None]
     assert [(e.prefill_done, e.prefill_tokens) for e in progress] == [
-        (0, len(prompt)), (PREFILL_CHUNK, len(prompt)), (2 * PREFILL_CHUNK, len(prompt))]
+        (0, len(prompt)),
+        (PREFILL_CHUNK, len(prompt)),
+        (2 * PREFILL_CHUNK, len(prompt)),
+    ]
     assert events[:3] == progress and events[3].is_prefill  # all before the first token
     assert all(not e.token_ids and e.stats is None and e.finish_reason is None for e in progress)
     assert ids == plain and events[-1].stats.new_tokens == plain_events[-1].stats.new_tokens
@@ -289,8 +308,12 @@ def test_cancel_while_the_prompt_is_read_stops_before_the_next_pass():
 
     engine = tiny_engine("llama", context_length=2048)
     cancel = threading.Event()
-    request = GenerationRequest(prompt_ids=random_ids(3 * PREFILL_CHUNK, seed=4), conversation="c",
-                                sampling=SamplingParams(temperature=0.0, max_new_tokens=5), prefill_progress=True)
+    request = GenerationRequest(
+        prompt_ids=random_ids(3 * PREFILL_CHUNK, seed=4),
+        conversation="c",
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=5),
+        prefill_progress=True,
+    )
     events = []
     for event in engine.generate(request, cancel):
         events.append(event)

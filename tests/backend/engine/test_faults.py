@@ -68,6 +68,7 @@ class Fail:
 
 # --- the KV pool running out --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("drafter, gamma", [("none", "auto"), ("prompt-lookup", 4)])
 def test_pool_runs_out_mid_reply_finishes_with_context_and_frees(drafter, gamma):
     # Context allows 256 tokens but the pool holds 48 (3 blocks): the reply must stop at the pool's end.
@@ -80,16 +81,20 @@ def test_pool_runs_out_mid_reply_finishes_with_context_and_frees(drafter, gamma)
     assert 0 < len(ids) and len(prompt) + len(ids) <= 48 + 1
     assert engine.blocks_in_use() == 0
     # The output so far is the plain greedy output (nothing corrupted on the way out).
-    plain, _ = run(tiny_engine("llama", drafter="none"), prompt_ids=prompt,
-                   sampling=SamplingParams(temperature=0, max_new_tokens=len(ids)))
+    plain, _ = run(
+        tiny_engine("llama", drafter="none"),
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0, max_new_tokens=len(ids)),
+    )
     assert ids == plain
 
 
 def test_pool_full_in_a_conversation_keeps_history_and_frees_on_forget():
     engine = tiny_engine("llama", drafter="prompt-lookup", gamma=3, kv_tokens=64)
     messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(10, 40))}]
-    ids, events = run(engine, messages=messages, conversation="c",
-                      sampling=SamplingParams(temperature=0, max_new_tokens=200))
+    ids, events = run(
+        engine, messages=messages, conversation="c", sampling=SamplingParams(temperature=0, max_new_tokens=200)
+    )
     assert events[-1].finish_reason == "context"
     assert engine.blocks_in_use() == expected_blocks(engine) > 0
     engine.forget("c")
@@ -109,6 +114,7 @@ def test_prompt_larger_than_the_pool_is_refused_and_frees():
 
 # --- a drafter raising ---------------------------------------------------------------------------------------
 
+
 def test_prompt_lookup_exception_continues_without_speculation():
     prompt = repetitive(2)
     plain, _ = run(tiny_engine("llama", drafter="none"), prompt_ids=prompt, sampling=GREEDY)
@@ -124,7 +130,7 @@ def test_prompt_lookup_exception_continues_without_speculation():
     failed_at = next(i for i, e in enumerate(events) if e.message)
     # The failing step verified no draft (it did not pause); afterwards there is no drafter: plain decoding.
     assert events[failed_at].gamma == 0 and events[failed_at].policy == PolicyState.NO_DRAFT
-    assert all(e.gamma == 0 and e.policy == PolicyState.OFF for e in events[failed_at + 1:])
+    assert all(e.gamma == 0 and e.policy == PolicyState.OFF for e in events[failed_at + 1 :])
     assert events[-1].finish_reason == "length" and engine.blocks_in_use() == 0
     # The failure is per request: the next request speculates again.
     drafter.propose.times = drafter.propose.raised
@@ -132,9 +138,14 @@ def test_prompt_lookup_exception_continues_without_speculation():
     assert any(e.gamma > 0 for e in events) and not any(e.message for e in events)
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                                   RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),
-                                   MemoryError()])
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),
+        MemoryError(),
+    ],
+)
 def test_draft_model_oom_falls_back_to_plain_decoding(error):
     prompt = repetitive(0)
     plain, _ = run(tiny_engine("llama", drafter="none"), prompt_ids=prompt, sampling=GREEDY)
@@ -161,8 +172,7 @@ def test_draft_model_bug_is_reported_per_request_and_frees_draft_blocks():
     prompt = repetitive(3)
     plain, _ = run(tiny_engine("llama", drafter="none"), prompt_ids=prompt, sampling=GREEDY)
     engine = tiny_engine("llama", drafter="draft-model", draft_family="llama", draft_seed=1, gamma=2)
-    engine.draft.model.forward = Fail(engine.draft.model.forward, IndexError("index 7 is out of bounds"), at=5,
-                                      times=1)
+    engine.draft.model.forward = Fail(engine.draft.model.forward, IndexError("index 7 is out of bounds"), at=5, times=1)
     ids, events = run(engine, prompt_ids=prompt, sampling=GREEDY)
     assert ids == plain
     assert any("IndexError" in (e.message or "") for e in events)
@@ -173,9 +183,15 @@ def test_draft_model_bug_is_reported_per_request_and_frees_draft_blocks():
 
 # --- the target running out of memory ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB"),
-                                   RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),
-                                   MemoryError()])
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB"),
+        RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),
+        MemoryError(),
+    ],
+)
 @pytest.mark.parametrize("at", [0, 4])  # prefill, or mid-reply
 def test_target_oom_ends_the_request_with_a_clear_error_and_frees(error, at):
     engine = tiny_engine("llama", drafter="prompt-lookup", gamma=3)
@@ -211,17 +227,26 @@ def test_other_target_errors_keep_their_type_but_free_the_blocks():
 
 # --- cancellation at random moments ------------------------------------------------------------------------
 
+
 def _turn(rng: random.Random, engine, history: dict, key: str | None, cancel_after: int | None, close: bool):
     """One request; cancel after ``cancel_after`` events (or abandon the generator when ``close``)."""
-    messages = list(history.get(key, [])) + [{"role": "user", "content": " ".join(
-        f"w{rng.randrange(6, 40)}" for _ in range(rng.randrange(1, 8)))}]
+    messages = list(history.get(key, [])) + [
+        {"role": "user", "content": " ".join(f"w{rng.randrange(6, 40)}" for _ in range(rng.randrange(1, 8)))}
+    ]
     cancel = threading.Event()
     if cancel_after == -1:
         cancel.set()  # cancelled before prefill
-    gen = engine.generate(GenerationRequest(
-        messages=messages, conversation=key, drafter=rng.choice(["none", "prompt-lookup", "draft-model", "auto"]),
-        sampling=SamplingParams(temperature=rng.choice([0.0, 0.9]), max_new_tokens=rng.randrange(2, 10),
-                                seed=rng.randrange(1000))), cancel)
+    gen = engine.generate(
+        GenerationRequest(
+            messages=messages,
+            conversation=key,
+            drafter=rng.choice(["none", "prompt-lookup", "draft-model", "auto"]),
+            sampling=SamplingParams(
+                temperature=rng.choice([0.0, 0.9]), max_new_tokens=rng.randrange(2, 10), seed=rng.randrange(1000)
+            ),
+        ),
+        cancel,
+    )
     text, last = [], None
     for n, event in enumerate(gen):
         text.append(event.text)
@@ -256,10 +281,18 @@ def test_cancel_at_random_moments_hundreds_of_times():
     # History consistency: each surviving conversation's next turn equals a fresh engine's greedy answer.
     for key, messages in history.items():
         messages = messages + [{"role": "user", "content": "w9 w8"}]
-        cached, _ = run(engine, messages=messages, conversation=key, drafter="none",
-                        sampling=SamplingParams(temperature=0, max_new_tokens=6))
-        fresh, _ = run(tiny_engine("llama", drafter="none", context_length=128), messages=messages,
-                       sampling=SamplingParams(temperature=0, max_new_tokens=6))
+        cached, _ = run(
+            engine,
+            messages=messages,
+            conversation=key,
+            drafter="none",
+            sampling=SamplingParams(temperature=0, max_new_tokens=6),
+        )
+        fresh, _ = run(
+            tiny_engine("llama", drafter="none", context_length=128),
+            messages=messages,
+            sampling=SamplingParams(temperature=0, max_new_tokens=6),
+        )
         assert cached == fresh, key
     for key in list(history):
         engine.forget(key)

@@ -99,7 +99,7 @@ def test_stop_string_inside_a_speculative_step_reports_what_plain_decoding_does(
     stop = SamplingParams(temperature=0, max_new_tokens=30, stop=(words[3],))
     plain, plain_events = run(tiny_engine("llama", drafter="none"), prompt_ids=prompt, sampling=stop)
     engine = tiny_engine("llama", drafter="prompt-lookup", gamma=6)
-    engine.drafters["prompt-lookup"] = ScriptedDrafter(lambda ctx: full[len(ctx) - len(prompt):])
+    engine.drafters["prompt-lookup"] = ScriptedDrafter(lambda ctx: full[len(ctx) - len(prompt) :])
     ids, events = run(engine, prompt_ids=prompt, sampling=stop)
     assert plain_events[-1].finish_reason == events[-1].finish_reason == "stop"
     assert ids == plain and len(ids) < len(full)
@@ -124,18 +124,22 @@ def test_steps_without_a_draft_are_not_called_speculating_or_paused():
     _, events = run(engine, prompt_ids=repetitive_prompt(), sampling=SamplingParams(temperature=0, max_new_tokens=2))
     assert [e.policy for e in events[1:]] == [PolicyState.NO_DRAFT]
     # No drafter at all: OFF.
-    _, events = run(engine, prompt_ids=repetitive_prompt(), drafter="none",
-                    sampling=SamplingParams(temperature=0, max_new_tokens=4))
+    _, events = run(
+        engine, prompt_ids=repetitive_prompt(), drafter="none", sampling=SamplingParams(temperature=0, max_new_tokens=4)
+    )
     assert {e.policy for e in events} == {PolicyState.OFF}
 
 
 def test_kv_full_fallback_is_a_no_draft_step():
     """The KV pool cannot hold the draft: the step runs plain, NO_DRAFT (the old code called it PAUSED)."""
     prompt = (random_ids(12) * 4)[:43]  # 43 tokens in a pool of 48: a draft of 6 does not fit, one token does
-    plain, _ = run(tiny_engine("llama", drafter="none", kv_tokens=48), prompt_ids=prompt,
-                   sampling=SamplingParams(temperature=0, max_new_tokens=100))
+    plain, _ = run(
+        tiny_engine("llama", drafter="none", kv_tokens=48),
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0, max_new_tokens=100),
+    )
     engine = tiny_engine("llama", drafter="prompt-lookup", gamma=6, kv_tokens=48)
-    engine.drafters["prompt-lookup"] = ScriptedDrafter(lambda ctx: plain[len(ctx) - len(prompt):])
+    engine.drafters["prompt-lookup"] = ScriptedDrafter(lambda ctx: plain[len(ctx) - len(prompt) :])
     ids, events = run(engine, prompt_ids=prompt, sampling=SamplingParams(temperature=0, max_new_tokens=100))
     assert ids == plain[: len(ids)] and events[-1].finish_reason == "context"
     fallback = [e for e in events[1:] if e.gamma == 0 and e.token_ids]
@@ -154,8 +158,11 @@ def test_prefill_keeps_one_logits_row():
         return forward(seq, ids, logits_to_keep=logits_to_keep, parents=parents)
 
     engine.runner.forward = spy
-    run(engine, prompt_ids=random_ids(60), sampling=SamplingParams(temperature=0.7, repetition_penalty=1.3,
-                                                                   max_new_tokens=3, seed=1))
+    run(
+        engine,
+        prompt_ids=random_ids(60),
+        sampling=SamplingParams(temperature=0.7, repetition_penalty=1.3, max_new_tokens=3, seed=1),
+    )
     assert calls[0] == (60, 1) and all(keep == 1 for _, keep in calls)
 
 
@@ -163,8 +170,10 @@ def test_draft_model_applies_the_penalty():
     """A draft identical to the target must be accepted every time at penalty 1.5 (the old draft ignored the
     penalty: 13 of 58 drafts accepted on the embedded default)."""
     engine = tiny_engine("llama", drafter="draft-model", draft_family="llama", gamma=4)
-    for sampling in (SamplingParams(temperature=0, repetition_penalty=1.5, max_new_tokens=40),
-                     SamplingParams(**SAMPLED, max_new_tokens=40, seed=3)):
+    for sampling in (
+        SamplingParams(temperature=0, repetition_penalty=1.5, max_new_tokens=40),
+        SamplingParams(**SAMPLED, max_new_tokens=40, seed=3),
+    ):
         _, events = run(engine, prompt_ids=repetitive_prompt(2), sampling=sampling)
         stats = events[-1].stats
         assert stats.drafted > 20 and stats.accepted == stats.drafted, sampling
@@ -190,8 +199,7 @@ def test_draft_model_cache_survives_a_chat_turn_and_prefills_in_chunks():
     reply = "".join(e.text for e in events).strip()
     second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "w50 w51"}]
     fed.clear()
-    _, events = run(engine, messages=second, conversation="c", sampling=SamplingParams(temperature=0,
-                                                                                         max_new_tokens=8))
+    _, events = run(engine, messages=second, conversation="c", sampling=SamplingParams(temperature=0, max_new_tokens=8))
     stats = events[-1].stats
     assert stats.draft_reused_tokens >= 30 and stats.draft_prefill_tokens < 20  # only the new turn is read
     assert sum(fed) < stats.prompt_tokens
@@ -205,8 +213,12 @@ def test_the_seed_is_drawn_reported_and_replays_the_reply():
     seed_a, seed_b = events_a[-1].stats.seed, events_b[-1].stats.seed
     assert isinstance(seed_a, int) and 0 <= seed_a < 2**53 and seed_a != seed_b
     assert all(e.stats.seed == seed_a for e in events_a)
-    again, _ = run(engine, prompt_ids=repetitive_prompt(4), drafter="none",
-                   sampling=SamplingParams(**SAMPLED, max_new_tokens=20, seed=seed_a))
+    again, _ = run(
+        engine,
+        prompt_ids=repetitive_prompt(4),
+        drafter="none",
+        sampling=SamplingParams(**SAMPLED, max_new_tokens=20, seed=seed_a),
+    )
     assert again == a
 
 
@@ -223,13 +235,20 @@ def test_tiny_temperatures_are_greedy_through_the_engine(temperature, penalty):
     """The old engine divided logits by the temperature: 1e-38 (or 1e-8 after a penalty of 1e-30 multiplied
     them by 1e30) overflowed to NaN probabilities, and it emitted the last token id for every position."""
     prompt = repetitive_prompt(5)
-    greedy, _ = run(loud_engine("none"), prompt_ids=prompt,
-                    sampling=SamplingParams(temperature=0, repetition_penalty=penalty, max_new_tokens=30))
+    greedy, _ = run(
+        loud_engine("none"),
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0, repetition_penalty=penalty, max_new_tokens=30),
+    )
     assert len(set(greedy)) > 3
     for drafter in ("none", "prompt-lookup"):
-        ids, _ = run(loud_engine(drafter, gamma=4), prompt_ids=prompt,
-                     sampling=SamplingParams(temperature=temperature, top_p=0.9, repetition_penalty=penalty,
-                                             max_new_tokens=30, seed=1))
+        ids, _ = run(
+            loud_engine(drafter, gamma=4),
+            prompt_ids=prompt,
+            sampling=SamplingParams(
+                temperature=temperature, top_p=0.9, repetition_penalty=penalty, max_new_tokens=30, seed=1
+            ),
+        )
         assert ids == greedy, drafter
 
 
@@ -239,6 +258,9 @@ def test_a_tiny_repetition_penalty_is_transformers_own():
     for drafter in ("none", "prompt-lookup"):
         ids, _ = run(tiny_engine("llama", drafter=drafter, gamma=4), prompt_ids=prompt, sampling=greedy)
         assert ids == hf_greedy("llama", prompt, 20, repetition_penalty=1e-30), drafter
-    ids, events = run(loud_engine("prompt-lookup", gamma=4), prompt_ids=prompt,
-                      sampling=SamplingParams(temperature=0.7, repetition_penalty=1e-30, max_new_tokens=20, seed=2))
+    ids, events = run(
+        loud_engine("prompt-lookup", gamma=4),
+        prompt_ids=prompt,
+        sampling=SamplingParams(temperature=0.7, repetition_penalty=1e-30, max_new_tokens=20, seed=2),
+    )
     assert len(ids) == 20 and events[-1].finish_reason == "length"

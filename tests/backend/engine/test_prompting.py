@@ -69,9 +69,14 @@ def test_801_messages_take_a_logarithmic_number_of_renders() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(turns=st.integers(min_value=1, max_value=60), words=st.integers(min_value=1, max_value=40),
-       budget=st.integers(min_value=8, max_value=800), already=st.integers(min_value=0, max_value=70),
-       system=st.booleans(), last_role=st.sampled_from(["user", "assistant"]))
+@given(
+    turns=st.integers(min_value=1, max_value=60),
+    words=st.integers(min_value=1, max_value=40),
+    budget=st.integers(min_value=8, max_value=800),
+    already=st.integers(min_value=0, max_value=70),
+    system=st.booleans(),
+    last_role=st.sampled_from(["user", "assistant"]),
+)
 def test_the_binary_search_drops_what_the_linear_one_dropped(turns, words, budget, already, system, last_role):
     messages = conversation(turns, words, system)
     if messages[-1]["role"] != last_role:

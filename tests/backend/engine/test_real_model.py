@@ -41,9 +41,16 @@ pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 CODE = [{"role": "user", "content": "Write a Python function `fib(n)` that returns the n-th Fibonacci number."}]
-EDIT = [{"role": "user", "content": (
-    "Rename the parameter `xs` to `values` in this function and return the whole function:\n\n"
-    "```python\ndef mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n```")}]
+EDIT = [
+    {
+        "role": "user",
+        "content": (
+            "Rename the parameter `xs` to `values` in this function and return the whole function:\n\n"
+            "```python\ndef mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n"
+            "    return total / len(xs)\n```"
+        ),
+    }
+]
 DRAFTERS = ("prompt-lookup", "draft-model", "auto")
 
 
@@ -70,22 +77,30 @@ def generate_ids(engine, messages, **kw) -> tuple[list[int], object]:
 
 
 def prompt_ids(engine, messages) -> list[int]:
-    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"]
+    return engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
 
 
-@pytest.mark.parametrize(("messages", "penalty"), [(CHAT, None), (CODE, None), (EDIT, None), (CHAT, 1.3),
-                                                   (CODE, 1.3), (CHAT, 1.05), (CODE, 1.05)],
-                         ids=["chat", "code", "edit", "chat-1.3", "code-1.3", "chat-1.05", "code-1.05"])
+@pytest.mark.parametrize(
+    ("messages", "penalty"),
+    [(CHAT, None), (CODE, None), (EDIT, None), (CHAT, 1.3), (CODE, 1.3), (CHAT, 1.05), (CODE, 1.05)],
+    ids=["chat", "code", "edit", "chat-1.3", "code-1.3", "chat-1.05", "code-1.05"],
+)
 def test_greedy_equals_transformers_for_every_drafter(engine, hf_model, messages, penalty):
     """On bcb0966 prompt lookup with penalty 1.3 gave other tokens than plain decoding (the verification rows'
     penalty context lacked the last γ committed tokens)."""
     n = 40
     prompt = prompt_ids(engine, messages)
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                max_new_tokens=n, do_sample=False, repetition_penalty=penalty)
-    reference = out[0, len(prompt):].tolist()
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            repetition_penalty=penalty,
+        )
+    reference = out[0, len(prompt) :].tolist()
     greedy = SamplingParams(temperature=0, repetition_penalty=penalty, max_new_tokens=n)
     plain, _ = generate_ids(engine, messages, sampling=greedy, drafter="none")
     assert plain == reference
@@ -156,10 +171,12 @@ def test_two_verified_positions_follow_the_target_on_the_real_model(engine, hf_m
     drafted = accepted = 0
     try:
         for s in range(samples):
-            sampling = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0, repetition_penalty=PENALTY,
-                                      max_new_tokens=4, seed=s)
-            ids, stats = generate_ids(engine, messages, drafter="prompt-lookup", gamma=2, conversation="chi2",
-                                      sampling=sampling)
+            sampling = SamplingParams(
+                temperature=TEMPERATURE, top_k=TOP_K, top_p=1.0, repetition_penalty=PENALTY, max_new_tokens=4, seed=s
+            )
+            ids, stats = generate_ids(
+                engine, messages, drafter="prompt-lookup", gamma=2, conversation="chi2", sampling=sampling
+            )
             counts[(ids[1], ids[2])] = counts.get((ids[1], ids[2]), 0) + 1
             drafted += stats.drafted
             accepted += stats.accepted
@@ -170,14 +187,18 @@ def test_two_verified_positions_follow_the_target_on_the_real_model(engine, hf_m
     assert set(counts) <= set(exact)
     chi2 = sum((counts.get(k, 0) - samples * p) ** 2 / (samples * p) for k, p in exact.items())
     dof = len(exact) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                            torch.tensor(chi2 / 2.0, dtype=torch.float64)))
+    p_value = float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(chi2 / 2.0, dtype=torch.float64)
+        )
+    )
     assert p_value > 1e-3, f"chi2={chi2:.1f} (dof {dof}); counts {counts}, exact {exact}"
 
 
 def test_same_seed_same_sample(engine):
-    params = dict(sampling=SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=7),
-                  drafter="prompt-lookup", gamma=3)
+    params = dict(
+        sampling=SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=24, seed=7), drafter="prompt-lookup", gamma=3
+    )
     a, _ = generate_ids(engine, CODE, **params)
     b, _ = generate_ids(engine, CODE, **params)
     assert a == b

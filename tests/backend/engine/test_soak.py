@@ -60,7 +60,7 @@ class RandomDrafter(StatelessHooks):
         n = self.rng.randint(0, max_tokens)
         if self.rng.random() < 0.5 and len(context) > n:
             start = self.rng.randrange(0, len(context) - n)
-            return Draft(token_ids=list(context[start:start + n]))
+            return Draft(token_ids=list(context[start : start + n]))
         return Draft(token_ids=[self.rng.randrange(3, VOCAB_SIZE) for _ in range(n)])
 
 
@@ -83,21 +83,40 @@ def soak(turns: int, seed: int, rss_bound: int, warm_turn: int) -> dict:
     drafter = RandomDrafter(seed)
     engine.drafters["prompt-lookup"] = drafter
     history: dict[str, list[dict]] = {}
-    counts: dict = {"cancelled": 0, "stop": 0, "context": 0, "length": 0, "eos": 0, "overflow_notices": 0,
-              "drafter_failures": 0, "rejections": 0, "accepted": 0}
+    counts: dict = {
+        "cancelled": 0,
+        "stop": 0,
+        "context": 0,
+        "length": 0,
+        "eos": 0,
+        "overflow_notices": 0,
+        "drafter_failures": 0,
+        "rejections": 0,
+        "accepted": 0,
+    }
     warm_rss = None
     for turn in range(turns):
         key = rng.choice(["a", "b", "c", None])
         words = " ".join(f"w{rng.randrange(6, VOCAB_SIZE)}" for _ in range(rng.randrange(1, 30)))
         messages = list(history.get(key, [])) + [{"role": "user", "content": words}]
         stop = (f"w{rng.randrange(6, VOCAB_SIZE)}",) if rng.random() < 0.3 else ()
-        sampling = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.2]), max_new_tokens=rng.randrange(1, 40),
-                                  seed=rng.randrange(10**6), stop=stop,
-                                  top_p=rng.choice([None, 0.9]), repetition_penalty=rng.choice([None, 1.1]))
+        sampling = SamplingParams(
+            temperature=rng.choice([0.0, 0.7, 1.2]),
+            max_new_tokens=rng.randrange(1, 40),
+            seed=rng.randrange(10**6),
+            stop=stop,
+            top_p=rng.choice([None, 0.9]),
+            repetition_penalty=rng.choice([None, 1.1]),
+        )
         cancel = threading.Event()
         cancel_after = rng.randrange(1, 6) if rng.random() < 0.2 else None
-        request = GenerationRequest(messages=messages, sampling=sampling, conversation=key,
-                                    gamma=rng.choice(["auto", 1, 4, 8]), drafter=rng.choice(["prompt-lookup", "none"]))
+        request = GenerationRequest(
+            messages=messages,
+            sampling=sampling,
+            conversation=key,
+            gamma=rng.choice(["auto", 1, 4, 8]),
+            drafter=rng.choice(["prompt-lookup", "none"]),
+        )
         text = []
         for n, event in enumerate(engine.generate(request, cancel)):
             text.append(event.text)
@@ -129,7 +148,8 @@ def soak(turns: int, seed: int, rss_bound: int, warm_turn: int) -> dict:
     for name in ("turn 1", f"turn {warm_turn + 1}", f"turn {turns}"):
         READINGS[f"soak {turns} turns: {name}"] = counts[name]
     READINGS[f"soak {turns} turns: RSS growth from turn {warm_turn + 1} to the end"] = (
-        f"{counts['rss_growth'] / 2**20:.1f} MiB")
+        f"{counts['rss_growth'] / 2**20:.1f} MiB"
+    )
     assert counts["rss_growth"] < rss_bound, counts
     return counts
 

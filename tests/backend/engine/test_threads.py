@@ -40,8 +40,13 @@ def _governor(proc: FakeProc, monkeypatch, most: int = 2) -> tuple[ThreadGoverno
         calls.append(n)
         current["n"] = n
 
-    governor = ThreadGovernor(reader=proc.read, set_threads=set_threads, get_threads=lambda: current["n"],
-                              most=most, cores=frozenset(range(2)))
+    governor = ThreadGovernor(
+        reader=proc.read,
+        set_threads=set_threads,
+        get_threads=lambda: current["n"],
+        most=most,
+        cores=frozenset(range(2)),
+    )
     return governor, calls
 
 
@@ -95,9 +100,10 @@ def test_a_thread_that_runs_a_later_request_gets_the_count_again(monkeypatch):
     assert calls == [1, 1]
 
 
-@pytest.mark.parametrize(("cores", "others", "most", "expected"),
-                         [(2, 0.0, 2, 2), (2, 0.5, 2, 2), (2, 0.6, 2, 1), (2, 1.9, 2, 1), (8, 2.2, 8, 6),
-                          (8, 0.0, 4, 4), (4, 9.0, 4, 1)])
+@pytest.mark.parametrize(
+    ("cores", "others", "most", "expected"),
+    [(2, 0.0, 2, 2), (2, 0.5, 2, 2), (2, 0.6, 2, 1), (2, 1.9, 2, 1), (8, 2.2, 8, 6), (8, 0.0, 4, 4), (4, 9.0, 4, 1)],
+)
 def test_wanted_threads(cores, others, most, expected):
     assert wanted_threads(cores, others, most) == expected
 
@@ -116,16 +122,19 @@ def test_switched_off_or_single_threaded_it_changes_nothing(monkeypatch):
 
 
 def test_unreadable_proc_disables_it(monkeypatch):
-    governor = ThreadGovernor(reader=lambda cores: None, set_threads=lambda n: None, get_threads=lambda: 2, most=2,
-                              cores=frozenset(range(2)))
+    governor = ThreadGovernor(
+        reader=lambda cores: None, set_threads=lambda n: None, get_threads=lambda: 2, most=2, cores=frozenset(range(2))
+    )
     assert not governor.enabled and governor.step() == 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_real_readings_see_another_process_busy():
     cores = frozenset([min(threads._allowed_cores())])
-    loop = (f"import os, time\nos.sched_setaffinity(0, {set(cores)!r})\n"
-            "end = time.time() + 3\nwhile time.time() < end: pass")
+    loop = (
+        f"import os, time\nos.sched_setaffinity(0, {set(cores)!r})\n"
+        "end = time.time() + 3\nwhile time.time() < end: pass"
+    )
     busy = subprocess.Popen([sys.executable, "-c", loop])
     try:
         time.sleep(0.5)
@@ -164,9 +173,15 @@ def test_the_engine_consults_the_governor_before_every_pass():
     engine.threads = Counting()  # type: ignore[assignment]
     before = torch.get_num_threads()
     try:
-        events = list(engine.generate(GenerationRequest(prompt_ids=random_ids(20), drafter="none",
-                                                        sampling=SamplingParams(temperature=0.0,
-                                                                                max_new_tokens=6))))
+        events = list(
+            engine.generate(
+                GenerationRequest(
+                    prompt_ids=random_ids(20),
+                    drafter="none",
+                    sampling=SamplingParams(temperature=0.0, max_new_tokens=6),
+                )
+            )
+        )
     finally:
         torch.set_num_threads(before)
     steps = sum(1 for e in events if e.token_ids and not e.is_prefill)

@@ -37,15 +37,16 @@ class OracleTree(StatelessHooks):
 
     name = "suffix"
 
-    def __init__(self, prompt_len: int, reference: list[int], *, seed: int = 0, miss_every: int = 0,
-                 eos: int | None = None) -> None:
+    def __init__(
+        self, prompt_len: int, reference: list[int], *, seed: int = 0, miss_every: int = 0, eos: int | None = None
+    ) -> None:
         self.prompt_len, self.reference, self.eos, self.miss_every = prompt_len, reference, eos, miss_every
         self.rng = random.Random(seed)
         self.trees: list[list[int]] = []
 
     def propose(self, context, max_tokens):
         done = len(context) - self.prompt_len
-        truth = self.reference[done:done + 6]
+        truth = self.reference[done : done + 6]
         tokens: list[int] = []
         parents: list[int] = []
         parent = -1
@@ -133,10 +134,14 @@ def test_the_cache_after_a_tree_serves_the_next_turn():
     engine.drafters["suffix"] = OracleTree(len(prompt), reference)
     first, _ = run(engine, prompt_ids=prompt, sampling=GREEDY, conversation="c")
     follow = prompt + first + random_ids(5, seed=9)
-    second, events = run(engine, prompt_ids=follow, sampling=SamplingParams(temperature=0.0, max_new_tokens=10),
-                         conversation="c")
-    fresh, _ = run(no_eos(tiny_engine("gemma2", drafter="none")), prompt_ids=follow,
-                   sampling=SamplingParams(temperature=0.0, max_new_tokens=10))
+    second, events = run(
+        engine, prompt_ids=follow, sampling=SamplingParams(temperature=0.0, max_new_tokens=10), conversation="c"
+    )
+    fresh, _ = run(
+        no_eos(tiny_engine("gemma2", drafter="none")),
+        prompt_ids=follow,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=10),
+    )
     assert events[0].prefill_tokens == 6  # the first turn was reused but its last token (never fed) and the 5 new
     assert second == fresh
 
@@ -168,12 +173,26 @@ def test_without_reply_memory_nothing_is_remembered():
 def test_a_tree_step_counts_positions_along_the_followed_path():
     stats = SpecStats()
     # pending -> a(0) -> b(1); pending -> c(2); accepted a then nothing matched under b's parent? no: b is a leaf
-    stats.observe_step(drafter="suffix", gamma=3, accepted=2, emitted=3, policy=PolicyState.SPECULATING,
-                       draft_s=0.0, verify_s=0.01, overhead_s=0.0, tried=2)
+    stats.observe_step(
+        drafter="suffix",
+        gamma=3,
+        accepted=2,
+        emitted=3,
+        policy=PolicyState.SPECULATING,
+        draft_s=0.0,
+        verify_s=0.01,
+        overhead_s=0.0,
+        tried=2,
+    )
     stats.observe_tree([-1, 0, -1], [0, 1])
     report = stats.report()
     assert report.per_position_acceptance == (1.0, 1.0, None)
     assert (report.drafted, report.accepted) == (3, 2)
     assert report.acceptance_rate is not None
     assert (report.tree_nodes, report.tree_depth, report.tree_width, report.tree_accepted, report.tree_branch) == (
-        3, 2, 2, 2, 1)
+        3,
+        2,
+        2,
+        2,
+        1,
+    )

@@ -63,13 +63,19 @@ def test_other_architectures_keep_transformers_forward(family):
 
 def test_joined_projections_share_the_layers_bytes():
     model = _quantised("llama", **JOINABLE)
-    before = sum(m.packed.untyped_storage().nbytes() for m in quant_linear.quantized_layers(model)
-                 if isinstance(m, quant_linear.Int4Linear))
+    before = sum(
+        m.packed.untyped_storage().nbytes()
+        for m in quant_linear.quantized_layers(model)
+        if isinstance(m, quant_linear.Int4Linear)
+    )
     fast = compact.build(model)
     layer = fast.layers[0]
     assert layer.q.packed.untyped_storage().data_ptr() == layer.qkv.packed.untyped_storage().data_ptr()
-    storages = {m.packed.untyped_storage().data_ptr(): m.packed.untyped_storage().nbytes()
-                for m in quant_linear.quantized_layers(model) if isinstance(m, quant_linear.Int4Linear)}
+    storages = {
+        m.packed.untyped_storage().data_ptr(): m.packed.untyped_storage().nbytes()
+        for m in quant_linear.quantized_layers(model)
+        if isinstance(m, quant_linear.Int4Linear)
+    }
     assert sum(storages.values()) == before  # the joined copies replaced the separate ones
 
 
@@ -86,8 +92,9 @@ def test_a_tree_nodes_row_equals_plain_decoding_of_its_path(family):
     tree_seq = _cache(model).new_sequence()
     forward_paged(model, tree_seq, prompt, fast=fast)
     tree_seq.commit(len(prompt))
-    rows = forward_paged(model, tree_seq, [pending] + tokens, logits_to_keep=1 + len(tokens), fast=fast,
-                         parents=parents)
+    rows = forward_paged(
+        model, tree_seq, [pending] + tokens, logits_to_keep=1 + len(tokens), fast=fast, parents=parents
+    )
     for node in range(-1, len(tokens)):
         path = []
         at = node

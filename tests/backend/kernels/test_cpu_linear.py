@@ -76,8 +76,9 @@ def test_disagreeing_kernel_is_abandoned(monkeypatch) -> None:
     def wrong(*args):
         return real(*args) + 1.0
 
-    monkeypatch.setattr(cpu_linear.PackedLinear, "forward",
-                        lambda self, x: wrong(x, self._packed, self.bias, "none", [], ""))
+    monkeypatch.setattr(
+        cpu_linear.PackedLinear, "forward", lambda self, x: wrong(x, self._packed, self.bias, "none", [], "")
+    )
     assert cpu_linear.pack_linears(model) == 0
     assert not any(isinstance(m, cpu_linear.PackedLinear) for m in model.modules())
 

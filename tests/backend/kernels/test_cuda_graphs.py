@@ -22,10 +22,10 @@ TOL = 1e-4
 CONTEXT = 40
 
 
-def _cache(model, *, fragmented: bool, block_size: int = 4, max_tokens: int = 256,
-           device: str = "cpu") -> PagedKVCache:
-    cache = PagedKVCache.for_model(model.config, max_tokens=max_tokens, block_size=block_size,
-                                   dtype=next(model.parameters()).dtype, device=device)
+def _cache(model, *, fragmented: bool, block_size: int = 4, max_tokens: int = 256, device: str = "cpu") -> PagedKVCache:
+    cache = PagedKVCache.for_model(
+        model.config, max_tokens=max_tokens, block_size=block_size, dtype=next(model.parameters()).dtype, device=device
+    )
     if fragmented:  # every other block held by a dummy sequence: new sequences' blocks are not a run
         holders = [cache.new_sequence() for _ in range(cache.pool.num_blocks // 2)]
         for h in holders:
@@ -161,8 +161,12 @@ def _greedy_tokens(engine, prompt: list[int], n: int, **request) -> list[int]:
 @pytest.mark.parametrize("drafter", ["none", "draft-model"])
 def test_engine_tokens_identical_with_static_runner(drafter: str) -> None:
     prompt = random_ids(12, seed=4)
-    kwargs = dict(drafter=drafter, draft_family="llama" if drafter == "draft-model" else None, draft_seed=1,
-                  gamma=3 if drafter == "draft-model" else "auto")
+    kwargs = dict(
+        drafter=drafter,
+        draft_family="llama" if drafter == "draft-model" else None,
+        draft_seed=1,
+        gamma=3 if drafter == "draft-model" else "auto",
+    )
     plain = _greedy_tokens(tiny_engine("llama", **kwargs), prompt, 24)
     engine = tiny_engine("llama", **kwargs)
     runners = []
@@ -202,8 +206,12 @@ def test_cuda_replay_matches_eager_logits(family: str) -> None:
 def test_cuda_greedy_generation_identical_to_eager(drafter: str, monkeypatch) -> None:
     """The engine attaches runners itself on CUDA; SPECCHAT_CUDA_GRAPHS=0 gives the eager reference."""
     prompt = random_ids(12, seed=4)
-    kwargs = dict(drafter=drafter, draft_family="llama" if drafter == "draft-model" else None, draft_seed=1,
-                  gamma=3 if drafter == "draft-model" else "auto")
+    kwargs = dict(
+        drafter=drafter,
+        draft_family="llama" if drafter == "draft-model" else None,
+        draft_seed=1,
+        gamma=3 if drafter == "draft-model" else "auto",
+    )
 
     def run(graphs: str) -> tuple[list[int], object]:
         monkeypatch.setenv("SPECCHAT_CUDA_GRAPHS", graphs)

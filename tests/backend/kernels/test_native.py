@@ -146,8 +146,9 @@ def test_passes_it_does_not_take_keep_the_python_loop(library):
         seq.commit(len(prompt))
     ran = bound.ran
     tree, parents = random_ids(4, seed=2), [-1, -1, 1]  # a tree its sliding window (8) cuts: the Python loop's
-    assert torch.equal(_pass(model, fast, native_seq, tree, 4, bound, parents),
-                       _pass(model, fast, python_seq, tree, 4, None, parents))
+    assert torch.equal(
+        _pass(model, fast, native_seq, tree, 4, bound, parents), _pass(model, fast, python_seq, tree, 4, None, parents)
+    )
     long = random_ids(compact.ROWWISE_ROWS + 1, seed=3)  # more rows than the row-wise attention takes
     assert torch.equal(_pass(model, fast, native_seq, long, 2, bound), _pass(model, fast, python_seq, long, 2))
     other = _cache(model).new_sequence()  # a cache the layers are not bound to
@@ -156,8 +157,12 @@ def test_passes_it_does_not_take_keep_the_python_loop(library):
     bound.release()
     with pytest.raises(RuntimeError, match="no model"):
         bound.handle = 10**6
-        bound.layers(torch.zeros(1, fast.hidden), torch.zeros(1), torch.zeros(1),
-                     attention.PagedContext(native_seq.cache, native_seq.plan(1)))
+        bound.layers(
+            torch.zeros(1, fast.hidden),
+            torch.zeros(1),
+            torch.zeros(1),
+            attention.PagedContext(native_seq.cache, native_seq.plan(1)),
+        )
 
 
 def _int4_engine(drafter: str = "prompt-lookup") -> Engine:
@@ -167,8 +172,12 @@ def _int4_engine(drafter: str = "prompt-lookup") -> Engine:
 
 
 def _events(engine: Engine, prompt: list[int], drafter: str, conversation: str | None = None):
-    request = GenerationRequest(prompt_ids=prompt, drafter=drafter, conversation=conversation,
-                                sampling=SamplingParams(temperature=0, max_new_tokens=24))
+    request = GenerationRequest(
+        prompt_ids=prompt,
+        drafter=drafter,
+        conversation=conversation,
+        sampling=SamplingParams(temperature=0, max_new_tokens=24),
+    )
     return list(engine.generate(request))
 
 
@@ -238,7 +247,7 @@ def test_the_embedded_default_natively(library):
     python_seq, native_seq = seqs
     same = 0
     for step in range(24):
-        ids = prompt[step * 5:step * 5 + 5]
+        ids = prompt[step * 5 : step * 5 + 5]
         ones = _one_by_one(runner.model, fast, native_seq, ids, bound)
         got = _pass(runner.model, fast, native_seq, ids, 5, bound)
         expected = _pass(runner.model, fast, python_seq, ids, 5)
@@ -293,7 +302,8 @@ def test_exiting_while_the_attach_checks_does_not_abort(library, tmp_path):
     `specchat generate --help`-like exit, a UI quit at once) must not die in torch's thread pool teardown
     ("terminate called without an active exception", before an exit hook closed the attachments)."""
     env = {**os.environ, "SPECCHAT_CACHE_DIR": str(tmp_path), native.SWITCH: "1"}
-    done = subprocess.run([sys.executable, "-c", EXIT_DURING_CHECK, str(library)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_DURING_CHECK, str(library)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert "exiting while checking: True" in done.stdout, done.stderr[-2000:]
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]

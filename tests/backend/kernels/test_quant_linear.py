@@ -50,8 +50,7 @@ def test_int4_matches_its_dequantised_weight(group_size, rows):
     weight = torch.randn(n, k, generator=g)
     codes, scale, zero = quantize_int4(weight, group_size)
     bias = torch.randn(n, generator=g)
-    exact = Int4Linear.from_codes(codes, scale, zero, group_size=group_size, bias=bias,
-                                  compute_dtype=torch.float32)
+    exact = Int4Linear.from_codes(codes, scale, zero, group_size=group_size, bias=bias, compute_dtype=torch.float32)
     fast = Int4Linear.from_codes(codes, scale, zero, group_size=group_size, bias=bias)
     dq = (codes.view(n, k // group_size, group_size).float() - 8) * scale[..., None] + zero[..., None]
     dq = dq.view(n, k)
@@ -60,7 +59,7 @@ def test_int4_matches_its_dequantised_weight(group_size, rows):
     torch.testing.assert_close(exact(x), F.linear(x, dq, bias), rtol=1e-4, atol=1e-3)
     # bfloat16 scales: each weight moves by at most 2^-9 of its group's |scale·(q-8)| + |zero|
     scale_b, zero_b = scale.bfloat16().float(), zero.bfloat16().float()
-    dq_b = ((codes.view(n, k // group_size, group_size).float() - 8) * scale_b[..., None] + zero_b[..., None])
+    dq_b = (codes.view(n, k // group_size, group_size).float() - 8) * scale_b[..., None] + zero_b[..., None]
     bound = ((codes.view(n, -1, group_size).float() - 8).abs() * scale[..., None] + zero.abs()[..., None]) * 2**-8
     assert ((dq_b - dq.view_as(dq_b)).abs() <= bound).all()
     out = fast(x)
@@ -99,7 +98,7 @@ def test_rows_do_not_depend_on_how_many_there_are(group_size):
     for layer in (int4, int8):
         for rows in (2, 5, 9, 17, 32):
             x = torch.randn(rows, 512, generator=g)
-            one_by_one = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+            one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(rows)])
             assert torch.equal(layer(x), one_by_one)
 
 
@@ -155,8 +154,10 @@ def test_int4_and_int8_on_cuda_match_their_dequantised_weight(group_size):
     weight = torch.randn(256, 512, generator=g)
     codes, scale, zero = quantize_int4(weight, group_size)
     layer = Int4Linear.from_codes(codes, scale, zero, group_size=group_size, device="cuda")
-    dq = ((codes.view(256, -1, group_size).float() - 8) * scale.bfloat16().float()[..., None]
-          + zero.bfloat16().float()[..., None]).view(256, 512)
+    dq = (
+        (codes.view(256, -1, group_size).float() - 8) * scale.bfloat16().float()[..., None]
+        + zero.bfloat16().float()[..., None]
+    ).view(256, 512)
     for rows in (1, 5, 33):
         x = torch.randn(rows, 512, generator=g)
         ref = _reference(x, dq)

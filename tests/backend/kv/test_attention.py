@@ -36,15 +36,16 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab
 
 def make_cache(model, *, fragmented: bool, block_size: int = 4, max_tokens: int = 256) -> PagedKVCache:
     """A cache; when ``fragmented``, every other block is held by a dummy sequence so new ones are not a run."""
-    cache = PagedKVCache.for_model(model.config, max_tokens=max_tokens, block_size=block_size,
-                                   dtype=torch.float32, device="cpu")
+    cache = PagedKVCache.for_model(
+        model.config, max_tokens=max_tokens, block_size=block_size, dtype=torch.float32, device="cpu"
+    )
     if fragmented:
         holders = [cache.new_sequence() for _ in range(cache.pool.num_blocks // 2)]
         for h in holders:
             h.reserve(block_size * 2)  # blocks 2i, 2i+1
             h.commit(block_size * 2)
         for h in holders:
-            h.truncate(block_size)     # keeps 2i, frees 2i+1
+            h.truncate(block_size)  # keeps 2i, frees 2i+1
     return cache
 
 
@@ -117,17 +118,17 @@ def _context(start: int, n: int) -> PagedContext:
 def test_masks_are_built_only_when_needed_and_once() -> None:
     decode = _context(50, 1)
     assert decode.layout(None, False) == (0, None, False)
-    assert decode.layout(8, False) == (43, None, False)          # window: a shorter slice, still no mask
+    assert decode.layout(8, False) == (43, None, False)  # window: a shorter slice, still no mask
     prefill = _context(0, 20)
-    assert prefill.layout(None, False) == (0, None, True)        # SDPA is_causal
+    assert prefill.layout(None, False) == (0, None, True)  # SDPA is_causal
     first, mask, causal = prefill.layout(8, False)
     assert (first, causal, mask.shape) == (0, False, (20, 20))
     assert mask[19].tolist() == [False] * 12 + [True] * 8
     verify = _context(30, 4)
     first, mask, causal = verify.layout(None, False)
     assert (first, causal) == (0, False) and mask.sum(1).tolist() == [31, 32, 33, 34]
-    assert verify.layout(None, False)[1] is mask                  # cached per forward, shared by all layers
-    first, blocked, _ = verify.layout(5, True)                    # softcap path: the complement, windowed
+    assert verify.layout(None, False)[1] is mask  # cached per forward, shared by all layers
+    first, blocked, _ = verify.layout(5, True)  # softcap path: the complement, windowed
     assert first == 26 and (~blocked).sum(1).tolist() == [5, 5, 5, 5]
 
 
@@ -153,11 +154,11 @@ def test_misuse_errors() -> None:
     cache = make_cache(model, fragmented=False)
     seq = cache.new_sequence()
     with pytest.raises(ModelLoadError, match=ATTN_IMPLEMENTATION):
-        forward_paged(model, seq, [5, 6])                          # not switched to paged attention
+        forward_paged(model, seq, [5, 6])  # not switched to paged attention
     use_paged_attention(model)
     with pytest.raises(KVCacheUsageError, match="forward_paged"):
         with torch.no_grad():
-            model(input_ids=torch.tensor([[5, 6]]))                # paged model called directly
+            model(input_ids=torch.tensor([[5, 6]]))  # paged model called directly
     with pytest.raises(KVCacheUsageError, match="logits_to_keep"):
         forward_paged(model, seq, [5, 6], logits_to_keep=3)
     with pytest.raises(KVCacheUsageError, match="empty"):
@@ -177,5 +178,6 @@ def test_full_cache_is_reported_and_leaves_the_sequence_usable() -> None:
         forward_paged(model, seq, ids[12:20])
     assert (seq.length, len(seq.block_table)) == (12, 3)
     logits = forward_paged(model, seq, ids[12:16], logits_to_keep=4)
-    torch.testing.assert_close(logits, reference_logits(model.set_attn_implementation("eager") or model,
-                                                        ids[:16])[12:], atol=TOL, rtol=0)
+    torch.testing.assert_close(
+        logits, reference_logits(model.set_attn_implementation("eager") or model, ids[:16])[12:], atol=TOL, rtol=0
+    )

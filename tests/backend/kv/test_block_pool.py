@@ -24,12 +24,12 @@ def test_allocates_lowest_ids_first_and_reuses_freed_ones() -> None:
 
 def test_prefer_continues_a_run_then_falls_back_to_lowest() -> None:
     pool = BlockPool(10)
-    first = pool.allocate(2)          # [0, 1]
-    other = pool.allocate(1)          # [2] blocks the run
+    first = pool.allocate(2)  # [0, 1]
+    other = pool.allocate(1)  # [2] blocks the run
     pool.free(other[0])
     assert pool.allocate(2, prefer=first[-1] + 1) == [2, 3]
-    blocker = pool.allocate(1)        # [4]
-    assert pool.allocate(2, prefer=4) == [5, 6]   # 4 is taken: lowest free instead
+    blocker = pool.allocate(1)  # [4]
+    assert pool.allocate(2, prefer=4) == [5, 6]  # 4 is taken: lowest free instead
     assert pool.refcount(blocker[0]) == 1
 
 
@@ -58,9 +58,9 @@ def test_refcounts_share_and_release() -> None:
 @pytest.mark.parametrize(
     "action",
     [
-        lambda p: p.free(0),              # double free (never allocated)
-        lambda p: p.incref(1),            # sharing a free block
-        lambda p: p.free(99),             # outside the pool
+        lambda p: p.free(0),  # double free (never allocated)
+        lambda p: p.incref(1),  # sharing a free block
+        lambda p: p.free(99),  # outside the pool
         lambda p: p.refcount(-1),
         lambda p: p.allocate(-1),
     ],

@@ -24,8 +24,15 @@ LAYERS, HKV, HQ, D, BS = 2, 2, 4, 4, 4
 
 
 def make_cache(num_blocks: int = 10) -> PagedKVCache:
-    return PagedKVCache(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D, num_blocks=num_blocks, block_size=BS,
-                        dtype=torch.float32, device="cpu")
+    return PagedKVCache(
+        num_layers=LAYERS,
+        num_kv_heads=HKV,
+        head_dim=D,
+        num_blocks=num_blocks,
+        block_size=BS,
+        dtype=torch.float32,
+        device="cpu",
+    )
 
 
 def write_tokens(cache: PagedKVCache, seq, values: torch.Tensor) -> None:
@@ -108,7 +115,7 @@ def test_fork_shares_blocks_and_copies_on_write() -> None:
     child = parent.fork()
     assert child.block_table == parent.block_table and cache.pool.refcount(parent.block_table[1]) == 2
     tail_p, tail_c = torch.randn(LAYERS, HKV, 3, D), torch.randn(LAYERS, HKV, 3, D)
-    write_tokens(cache, parent, tail_p)   # writes into the shared half-full block 1: must copy first
+    write_tokens(cache, parent, tail_p)  # writes into the shared half-full block 1: must copy first
     write_tokens(cache, child, tail_c)
     assert parent.block_table[0] == child.block_table[0] and parent.block_table[1] != child.block_table[1]
     assert torch.equal(stored(cache, parent)[0], torch.cat([base, tail_p], 2))
@@ -123,7 +130,7 @@ def test_commit_and_truncate_free_whole_blocks_only() -> None:
     seq = cache.new_sequence()
     seq.reserve(11)
     assert seq.capacity == 12 and cache.pool.num_used == 3
-    seq.commit(5)                      # speculative slots past 5 are released with their blocks
+    seq.commit(5)  # speculative slots past 5 are released with their blocks
     assert seq.block_table == [0, 1] and seq.length == 5
     seq.truncate(4)
     assert seq.block_table == [0] and seq.capacity == 4
@@ -184,8 +191,13 @@ class CacheMachine(RuleBasedStateMachine):
         self._add(self.cache.new_sequence(), empty, empty)
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data(), n=st.integers(1, 7), window=st.sampled_from([None, 1, 3, 6]),
-          softcap=st.sampled_from([None, 1.5]), seed=st.integers(0, 2**31 - 1))
+    @rule(
+        data=st.data(),
+        n=st.integers(1, 7),
+        window=st.sampled_from([None, 1, 3, 6]),
+        softcap=st.sampled_from([None, 1.5]),
+        seed=st.integers(0, 2**31 - 1),
+    )
     def forward_and_commit(self, data, n, window, softcap, seed) -> None:
         sid = data.draw(st.sampled_from(sorted(self.seqs)))
         seq, ref_k, ref_v = self.seqs[sid]
@@ -206,11 +218,26 @@ class CacheMachine(RuleBasedStateMachine):
         ctx = PagedContext(self.cache, seq.plan(n))
         for layer in range(LAYERS):
             module = SimpleNamespace(layer_idx=layer, head_dim=D)
-            out, _ = paged_attention_forward(module, q[None], new_k[layer][None], new_v[layer][None], None,
-                                             scaling=0.7, sliding_window=window, softcap=softcap, paged=ctx)
-            expected = reference_attention(q, torch.cat([ref_k[layer], new_k[layer]], 1),
-                                           torch.cat([ref_v[layer], new_v[layer]], 1),
-                                           start=start, window=window, softcap=softcap, scale=0.7)
+            out, _ = paged_attention_forward(
+                module,
+                q[None],
+                new_k[layer][None],
+                new_v[layer][None],
+                None,
+                scaling=0.7,
+                sliding_window=window,
+                softcap=softcap,
+                paged=ctx,
+            )
+            expected = reference_attention(
+                q,
+                torch.cat([ref_k[layer], new_k[layer]], 1),
+                torch.cat([ref_v[layer], new_v[layer]], 1),
+                start=start,
+                window=window,
+                softcap=softcap,
+                scale=0.7,
+            )
             torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
         keep = data.draw(st.integers(0, n))
         seq.commit(keep)
@@ -277,8 +304,9 @@ def test_a_cpu_cache_takes_memory_for_the_tokens_it_holds_not_for_its_size() -> 
     """A chat's cache is sized for the whole context but holds a conversation: on CPU its pools are zeros the
     kernel supplies on first write (torch.zeros made all of it resident: 189 MB for the embedded default)."""
     before = _rss()
-    cache = PagedKVCache(num_layers=30, num_kv_heads=3, head_dim=64, num_blocks=1024, block_size=16,
-                         dtype=torch.bfloat16, device="cpu")  # 2 x 94 MiB
+    cache = PagedKVCache(
+        num_layers=30, num_kv_heads=3, head_dim=64, num_blocks=1024, block_size=16, dtype=torch.bfloat16, device="cpu"
+    )  # 2 x 94 MiB
     size = cache.k.numel() * cache.k.element_size() * 2
     assert size > 180 << 20
     assert _rss() - before < size // 8

@@ -43,9 +43,13 @@ def _path(parents: list[int], i: int) -> list[int]:
 def test_tree_tensors() -> None:
     depths, visible = tree_tensors([-1, 0, -1, 2], torch.device("cpu"))
     assert depths.tolist() == [0, 1, 2, 1, 2]
-    assert visible.tolist() == [[True, False, False, False, False], [True, True, False, False, False],
-                                [True, True, True, False, False], [True, False, False, True, False],
-                                [True, False, False, True, True]]
+    assert visible.tolist() == [
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [True, True, True, False, False],
+        [True, False, False, True, False],
+        [True, False, False, True, True],
+    ]
     with pytest.raises(KVCacheUsageError, match="parent"):
         tree_tensors([1, -1], torch.device("cpu"))  # a child before its parent
 

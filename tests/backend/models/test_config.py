@@ -41,8 +41,10 @@ TARGET = """\
 
 
 def pair_yaml(name: str = "p1", *, extra: str = "", target: str = TARGET, drafter: str = "prompt-lookup") -> str:
-    return (f"  - name: {name}\n    description: a test pair\n    target:\n{target}"
-            f"    drafter: {drafter}\n    context_length: 2048\n{extra}")
+    return (
+        f"  - name: {name}\n    description: a test pair\n    target:\n{target}"
+        f"    drafter: {drafter}\n    context_length: 2048\n{extra}"
+    )
 
 
 def write(tmp_path: Path, body: str, name: str = "models.yaml") -> Path:
@@ -67,11 +69,16 @@ def assert_names(message: str, *parts: str) -> None:
 # Per hub model: (intermediate size, attention qkv bias) — with the YAML's numbers this gives the exact
 # parameter count, so a wrong architecture number in models.yaml fails here.
 ARCH_EXTRA = {
-    "Qwen/Qwen2.5-7B-Instruct": (18944, True), "Qwen/Qwen2.5-Coder-7B-Instruct": (18944, True),
-    "Qwen/Qwen2.5-14B-Instruct": (13824, True), "Qwen/Qwen2.5-0.5B-Instruct": (4864, True),
-    "Qwen/Qwen2.5-Coder-0.5B-Instruct": (4864, True), "meta-llama/Llama-3.1-8B-Instruct": (14336, False),
-    "meta-llama/Llama-3.2-1B-Instruct": (8192, False), "HuggingFaceTB/SmolLM2-1.7B-Instruct": (8192, False),
-    "HuggingFaceTB/SmolLM2-135M-Instruct": (1536, False), "packaged:smollm2-135m-instruct": (1536, False),
+    "Qwen/Qwen2.5-7B-Instruct": (18944, True),
+    "Qwen/Qwen2.5-Coder-7B-Instruct": (18944, True),
+    "Qwen/Qwen2.5-14B-Instruct": (13824, True),
+    "Qwen/Qwen2.5-0.5B-Instruct": (4864, True),
+    "Qwen/Qwen2.5-Coder-0.5B-Instruct": (4864, True),
+    "meta-llama/Llama-3.1-8B-Instruct": (14336, False),
+    "meta-llama/Llama-3.2-1B-Instruct": (8192, False),
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct": (8192, False),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": (1536, False),
+    "packaged:smollm2-135m-instruct": (1536, False),
 }
 
 
@@ -87,8 +94,15 @@ def param_count(spec: ModelSpec, intermediate: int, qkv_bias: bool) -> int:
 def test_shipped_pairs_are_valid_and_true_to_their_models():
     pairs = load_pairs()
     assert packaged_models_file().resolve() == (Path(__file__).parents[3] / "models.yaml").resolve()
-    for name in ("smollm2-135m", "smollm2-135m-nf4-draft", "qwen2.5-7b", "qwen2.5-coder-7b", "llama3.1-8b",
-                 "smollm2-1.7b", "qwen2.5-14b-nf4"):
+    for name in (
+        "smollm2-135m",
+        "smollm2-135m-nf4-draft",
+        "qwen2.5-7b",
+        "qwen2.5-coder-7b",
+        "llama3.1-8b",
+        "smollm2-1.7b",
+        "qwen2.5-14b-nf4",
+    ):
         assert name in pairs
     default = pairs[DEFAULT_PAIR]
     assert default_pair_name(pairs) == DEFAULT_PAIR
@@ -121,14 +135,18 @@ def test_good_file_defaults(tmp_path):
 
 
 def test_draft_model_pair_and_sampling(tmp_path):
-    extra = "    draft:\n" + TARGET.replace("org/target-model", "org/draft-model") + \
-            "    gamma: 5\n    sampling: {temperature: 0.7, top_k: 20, top_p: 0.8, max_new_tokens: 64}\n"
+    extra = (
+        "    draft:\n"
+        + TARGET.replace("org/target-model", "org/draft-model")
+        + "    gamma: 5\n    sampling: {temperature: 0.7, top_k: 20, top_p: 0.8, max_new_tokens: 64}\n"
+    )
     pair = load_pairs_file(write(tmp_path, pair_yaml(extra=extra, drafter="draft-model")))["p1"]
     assert pair.draft.source == "org/draft-model" and pair.gamma == 5
     assert pair.sampling == {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "max_new_tokens": 64}
 
 
 # --- errors ------------------------------------------------------------------------------------------------
+
 
 def test_missing_field(tmp_path):
     path = write(tmp_path, pair_yaml(target=TARGET.replace("      params: 1000\n", "")))
@@ -147,8 +165,9 @@ def test_bool_is_not_a_number(tmp_path):
 
 def test_unknown_drafter(tmp_path):
     path = write(tmp_path, pair_yaml(drafter="medusa"))
-    assert_names(error_of(path), str(path), "pair 'p1'", "'drafter'", "'medusa'",
-                 "prompt-lookup, suffix, draft-model, none")
+    assert_names(
+        error_of(path), str(path), "pair 'p1'", "'drafter'", "'medusa'", "prompt-lookup, suffix, draft-model, none"
+    )
 
 
 def test_unknown_field_is_rejected(tmp_path):
@@ -187,8 +206,9 @@ def test_duplicate_keys_in_a_mapping(tmp_path):
     assert_names(error_of(path), str(path), "'context_length'", "repeats")
 
 
-@pytest.mark.parametrize("gamma, ok", [(1, True), (31, True), ("auto", True), (0, False), (32, False),
-                                       ("fast", False), ("true", False)])
+@pytest.mark.parametrize(
+    "gamma, ok", [(1, True), (31, True), ("auto", True), (0, False), (32, False), ("fast", False), ("true", False)]
+)
 def test_gamma(tmp_path, gamma, ok):
     path = write(tmp_path, pair_yaml(extra=f"    gamma: {gamma}\n"))
     if ok:
@@ -210,8 +230,14 @@ def test_draft_required_and_forbidden(tmp_path):
     assert_names(error_of(path), str(path), "pair 'p1'", "'draft'", "drafter is prompt-lookup")
 
 
-@pytest.mark.parametrize("sampling, field", [("{top_p: 1.5}", "sampling.top_p"), ("{temp: 1}", "sampling.temp"),
-                                             ("{max_new_tokens: 0}", "sampling.max_new_tokens")])
+@pytest.mark.parametrize(
+    "sampling, field",
+    [
+        ("{top_p: 1.5}", "sampling.top_p"),
+        ("{temp: 1}", "sampling.temp"),
+        ("{max_new_tokens: 0}", "sampling.max_new_tokens"),
+    ],
+)
 def test_sampling_errors(tmp_path, sampling, field):
     path = write(tmp_path, pair_yaml(extra=f"    sampling: {sampling}\n"))
     assert_names(error_of(path), str(path), "pair 'p1'", f"'{field}'")
@@ -223,10 +249,13 @@ def test_bad_pair_name(tmp_path):
 
 
 def test_yaml_merge_keys_can_be_overridden(tmp_path):
-    body = ("pairs:\n" + pair_yaml().replace("    target:\n", "    target: &t\n")
-            + "    drafter_placeholder: 0\n").replace("    drafter_placeholder: 0\n", "")
-    body += ("  - name: p2\n    target: *t\n    drafter: draft-model\n    context_length: 2048\n"
-             "    draft:\n      <<: *t\n      quantization: nf4\n      params: 999\n")
+    body = (
+        "pairs:\n" + pair_yaml().replace("    target:\n", "    target: &t\n") + "    drafter_placeholder: 0\n"
+    ).replace("    drafter_placeholder: 0\n", "")
+    body += (
+        "  - name: p2\n    target: *t\n    drafter: draft-model\n    context_length: 2048\n"
+        "    draft:\n      <<: *t\n      quantization: nf4\n      params: 999\n"
+    )
     pairs = load_pairs_file(write(tmp_path, body))
     assert pairs["p2"].draft.quantization == "nf4" and pairs["p2"].draft.params == 999
     assert pairs["p2"].target.params == 1000
@@ -234,13 +263,16 @@ def test_yaml_merge_keys_can_be_overridden(tmp_path):
 
 # --- user file and --models --------------------------------------------------------------------------------
 
+
 def test_user_file_overrides_and_adds(tmp_path):
     user = tmp_path / "config" / "models.yaml"
     user.parent.mkdir(parents=True)
     shipped = load_pairs()[DEFAULT_PAIR]
-    override = (f"  - name: {DEFAULT_PAIR}\n    target:\n      source: packaged:smollm2-135m-instruct\n"
-                "      params: 1\n      num_layers: 1\n      num_kv_heads: 1\n      head_dim: 1\n"
-                "      hidden_size: 1\n      vocab_size: 1\n    drafter: none\n    context_length: 1024\n")
+    override = (
+        f"  - name: {DEFAULT_PAIR}\n    target:\n      source: packaged:smollm2-135m-instruct\n"
+        "      params: 1\n      num_layers: 1\n      num_kv_heads: 1\n      head_dim: 1\n"
+        "      hidden_size: 1\n      vocab_size: 1\n    drafter: none\n    context_length: 1024\n"
+    )
     write(user.parent, override + pair_yaml("mine"))
     pairs = load_pairs()
     assert list(pairs)[0] == DEFAULT_PAIR and list(pairs)[-1] == "mine"  # override keeps its place
@@ -278,6 +310,7 @@ def test_get_pair_names_the_known_pairs():
 
 # --- source resolution -------------------------------------------------------------------------------------
 
+
 def test_resolve_source_kinds(tmp_path):
     (tmp_path / "weights").mkdir()
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
@@ -288,10 +321,19 @@ def test_resolve_source_kinds(tmp_path):
     assert resolve_source("m.gguf", base_dir=tmp_path) == ("gguf", str((tmp_path / "m.gguf").resolve()))
 
 
-@pytest.mark.parametrize("source, reason", [
-    ("packaged:llama-70b", "no packaged model"), ("Qwen", "hub id"), ("a/b/c", "hub id"),
-    ("org/-bad--name", "hub id"), ("./missing-dir", "does not exist"), ("/no/such/dir", "does not exist"),
-    ("missing.gguf", "does not exist"), ("~/nope-specchat-test", "does not exist")])
+@pytest.mark.parametrize(
+    "source, reason",
+    [
+        ("packaged:llama-70b", "no packaged model"),
+        ("Qwen", "hub id"),
+        ("a/b/c", "hub id"),
+        ("org/-bad--name", "hub id"),
+        ("./missing-dir", "does not exist"),
+        ("/no/such/dir", "does not exist"),
+        ("missing.gguf", "does not exist"),
+        ("~/nope-specchat-test", "does not exist"),
+    ],
+)
 def test_resolve_source_errors(tmp_path, source, reason):
     with pytest.raises(ValueError, match=reason):
         resolve_source(source, base_dir=tmp_path)
@@ -307,6 +349,7 @@ def test_local_source_relative_to_the_file_and_revision_rules(tmp_path):
     path = write(tmp_path, pair_yaml(target=TARGET.replace("org/target-model", "ckpt")))
     spec = load_pairs_file(path)["p1"].target
     assert (spec.kind, spec.path) == ("local", str((tmp_path / "ckpt").resolve()))
-    path = write(tmp_path, pair_yaml(target=TARGET.replace("org/target-model", "ckpt") + "      revision: main\n"),
-                 name="b.yaml")
+    path = write(
+        tmp_path, pair_yaml(target=TARGET.replace("org/target-model", "ckpt") + "      revision: main\n"), name="b.yaml"
+    )
     assert_names(error_of(path), str(path), "pair 'p1'", "'target.revision'", "'main'", "only hub sources")

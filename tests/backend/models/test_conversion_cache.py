@@ -101,8 +101,11 @@ def test_damage_only_loading_notices_is_healed_once(tmp_path, conversions, monke
     assert convert.is_complete(first.path)
     load_model(_spec(gguf), "cpu")
     assert len(conversions) == 2
-    monkeypatch.setattr(loading, "_load_tokenizer_from", lambda folder, spec, light_model: (_ for _ in ()).throw(
-        loading.CacheDamage(f"{folder}: still unreadable")))
+    monkeypatch.setattr(
+        loading,
+        "_load_tokenizer_from",
+        lambda folder, spec, light_model: (_ for _ in ()).throw(loading.CacheDamage(f"{folder}: still unreadable")),
+    )
     with pytest.raises(ModelLoadError, match="still unreadable"):
         load_model(_spec(gguf), "cpu")
     assert len(conversions) == 3  # one retry, then the error
@@ -212,16 +215,23 @@ _CHILD = textwrap.dedent("""
 
 def _kill_runs(tmp_path: Path, runs: int, seed: int) -> None:
     rng = random.Random(seed)
-    ggufs = {q: write_tiny_gguf(tmp_path / f"tiny-{q}.gguf", weights="Q4_1" if q != "none" else "F32")
-             for q in ("none", "int4-torch")}
+    ggufs = {
+        q: write_tiny_gguf(tmp_path / f"tiny-{q}.gguf", weights="Q4_1" if q != "none" else "F32")
+        for q in ("none", "int4-torch")
+    }
     for run in range(runs):
         quantization = rng.choice(sorted(ggufs))
         gguf = ggufs[quantization]
         if rng.random() < 0.7:  # mostly kill during a first conversion
             for folder in (convert.cache_dir() / "converted").glob(f"{gguf.stem}-*"):
                 convert.invalidate(folder)
-        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(gguf), quantization], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(gguf), quantization],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
+        )
         assert child.stdout is not None and child.stdin is not None
         assert child.stdout.readline().strip() == "ready"
         child.stdin.write("\n")

@@ -16,13 +16,26 @@ from specchat.backend.models.config import ModelSpec
 from specchat.backend.models.light_tokenizer import LightTokenizer
 from specchat.backend.models.loading import packaged_gguf_path
 
-TEXTS = ("", "the the", "def f(x):\n    return x ** 2  # square\n", "  \t\n\n  indented\r\n",
-         "naïve café — 東京 🙂 Привет", "<|im_start|>user\nhi<|im_end|>\n", "a<|im_end|>b<|endoftext|>",
-         "trailing space ", "\x00\x07 control", "ÿþ\ufffd")
+TEXTS = (
+    "",
+    "the the",
+    "def f(x):\n    return x ** 2  # square\n",
+    "  \t\n\n  indented\r\n",
+    "naïve café — 東京 🙂 Привет",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "a<|im_end|>b<|endoftext|>",
+    "trailing space ",
+    "\x00\x07 control",
+    "ÿþ\ufffd",
+)
 CHATS = (
     [{"role": "user", "content": "Hello"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi"},
-     {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again, with 東京 🙂"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say hi"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "again, with 東京 🙂"},
+    ],
     [{"role": "user", "content": "<|im_start|>x<|im_end|>"}],
 )
 # Jinja features chat templates use: namespaces, loop variables, filters, tojson, raise_exception, the
@@ -58,12 +71,14 @@ def _same(light: LightTokenizer, theirs, chats=CHATS) -> None:
     if light.chat_template:
         for chat in chats:
             for prompt in (True, False):
-                assert light.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False) == \
-                    theirs.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False)
+                assert light.apply_chat_template(
+                    chat, add_generation_prompt=prompt, tokenize=False
+                ) == theirs.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False)
             assert render(light, chat) == render(theirs, chat)
             assert light.apply_chat_template(chat)["input_ids"] == theirs.apply_chat_template(chat)["input_ids"]
-            assert light.apply_chat_template(chat, return_dict=False) == \
-                theirs.apply_chat_template(chat, return_dict=False)
+            assert light.apply_chat_template(chat, return_dict=False) == theirs.apply_chat_template(
+                chat, return_dict=False
+            )
 
 
 @pytest.fixture
@@ -96,8 +111,11 @@ def test_a_template_that_raises_raises_the_same_way(tiny_folder):
 def test_folders_it_does_not_reproduce_are_left_to_transformers(tiny_folder, tmp_path):
     _, folder = tiny_folder
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    for key, value in (("clean_up_tokenization_spaces", True), ("add_bos_token", True),
-                       ("tokenizer_class", "LlamaTokenizer")):
+    for key, value in (
+        ("clean_up_tokenization_spaces", True),
+        ("add_bos_token", True),
+        ("tokenizer_class", "LlamaTokenizer"),
+    ):
         (folder / "tokenizer_config.json").write_text(json.dumps({**config, key: value}))
         assert not light_tokenizer.eligible(folder), key
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
@@ -113,9 +131,22 @@ def test_folders_it_does_not_reproduce_are_left_to_transformers(tiny_folder, tmp
 
 
 def _gguf_spec(gguf, quantization: str = "int4-torch") -> ModelSpec:
-    return ModelSpec(source=str(gguf), kind="gguf", revision=None, dtype="auto", quantization=quantization,
-                     params=0, num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=262,
-                     download_bytes=0, gated=False, path=str(gguf))
+    return ModelSpec(
+        source=str(gguf),
+        kind="gguf",
+        revision=None,
+        dtype="auto",
+        quantization=quantization,
+        params=0,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        hidden_size=64,
+        vocab_size=262,
+        download_bytes=0,
+        gated=False,
+        path=str(gguf),
+    )
 
 
 def test_an_int4_gguf_spec_loads_the_light_tokenizer_and_a_damaged_one_heals(tiny_folder, monkeypatch):
@@ -135,14 +166,17 @@ def test_an_int4_gguf_spec_loads_the_light_tokenizer_and_a_damaged_one_heals(tin
 
 
 def test_generation_values_are_transformers_diff(tmp_path):
-    for values in ({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "use_cache": True},
-                   {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1},
-                   {"do_sample": False, "temperature": 1.0, "max_new_tokens": 64, "eos_token_id": [2, 3]}):
+    for values in (
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "use_cache": True},
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1},
+        {"do_sample": False, "temperature": 1.0, "max_new_tokens": 64, "eos_token_id": [2, 3]},
+    ):
         GenerationConfig(**values).save_pretrained(tmp_path)
         theirs = GenerationConfig.from_pretrained(tmp_path).to_diff_dict()
         mine = skeleton.generation_values(tmp_path)
-        assert {k: mine[k] for k in loading._GENERATION_KEYS if k in mine} == \
-            {k: theirs[k] for k in loading._GENERATION_KEYS if k in theirs}
+        assert {k: mine[k] for k in loading._GENERATION_KEYS if k in mine} == {
+            k: theirs[k] for k in loading._GENERATION_KEYS if k in theirs
+        }
     (tmp_path / "generation_config.json").write_text("[1]")
     with pytest.raises(ValueError, match="not a JSON object"):
         skeleton.generation_values(tmp_path)
@@ -172,9 +206,11 @@ def test_the_embedded_models_tokenizer_is_transformers(isolated_dirs):
 
 @pytest.mark.slow
 def test_the_default_starts_without_importing_transformers():
-    script = ("import sys; from specchat.backend.engine.engine import load_engine; "
-              "from specchat.backend.models.config import load_pairs; "
-              "e = load_engine(load_pairs()['smollm2-135m'], device='cpu'); "
-              "print(type(e.tokenizer).__name__, 'transformers' in sys.modules)")
+    script = (
+        "import sys; from specchat.backend.engine.engine import load_engine; "
+        "from specchat.backend.models.config import load_pairs; "
+        "e = load_engine(load_pairs()['smollm2-135m'], device='cpu'); "
+        "print(type(e.tokenizer).__name__, 'transformers' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split("\n")[-2] == "LightTokenizer False", out.stdout + out.stderr

@@ -41,11 +41,21 @@ def _isolate(isolated_dirs):
 
 
 def make_pair(target, draft=None, name="tiny") -> PairConfig:
-    return PairConfig(name=name, description="", target=target, drafter="draft-model" if draft else "none",
-                      draft=draft, gamma="auto", context_length=256, sampling={}, source_file="test")
+    return PairConfig(
+        name=name,
+        description="",
+        target=target,
+        drafter="draft-model" if draft else "none",
+        draft=draft,
+        gamma="auto",
+        context_length=256,
+        sampling={},
+        source_file="test",
+    )
 
 
 # --- devices and the packaged model ------------------------------------------------------------------------
+
 
 def test_resolve_device():
     assert resolve_device("cpu") == torch.device("cpu")
@@ -76,6 +86,7 @@ def test_packaged_gguf_missing_names_the_install_command(monkeypatch):
 
 # --- tokenizer compatibility -------------------------------------------------------------------------------
 
+
 def test_mismatched_pair_is_refused_before_any_weights_load(tmp_path, monkeypatch):
     target_tok = word_tokenizer(WORDS)
     swapped = SPECIALS + ["world", "hello"] + WORDS[2:]  # same tokens, two ids exchanged
@@ -95,15 +106,19 @@ def test_mismatched_pair_is_refused_before_any_weights_load(tmp_path, monkeypatc
         assert part in message, message
 
 
-@pytest.mark.parametrize("draft_words, eos, expected", [
-    (WORDS + ["extra"], "</s>", "1 only in the draft (e.g. 'extra')"),
-    (WORDS[:-1], "</s>", "1 only in the target (e.g. '+')"),
-    (WORDS, "<pad>", "eos_token_id: target 2, draft 3"),
-])
+@pytest.mark.parametrize(
+    "draft_words, eos, expected",
+    [
+        (WORDS + ["extra"], "</s>", "1 only in the draft (e.g. 'extra')"),
+        (WORDS[:-1], "</s>", "1 only in the target (e.g. '+')"),
+        (WORDS, "<pad>", "eos_token_id: target 2, draft 3"),
+    ],
+)
 def test_tokenizer_differences_are_named(draft_words, eos, expected):
     draft_tok = word_tokenizer(draft_words, eos=eos)
-    with pytest.raises(IncompatiblePairError, match=expected.replace("(", r"\(").replace(")", r"\)")
-                       .replace("+", r"\+")):
+    with pytest.raises(
+        IncompatiblePairError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")
+    ):
         check_tokenizers_compatible(word_tokenizer(WORDS), draft_tok, target_name="T", draft_name="D")
 
 
@@ -113,8 +128,11 @@ def test_compatible_pair_with_padded_vocab_loads(tmp_path):
     draft = save_tiny_llama(tmp_path / "d", tok, 24, seed=1)
     check_tokenizers_compatible(tok, word_tokenizer(WORDS), target_name="T", draft_name="D")
     progress = []
-    t, d = load_pair(make_pair(local_spec(tmp_path / "t", target), local_spec(tmp_path / "d", draft)), "cpu",
-                     progress=lambda m, f: progress.append((m, f)))
+    t, d = load_pair(
+        make_pair(local_spec(tmp_path / "t", target), local_spec(tmp_path / "d", draft)),
+        "cpu",
+        progress=lambda m, f: progress.append((m, f)),
+    )
     assert t.model.config.vocab_size == 64 and d.model.config.vocab_size == 24
     assert t.tokenizer.get_vocab() == d.tokenizer.get_vocab()
     assert (t.dtype, t.device, t.model.training) == (torch.float32, torch.device("cpu"), False)
@@ -126,6 +144,7 @@ def test_compatible_pair_with_padded_vocab_loads(tmp_path):
 
 
 # --- weights format and remote code ------------------------------------------------------------------------
+
 
 def test_pickle_weights_refused_unless_allowed(tmp_path):
     tok = word_tokenizer(WORDS)
@@ -169,6 +188,7 @@ def test_remote_code_is_not_run_unless_the_pair_says_so(tmp_path):
 
 # --- hub sources: cache, offline, confirmation -------------------------------------------------------------
 
+
 def fake_hub_cache(root: Path, repo: str, folder_writer) -> Path:
     commit = "0123456789abcdef0123456789abcdef01234567"
     storage = root / ("models--" + repo.replace("/", "--"))
@@ -184,8 +204,9 @@ def test_hub_source_loads_from_the_cache_offline(tmp_path, monkeypatch):
 
     tok = word_tokenizer(WORDS)
     models = {}
-    snapshot = fake_hub_cache(tmp_path / "hf", "org/tiny",
-                              lambda f: models.setdefault("m", save_tiny_llama(f, tok, 32)))
+    snapshot = fake_hub_cache(
+        tmp_path / "hf", "org/tiny", lambda f: models.setdefault("m", save_tiny_llama(f, tok, 32))
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = dataclasses.replace(local_spec(snapshot, models["m"]), source="org/tiny", kind="hub", path=None)
@@ -199,8 +220,9 @@ def test_hub_source_loads_from_the_cache_offline(tmp_path, monkeypatch):
 
 def test_download_is_confirmed_once_before_anything_is_fetched(tmp_path, monkeypatch):
     tok = word_tokenizer(WORDS)
-    spec = dataclasses.replace(local_spec(tmp_path, save_tiny_llama(tmp_path / "m", tok, 32)),
-                               source="org/big", kind="hub", path=None)
+    spec = dataclasses.replace(
+        local_spec(tmp_path, save_tiny_llama(tmp_path / "m", tok, 32)), source="org/big", kind="hub", path=None
+    )
     monkeypatch.setattr(hub, "download_size", lambda s: 2_500_000_000)
 
     def no_fetch(*args, **kwargs):
@@ -231,6 +253,7 @@ def test_hub_errors_become_actionable_messages():
 
 # --- captured library output -------------------------------------------------------------------------------
 
+
 def test_library_output_is_captured_and_progress_routed(tmp_path, capsys):
     from transformers.utils import logging as tf_logging
 
@@ -250,8 +273,9 @@ def test_library_output_is_captured_and_progress_routed(tmp_path, capsys):
             print("a stray print")
             for _ in tf_logging.tqdm(range(4), desc="Loading weights"):
                 pass
-            with progress_tqdm_class(lambda m, f: reports.append((m, f)))(total=2048, unit="B",
-                                                                          desc="Downloading") as bar:
+            with progress_tqdm_class(lambda m, f: reports.append((m, f)))(
+                total=2048, unit="B", desc="Downloading"
+            ) as bar:
                 bar.update(2048)
     finally:
         logging.getLogger().removeHandler(file_handler)
@@ -286,6 +310,7 @@ def test_callbacks_still_reach_the_terminal_while_output_is_captured(capsys):
 
 # --- GGUF conversion cache ---------------------------------------------------------------------------------
 
+
 def test_conversion_is_cached_by_content_hash(tmp_path, monkeypatch):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     folder = convert.ensure_converted(gguf)
@@ -299,8 +324,10 @@ def test_conversion_is_cached_by_content_hash(tmp_path, monkeypatch):
     hashes = json.loads((convert.cache_dir() / "hashes.json").read_text())
     assert list(hashes.values()) == [cache_keys.file_sha256(gguf)]
     os.utime(gguf, ns=(1, 1))  # a touched file is re-hashed, but the same content maps to the same folder
-    assert convert.ensure_converted(gguf) == folder and len(json.loads((convert.cache_dir() / "hashes.json")
-                                                                        .read_text())) == 2
+    assert (
+        convert.ensure_converted(gguf) == folder
+        and len(json.loads((convert.cache_dir() / "hashes.json").read_text())) == 2
+    )
 
 
 def test_interrupted_conversion_never_leaves_a_broken_cache(tmp_path, monkeypatch):
@@ -370,6 +397,7 @@ def test_sigkill_during_conversion(tmp_path):
 
 # --- bitsandbytes on CPU -----------------------------------------------------------------------------------
 
+
 def test_nf4_quantisation_runs_on_cpu(tmp_path):
     pytest.importorskip("bitsandbytes")
     tok = word_tokenizer(WORDS)
@@ -407,5 +435,5 @@ def test_embedded_default_answers_a_chat_prompt(real_cache):
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
         out = target.model.generate(**ids, max_new_tokens=12, do_sample=False)
-    reply = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    reply = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in reply, reply

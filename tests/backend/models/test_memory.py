@@ -32,8 +32,17 @@ def _isolate(isolated_dirs):
 
 
 def pair_of(target, draft=None, context_length=1024) -> PairConfig:
-    return PairConfig(name="p", description="", target=target, drafter="draft-model" if draft else "prompt-lookup",
-                      draft=draft, gamma="auto", context_length=context_length, sampling={}, source_file="f.yaml")
+    return PairConfig(
+        name="p",
+        description="",
+        target=target,
+        drafter="draft-model" if draft else "prompt-lookup",
+        draft=draft,
+        gamma="auto",
+        context_length=context_length,
+        sampling={},
+        source_file="f.yaml",
+    )
 
 
 def within(measured: int, estimated: int, tolerance: float = 0.15) -> bool:
@@ -56,6 +65,7 @@ def tensor_bytes(model) -> int:
 
 
 # --- arithmetic --------------------------------------------------------------------------------------------
+
 
 def test_estimate_terms():
     shipped = load_pairs()
@@ -93,7 +103,8 @@ def test_estimate_counts_the_logits_rows_and_the_cuda_graphs():
     rows = memory.LOGIT_ROWS * s.vocab_size * (2 + memory.DECISION_BYTES)  # bf16 output + decision scratch
     assert memory.LOGIT_ROWS == MAX_GAMMA + 1 and gpu.scratch >= rows
     assert memory.scratch_bytes(s, CUDA, qwen.context_length) - rows == memory.scratch_bytes(
-        dataclasses.replace(s, vocab_size=0), CUDA, qwen.context_length)
+        dataclasses.replace(s, vocab_size=0), CUDA, qwen.context_length
+    )
 
 
 def test_free_memory_is_plausible():
@@ -109,14 +120,21 @@ def test_check_fits_refuses_with_the_numbers(monkeypatch):
         check_fits(pair, CUDA)
     message = str(info.value)
     estimate = estimate_pair(pair, CUDA)
-    for part in ("qwen2.5-7b", memory.format_bytes(estimate.total), "8 GiB is free", "context_length",
-                 "target weights", "KV caches"):
+    for part in (
+        "qwen2.5-7b",
+        memory.format_bytes(estimate.total),
+        "8 GiB is free",
+        "context_length",
+        "target weights",
+        "KV caches",
+    ):
         assert part in message, message
     monkeypatch.setattr(memory, "free_memory", lambda device: 10 * 2**40)
     assert isinstance(check_fits(pair, CUDA), MemoryEstimate)
 
 
 # --- estimate vs measured ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype, quantization", [("float32", "none"), ("bfloat16", "none"), ("float32", "nf4")])
 def test_tiny_model_estimate_matches_measured(tmp_path, dtype, quantization):
@@ -168,8 +186,9 @@ def test_embedded_default_estimate_matches_measured(monkeypatch):
         gc.collect()
         print(json.dumps({"rss": rss() - before, "estimate": estimate_pair(pair, torch.device("cpu"), 512).total}))
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ.copy(),
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=os.environ.copy(), timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     assert within(numbers["rss"], numbers["estimate"]), numbers
@@ -190,6 +209,7 @@ def test_int4_default_counts_its_own_bytes():
 
 # --- `specchat models` -------------------------------------------------------------------------------------
 
+
 def test_models_command_lists_every_pair_with_its_estimate(monkeypatch):
     import io
     from types import SimpleNamespace
@@ -202,8 +222,11 @@ def test_models_command_lists_every_pair_with_its_estimate(monkeypatch):
     assert cmd_models.run(SimpleNamespace(models=None, device="cpu", pair=None), out) == 0
     text = out.getvalue()
     pairs = load_pairs()
-    rows = {line.split()[1] if line.startswith("*") else line.split()[0]: line
-            for line in text.splitlines() if line.strip() and line.split()[0] in {"*", *pairs}}
+    rows = {
+        line.split()[1] if line.startswith("*") else line.split()[0]: line
+        for line in text.splitlines()
+        if line.strip() and line.split()[0] in {"*", *pairs}
+    }
     assert set(rows) == set(pairs)
     assert rows[DEFAULT_PAIR].startswith("*") and "packaged" in rows[DEFAULT_PAIR]
     for name, pair in pairs.items():

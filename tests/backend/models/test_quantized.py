@@ -90,8 +90,10 @@ def test_other_types_are_requantised_and_named(tmp_path, quantization):
     model, notes = from_gguf(read_gguf(path), _config(path), quantization, CPU)
     assert any("F16" in note for note in notes)
     layer_type = Int8Linear  # F16 has more than 4 bits a weight: never squeezed to int4
-    assert all(isinstance(model.get_submodule(f"model.layers.0.{p}"), layer_type)
-               for p in ("self_attn.q_proj", "mlp.down_proj"))
+    assert all(
+        isinstance(model.get_submodule(f"model.layers.0.{p}"), layer_type)
+        for p in ("self_attn.q_proj", "mlp.down_proj")
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
@@ -126,8 +128,11 @@ def test_the_embedded_files_q4_1_blocks_are_kept_exactly(capsys):
     assert len(q41) >= 7 * 30
     for tensor in q41:
         codes, d, m = gguf_file.q4_blocks(tensor)
-        want = torch.from_numpy(gguf.quants.dequantize(tensor.raw, gguf.GGMLQuantizationType.Q4_1)).reshape(
-            tensor.shape).view(codes.shape[0], -1, 32)
+        want = (
+            torch.from_numpy(gguf.quants.dequantize(tensor.raw, gguf.GGMLQuantizationType.Q4_1))
+            .reshape(tensor.shape)
+            .view(codes.shape[0], -1, 32)
+        )
         q = codes.view(codes.shape[0], -1, 32).float() - 8
         zero = m + 8 * d
         assert torch.equal(q * d[..., None] + zero[..., None], want), tensor.name
@@ -146,6 +151,8 @@ def test_the_embedded_files_q4_1_blocks_are_kept_exactly(capsys):
     row_max = embedding.abs().amax(-1, keepdim=True)
     assert (head_error <= row_max / 254 + row_max * 2**-8).all()
     with capsys.disabled():
-        print(f"\nQ4_1 with bfloat16 scales: {moved / weights:.1%} of {weights} weights move, by at most "
-              f"{worst:.2%} of their block's d, mean {total / count:.2%}; int8 head from Q8_0: mean |error| "
-              f"{head_error.mean():.2e}, max {head_error.max():.2e} (mean |w| {embedding.abs().mean():.2e})")
+        print(
+            f"\nQ4_1 with bfloat16 scales: {moved / weights:.1%} of {weights} weights move, by at most "
+            f"{worst:.2%} of their block's d, mean {total / count:.2%}; int8 head from Q8_0: mean |error| "
+            f"{head_error.mean():.2e}, max {head_error.max():.2e} (mean |w| {embedding.abs().mean():.2e})"
+        )

@@ -55,8 +55,17 @@ def no_network(monkeypatch):
 
 
 def _pair(target, draft=None) -> PairConfig:
-    return PairConfig(name="tiny", description="", target=target, drafter="draft-model" if draft else "none",
-                      draft=draft, gamma="auto", context_length=64, sampling={}, source_file="test")
+    return PairConfig(
+        name="tiny",
+        description="",
+        target=target,
+        drafter="draft-model" if draft else "none",
+        draft=draft,
+        gamma="auto",
+        context_length=64,
+        sampling={},
+        source_file="test",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +75,7 @@ def tiny_dir(tmp_path_factory):
 
 
 # --- pickle ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "weights.ckpt"])
 def test_pickle_only_folder_is_refused_and_never_unpickled(tmp_path, tiny_dir, monkeypatch, name):
@@ -103,6 +113,7 @@ def test_safetensors_preferred_even_when_pickle_sits_beside_it(tmp_path, tiny_di
 
 # --- remote code -------------------------------------------------------------------------------------------
 
+
 def _record_from_pretrained(monkeypatch) -> list[tuple[str, object]]:
     calls: list[tuple[str, object]] = []
     for cls in (transformers.AutoTokenizer, transformers.AutoConfig, transformers.AutoModelForCausalLM):
@@ -135,23 +146,51 @@ def test_shipped_pairs_never_opt_into_pickle_or_remote_code():
 
 # --- no network at run time --------------------------------------------------------------------------------
 
+
 def test_local_pair_loads_and_generates_with_the_network_cut(tiny_dir, no_network, tmp_path, capsys):
     spec = local_spec(*tiny_dir)
     engine = load_engine(_pair(spec, spec), device="cpu")
-    events = list(engine.generate(GenerationRequest(messages=[{"role": "user", "content": "w1 w2 w3"}],
-                                                    sampling=SamplingParams(temperature=0, max_new_tokens=4))))
+    events = list(
+        engine.generate(
+            GenerationRequest(
+                messages=[{"role": "user", "content": "w1 w2 w3"}],
+                sampling=SamplingParams(temperature=0, max_new_tokens=4),
+            )
+        )
+    )
     assert events[-1].finish_reason in ("length", "eos")
     assert gc.get_freeze_count() > 0  # load_engine froze the loaded heap (engine.settle_heap)
     # The same through `specchat generate`.
     config = tiny_dir[1].config
-    block = {"source": str(tiny_dir[0]), "dtype": "float32", "params": sum(p.numel() for p in tiny_dir[1].parameters()),
-             "num_layers": 2, "num_kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-             "hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "tie_word_embeddings": True}
+    block = {
+        "source": str(tiny_dir[0]),
+        "dtype": "float32",
+        "params": sum(p.numel() for p in tiny_dir[1].parameters()),
+        "num_layers": 2,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": True,
+    }
     file = tmp_path / "models.yaml"
-    file.write_text(yaml.safe_dump({"pairs": [{"name": "tiny", "target": block, "drafter": "prompt-lookup",
-                                               "context_length": 64}]}))
-    code = main(["generate", "--models", str(file), "--pair", "tiny", "--prompt", "w1 w2 w1 w2", "--json",
-                 "--max-new-tokens", "4"])
+    file.write_text(
+        yaml.safe_dump({"pairs": [{"name": "tiny", "target": block, "drafter": "prompt-lookup", "context_length": 64}]})
+    )
+    code = main(
+        [
+            "generate",
+            "--models",
+            str(file),
+            "--pair",
+            "tiny",
+            "--prompt",
+            "w1 w2 w1 w2",
+            "--json",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and json.loads(out)["finish_reason"] in ("length", "eos")
     assert no_network == []
@@ -168,17 +207,25 @@ def test_embedded_default_loads_from_the_cache_and_generates_offline(no_network,
         monkeypatch.delenv("SPECCHAT_CACHE_DIR", raising=False)
     engine = load_engine(load_pairs()[DEFAULT_PAIR], device="cpu")
     assert isinstance(engine, Engine)
-    events = list(engine.generate(GenerationRequest(
-        messages=[{"role": "user", "content": "Say hello."}],
-        sampling=SamplingParams(temperature=0, max_new_tokens=8))))
+    events = list(
+        engine.generate(
+            GenerationRequest(
+                messages=[{"role": "user", "content": "Say hello."}],
+                sampling=SamplingParams(temperature=0, max_new_tokens=8),
+            )
+        )
+    )
     assert "".join(e.text for e in events).strip() and no_network == []
 
 
 # --- /edit -------------------------------------------------------------------------------------------------
 
+
 def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def test_edit_writes_only_the_named_file_and_never_runs_the_reply(tmp_path):
@@ -191,8 +238,10 @@ def test_edit_writes_only_the_named_file_and_never_runs_the_reply(tmp_path):
     (project / "link.py").symlink_to(project / "pkg" / "other.py")
     before = _tree(project)
     marker = tmp_path / "pwned"
-    reply = (f"import os\nos.system('touch {marker}')\n__import__('subprocess').run(['touch', '{marker}'])\n"
-             "```sh\nrm -rf ~\n```\n")
+    reply = (
+        f"import os\nos.system('touch {marker}')\n__import__('subprocess').run(['touch', '{marker}'])\n"
+        "```sh\nrm -rf ~\n```\n"
+    )
     backup = apply_edit(load_edit_target(target), reply)
     after = _tree(project)
     changed = {k for k in after if before.get(k) != after[k]}

@@ -25,10 +25,27 @@ from specchat.backend.models.loading import LoadedModel, packaged_gguf_path
 from specchat.backend.models.quantized import from_gguf, quantize_model
 
 CPU = torch.device("cpu")
-FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-          "intermediate_size", "rms_norm_eps", "vocab_size", "max_position_embeddings", "rope_parameters",
-          "hidden_act", "mlp_bias", "attention_bias", "tie_word_embeddings", "head_dim", "sliding_window",
-          "layer_types", "architectures", "_name_or_path")
+FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "rms_norm_eps",
+    "vocab_size",
+    "max_position_embeddings",
+    "rope_parameters",
+    "hidden_act",
+    "mlp_bias",
+    "attention_bias",
+    "tie_word_embeddings",
+    "head_dim",
+    "sliding_window",
+    "layer_types",
+    "architectures",
+    "_name_or_path",
+)
 
 
 def _saved(tmp_path, family: str, **overrides):
@@ -47,8 +64,9 @@ def test_the_light_config_holds_transformers_values(tmp_path, family):
 
 
 @pytest.mark.parametrize("family", compact.ARCHITECTURES)
-@pytest.mark.parametrize("shape", [{}, {**SMOLLM_ATTENTION, "rope_parameters": {"rope_type": "default",
-                                                                                   "rope_theta": 100000.0}}])
+@pytest.mark.parametrize(
+    "shape", [{}, {**SMOLLM_ATTENTION, "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}}]
+)
 def test_the_rotary_embedding_gives_transformers_bits(tmp_path, family, shape):
     light, _ = _saved(tmp_path, family, **shape)
     theirs = build_tiny(family, **shape).model.rotary_emb
@@ -83,8 +101,11 @@ def _same_compact_logits(reference, light) -> None:
     """Both models' compact forwards give the same bits: a prefill over the row-wise limit, steps, a short pass."""
     fast_ref, fast_light = compact.build(reference), compact.build(light)
     seqs = [_cache(reference.config).new_sequence(), _cache(light.config).new_sequence()]
-    for chunk, keep in [(random_ids(80, seed=1), 3), *[([t], 1) for t in random_ids(6, seed=2)],
-                        (random_ids(5, seed=3), 5)]:
+    for chunk, keep in [
+        (random_ids(80, seed=1), 3),
+        *[([t], 1) for t in random_ids(6, seed=2)],
+        (random_ids(5, seed=3), 5),
+    ]:
         want = forward_paged(reference, seqs[0], chunk, logits_to_keep=keep, fast=fast_ref)
         got = forward_paged(light, seqs[1], chunk, logits_to_keep=keep, fast=fast_light)
         assert torch.equal(got, want)
@@ -156,22 +177,24 @@ def test_the_light_model_runs_only_through_the_compact_forward(tiny_folder, monk
     with pytest.raises(ModelLoadError, match="'sdpa'"):
         model.set_attn_implementation("sdpa")
     spec = load_pairs()["smollm2-135m"].target
-    loaded = LoadedModel(model=model, tokenizer=None, spec=spec, device=CPU, dtype=torch.bfloat16,
-                         generation_config={})
+    loaded = LoadedModel(model=model, tokenizer=None, spec=spec, device=CPU, dtype=torch.bfloat16, generation_config={})
     monkeypatch.setenv("SPECCHAT_COMPACT", "0")
     with pytest.raises(ModelLoadError, match="SPECCHAT_COMPACT='0'"):
         ModelRunner(loaded, kv_tokens=64)
 
 
-@pytest.mark.parametrize(("change", "why"), [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "another rope type"),
-    ({"hidden_act": "gelu"}, "another activation"),
-    ({"mlp_bias": True}, "MLP bias"),
-    ({"model_type": "qwen3"}, "another architecture"),
-    ({"rms_norm_eps": None}, "a field missing"),
-    ({"hidden_size": "576"}, "a count that is not a number"),
-    ({"num_attention_heads": 0}, "no heads"),
-])
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "another rope type"),
+        ({"hidden_act": "gelu"}, "another activation"),
+        ({"mlp_bias": True}, "MLP bias"),
+        ({"model_type": "qwen3"}, "another architecture"),
+        ({"rms_norm_eps": None}, "a field missing"),
+        ({"hidden_size": "576"}, "a count that is not a number"),
+        ({"num_attention_heads": 0}, "no heads"),
+    ],
+)
 def test_configs_it_does_not_cover_keep_transformers(tmp_path, change, why):
     values = tiny_config("llama").to_dict()
     values.update(change)
@@ -208,12 +231,14 @@ def test_the_gguf_readers_bars_follow_the_open_capture():
 def test_the_default_starts_without_transformers_model_code():
     """The embedded default loads as the light model in a fresh process, and transformers' modelling code
     (and its GGUF reader, ~1.5-4 s of a start) is never imported."""
-    script = ("import sys; from specchat.backend.engine.engine import load_engine; "
-              "from specchat.backend.models.config import load_pairs; "
-              "e = load_engine(load_pairs()['smollm2-135m'], device='cpu'); "
-              "print(type(e.target.model).__name__, e.runner.path, "
-              "[m for m in ('transformers.modeling_utils', 'transformers.modeling_gguf_pytorch_utils', "
-              "'torch._dynamo') if m in sys.modules])")
+    script = (
+        "import sys; from specchat.backend.engine.engine import load_engine; "
+        "from specchat.backend.models.config import load_pairs; "
+        "e = load_engine(load_pairs()['smollm2-135m'], device='cpu'); "
+        "print(type(e.target.model).__name__, e.runner.path, "
+        "[m for m in ('transformers.modeling_utils', 'transformers.modeling_gguf_pytorch_utils', "
+        "'torch._dynamo') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split("\n")[-2] == "LightCausalLM cpu-compact []", out.stdout + out.stderr
 

@@ -20,8 +20,9 @@ PROMPT = [{"role": "user", "content": "w7 w8 w9 w10 w7 w8 w9 w10 w7 w8 w9"}]
 
 
 def _request(max_new_tokens: int = 24, **kwargs) -> GenerationRequest:
-    return GenerationRequest(messages=PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
-                             **kwargs)
+    return GenerationRequest(
+        messages=PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens), **kwargs
+    )
 
 
 def test_a_reply_through_the_server_equals_the_local_engine_with_the_servers_statistics(tmp_path: Path) -> None:
@@ -69,8 +70,9 @@ def test_cancel_mid_stream_closes_the_stream_and_the_server_stops(tmp_path: Path
         assert events[-1].finish_reason == "cancelled"
         assert len(events) <= 5 and "".join(e.text for e in events[:3])
         deadline = time.monotonic() + 10
-        while (server.owner.running or server.metrics.snapshot()["requests"].get("cancelled", 0) < 1) \
-                and time.monotonic() < deadline:
+        while (
+            server.owner.running or server.metrics.snapshot()["requests"].get("cancelled", 0) < 1
+        ) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.owner.running == 0 and server.metrics.snapshot()["requests"]["cancelled"] == 1
     assert engine.blocks_in_use() == 0
@@ -153,10 +155,13 @@ def test_token_ids_are_refused_before_any_network_use(tmp_path: Path) -> None:
 
 def test_request_body_per_kind(tmp_path: Path) -> None:
     url = "http://127.0.0.1:9/v1"
-    request = GenerationRequest(messages=PROMPT, sampling=SamplingParams(temperature=0.0, top_k=5, seed=3),
-                                drafter="prompt-lookup", gamma=4)
-    bodies = {kind: RemoteEngine(remote_pair(tmp_path, url, kind=kind, name=kind)).request_body(request)
-              for kind in ("openai", "vllm", "sglang", "llama-server", "specchat")}
+    request = GenerationRequest(
+        messages=PROMPT, sampling=SamplingParams(temperature=0.0, top_k=5, seed=3), drafter="prompt-lookup", gamma=4
+    )
+    bodies = {
+        kind: RemoteEngine(remote_pair(tmp_path, url, kind=kind, name=kind)).request_body(request)
+        for kind in ("openai", "vllm", "sglang", "llama-server", "specchat")
+    }
     assert bodies["openai"]["stream_options"] == {"include_usage": True} and "top_k" not in bodies["openai"]
     assert bodies["vllm"]["return_token_ids"] is True and bodies["vllm"]["top_k"] == 5
     assert bodies["sglang"]["return_spec_tokens_details"] is True

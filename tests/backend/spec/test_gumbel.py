@@ -20,8 +20,9 @@ def test_matches_the_python_reference_bit_for_bit(seed: int) -> None:
     ids = torch.tensor([[0, 1, 2, 49151], [7, 8, 9, 10], [151935, 3, 3, 0], [5, 6, 7, 8]])
     noise = gumbel_noise(seed, positions, ids)
     assert noise.dtype == torch.float64
-    expected = torch.tensor([[reference_gumbel(seed, p, int(v)) for v in row] for p, row in zip(positions, ids)],
-                            dtype=torch.float64)
+    expected = torch.tensor(
+        [[reference_gumbel(seed, p, int(v)) for v in row] for p, row in zip(positions, ids)], dtype=torch.float64
+    )
     assert torch.equal(noise, expected)
 
 

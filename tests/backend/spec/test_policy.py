@@ -113,7 +113,7 @@ def test_nothing_accepted_pauses_within_the_first_steps_on_a_long_context(slope:
     world.run(policy, 10)
     paused_at = next((i for i, (_, _, state) in enumerate(world.log) if state is PolicyState.PAUSED), None)
     assert paused_at is not None and paused_at < 6  # the warm-up's 4 drafted steps
-    assert all(g == 0 for g, _, _ in world.log[paused_at + 1:])
+    assert all(g == 0 for g, _, _ in world.log[paused_at + 1 :])
     world.run(policy, 200)
     drafted_steps = sum(1 for g, _, _ in world.log if g > 0)
     assert drafted_steps <= 4 + 4 * 4  # warm-up, then short probes that back off (16, 32, 64, 128 plain steps)
@@ -265,8 +265,7 @@ def test_long_runs_and_a_cpu_cost_curve_choose_long_drafts() -> None:
 
     def observe(gamma: int, accepted: int) -> None:
         chosen.append(gamma)
-        policy.observe(gamma=gamma, accepted=accepted, draft_s=1e-5 * gamma, verify_s=cost(gamma + 1),
-                       proposed=gamma)
+        policy.observe(gamma=gamma, accepted=accepted, draft_s=1e-5 * gamma, verify_s=cost(gamma + 1), proposed=gamma)
 
     adaptive = throughput(policy.choose, observe)
     assert adaptive >= 0.9 * best_fixed

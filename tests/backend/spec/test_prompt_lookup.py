@@ -19,8 +19,14 @@ from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
 EOS = 0
 
 
-def reference(context: list[int], max_tokens: int, max_ngram: int, min_ngram: int, eos: set[int],
-              bound: tuple[float, float, int] | None = None) -> list[int]:
+def reference(
+    context: list[int],
+    max_tokens: int,
+    max_ngram: int,
+    min_ngram: int,
+    eos: set[int],
+    bound: tuple[float, float, int] | None = None,
+) -> list[int]:
     """Obviously correct and slow: rescan for the latest earlier occurrence of the longest suffix n-gram; with
     ``bound`` = (factor, offset, max_match), at most ceil(factor * m + offset) ids for a match of m tokens."""
     length = len(context)
@@ -88,14 +94,21 @@ def test_incremental_index_equals_rescan() -> None:
         for factor, offset, max_match in ((None, 1.0, 32), (1.0, 1.0, 32), (0.5, 2.0, 5)):
             max_match = max(max_ngram, max_match)
             bound = None if factor is None else (factor, offset, max_match)
-            d = PromptLookupDrafter(max_ngram=max_ngram, min_ngram=min_ngram, eos_token_ids=(EOS,),
-                                    draft_factor=factor, draft_offset=offset, max_match=max_match)
+            d = PromptLookupDrafter(
+                max_ngram=max_ngram,
+                min_ngram=min_ngram,
+                eos_token_ids=(EOS,),
+                draft_factor=factor,
+                draft_offset=offset,
+                max_match=max_match,
+            )
             context: list[int] = [rng.randrange(1, 8) for _ in range(5)]
             for _ in range(300):
                 context += [rng.randrange(0, 8) for _ in range(rng.randrange(0, 4))]  # grows by 0..3 ids a call
                 max_tokens = rng.randrange(0, 12)
                 assert d.propose(context, max_tokens).token_ids == reference(
-                    context, max_tokens, max_ngram, min_ngram, {EOS}, bound), context
+                    context, max_tokens, max_ngram, min_ngram, {EOS}, bound
+                ), context
             assert d.rebuilds == 0  # only grew: never rebuilt
 
 

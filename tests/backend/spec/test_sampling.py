@@ -41,8 +41,15 @@ def _reference(logits: torch.Tensor, temperature: float, top_k: int | None, top_
 
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"),
-    [(1.0, None, None), (0.7, None, None), (1.3, 5, None), (0.8, None, 0.9), (0.6, 20, 0.8), (1.0, 0, 1.0),
-     (2.0, 3, 0.5)],
+    [
+        (1.0, None, None),
+        (0.7, None, None),
+        (1.3, 5, None),
+        (0.8, None, 0.9),
+        (0.6, 20, 0.8),
+        (1.0, 0, 1.0),
+        (2.0, 3, 0.5),
+    ],
 )
 def test_logits_to_probs_matches_transformers_warpers(
     temperature: float, top_k: int | None, top_p: float | None
@@ -127,8 +134,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, None, None), (1.3, 4, None), (0.8, None, 0.9),
-                                                             (0.6, 5, 0.8)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, None, None), (1.3, 4, None), (0.8, None, 0.9), (0.6, 5, 0.8)]
+)
 def test_pick_is_an_exact_sample_of_p(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """One row decided at 40,000 reply positions (each its own noise): the counts follow logits_to_probs (p-value
     > 1e-3) and reject the same settings at another temperature (p-value < 1e-12): the test has the power."""
@@ -146,8 +154,11 @@ def test_pick_is_an_exact_sample_of_p(temperature: float, top_k: int | None, top
 def test_pick_is_greedy_at_zero_and_keyed_by_position_not_by_batch() -> None:
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(4)) * 3
     assert pick(logits, GREEDY, range(6)) == logits.argmax(-1).tolist()
-    for rule in (SamplingRule(temperature=0.8, seed=5), SamplingRule(temperature=0.8, top_p=0.9, seed=5),
-                 SamplingRule(temperature=1.2, top_k=20, seed=5)):
+    for rule in (
+        SamplingRule(temperature=0.8, seed=5),
+        SamplingRule(temperature=0.8, top_p=0.9, seed=5),
+        SamplingRule(temperature=1.2, top_k=20, seed=5),
+    ):
         together = pick(logits, rule, range(10, 16))
         alone = [pick(logits[i : i + 1], rule, [10 + i])[0] for i in range(6)]
         assert together == alone

@@ -34,8 +34,16 @@ def scripted() -> tuple[SpecStats, Clock]:
     stats.observe_draft_context("draft-model", prefilled=2, reused=20)  # a later catch-up: not a prefill
     for gamma, accepted, policy in [(3, 3, SPEC), (3, 1, SPEC), (2, 0, SPEC), (0, 0, PAUSED), (0, 0, NO_DRAFT)]:
         clock.t += 0.1
-        stats.observe_step(drafter="prompt-lookup", gamma=gamma, accepted=accepted, emitted=accepted + 1,
-                           policy=policy, draft_s=0.01 * gamma, verify_s=0.08, overhead_s=0.01)
+        stats.observe_step(
+            drafter="prompt-lookup",
+            gamma=gamma,
+            accepted=accepted,
+            emitted=accepted + 1,
+            policy=policy,
+            draft_s=0.01 * gamma,
+            verify_s=0.08,
+            overhead_s=0.01,
+        )
     return stats, clock
 
 
@@ -89,8 +97,9 @@ def plain_only() -> SpecStats:
     stats.observe_prefill(tokens=5, seconds=0.2, policy=OFF)
     for _ in range(3):
         clock.t += 0.05
-        stats.observe_step(drafter="none", gamma=0, accepted=0, emitted=1, policy=OFF, draft_s=0.0,
-                           verify_s=0.05, overhead_s=0.0)
+        stats.observe_step(
+            drafter="none", gamma=0, accepted=0, emitted=1, policy=OFF, draft_s=0.0, verify_s=0.05, overhead_s=0.0
+        )
     return stats
 
 
@@ -116,8 +125,9 @@ def test_the_request_clock_starts_when_the_request_did() -> None:
     stats.observe_prefill(tokens=1, seconds=0.5)
     assert stats.report().ttft_s == pytest.approx(3.0) and stats.report().wall_s == pytest.approx(3.0)
     with pytest.raises(ValueError, match="accepted <= gamma"):
-        stats.observe_step(drafter="x", gamma=2, accepted=3, emitted=4, policy=SPEC, draft_s=0, verify_s=0,
-                           overhead_s=0)
+        stats.observe_step(
+            drafter="x", gamma=2, accepted=3, emitted=4, policy=SPEC, draft_s=0, verify_s=0, overhead_s=0
+        )
 
 
 def test_step_counts_per_position_merge_and_expected_speedup() -> None:
@@ -141,6 +151,6 @@ def test_step_counts_per_position_merge_and_expected_speedup() -> None:
 def test_the_formula() -> None:
     assert expected_tokens_table([0.5]) == [1.0, 1.5]
     assert expected_tokens_table([1.0] * 4)[4] == 5.0
-    geometric = (1 - 0.7 ** 4) / (1 - 0.7)
+    geometric = (1 - 0.7**4) / (1 - 0.7)
     assert expected_tokens_table([0.7] * 3)[3] == pytest.approx(geometric)
     assert speedup(3.0, 4, t1=0.01, draft_s_per_token=0.001, target_s=0.012) == pytest.approx(3 * 0.01 / 0.016)

@@ -18,8 +18,9 @@ def test_worked_example() -> None:
     assert doctest.testmod(suffix_index).failed == 0
 
 
-def brute_matches(seqs: list[list[int]], query: list[int], key_len: int, max_match: int,
-                  max_occurrences: int) -> list[tuple[int, int]]:
+def brute_matches(
+    seqs: list[list[int]], query: list[int], key_len: int, max_match: int, max_occurrences: int
+) -> list[tuple[int, int]]:
     """(end, length) of every occurrence of the query's last key_len tokens, as SuffixIndex defines them."""
     flat: list[int] = []
     for i, s in enumerate(seqs):
@@ -28,7 +29,7 @@ def brute_matches(seqs: list[list[int]], query: list[int], key_len: int, max_mat
     start = 0
     for s in seqs:
         for e in range(start + key_len, start + len(s) + 1):
-            per_key.setdefault(tuple(flat[e - key_len:e]), []).append(e)
+            per_key.setdefault(tuple(flat[e - key_len : e]), []).append(e)
         start += len(s) + 1
     ends = per_key.get(tuple(query[-key_len:]), [])[-max_occurrences:]
     out = []
@@ -36,8 +37,13 @@ def brute_matches(seqs: list[list[int]], query: list[int], key_len: int, max_mat
         if e >= len(flat) or flat[e] == -1:
             continue
         length = 0
-        while length < max_match and length < len(query) and e - length - 1 >= 0 \
-                and flat[e - length - 1] == query[-length - 1] and flat[e - length - 1] != -1:
+        while (
+            length < max_match
+            and length < len(query)
+            and e - length - 1 >= 0
+            and flat[e - length - 1] == query[-length - 1]
+            and flat[e - length - 1] != -1
+        ):
             length += 1
         out.append((e, length))
     out.sort(key=lambda m: -m[1])
@@ -45,20 +51,24 @@ def brute_matches(seqs: list[list[int]], query: list[int], key_len: int, max_mat
 
 
 @settings(max_examples=200, deadline=None)
-@given(seqs=st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=4),
-       query=st.lists(st.integers(0, 3), min_size=1, max_size=12), key_len=st.integers(1, 3),
-       max_match=st.integers(3, 8), max_occurrences=st.integers(1, 6))
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 3), max_size=30), min_size=1, max_size=4),
+    query=st.lists(st.integers(0, 3), min_size=1, max_size=12),
+    key_len=st.integers(1, 3),
+    max_match=st.integers(3, 8),
+    max_occurrences=st.integers(1, 6),
+)
 def test_matches_equal_a_brute_force_matcher(seqs, query, key_len, max_match, max_occurrences) -> None:
     max_match = max(max_match, key_len)
     index = SuffixIndex(key_len=key_len, max_match=max_match, max_occurrences=max_occurrences)
     for s in seqs:
         index.add_sequence(s[: len(s) // 2])
-        index.extend(s[len(s) // 2:])  # grown in two steps, as a conversation grows
+        index.extend(s[len(s) // 2 :])  # grown in two steps, as a conversation grows
     got = [(m.end, m.length) for m in index.matches(query, limit=100)]
     assert got == brute_matches(seqs, query, key_len, max_match, max_occurrences)
     for m in index.matches(query, limit=100):
         cont = index.continuation(m, 5)
-        assert -1 not in cont and cont == index.tokens[m.end:m.end + len(cont)]
+        assert -1 not in cont and cont == index.tokens[m.end : m.end + len(cont)]
     assert index.sequences() == [list(s) for s in seqs]
 
 

@@ -20,6 +20,7 @@ def random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], list
 
 def brute_force(tokens, parents, target):
     """Every root-to-node path whose tokens are the target's own, the longest first found."""
+
     def path_to(node):
         out = []
         while node != -1:
@@ -32,8 +33,9 @@ def brute_force(tokens, parents, target):
         path = path_to(node)
         ok = all(tokens[n] == target([tokens[m] for m in path[:d]]) for d, n in enumerate(path))
         # among equal-token siblings the first is followed: a path through a later twin is not the walk's
-        twins = all(min(i for i in range(len(tokens)) if parents[i] == parents[n] and tokens[i] == tokens[n]) == n
-                    for n in path)
+        twins = all(
+            min(i for i in range(len(tokens)) if parents[i] == parents[n] and tokens[i] == tokens[n]) == n for n in path
+        )
         if ok and twins and len(path) > len(best):
             best = path
     return best
@@ -66,8 +68,9 @@ def check_one_tree(rng: random.Random) -> None:
     assert result.tokens == accepted + [target(accepted)]
     assert result.accepted == len(path)
     has_children = any(p == (path[-1] if path else -1) for p in parents)
-    assert result.sources[-1] is (TokenSource.TARGET if not tokens else TokenSource.RECOVERED if has_children
-                                  else TokenSource.BONUS)
+    assert result.sources[-1] is (
+        TokenSource.TARGET if not tokens else TokenSource.RECOVERED if has_children else TokenSource.BONUS
+    )
     assert result.tried == len(path) + has_children
     # only the rows on the path were decided, each with exactly its ancestors' tokens
     assert [row for row, _ in asked] == [0] + [n + 1 for n in path]
