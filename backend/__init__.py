@@ -1,13 +1,13 @@
 """The in-process inference backend (imported as ``specchat.backend``; never imports Textual).
 
-Folders, each owning one concern; dependencies point one way (bench -> engine -> spec, kv, kernels, models):
+Folders, each owning one concern; dependencies point one way (bench -> engine -> speculative, kv, kernels, models):
 
 - ``api.py``: what a request asks for and what each decoding step reports (no torch): the seam every
   consumer and any other engine implementation shares;
 - ``engine/``: the engine (lock, conversations), one request's prefill / propose / verify / commit loop, the
   model runner, prompt rendering and detokenisation;
 - ``kv/``: the paged KV cache (block bookkeeping, storage) and the attention that reads it;
-- ``spec/``: speculation: drafters, verification, sampling, the γ policy and the request statistics;
+- ``speculative/``: speculation: drafters, verification, sampling, the γ policy and the request statistics;
 - ``models/``: models.yaml, loading (hub, GGUF conversion), memory estimates, library output capture;
 - ``kernels/``: device-specific fast paths (CUDA graphs, packed CPU linears);
 - ``bench/``: `specchat bench` (runner, transformers baseline, suites, report, synthetic models);

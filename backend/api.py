@@ -191,7 +191,7 @@ JSON_STATS_FIELDS = (
 class RequestStats:
     """One request's statistics so far (on every StepEvent) or in total (on the last one).
 
-    Computed in one place (``specchat.backend.spec.stats``); the UI, `specchat generate --json` and the history
+    Computed in one place (``specchat.backend.speculative.stats``); the UI, `specchat generate --json` and the history
     all show these numbers. Rates with nothing to count are None (JSON null), never NaN. Definitions:
 
     - ``steps``: target passes after prefill; ``spec_paused_steps``: those run plain because the policy paused;

@@ -12,7 +12,7 @@ Contract:
 - A request's prefill progress events (``StepEvent.prefill_done``) set ``LiveView.prefill``; they are not
   steps and change neither the text nor the statistics.
 - Statistics are the engine's own (``StepEvent.stats``, a :class:`~specchat.backend.api.RequestStats`, computed
-  by ``backend/spec/stats.py``): the UI counts nothing itself but tokens/s over the last second, so the live
+  by ``backend/speculative/stats.py``): the UI counts nothing itself but tokens/s over the last second, so the live
   line, the reply's totals, `specchat generate --json` and the history show the same numbers.
 """
 

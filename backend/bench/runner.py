@@ -38,7 +38,7 @@ from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
-from specchat.backend.spec.stats import StepCounts
+from specchat.backend.speculative.stats import StepCounts
 
 SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "suffix", "draft-model", "auto")
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")

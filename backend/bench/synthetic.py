@@ -39,7 +39,7 @@ from specchat.backend.bench.synthetic_models import (
     weight_bytes_per_step,
 )
 from specchat.backend.errors import ConfigError, InsufficientMemoryError
-from specchat.backend.spec.stats import expected_tokens_table, speedup
+from specchat.backend.speculative.stats import expected_tokens_table, speedup
 
 ALPHAS = (0.6, 0.8, 0.9)
 MAX_STEP_TOKENS = 16

@@ -31,11 +31,11 @@ from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import common_prefix_len
 from specchat.backend.models.config import PairConfig
 from specchat.backend.models.loading import LoadedModel
-from specchat.backend.spec.drafters.base import Drafter
-from specchat.backend.spec.drafters.draft_model import DraftModelDrafter
-from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
-from specchat.backend.spec.drafters.suffix import ReplyMemory, SuffixDrafter
-from specchat.backend.spec.policy import GammaPolicy
+from specchat.backend.speculative.drafters.base import Drafter
+from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
+from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDrafter
+from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
+from specchat.backend.speculative.policy import GammaPolicy
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ Invariants between steps: ``conv.cached`` lists exactly the token ids whose K/V 
 ``conv.seq``; ``pending`` is the last emitted token, not yet in the cache; ``context`` is the prompt plus
 every emitted token (the drafters' view of the conversation, and the repetition penalty's, ``seen``).
 
-Every token is decided by :func:`~specchat.backend.spec.sampling.pick` at its *reply position* (its index in
+Every token is decided by :func:`~specchat.backend.speculative.sampling.pick` at its *reply position* (its index in
 the reply: 0 for the token the prefill pass decides, ``produced`` for the first row of a step): verification
 keeps a draft token iff it equals the target's own, so with a seed the reply is the same for every drafter and
 γ. Each step's state says why it was (not) speculating: SPECULATING (a draft was verified), PAUSED (every
@@ -30,11 +30,11 @@ from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.kv_cache import Sequence
-from specchat.backend.spec.drafters.base import Draft, Drafter
-from specchat.backend.spec.policy import GammaPolicy
-from specchat.backend.spec.sampling import SeenIds, apply_repetition_penalty, pick
-from specchat.backend.spec.stats import SpecStats
-from specchat.backend.spec.verify import VerifyResult, verify, verify_tree
+from specchat.backend.speculative.drafters.base import Draft, Drafter
+from specchat.backend.speculative.policy import GammaPolicy
+from specchat.backend.speculative.sampling import SeenIds, apply_repetition_penalty, pick
+from specchat.backend.speculative.stats import SpecStats
+from specchat.backend.speculative.verify import VerifyResult, verify, verify_tree
 
 
 @dataclass

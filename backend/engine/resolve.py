@@ -9,7 +9,7 @@ import secrets
 from dataclasses import dataclass
 
 from specchat.backend.api import DEFAULT_MAX_NEW_TOKENS, SamplingParams, check_sampling_value
-from specchat.backend.spec.sampling import SamplingRule
+from specchat.backend.speculative.sampling import SamplingRule
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,7 +13,7 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   layer's K/V gathered from the paged cache (``2 x kv_heads x head_dim x context x bytes``), and the logits
   rows a pass keeps: :data:`LOGIT_ROWS` (a verification at the largest γ; a prefill chunk keeps one row, the
   last) x vocab x (``bytes`` for the model's output + :data:`DECISION_BYTES` for the float32 copy, the
-  penalised copy and the Gumbel noise of ``backend/spec/sampling.py``);
+  penalised copy and the Gumbel noise of ``backend/speculative/sampling.py``);
 - CUDA graphs (CUDA only, per model; ``backend/kernels/cuda_graphs.py``): the runner's static buffers
   (its shared float32 logits rows, :func:`~specchat.backend.kernels.cuda_graphs.static_bytes`) and the graphs'
   private memory pool, which eager passes cannot reuse: a forward over the largest token bucket (activations,

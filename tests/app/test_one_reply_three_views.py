@@ -3,7 +3,7 @@
 A real engine (a tiny random-weight model, prompt lookup on a repetitive prompt, so drafts are accepted and
 rejected) produces one reply; a replaying engine hands exactly those events to the UI and to the CLI's JSON
 writer, and the UI saves the reply to a real history store. Every number the three show comes from the
-engine's one RequestStats (backend/spec/stats.py); this test fails if any view counts on its own.
+engine's one RequestStats (backend/speculative/stats.py); this test fails if any view counts on its own.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Steps follow ``accept_pattern`` (accepted drafts per step with γ = ``gamma``): 
 then one RECOVERED (a rejection) or BONUS (all accepted) token; every ``pause_every``-th step is a plain
 PAUSED step (one TARGET token). The first event is the prefill (one TARGET token, NO_DRAFT). Every event carries
 the request's statistics (with the request's seed, else :data:`FAKE_SEED`), counted by the engine's own
-``SpecStats`` (``backend/spec/stats.py``) on a fake clock when ``wall_s`` fixes the times; the last one carries
+``SpecStats`` (``backend/speculative/stats.py``) on a fake clock when ``wall_s`` fixes the times; the last one carries
 ``finish_reason``. It honours ``cancel`` between steps and ``max_new_tokens``; it can sleep per step, raise at a
 given step, or end with "context". With ``prefill_passes`` it reads a prompt of ``prefill_tokens`` in that many
 passes of ``prefill_delay_s`` each, yielding a prefill progress event before each when the request asks
@@ -25,7 +25,7 @@ from typing import Any
 
 from specchat.backend.api import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, PolicyState, StepEvent, TokenSource
 from specchat.backend.errors import ModelLoadError, SpecchatError
-from specchat.backend.spec.stats import SpecStats
+from specchat.backend.speculative.stats import SpecStats
 
 CANNED_REPLY = """Here is a function that reverses a string:
 

@@ -15,7 +15,7 @@ from tiny_models import one_thread  # noqa: F401  (one_thread: autouse)
 
 from specchat.app.cli.main import main
 from specchat.backend.engine import engine as engine_module
-from specchat.backend.spec.drafters.base import Draft, StatelessHooks
+from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
 
 PROMPT = " ".join(f"w{i}" for i in range(10, 30))
 

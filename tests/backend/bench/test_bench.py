@@ -39,7 +39,7 @@ from specchat.backend.bench.suites import (
     select,
 )
 from specchat.backend.errors import ConfigError, RequestError
-from specchat.backend.spec.stats import StepCounts
+from specchat.backend.speculative.stats import StepCounts
 
 # -- suites -------------------------------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from transformers.generation.logits_process import (
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine
 from specchat.backend.engine.request import RequestState
-from specchat.backend.spec.sampling import SamplingRule
+from specchat.backend.speculative.sampling import SamplingRule
 
 TEMPERATURE, TOP_K, TOP_P, PENALTY = 0.7, 3, 0.95, 1.3
 SAMPLES = 800

@@ -1,5 +1,5 @@
 """Model-level engine tests on tiny random-weight models: the layer between the pure units (tests/backend/kv,
-tests/backend/spec) and the app's pilot tests; test_real_model.py repeats the key checks on the embedded model.
+tests/backend/speculative) and the app's pilot tests; test_real_model.py repeats the key checks on the embedded model.
 
 Greedy plain == transformers generate() greedy, token for token, per family; greedy speculative == greedy
 plain for every drafter, including EOS inside a draft, max tokens reached mid-draft and a rejection at every
@@ -17,7 +17,7 @@ from tiny_models import FAMILIES, one_thread, random_ids  # noqa: F401  (one_thr
 
 from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams, TokenSource
 from specchat.backend.errors import RequestError
-from specchat.backend.spec.drafters.base import Draft, StatelessHooks
+from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 

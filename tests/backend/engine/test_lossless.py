@@ -21,7 +21,7 @@ from tiny_models import FAMILIES, one_thread, random_ids  # noqa: F401  (one_thr
 
 from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams
 from specchat.backend.engine.engine import Engine
-from specchat.backend.spec.drafters.base import Draft, StatelessHooks
+from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
 
 SAMPLED = dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1)
 

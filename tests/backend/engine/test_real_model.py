@@ -35,7 +35,7 @@ from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine, load_engine
 from specchat.backend.models.config import load_pairs
 from specchat.backend.models.loading import load_model
-from specchat.backend.spec.drafters.base import Draft, StatelessHooks
+from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from reliability import READINGS
 from tiny_models import VOCAB_SIZE, one_thread  # noqa: F401  (one_thread: autouse)
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.spec.drafters.base import Draft, StatelessHooks
-from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
+from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
+from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDrafter
 
 
 def rss_bytes() -> int:
@@ -78,7 +78,7 @@ def soak(turns: int, seed: int, rss_bound: int, warm_turn: int) -> dict:
     rng = random.Random(seed)
     engine = tiny_engine("llama", drafter="prompt-lookup", context_length=96)
     # The suffix drafter's memory of earlier replies grows by design up to its bound (200,000 tokens, ~57 MB;
-    # tests/backend/spec/test_suffix.py checks the bound): off here, so what grows is what leaks.
+    # tests/backend/speculative/test_suffix.py checks the bound): off here, so what grows is what leaks.
     engine.use_reply_memory(False)
     drafter = RandomDrafter(seed)
     engine.drafters["prompt-lookup"] = drafter

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from specchat.backend.spec.gumbel import gumbel_noise, mix64, reference_gumbel, token_bits
+from specchat.backend.speculative.gumbel import gumbel_noise, mix64, reference_gumbel, token_bits
 
 EULER = 0.5772156649015329
 

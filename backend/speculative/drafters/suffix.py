@@ -1,13 +1,13 @@
 """The suffix drafter (SuffixDecoding, arXiv 2411.04975): a tree of the most frequent continuations of the longest
 match of the context's end, in this conversation and in earlier replies.
 
-Contract: ``propose(context, max_tokens)`` returns a :class:`~specchat.backend.spec.drafters.base.Draft` of at
+Contract: ``propose(context, max_tokens)`` returns a :class:`~specchat.backend.speculative.drafters.base.Draft` of at
 most ``max_tokens`` nodes with ``parents`` (a tree: ``parents[i]`` is the index of node i's parent, -1 for a
 child of the pending token; a parent always comes before its children), or an empty draft when nothing matches.
 
 How the tree is built, per call:
 
-1. The context's end is looked up in two :class:`~specchat.backend.spec.drafters.suffix_index.SuffixIndex`es: the
+1. The context's end is looked up in two :class:`~specchat.backend.speculative.drafters.suffix_index.SuffixIndex`es: the
    conversation so far (kept in step with the context: appended to while it only grows, rebuilt when it
    changed), and :class:`ReplyMemory`, a bounded store of earlier replies (seeded from the local chat history
    by the caller; empty with ``--no-history``).
@@ -31,8 +31,8 @@ import heapq
 import math
 from collections.abc import Iterable, Sequence
 
-from specchat.backend.spec.drafters.base import Draft, StatelessHooks
-from specchat.backend.spec.drafters.suffix_index import Match, SuffixIndex
+from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
+from specchat.backend.speculative.drafters.suffix_index import Match, SuffixIndex
 
 _CHECK_TAIL = 32  # context tokens re-compared each call to tell growth from a changed conversation
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from specchat.backend.api import TokenSource
-from specchat.backend.spec.verify import verify_tokens, verify_tree
+from specchat.backend.speculative.verify import verify_tokens, verify_tree
 
 
 def random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], list[int]]:

@@ -6,10 +6,10 @@ Contract (pure functions over tensors; no model, no state):
   there) and travel as a :class:`SamplingRule`. Temperature 0 means greedy (the argmax).
 - :func:`pick` is THE function that turns one position's processed logits row and (seed, reply position) into
   the token: argmax over the ids top-k/top-p keep of ``logits + T · g``, g the Gumbel noise of
-  ``backend/spec/gumbel.py`` keyed by (seed, position, id). That is exactly a sample from
+  ``backend/speculative/gumbel.py`` keyed by (seed, position, id). That is exactly a sample from
   p' = :func:`logits_to_probs` (the Gumbel-max trick), and a fixed function of the seed, the position and the
   row: the target decides every token with it, and verification accepts a drafted token iff it equals the
-  target's own (``backend/spec/verify.py``), so the same seed gives the same reply whatever was drafted. The
+  target's own (``backend/speculative/verify.py``), so the same seed gives the same reply whatever was drafted. The
   draft model picks with the same rule and noise (coupled drafts). ``logits + T · g`` is never divided by T,
   so a tiny temperature cannot overflow: it degrades to the argmax.
 - :func:`logits_to_probs` is p', the distribution :func:`pick` samples from (the tests' exact probabilities).
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from specchat.backend.errors import ModelOutputError, RequestError
-from specchat.backend.spec.gumbel import gumbel_noise
+from specchat.backend.speculative.gumbel import gumbel_noise
 
 _TOP_P_CANDIDATES = (256, 4096)  # top-p looks for its nucleus among this many most likely tokens first
 _FLOAT32_MAX = torch.finfo(torch.float32).max

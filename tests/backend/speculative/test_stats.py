@@ -10,7 +10,7 @@ import math
 import pytest
 
 from specchat.backend.api import JSON_STATS_FIELDS, GammaSummary, PolicyState
-from specchat.backend.spec.stats import SpecStats, StepCounts, expected_tokens_table, speedup
+from specchat.backend.speculative.stats import SpecStats, StepCounts, expected_tokens_table, speedup
 
 SPEC, PAUSED, OFF, NO_DRAFT = PolicyState.SPECULATING, PolicyState.PAUSED, PolicyState.OFF, PolicyState.NO_DRAFT
 

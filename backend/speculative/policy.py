@@ -48,7 +48,7 @@ import statistics
 from collections import deque
 
 from specchat.backend.api import PolicyState
-from specchat.backend.spec.stats import expected_tokens_table, judged_positions, speedup
+from specchat.backend.speculative.stats import expected_tokens_table, judged_positions, speedup
 
 _WINDOW = 9  # samples per running median
 

@@ -4,7 +4,7 @@ Contract: :func:`gumbel_noise` returns g[i, j] = G(seed, positions[i], ids[i, j]
 is a fixed function of its three integers and nothing else: no generator state, no call order, no batch shape.
 The target's token at reply position i is argmax_v(log p'_i(v) + g_i(v)), an exact sample from p'_i (the
 Gumbel-max trick), so the same seed replays the same reply whatever was drafted and however the positions were
-grouped into passes (:func:`specchat.backend.spec.sampling.pick` uses it; drafter-invariant speculative
+grouped into passes (:func:`specchat.backend.speculative.sampling.pick` uses it; drafter-invariant speculative
 decoding, Daliri et al., arXiv 2408.07978).
 
 The hash is counter-based, built from splitmix64 (Steele, Lea and Flood 2014): ``finalise`` is its output

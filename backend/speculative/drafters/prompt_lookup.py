@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from specchat.backend.spec.drafters.base import Draft, StatelessHooks
+from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
 
 # How much of the already-indexed context is re-compared each call to detect that it changed.
 _CHECK_TAIL = 32

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from specchat.backend.spec.drafters import prompt_lookup
-from specchat.backend.spec.drafters.base import Draft, Drafter
-from specchat.backend.spec.drafters.prompt_lookup import PromptLookupDrafter
+from specchat.backend.speculative.drafters import prompt_lookup
+from specchat.backend.speculative.drafters.base import Draft, Drafter
+from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDrafter
 
 EOS = 0
 

@@ -2,7 +2,7 @@
 
 Vocabulary (backend/api.py): for a draft x_0 .. x_{k-1} (k <= γ) the target pass gives k+1 rows (row i
 conditions on x_0 .. x_{i-1}), and at each row the target decides its own token t_i with
-:func:`specchat.backend.spec.sampling.pick` (the argmax when greedy; otherwise the Gumbel-max choice keyed by
+:func:`specchat.backend.speculative.sampling.pick` (the argmax when greedy; otherwise the Gumbel-max choice keyed by
 (seed, reply position, token id), an exact sample from the target's processed distribution p').
 
 - *accepted*: x_i kept because x_i == t_i (and every earlier draft was kept);
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.backend.api import TokenSource
-from specchat.backend.spec.sampling import SamplingRule, pick
+from specchat.backend.speculative.sampling import SamplingRule, pick
 
 
 @dataclass(slots=True)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from specchat.backend.api import TokenSource
-from specchat.backend.spec.sampling import GREEDY, SamplingRule, logits_to_probs, pick
-from specchat.backend.spec.verify import verify, verify_tokens
+from specchat.backend.speculative.sampling import GREEDY, SamplingRule, logits_to_probs, pick
+from specchat.backend.speculative.verify import verify, verify_tokens
 
 A, R, B, T = TokenSource.ACCEPTED, TokenSource.RECOVERED, TokenSource.BONUS, TokenSource.TARGET
 VOCAB = 12

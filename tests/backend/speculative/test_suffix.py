@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specchat.backend.spec.drafters import suffix_index
-from specchat.backend.spec.drafters.suffix import ReplyMemory, SuffixDrafter
-from specchat.backend.spec.drafters.suffix_index import SuffixIndex
+from specchat.backend.speculative.drafters import suffix_index
+from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
+from specchat.backend.speculative.drafters.suffix_index import SuffixIndex
 
 
 def test_worked_example() -> None:

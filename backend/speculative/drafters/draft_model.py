@@ -1,7 +1,7 @@
 """A small draft model with its own paged KV cache, drafting with the target's own noise (coupled drafts).
 
 Contract: ``propose(context, k)`` returns up to ``k`` tokens continuing ``context`` (all token ids so far, the
-target's pending token included). Each is chosen by :func:`~specchat.backend.spec.sampling.pick` under the
+target's pending token included). Each is chosen by :func:`~specchat.backend.speculative.sampling.pick` under the
 request's rule, on the draft's logits after the same repetition penalty (the context plus the tokens drafted
 before it), temperature, top-k and top-p as the target's, at its reply position: greedy drafts take the
 argmax, sampled ones use the Gumbel noise the target will use at that position. A drafted token is then
@@ -12,7 +12,7 @@ rejection sampling and Σ q·p for an independent draft. Drafting stops at EOS.
 Cache: kept across requests (a conversation's next turn reuses it) and synced to each context by common
 prefix: truncated to the longest common prefix of what it holds and the new context (a pointer move, no copy),
 then only the missing ids are fed, in chunks of :data:`~specchat.backend.api.PREFILL_CHUNK` with one logits row
-kept. Each :class:`~specchat.backend.spec.drafters.base.Draft` says how many context ids were fed and reused.
+kept. Each :class:`~specchat.backend.speculative.drafters.base.Draft` says how many context ids were fed and reused.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from specchat.backend.api import PREFILL_CHUNK
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
 from specchat.backend.kv.kv_cache import Sequence as CacheSequence
-from specchat.backend.spec.drafters.base import Draft
-from specchat.backend.spec.sampling import GREEDY, SamplingRule, SeenIds, apply_repetition_penalty, pick
+from specchat.backend.speculative.drafters.base import Draft
+from specchat.backend.speculative.sampling import GREEDY, SamplingRule, SeenIds, apply_repetition_penalty, pick
 
 Forward = Callable[..., torch.Tensor]  # (seq, ids, *, logits_to_keep) -> [logits_to_keep, V]: the model runner's
 

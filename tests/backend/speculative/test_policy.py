@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from specchat.backend.api import PolicyState
-from specchat.backend.spec.policy import GammaPolicy
-from specchat.backend.spec.stats import expected_tokens_table
+from specchat.backend.speculative.policy import GammaPolicy
+from specchat.backend.speculative.stats import expected_tokens_table
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:

@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from specchat.backend.errors import ModelOutputError, RequestError
-from specchat.backend.spec.sampling import (
+from specchat.backend.speculative.sampling import (
     GREEDY,
     SamplingRule,
     SeenIds,

@@ -5,11 +5,11 @@ A drafter knows only token ids. ``propose(context, max_tokens)`` sees every comm
 returns a :class:`Draft` of at most ``max_tokens`` *new* ids (never the context with the draft appended).
 Proposing fewer tokens than asked, even none, is allowed: the engine then verifies what there is, or runs a
 plain step. Verification keeps a drafted id iff it equals the target's own token at its reply position
-(``backend/spec/verify.py``), so what a drafter proposes never changes the output, only its speed.
+(``backend/speculative/verify.py``), so what a drafter proposes never changes the output, only its speed.
 
 ``configure(rule, reply_start)`` gives it the request's sampling rule (settings and seed) and where the reply
 starts in the context: the draft token at context index j is at reply position j - reply_start, and a drafter
-that samples picks it with :func:`specchat.backend.spec.sampling.pick` at that position (the target's noise:
+that samples picks it with :func:`specchat.backend.speculative.sampling.pick` at that position (the target's noise:
 coupled drafts). ``observe(num_accepted)`` is called after each verification with how many of the proposed ids
 the target kept, so a drafter can roll back its own state or adapt. A drafter keeps what it learned across
 requests (the draft model's cache: a conversation's next turn reuses its prefix) and syncs to each context
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from specchat.backend.spec.sampling import SamplingRule
+from specchat.backend.speculative.sampling import SamplingRule
 
 
 @dataclass(slots=True)
