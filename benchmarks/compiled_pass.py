@@ -10,8 +10,8 @@ context length is a dynamic size. ``--run`` loads the package in a new process, 
 which its logits equal the compact forward's, and times it against the compact forward, interleaved, after a
 prompt of ``--context`` random tokens:
 
-    python packaging/compiled_pass.py --build [--package /tmp/specchat_pass.pt2]
-    python packaging/compiled_pass.py --run [--package /tmp/specchat_pass.pt2] [--context 300] [--passes 60]
+    python benchmarks/compiled_pass.py --build [--package /tmp/specchat_pass.pt2]
+    python benchmarks/compiled_pass.py --run [--package /tmp/specchat_pass.pt2] [--context 300] [--passes 60]
 """
 
 from __future__ import annotations
