@@ -9,7 +9,7 @@ between them (the Python loop's results bit for bit), and attention of its own (
 query row over the keys it sees, read straight from the bfloat16 cache, with AVX2 where the CPU has it. That
 attention sums in another order than ATen's, so the logits equal the Python loop's to rounding only (checked
 within :data:`TOLERANCE`), but a pass's rows equal one-token passes bit for bit, as verification needs
-(``tests/backend/kernels/test_native.py``). Measured on the embedded default (README "Speed on CPU").
+(``tests/backend/kernels/test_native.py``). Measured on the embedded default: ``benchmarks/RESULTS.md``.
 
 How: PyTorch ships its headers and libraries, so the only thing a machine needs is a C++ compiler (``CXX``,
 else ``c++`` / ``g++`` / ``clang++``). The first time a model runs the compact forward, :func:`attach` starts
