@@ -307,5 +307,5 @@ def attach(forward, cache, name: str) -> Attachment | None:
     return Attachment(forward, cache, name)
 
 
-if __name__ == "__main__":  # the README's command; the build itself lives in native_build
+if __name__ == "__main__":  # the command docs/native.md gives; the build itself lives in native_build
     raise SystemExit(native_build.main(sys.argv[1:]))
