@@ -9,7 +9,7 @@ between them (the Python loop's results bit for bit), and attention of its own (
 query row over the keys it sees, read straight from the bfloat16 cache, with AVX2 where the CPU has it. That
 attention sums in another order than ATen's, so the logits equal the Python loop's to rounding only (checked
 within :data:`TOLERANCE`), but a pass's rows equal one-token passes bit for bit, as verification needs
-(``tests/backend/kernels/test_native.py``). Measured on the embedded default (README "Speed on CPU").
+(``tests/backend/kernels/test_native.py``). Measured on the embedded default: ``benchmarks/RESULTS.md``.
 
 How: PyTorch ships its headers and libraries, so the only thing a machine needs is a C++ compiler (``CXX``,
 else ``c++`` / ``g++`` / ``clang++``). The first time a model runs the compact forward, :func:`attach` starts
@@ -307,5 +307,5 @@ def attach(forward, cache, name: str) -> Attachment | None:
     return Attachment(forward, cache, name)
 
 
-if __name__ == "__main__":  # the README's command; the build itself lives in native_build
+if __name__ == "__main__":  # the command docs/native.md gives; the build itself lives in native_build
     raise SystemExit(native_build.main(sys.argv[1:]))

@@ -8,12 +8,12 @@ Contract:
   the file's 4-bit codes unchanged (Q4_1's ``w = d·q + m`` is ``(q - 8)·d + (m + 8·d)``); the token embedding
   stays in its GGUF form when Q8_0 (:class:`Q8Embedding`, exact) and is float32 otherwise; the output head
   (the embedding when tied) is :class:`Int8Linear`, re-quantised per row from what the file stores (lossy:
-  ``tests/backend/models/test_quantized.py`` bounds the error; README "Speed on CPU" gives the measured
+  ``tests/backend/models/test_quantized.py`` bounds the error; ``benchmarks/RESULTS.md`` gives the measured
   figure); norms stay float32. Tensors of any other type (Q6_K, Q4_K, F16, ...) are de-quantised once and
   re-quantised: to int4 group 32 when the file stored 4 bits or fewer a weight, else to int8 per row; the
   returned notes say which tensors, for the load message. With ``int8-torch`` every linear layer is int8.
 - Scales: int4 scales and zeros are rounded to bfloat16, the dtype the fast kernels take (relative error of
-  a scale at most 2⁻⁹; measured on the embedded file in README "Speed on CPU"); ``exact_scales=True`` keeps
+  a scale at most 2⁻⁹; measured on the embedded file in ``benchmarks/RESULTS.md``); ``exact_scales=True`` keeps
   them float32, which reproduces the file's weights bit for bit but runs the kernels' scalar loop (tests).
 - With a ``skeleton.LightConfig`` (the compact forward will run the model) the model is
   ``skeleton.LightCausalLM``, no transformers modelling code imported; :func:`transformers_model` gives
