@@ -21,7 +21,7 @@ import math
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from specchat.backend.errors import RequestError
 
@@ -99,7 +99,7 @@ def check_sampling_value(name: str, value: Any) -> None:
 def check_gamma(value: Any) -> Gamma:
     """``value`` as a γ ("auto" or 1 .. MAX_GAMMA); RequestError naming it otherwise."""
     if value == "auto" or (_is_int(value) and 1 <= value <= MAX_GAMMA):
-        return value
+        return cast(Gamma, value)  # as checked
     raise RequestError(f"gamma must be 'auto' or a number from 1 to {MAX_GAMMA}, got {value!r}")
 
 

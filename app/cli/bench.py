@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -130,9 +131,10 @@ def _server_positions(runner, before) -> dict:
 
 
 def execute(
-    args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None, out: Console | None = None
+    args, num_pairs: int, load: Callable[[int], Any], *, err: Console | None = None, out: Console | None = None
 ) -> int:
-    """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
+    """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run): an
+    in-process ``Engine`` or a remote pair's ``RemoteEngine``, whichever the pair needs."""
     from specchat.backend.bench.bounds import bandwidth_bounds, describe
     from specchat.backend.bench.remote import RemoteBenchRunner
     from specchat.backend.bench.report import aggregate_with_overall, print_report, write_chart, write_json
@@ -211,7 +213,7 @@ def execute(
                 f"warm-up decode tok/s: {speeds})",
                 highlight=False,
             )
-            counters = runner.server_counters() if remote is not None else None
+            counters = runner.server_counters() if isinstance(runner, RemoteBenchRunner) else None
             run_start = time.perf_counter()
             pair_rows: list = []
             progress = Progress(

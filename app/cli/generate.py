@@ -25,7 +25,7 @@ import json
 import sys
 
 from specchat.app.tui.bridge import step_name
-from specchat.backend.api import RequestStats
+from specchat.backend.api import EngineAPI, RequestStats
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
 
@@ -184,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
             (pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
             for pid, msgs in prompts
         ]
+    engine: EngineAPI
     if pair.remote is not None:
         from specchat.backend.remote.client import RemoteEngine
 
@@ -245,6 +246,7 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         if not as_json and event.text:
             out.write(event.text)
         last = event
+    assert last is not None  # generate() always ends with the event that carries finish_reason
     stats = last.stats or RequestStats()
     if as_json:
         record = {

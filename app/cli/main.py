@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from specchat import __version__
 from specchat.backend.bench.suites import SUITES
@@ -316,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _normalise(build_parser().parse_args(argv))
     from specchat.backend.errors import SpecchatError
 
+    command: ModuleType  # the subcommand's module: each has run(args) -> int
     try:
         if args.command == "generate":
             from specchat.app.cli import generate as command

@@ -97,8 +97,9 @@ def run(args: Any, out: TextIO | None = None) -> int:
             rows.append(_remote_row(pair, default, problems))
             continue
         estimate = estimate_pair(pair, device)
-        gated = any(s is not None and getattr(s, "gated", False) for s in (pair.target, pair.draft))
-        quant = f" {pair.target.quantization}" if pair.target.quantization != "none" else ""
+        target = pair.local_target
+        gated = any(s is not None and getattr(s, "gated", False) for s in (target, pair.draft))
+        quant = f" {target.quantization}" if target.quantization != "none" else ""
         rows.append(
             [
                 "*" if pair.name == default else "",

@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError(
             f"cannot listen on {args.host}:{args.port} ({error.strerror or error}); pick another --port or --host"
         ) from None
-    host, port = server.server_address[:2]
+    address = server.server_address  # the socket's name after the bind: the host is a str (typeshed allows bytes)
+    host, port = str(address[0]), address[1]
     print(
         f"specchat serve: pair {pair.name} on http://{host}:{port}/v1 (model id '{pair.name}'; queue "
         f"{args.queue}; Ctrl+C stops)",

@@ -84,7 +84,7 @@ def default_pair_info(device: str | None) -> PairInfo:
         estimate = estimate_pair(pair, dev)
         free = free_memory(dev)
         draft = pair.draft if pair.drafter == "draft-model" else None
-        specs = [s for s in (pair.target, draft) if s is not None]
+        specs = [s for s in (pair.local_target, draft) if s is not None]
         # models.yaml's size for what is not in the local HF cache: no network access from the picker
         download = sum(s.download_bytes for s in specs if s.kind == "hub" and not is_cached(s))
         return {

@@ -14,9 +14,9 @@ when nothing else used the server meanwhile).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
-from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.api import DrafterName, GenerationRequest, SamplingParams
 from specchat.backend.bench.runner import BenchRunner, Mode, WarmUp
 from specchat.backend.bench.stats import Row
 from specchat.backend.bench.suites import BenchPrompt
@@ -57,7 +57,8 @@ class RemoteBenchRunner(BenchRunner):
                 max_new_tokens=max_new_tokens or self.max_new_tokens,
                 seed=seed,
             ),
-            drafter=None if mode.drafter == "server" else mode.drafter,  # type: ignore[arg-type]
+            # a specchat server's mode names a drafter (runner._remote_modes); "server": the server's own
+            drafter=None if mode.drafter == "server" else cast(DrafterName, mode.drafter),
             gamma=mode.gamma,
         )
         tokens: list[int] = []

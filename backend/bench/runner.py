@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from specchat.backend.api import MAX_GAMMA, GenerationRequest, PolicyState, SamplingParams
+from specchat.backend.api import MAX_GAMMA, DrafterName, Gamma, GenerationRequest, PolicyState, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
 from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
@@ -51,7 +51,7 @@ class Mode:
     name: str
     runner: str  # "specchat" | "hf" | "llamacpp"
     drafter: str  # specchat: none | prompt-lookup | suffix | draft-model | auto; hf: plain | prompt-lookup | assisted
-    gamma: int | str | None = None  # specchat only; None: the pair's γ
+    gamma: Gamma | None = None  # specchat only; None: the pair's γ
 
 
 def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
@@ -81,7 +81,7 @@ def parse_modes(
     modes: list[Mode] = []
     for name in names or default_modes(has_draft, llamacpp_missing is None):
         base, _, gamma_text = name.partition(":")
-        gamma: int | str | None = None
+        gamma: Gamma | None = None
         if gamma_text:
             if base not in ("prompt-lookup", "suffix", "draft-model", "auto"):
                 raise RequestError(
@@ -96,7 +96,7 @@ def parse_modes(
                 raise RequestError(
                     f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got {shown(gamma_text)}"
                 )
-            gamma = gamma_text if gamma_text == "auto" else int(gamma_text)
+            gamma = "auto" if gamma_text == "auto" else int(gamma_text)
         if base in SPECCHAT_DRAFTERS:
             mode = Mode(
                 name,
@@ -255,7 +255,7 @@ class BenchRunner:
                 max_new_tokens=max_new,
                 seed=seed,
             ),
-            drafter=mode.drafter,
+            drafter=cast(DrafterName, mode.drafter),  # a specchat mode's: parse_modes took it from SPECCHAT_DRAFTERS
             gamma=mode.gamma,
             conversation=conversation,
         )
@@ -285,6 +285,7 @@ class BenchRunner:
         return tokens, wall, ttft, reason, tally, (last.stats if last is not None else None)
 
     def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
+        assert self.hf_target is not None  # made in __init__ when a mode runs on transformers
         with quiet_transformers():
             result = hf_generate(
                 self.hf_target,

@@ -28,9 +28,10 @@ from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
-from specchat.backend.kv.kv_cache import common_prefix_len
+from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
+from specchat.backend.models.capture import Progress
 from specchat.backend.models.config import PairConfig
-from specchat.backend.models.loading import LoadedModel
+from specchat.backend.models.loading import ConfirmDownload, LoadedModel
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
 from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDrafter
@@ -96,7 +97,7 @@ class Engine:
         self.threads = ThreadGovernor() if target.device.type == "cpu" else None
 
     @property
-    def draft_cache(self):
+    def draft_cache(self) -> PagedKVCache | None:
         return self.draft_runner.cache if self.draft_runner is not None else None
 
     # -- public API -------------------------------------------------------------------------------------
@@ -150,7 +151,9 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------------------
 
-    def _prompt_ids(self, request: GenerationRequest, conv: Conversation | None, budget: int):
+    def _prompt_ids(
+        self, request: GenerationRequest, conv: Conversation | None, budget: int
+    ) -> tuple[list[int], str | None]:  # (ids, a notice of messages left out)
         if request.prompt_ids is not None:
             ids = [int(t) for t in request.prompt_ids]
             if not ids:
@@ -240,7 +243,13 @@ class Engine:
                 self.reply_memory.remember(state.context[len(state.prompt) :])
 
 
-def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, confirm_download=None) -> Engine:
+def load_engine(
+    pair: PairConfig,
+    *,
+    device: str | None = None,
+    progress: Progress | None = None,
+    confirm_download: ConfirmDownload | None = None,
+) -> Engine:
     """Load the pair's models (checking memory and tokenizer compatibility first) and build an engine."""
     from specchat.backend.models.loading import load_pair, resolve_device
     from specchat.backend.models.memory import check_fits

@@ -364,7 +364,11 @@ class RequestState:
         draft_s = time.perf_counter() - t_step
         draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
         # A tree's first γ nodes are a tree too (a parent comes before its children).
-        parents = list(draft.parents[:gamma]) if draft is not None and draft.is_tree and draft_ids else None
+        parents = (
+            list(draft.parents[:gamma])
+            if draft is not None and draft.parents is not None and draft.is_tree and draft_ids
+            else None
+        )
         t_verify = time.perf_counter()
         try:
             logits = self._target_logits([pending] + draft_ids, keep=1 + len(draft_ids), parents=parents)

@@ -110,11 +110,21 @@ class PairConfig:
         """The server of a remote pair; None for a pair run in this process."""
         return self.target if isinstance(self.target, RemoteSpec) else None
 
+    @property
+    def local_target(self) -> ModelSpec:
+        """The target of a pair run in this process. Raises ConfigError for a remote pair (its server runs it)."""
+        if isinstance(self.target, RemoteSpec):
+            raise ConfigError(
+                f"pair '{self.name}': its model runs on the server {self.target.server}, not in this process; "
+                "use it through the remote engine"
+            )
+        return self.target
+
 
 class _Where:
     """Error context: the file, the pair (when known) and the mapping being read."""
 
-    def __init__(self, file: Path, pair: str | None = None, node: _Map | None = None, prefix: str = ""):
+    def __init__(self, file: Path, pair: str | None = None, node: dict[str, Any] | None = None, prefix: str = ""):
         self.file, self.pair, self.node, self.prefix = file, pair, node, prefix
 
     def error(self, key: str, value: Any, problem: str, fix: str) -> ConfigError:
@@ -222,7 +232,7 @@ _SPEC_FIELDS = {
 }
 
 
-def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> ModelSpec:
+def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: dict[str, Any]) -> ModelSpec:
     if not isinstance(node, dict):
         raise _Where(file, pair, parent).error(
             role,
@@ -249,7 +259,8 @@ def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> Mo
         raise where.error(
             "revision", revision, f"only hub sources have revisions (this one is {kind})", "remove revision"
         )
-    ints = {k: _bounded_int(where, k, low, None, fix) for k, (low, fix) in _SPEC_INT_FIELDS.items()}
+    # keyword arguments of ModelSpec, by name: the int fields here, the bool flags below
+    ints: dict[str, Any] = {k: _bounded_int(where, k, low, None, fix) for k, (low, fix) in _SPEC_INT_FIELDS.items()}
     flags = {
         k: _take(where, k, (bool,), "true or false", False)
         for k in ("gated", "allow_pickle", "trust_remote_code", "tie_word_embeddings")

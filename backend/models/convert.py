@@ -40,6 +40,7 @@ import struct
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.models.cache_keys import file_sha256, transformers_version
@@ -110,6 +111,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _writer_alive(entry: Path) -> bool:
     """Whether a live process still writes the temporary folder ``entry`` (its lock is held)."""
+    fcntl: ModuleType | None
     try:
         import fcntl
     except ImportError:  # Windows: the pid in the name decides
@@ -177,7 +179,8 @@ def _gguf_metadata_read_once():
             parsed[key] = _parse_with(MetadataReader, original, path)
         return copy.deepcopy(parsed[key])
 
-    gguf_utils.load_gguf_checkpoint = once
+    # The swap is the point (see the docstring); its parameters are named otherwise than the original's.
+    gguf_utils.load_gguf_checkpoint = once  # type: ignore[assignment]
     try:
         with routed_gguf_progress(gguf_utils):  # its bars go where the open capture block sends progress
             yield
@@ -191,11 +194,11 @@ def _parse_with(reader, parse, path):
     import gguf
 
     original = gguf.GGUFReader
-    gguf.GGUFReader = reader
+    gguf.GGUFReader = reader  # type: ignore[misc]  # the swap is the point (see the docstring)
     try:
         return parse(path, return_tensors=False)
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader = original  # type: ignore[misc]  # and back
 
 
 def _gguf_tokenizer(gguf_path: Path, progress: Progress | None):

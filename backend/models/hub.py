@@ -82,7 +82,7 @@ def _cached(spec: ModelSpec, tokenizer_only: bool) -> Path | None:
     from huggingface_hub import errors, snapshot_download
 
     try:
-        folder = snapshot_download(
+        downloaded = snapshot_download(
             spec.source,
             revision=spec.revision,
             local_files_only=True,
@@ -91,7 +91,7 @@ def _cached(spec: ModelSpec, tokenizer_only: bool) -> Path | None:
         )
     except (errors.LocalEntryNotFoundError, OSError):
         return None
-    folder = Path(folder)
+    folder = Path(downloaded)
     if (
         not tokenizer_only
         and not any(folder.glob("*.safetensors"))

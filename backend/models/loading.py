@@ -74,7 +74,8 @@ class CacheDamage(ModelLoadError):
 
 @dataclass
 class LoadedModel:
-    model: PreTrainedModel  # eval mode, on device
+    # eval mode, on device; a LightCausalLM runs only through the compact forward (backend/models/skeleton.py)
+    model: PreTrainedModel | skeleton.LightCausalLM
     tokenizer: PreTrainedTokenizerBase
     spec: ModelSpec
     device: torch.device
@@ -454,28 +455,29 @@ def load_pair(
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Target and draft of ``pair`` (draft None unless drafter is draft-model); see the module docstring."""
     device = resolve_device(device) if not isinstance(device, torch.device) else device
+    target_spec = pair.local_target
     draft_spec = pair.draft if pair.drafter == "draft-model" else None
     progress, confirm_download = user_callback(progress), user_callback(confirm_download)
     with capture_library_output(progress, log_file):
         hub.confirm_download(
-            [pair.target] + ([draft_spec] if draft_spec else []), confirm_download, f"pair '{pair.name}'"
+            [target_spec] + ([draft_spec] if draft_spec else []), confirm_download, f"pair '{pair.name}'"
         )
         light = skeleton.compact_will_run(device, attn_implementation)
-        target_tok = load_tokenizer(pair.target, progress=progress, light_model=light)
+        target_tok = load_tokenizer(target_spec, progress=progress, light_model=light)
         draft_tok = None
         if draft_spec is not None:
             same = (draft_spec.source, draft_spec.revision, draft_spec.path) == (
-                pair.target.source,
-                pair.target.revision,
-                pair.target.path,
+                target_spec.source,
+                target_spec.revision,
+                target_spec.path,
             )
             draft_tok = target_tok if same else load_tokenizer(draft_spec, progress=progress, light_model=light)
             if not same:
                 check_tokenizers_compatible(
-                    target_tok, draft_tok, target_name=pair.target.source, draft_name=draft_spec.source
+                    target_tok, draft_tok, target_name=target_spec.source, draft_name=draft_spec.source
                 )
         target = _load_weights(
-            pair.target, device, attn_implementation=attn_implementation, progress=progress, tokenizer=target_tok
+            target_spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=target_tok
         )
         draft = None
         if draft_spec is not None:

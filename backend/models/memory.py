@@ -158,12 +158,13 @@ def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | 
     device = torch.device(device)
     tokens = context_length or pair.context_length
     draft = pair.draft if pair.drafter == "draft-model" else None
-    target_weights = weight_bytes(pair.target, device)
-    target_kv = kv_bytes(pair.target, device, tokens)
+    target = pair.local_target
+    target_weights = weight_bytes(target, device)
+    target_kv = kv_bytes(target, device, tokens)
     draft_weights = weight_bytes(draft, device) if draft else 0
     draft_kv = kv_bytes(draft, device, tokens) if draft else 0
-    scratch = max(scratch_bytes(pair.target, device, tokens), scratch_bytes(draft, device, tokens) if draft else 0)
-    graphs = graph_bytes(pair.target, device, tokens) + (graph_bytes(draft, device, tokens) if draft else 0)
+    scratch = max(scratch_bytes(target, device, tokens), scratch_bytes(draft, device, tokens) if draft else 0)
+    graphs = graph_bytes(target, device, tokens) + (graph_bytes(draft, device, tokens) if draft else 0)
     subtotal = target_weights + target_kv + draft_weights + draft_kv + scratch + graphs
     headroom = int(subtotal * HEADROOM)
     return MemoryEstimate(

@@ -17,7 +17,7 @@ kept. Each :class:`~specchat.backend.speculative.drafters.base.Draft` says how m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ class DraftModelDrafter:
         cache: PagedKVCache,
         *,
         vocab_limit: int,
-        eos_token_ids: Sequence[int],
+        eos_token_ids: Iterable[int],
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.forward = forward
