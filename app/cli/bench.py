@@ -8,10 +8,10 @@ limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic)
 run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per family on
 stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0.
 
-Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``DEFAULT_MAX_NEW_TOKENS``
-128 tokens, each run ``DEFAULT_REPEATS`` 2 times so the tables show how much a figure moves between runs
-(the spread column) instead of one number that noise alone can halve. The estimate printed after the warm-up
-covers the whole run (repeats included); the final line says how long it took against it.
+Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``BENCH_MAX_NEW_TOKENS``
+128 tokens (backend/limits.py), each run ``DEFAULT_REPEATS`` 2 times so the tables show how much a figure moves
+between runs (the spread column) instead of one number that noise alone can halve. The estimate printed after
+the warm-up covers the whole run (repeats included); the final line says how long it took against it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 DEFAULT_LIMIT = 2
-DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_REPEATS = 2
 
 
@@ -98,11 +97,11 @@ def _repeats(args) -> int:
 
 def _check_args(args) -> tuple[int, int, float]:
     """(limit, max new tokens, temperature); RequestError naming the option for a value the run cannot use."""
-    from specchat.backend.api import MAX_SEED, MAX_TEMPERATURE
     from specchat.backend.errors import RequestError
+    from specchat.backend.limits import BENCH_MAX_NEW_TOKENS, MAX_SEED, MAX_TEMPERATURE
 
     limit = args.limit if args.limit is not None else DEFAULT_LIMIT
-    max_new = args.max_new_tokens if args.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else BENCH_MAX_NEW_TOKENS
     temperature = float(args.temperature or 0.0)
     if not 0 <= temperature <= MAX_TEMPERATURE:
         raise RequestError(f"--temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature}")

@@ -15,6 +15,13 @@ from collections.abc import Sequence
 from specchat import __version__
 from specchat.backend.bench.suites import SUITES
 from specchat.backend.inputs import shown
+from specchat.backend.limits import (
+    BENCH_MAX_NEW_TOKENS,
+    DRAFTERS,
+    MAX_GAMMA,
+    SERVE_MAX_TOKENS,
+    is_gamma,
+)
 
 EPILOG = """\
 commands:
@@ -90,14 +97,12 @@ def _port(text: str) -> int:
 
 
 def _gamma(text: str) -> int | str:
-    from specchat.backend.api import MAX_GAMMA
-
     if text == "auto":
         return text
     if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
         raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {shown(text)}")
     value = int(text)
-    if not 1 <= value <= MAX_GAMMA:
+    if not is_gamma(value):
         raise argparse.ArgumentTypeError(f"gamma must be between 1 and {MAX_GAMMA} (or 'auto'), got {value}")
     return value
 
@@ -128,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_global_options(gen, suppress_defaults=True)
     gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
-    drafters = ["none", "prompt-lookup", "suffix", "draft-model", "auto"]
+    drafters = list(DRAFTERS)
     gen.add_argument(
         "--drafter",
         type=_one_of(drafters),
@@ -177,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, nothing else")
 
-    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEATS
+    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_REPEATS
 
     bench = sub.add_parser(
         "bench",
@@ -209,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         metavar="N",
-        help=f"new tokens per reply (default: {DEFAULT_MAX_NEW_TOKENS})",
+        help=f"new tokens per reply (default: {BENCH_MAX_NEW_TOKENS})",
     )
     bench.add_argument(
         "--repeats",
@@ -244,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="show only this pair"
     )
 
-    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE
+    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE
 
     serve = sub.add_parser(
         "serve",
@@ -274,9 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-tokens",
         type=_positive_int,
-        default=DEFAULT_MAX_TOKENS,
+        default=SERVE_MAX_TOKENS,
         metavar="N",
-        help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS})",
+        help=f"largest max_tokens a request may ask for (default {SERVE_MAX_TOKENS})",
     )
     serve.add_argument(
         "--max-body-bytes",

@@ -31,16 +31,17 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from specchat.backend.api import MAX_GAMMA, GenerationRequest, PolicyState, SamplingParams
+from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
 from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
+from specchat.backend.limits import DRAFTERS, MAX_GAMMA, is_gamma
 from specchat.backend.speculative.stats import StepCounts
 
-SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "suffix", "draft-model", "auto")
+SPECCHAT_DRAFTERS = tuple("plain" if name == "none" else name for name in DRAFTERS)  # bench mode names
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
 LLAMACPP_MODES = ("llamacpp-plain", "llamacpp-prompt-lookup")
 WARMUP_TOKENS = 32
@@ -55,7 +56,7 @@ class Mode:
 
 
 def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
-    names = ["plain", "prompt-lookup", "suffix"] + (["draft-model"] if has_draft else []) + ["auto"]
+    names = [name for name in SPECCHAT_DRAFTERS if has_draft or name != "draft-model"]
     names += ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
     return names + (list(LLAMACPP_MODES) if llamacpp else [])
 
@@ -83,15 +84,12 @@ def parse_modes(
         base, _, gamma_text = name.partition(":")
         gamma: int | str | None = None
         if gamma_text:
-            if base not in ("prompt-lookup", "suffix", "draft-model", "auto"):
+            if base not in SPECCHAT_DRAFTERS or base == "plain":
                 raise RequestError(
                     f"mode {shown(name)}: only prompt-lookup, suffix, draft-model and auto take a :GAMMA suffix"
                 )
             if gamma_text != "auto" and not (
-                gamma_text.isascii()
-                and gamma_text.isdigit()
-                and len(gamma_text) < 4
-                and 1 <= int(gamma_text) <= MAX_GAMMA
+                gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4 and is_gamma(int(gamma_text))
             ):
                 raise RequestError(
                     f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got {shown(gamma_text)}"

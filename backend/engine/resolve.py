@@ -8,7 +8,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from specchat.backend.api import DEFAULT_MAX_NEW_TOKENS, SamplingParams, check_sampling_value
+from specchat.backend.api import SamplingParams
+from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS, check_sampling_value
 from specchat.backend.speculative.sampling import SamplingRule
 
 
