@@ -17,6 +17,8 @@ from specchat.backend.bench.suites import SUITES
 from specchat.backend.inputs import shown
 from specchat.backend.limits import (
     BENCH_MAX_NEW_TOKENS,
+    BENCH_SEED,
+    BENCH_TEMPERATURE,
     DRAFTERS,
     MAX_GAMMA,
     SERVE_MAX_TOKENS,
@@ -234,8 +236,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--out", metavar="DIR", default="bench_out", help="where the JSON and PNG go (default: bench_out)"
     )
-    bench.add_argument("--temperature", type=_number, default=0.0, metavar="T", help="0 is greedy (default: 0)")
-    bench.add_argument("--seed", type=_whole, default=0, metavar="S", help="(default: 0)")
+    bench.add_argument(
+        "--temperature",
+        type=_number,
+        default=BENCH_TEMPERATURE,
+        metavar="T",
+        help=f"0 is greedy (default: {BENCH_TEMPERATURE:g})",
+    )
+    bench.add_argument("--seed", type=_whole, default=BENCH_SEED, metavar="S", help=f"(default: {BENCH_SEED})")
     bench.add_argument(
         "--synthetic",
         metavar="NAME",

@@ -38,7 +38,7 @@ from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
-from specchat.backend.limits import DRAFTERS, MAX_GAMMA, is_gamma
+from specchat.backend.limits import BENCH_SEED, BENCH_TEMPERATURE, DRAFTERS, MAX_GAMMA, is_gamma
 from specchat.backend.speculative.stats import StepCounts
 
 SPECCHAT_DRAFTERS = tuple("plain" if name == "none" else name for name in DRAFTERS)  # bench mode names
@@ -205,7 +205,13 @@ class BenchRunner:
     """Runs modes over prompts with one engine (and transformers twins of its models)."""
 
     def __init__(
-        self, engine, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+        self,
+        engine,
+        modes: list[Mode],
+        *,
+        max_new_tokens: int,
+        temperature: float = BENCH_TEMPERATURE,
+        seed: int = BENCH_SEED,
     ) -> None:
         self.engine, self.modes = engine, modes
         # Each prompt is measured alone: with the reply memory on, the suffix drafter would draft a prompt's
