@@ -153,6 +153,9 @@ class RequestStats:
       with this seed replays the reply, whatever the drafter and γ;
     - ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` τ = 1 + accepted / speculating steps;
     - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it;
+    - ``step_counts``: the counts every figure above is computed from (``StepCounts.to_dict()``: steps and
+      times by drafter and γ; per drafter, the steps that reached and that accepted each draft position; ...):
+      figures over many requests (`specchat serve`'s /metrics, the bench) add these up rather than recount;
     - ``wall_s`` from the request's start to its last token, ``ttft_s`` to its first; ``tok_s`` = new_tokens /
       wall_s (prefill included); ``spec_tok_s`` / ``plain_tok_s``: tokens per second of step time over
       speculating / plain steps;
@@ -193,6 +196,7 @@ class RequestStats:
     last_gamma: int | None = 0
     last_policy: PolicyState | None = None
     policy: Mapping[str, Any] | None = None  # the γ policy's estimates (a single drafter), for diagnostics
+    step_counts: Mapping[str, Any] | None = None  # None: the engine cannot know them (a remote server's reply)
     no_draft_steps: int = 0
     draft_prefill_tokens: int = 0
     draft_reused_tokens: int = 0
@@ -217,6 +221,7 @@ class RequestStats:
         out["accepted_length_histogram"] = list(self.accepted_length_histogram)
         out["last_policy"] = self.last_policy.value if self.last_policy is not None else None
         out["policy"] = dict(self.policy) if self.policy is not None else None
+        out["step_counts"] = dict(self.step_counts) if self.step_counts is not None else None
         return out
 
     @classmethod
@@ -251,7 +256,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         if value is not None and not is_int(value):
             raise TypeError(name)
         return value
-    if name == "policy":
+    if name in ("policy", "step_counts"):
         if value is not None and not isinstance(value, Mapping):
             raise TypeError(name)
         return value

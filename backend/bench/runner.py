@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams
+from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
 from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
@@ -264,7 +264,6 @@ class BenchRunner:
             conversation=conversation,
         )
         tokens: list[int] = []
-        tally = StepCounts()
         ttft = None
         last = None
         start = time.perf_counter()
@@ -272,21 +271,13 @@ class BenchRunner:
             if ttft is None and event.token_ids:
                 ttft = time.perf_counter() - start
             tokens.extend(event.token_ids)
-            if event.token_ids and not event.is_prefill:
-                tally.observe(
-                    drafter=event.drafter,
-                    gamma=event.gamma,
-                    accepted=event.accepted,
-                    emitted=len(event.token_ids),
-                    draft_s=event.draft_s,
-                    verify_s=event.verify_s,
-                    overhead_s=event.overhead_s,
-                    paused=event.policy is PolicyState.PAUSED,
-                )
             last = event
         wall = time.perf_counter() - start
         reason = last.finish_reason if last is not None else None
-        return tokens, wall, ttft, reason, tally, (last.stats if last is not None else None)
+        stats = last.stats if last is not None else None
+        # The engine's own step counts (what its RequestStats are computed from), not a recount of the events.
+        tally = StepCounts.from_dict(stats.step_counts) if stats is not None and stats.step_counts else StepCounts()
+        return tokens, wall, ttft, reason, tally, stats
 
     def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
         with quiet_transformers():
