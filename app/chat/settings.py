@@ -36,6 +36,7 @@ from specchat.backend.limits import (
     MAX_TEMPERATURE,
     SAMPLING_LIMITS,
     DrafterName,
+    Gamma,
     is_gamma,
 )
 from specchat.backend.paths import config_dir
@@ -65,7 +66,7 @@ class Settings:
     top_k: int | None = None  # None: pair default; 0: no top-k
     max_new_tokens: int = CHAT_MAX_NEW_TOKENS
     drafter: DrafterChoice = "pair"
-    gamma: int | Literal["auto"] | None = None  # None: pair default; "auto": adaptive; int: fixed
+    gamma: Gamma | None = None  # None: pair default; "auto": adaptive; int: fixed
     system_prompt: str = ""
     theme: str | None = None
     last_pair: str | None = None
