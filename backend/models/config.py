@@ -274,7 +274,7 @@ def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> Mo
     )
 
 
-_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/api.py)
+_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/limits.py)
     key: ((int,) if key in ("top_k", "max_new_tokens") else (int, float), *SAMPLING_LIMITS[key])
     for key in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
 }
