@@ -16,6 +16,15 @@ from types import ModuleType
 from specchat import __version__
 from specchat.backend.bench.suites import SUITES
 from specchat.backend.inputs import shown
+from specchat.backend.limits import (
+    BENCH_MAX_NEW_TOKENS,
+    BENCH_SEED,
+    BENCH_TEMPERATURE,
+    DRAFTERS,
+    MAX_GAMMA,
+    SERVE_MAX_TOKENS,
+    is_gamma,
+)
 
 EPILOG = """\
 commands:
@@ -69,7 +78,7 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
 
 
-def _one_of(choices: list[str]):
+def _one_of(choices: Sequence[str]):
     def check(text: str) -> str:
         if text not in choices:
             raise argparse.ArgumentTypeError(f"{shown(text)} is not one of {', '.join(choices)}")
@@ -91,14 +100,12 @@ def _port(text: str) -> int:
 
 
 def _gamma(text: str) -> int | str:
-    from specchat.backend.api import MAX_GAMMA
-
     if text == "auto":
         return text
     if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
         raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {shown(text)}")
     value = int(text)
-    if not 1 <= value <= MAX_GAMMA:
+    if not is_gamma(value):
         raise argparse.ArgumentTypeError(f"gamma must be between 1 and {MAX_GAMMA} (or 'auto'), got {value}")
     return value
 
@@ -129,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_global_options(gen, suppress_defaults=True)
     gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
-    drafters = ["none", "prompt-lookup", "suffix", "draft-model", "auto"]
+    drafters = list(DRAFTERS)
     gen.add_argument(
         "--drafter",
         type=_one_of(drafters),
@@ -178,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, nothing else")
 
-    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEATS
+    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_REPEATS
 
     bench = sub.add_parser(
         "bench",
@@ -210,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         metavar="N",
-        help=f"new tokens per reply (default: {DEFAULT_MAX_NEW_TOKENS})",
+        help=f"new tokens per reply (default: {BENCH_MAX_NEW_TOKENS})",
     )
     bench.add_argument(
         "--repeats",
@@ -230,8 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--out", metavar="DIR", default="bench_out", help="where the JSON and PNG go (default: bench_out)"
     )
-    bench.add_argument("--temperature", type=_number, default=0.0, metavar="T", help="0 is greedy (default: 0)")
-    bench.add_argument("--seed", type=_whole, default=0, metavar="S", help="(default: 0)")
+    bench.add_argument(
+        "--temperature",
+        type=_number,
+        default=BENCH_TEMPERATURE,
+        metavar="T",
+        help=f"0 is greedy (default: {BENCH_TEMPERATURE:g})",
+    )
+    bench.add_argument("--seed", type=_whole, default=BENCH_SEED, metavar="S", help=f"(default: {BENCH_SEED})")
     bench.add_argument(
         "--synthetic",
         metavar="NAME",
@@ -245,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="show only this pair"
     )
 
-    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE
+    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE
 
     serve = sub.add_parser(
         "serve",
@@ -275,9 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-tokens",
         type=_positive_int,
-        default=DEFAULT_MAX_TOKENS,
+        default=SERVE_MAX_TOKENS,
         metavar="N",
-        help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS})",
+        help=f"largest max_tokens a request may ask for (default {SERVE_MAX_TOKENS})",
     )
     serve.add_argument(
         "--max-body-bytes",

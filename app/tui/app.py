@@ -40,8 +40,8 @@ from specchat.app.tui.screens.picker import PairPickerScreen, human_bytes
 from specchat.app.tui.screens.settings_screen import SettingsScreen
 from specchat.app.tui.seams import EngineFactory, PairInfo
 from specchat.app.tui.widgets.message_view import warm_highlighting
-from specchat.backend.api import DEFAULT_PAIR
 from specchat.backend.errors import InsufficientMemoryError, SpecchatError
+from specchat.backend.limits import DEFAULT_PAIR
 
 if TYPE_CHECKING:
     from specchat.app.chat.history.store import ChatStore

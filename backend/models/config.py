@@ -25,15 +25,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specchat.backend.api import DEFAULT_PAIR, MAX_CONTEXT, MAX_GAMMA, MIN_CONTEXT, SAMPLING_LIMITS
 from specchat.backend.errors import ConfigError
+from specchat.backend.limits import (
+    DEFAULT_PAIR,
+    MAX_CONTEXT,
+    MAX_GAMMA,
+    MIN_CONTEXT,
+    PAIR_DRAFTERS,
+    SAMPLING_LIMITS,
+    is_gamma,
+)
 from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.paths import config_dir, expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")  # PyTorch's own int4/int8 kernels (backend/models/quantized.py)
 QUANTIZATIONS = ("none", "nf4", "int8", *TORCH_QUANTIZATIONS)
-DRAFTERS = ("prompt-lookup", "suffix", "draft-model", "none")
 REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
 # what they contain). openai: the plain OpenAI API; specchat: `specchat serve`.
@@ -278,7 +285,7 @@ def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: dict[str, A
     )
 
 
-_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/api.py)
+_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/limits.py)
     key: ((int,) if key in ("top_k", "max_new_tokens") else (int, float), *SAMPLING_LIMITS[key])
     for key in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
 }
@@ -348,7 +355,7 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
             source_file=str(file),
         )
     target = _parse_spec(file, name, "target", _take(where, "target", (dict,), "a model block"), node)
-    drafter = _choice(where, "drafter", DRAFTERS)
+    drafter = _choice(where, "drafter", PAIR_DRAFTERS)
     draft_node = _take(where, "draft", (dict,), "a model block", None)
     if drafter == "draft-model" and draft_node is None:
         raise where.error(
@@ -366,7 +373,7 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
         )
     draft = _parse_spec(file, name, "draft", draft_node, node) if draft_node is not None else None
     gamma = _take(where, "gamma", (int, str), f"an integer 1..{MAX_GAMMA} or auto", "auto")
-    if isinstance(gamma, str) and gamma != "auto" or isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
+    if not is_gamma(gamma):
         raise where.error(
             "gamma", gamma, "not a valid number of drafted tokens", f"use an integer from 1 to {MAX_GAMMA}, or auto"
         )

@@ -18,7 +18,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
 from specchat.app.chat.settings import DRAFTER_CHOICES, Settings, SettingsError, validate_settings
-from specchat.backend.api import MAX_GAMMA
+from specchat.backend.limits import CHAT_MAX_NEW_TOKENS_LIMIT, MAX_GAMMA
 
 GAMMA_MODES = {"pair": "Pair default", "auto": "Auto (adaptive)", "fixed": "Fixed"}
 
@@ -125,7 +125,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
             raise SettingsError(f"gamma: a fixed γ needs a number (1 .. {MAX_GAMMA})")
         max_new = self._parse("max_new_tokens", int)
         if max_new is None:
-            raise SettingsError("max new tokens: a number is required (1 .. 32768)")
+            raise SettingsError(f"max new tokens: a number is required (1 .. {CHAT_MAX_NEW_TOKENS_LIMIT})")
         return validate_settings(
             replace(
                 self.settings,
