@@ -326,8 +326,31 @@ def one_line(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _single_value_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options of ``parser`` and its subcommands that take exactly one value."""
+    found: list[argparse.Action] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _single_value_actions(sub)
+        elif action.option_strings and action.nargs is None and isinstance(action, argparse._StoreAction):
+            found.append(action)
+    return found
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, refusing an option whose value argparse dropped: ``--models=--`` parses as an empty list (argparse
+    strips a ``--`` value), which no one-value option can use."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for action in _single_value_actions(parser):
+        if getattr(args, action.dest, None) == []:
+            parser.error(f"{action.option_strings[0]} needs a value: '--' is not one")
+    return _normalise(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _normalise(build_parser().parse_args(argv))
+    args = _parse(argv)
     from specchat.backend.errors import SpecchatError
 
     command: ModuleType  # the subcommand's module: each has run(args) -> int
