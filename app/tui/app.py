@@ -89,7 +89,7 @@ class SpecchatApp(App[int]):
         self._download_ok: set[str] = set()  # pairs whose download the user accepted in the picker
         self._load_started = 0.0
         self.initial_pair = self._initial_pair(initial_pair)
-        self.chat = ChatScreen()
+        self.chat = ChatScreen(self)
 
     def _initial_pair(self, requested: str | None) -> str | None:
         if requested and requested not in self.pairs:  # never another pair in its place
