@@ -28,14 +28,14 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, TextArea
 
 from specchat.app.chat.conversation import Conversation
-from specchat.app.tui.messages import BranchFrom, PromptSubmitted, RecallLastMessage
+from specchat.app.tui.messages import PromptSubmitted, RecallLastMessage
 from specchat.app.tui.screens.commands import COMMANDS_HELP, is_command, parse_command
 from specchat.app.tui.screens.edit_controller import EditController
 from specchat.app.tui.screens.reply_controller import ReplyController, ReplyViews
 from specchat.app.tui.widgets.attachments import Attachments
 from specchat.app.tui.widgets.conversation import ConversationView
 from specchat.app.tui.widgets.details_panel import DetailsPanel
-from specchat.app.tui.widgets.message_view import UserMessage
+from specchat.app.tui.widgets.message_view import BranchFrom, UserMessage
 from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import StatsBar
 from specchat.backend.errors import SpecchatError

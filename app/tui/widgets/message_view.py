@@ -14,15 +14,17 @@ reply waits for its first token its totals line says what is happening (``show_s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.content import Content
+from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets._markdown import MarkdownFence
 
-from specchat.app.tui.messages import BranchFrom
 from specchat.app.tui.widgets.stream_tail import StreamTail, split_finished
 from specchat.backend.api import TokenSource
 
@@ -86,6 +88,14 @@ class CopyableFence(MarkdownFence):
 
 class ChatMarkdown(Markdown):
     BLOCKS = {**Markdown.BLOCKS, "fence": CopyableFence, "code_block": CopyableFence}
+
+
+@dataclass
+class BranchFrom(Message):
+    """A message view asks for a new chat branching from it (its ``index`` among the chat's messages is found
+    by the screen)."""
+
+    view: MessageView
 
 
 class MessageView(Vertical, can_focus=True):
