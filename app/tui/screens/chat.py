@@ -35,7 +35,8 @@ from specchat.app.tui.screens.reply_controller import ReplyController, ReplyView
 from specchat.app.tui.widgets.attachments import Attachments
 from specchat.app.tui.widgets.conversation import ConversationView
 from specchat.app.tui.widgets.details_panel import DetailsPanel
-from specchat.app.tui.widgets.message_view import BranchFrom, UserMessage
+from specchat.app.tui.widgets.edit_block import ApplyEdit
+from specchat.app.tui.widgets.message_view import AssistantMessage, BranchFrom, UserMessage
 from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import StatsBar
 from specchat.backend.errors import SpecchatError
@@ -248,6 +249,18 @@ class ChatScreen(Screen[None]):
             title="Branch",
             timeout=8,
         )
+
+    def on_apply_edit(self, message: ApplyEdit) -> None:
+        """An edit block's Apply (or ``a`` on a reply): plan that reply's blocks and show the diff."""
+        source = message.source
+        view = source if isinstance(source, AssistantMessage) else source.query_ancestor(AssistantMessage)
+        views = self.conversation.messages()
+        if view not in views or views.index(view) >= len(self.conv.turns):
+            return
+        if self.generating and view is self.conversation.last_reply():
+            self.notify("The reply is still being written: apply it once it has ended.", timeout=4)
+            return
+        self.edits.apply_reply(self.conv.turns, views.index(view))
 
     # -- conversation management -------------------------------------------------------------------------------
     async def new_chat(self) -> None:

@@ -126,6 +126,34 @@ class EditController(Widget):
         self._conversation.add_note(EditNote("undone", f"/undo restored {names}"))
         self.notify(f"Restored {len(restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
 
+    def apply_reply(self, turns: Sequence[Turn], index: int) -> None:
+        """The Apply action of reply ``index``'s SEARCH/REPLACE blocks: plan them against the files of the /edit
+        request it answers, else the files the blocks name (relative to the current folder), and show the diff
+        as :meth:`offer` does (nothing is written before the user confirms)."""
+        from specchat.app.chat.edit_plan import parse_blocks
+        from specchat.app.chat.editing import load_edit_target
+
+        reply = turns[index]
+        user = next((t for t in reversed(turns[:index]) if t.role == "user"), None)
+        paths = user.paths("edit") if user is not None else []
+        if not paths:
+            blocks, _ = parse_blocks(reply.content)
+            paths = list(dict.fromkeys(block.file for block in blocks if block.file))
+        if not paths:
+            self.notify(
+                "The edit blocks name no file. Ask again with /edit PATH, so the reply knows which file it edits.",
+                title="Apply edit",
+                severity="warning",
+                timeout=8,
+            )
+            return
+        try:
+            targets = [load_edit_target(path) for path in paths]
+        except SpecchatError as error:
+            self.notify(str(error), title="Apply edit", severity="error", timeout=10)
+            return
+        self.offer(targets, reply.content, user.request if user is not None else "")
+
     def last_request(self, turns: Sequence[Turn]) -> tuple[list[EditTarget], str] | None:
         """The files (reloaded from disk) and request of the last user turn, if it was an /edit request; a file
         that can no longer be loaded is notified (and None returned)."""

@@ -166,7 +166,7 @@ class ReplyController(Widget):
         request = GenerationRequest(
             messages=self._conv.request_messages(settings.system_prompt),
             sampling=settings.sampling(),
-            drafter=settings.request_drafter(),
+            drafter=settings.request_drafter(self._host.current_pair_name),
             gamma=settings.gamma,
             conversation=self._conv.key,
             prefill_progress=True,

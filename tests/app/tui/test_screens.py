@@ -6,7 +6,7 @@ import json
 
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
 from fake_engine import FakeEngineFactory
-from textual.widgets import DataTable, Input, Select, Static, TextArea
+from textual.widgets import DataTable, Input, RadioButton, Select, Static, TextArea
 
 from specchat.app.tui.screens.dialogs import ConfirmScreen
 from specchat.app.tui.screens.help import HelpScreen
@@ -87,7 +87,7 @@ async def test_settings_are_validated_persisted_and_used(tmp_path):
         screen.query_one("#temperature", Input).value = "0.5"
         screen.query_one("#top_k", Input).value = "40"
         screen.query_one("#max_new_tokens", Input).value = "64"
-        screen.query_one("#drafter", Select).value = "none"
+        screen.query_one("#drafter-none", RadioButton).value = True
         screen.query_one("#gamma_mode", Select).value = "fixed"
         screen.query_one("#gamma", Input).value = "x"
         await pilot.press("ctrl+s")
@@ -98,7 +98,11 @@ async def test_settings_are_validated_persisted_and_used(tmp_path):
         assert app.screen is not screen
         saved = json.loads((tmp_path / "settings.json").read_text())
         assert saved["temperature"] == 0.5 and saved["top_k"] == 40 and saved["max_new_tokens"] == 64
-        assert saved["drafter"] == "none" and saved["gamma"] == 3 and saved["system_prompt"] == "Be brief."
+        assert (
+            saved["drafters"] == {"smollm2-135m": "none"}
+            and saved["gamma"] == 3
+            and saved["system_prompt"] == "Be brief."
+        )
         await send(pilot, "hi")
         await reply_done(pilot)
         request = app.engine.requests[0]

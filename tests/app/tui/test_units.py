@@ -61,7 +61,8 @@ def step(
         ("top_k", -1, "negative"),
         ("top_k", 2.5, "whole number"),
         ("max_new_tokens", 0, "1 .. 32768"),
-        ("drafter", "draft-model", "not one of"),
+        ("drafters", {"smollm2-135m": "fast"}, "not one of"),
+        ("drafters", ["none"], "expected an object"),
         ("gamma", 0, "1 .. 31"),
         ("gamma", "fast", "expected a number"),
         ("system_prompt", 3, "expected text"),
@@ -76,7 +77,9 @@ def test_validate_settings_names_the_field_and_the_range(field, value, words):
 def test_settings_round_trip_and_bad_files(tmp_path):
     path = tmp_path / "cfg" / "settings.json"
     assert load_settings(path) == (Settings(), None)  # missing: defaults, no warning
-    saved = Settings(temperature=0.7, top_k=20, gamma="auto", drafter="none", system_prompt="hi", theme="nord")
+    saved = Settings(
+        temperature=0.7, top_k=20, gamma="auto", drafters={"plain": "none"}, system_prompt="hi", theme="nord"
+    )
     save_settings(saved, path)
     assert load_settings(path) == (saved, None)
     raw = json.loads(path.read_text())
@@ -89,7 +92,9 @@ def test_settings_round_trip_and_bad_files(tmp_path):
     path.write_text("[1, 2]")
     assert "JSON object" in load_settings(path)[1]
     assert Settings(temperature=0.0).sampling().temperature == 0.0
-    assert Settings().request_drafter() is None and Settings(drafter="none").request_drafter() == "none"
+    assert Settings().request_drafter("plain") is None
+    assert Settings(drafters={"plain": "none"}).request_drafter("plain") == "none"
+    assert Settings(drafters={"plain": "none"}).request_drafter("smollm2-135m") is None  # per pair, never global
 
 
 def test_save_settings_where_no_folder_can_be_made_raises_a_clear_error(tmp_path):
