@@ -160,7 +160,8 @@ def test_totals_lines_and_the_measured_speedup():
         accepted_length_histogram=(2, 3, 3),
     )
     line = reply_totals(stats, "cancelled")
-    assert line == "7 tokens · 0.50 s · 14.0 tok/s · acceptance 75% · τ 2.50 · prompt-lookup · stopped"
+    # no first-token time: the engine's tok/s; the speed-up beside τ (16 steps: 8 speculating, 8 plain, measured)
+    assert line == "7 tokens · 0.50 s · 14.0 tok/s · acceptance 75% · τ 2.50 · ×1.50 vs plain · prompt-lookup · stopped"
     assert stored_totals(None) == "" and "max tokens reached" in stored_totals({"finish_reason": "length"})
     assert stored_totals(stats.to_dict() | {"finish_reason": "cancelled"}) == line  # as the history keeps it
     assert stored_totals({"new_tokens": "garbled", "finish_reason": "eos"}).startswith("0 tokens")
@@ -327,7 +328,10 @@ def test_a_failed_reply_totals_say_what_went_wrong_and_what_to_do():
     assert stored_totals({"finish_reason": "error", "error": "boom"}).endswith(
         "error: boom · ↑ edits your message, Ctrl+R retries"
     )
-    assert reply_totals(RequestStats(), "cancelled").endswith("stopped while reading the prompt")
+    assert reply_totals(RequestStats(), "cancelled") == "stopped during prefill"  # no "0 tokens · 0.00 s" (issue 36)
+    assert reply_totals(RequestStats(), "cancelled", prefill=(1024, 2692), elapsed_s=3.25) == (
+        "stopped during prefill (1,024 of 2,692 tokens) · 3.2 s"
+    )
 
 
 def test_sizes_use_the_binary_units_of_specchat_models():
