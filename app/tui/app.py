@@ -95,6 +95,11 @@ class SpecchatApp(App[int]):
         self.initial_pair = self._initial_pair(initial_pair)
         self.chat = ChatScreen(self)
 
+    @property
+    def current_pair(self) -> PairConfig | None:
+        """The loaded pair's configuration (ChatHost); None when none is loaded."""
+        return self.pairs.get(self.current_pair_name or "")
+
     def _initial_pair(self, requested: str | None) -> str | None:
         if requested and requested not in self.pairs:  # never another pair in its place
             known = ", ".join(self.pairs) or "none"

@@ -4,8 +4,9 @@ Contract:
 - The screen owns the :class:`~specchat.app.chat.conversation.Conversation` (the turns, saved to the history) and
   composes: a :class:`ConversationView` (what is shown of it, the token view), a :class:`DetailsPanel`, the
   :class:`Attachments` of the next message, the :class:`PromptInput`, the :class:`StatsBar`, and two non-visual
-  controllers: the :class:`ReplyController` (the streaming reply and its worker: see reply_controller.py) and the
-  :class:`EditController` (``/edit`` outcomes and ``/undo``: see edit_controller.py). It reads the app through
+  controllers: the :class:`ReplyController` (the streaming reply and its worker: see reply_controller.py), the
+  :class:`EditController` (``/edit`` outcomes and ``/undo``: see edit_controller.py) and the :class:`ChatWarmer`
+  (a reopened chat read into the engine's cache before the next message: see warmer.py). It reads the app through
   :class:`~specchat.app.tui.seams.ChatHost`, handed to it.
 - Enter sends the prompt's text, or runs it as a command (commands.py); a command that fails keeps the text, to
   fix. Anything that starts a reply or shows another chat stops the running reply first (partial text kept).
@@ -32,6 +33,7 @@ from specchat.app.tui.messages import PromptSubmitted, RecallLastMessage
 from specchat.app.tui.screens.commands import COMMANDS_HELP, is_command, parse_command
 from specchat.app.tui.screens.edit_controller import EditController
 from specchat.app.tui.screens.reply_controller import ReplyController, ReplyViews
+from specchat.app.tui.screens.warmer import ChatWarmer
 from specchat.app.tui.widgets.attachments import Attachments
 from specchat.app.tui.widgets.conversation import ConversationView
 from specchat.app.tui.widgets.details_panel import DetailsPanel
@@ -77,6 +79,7 @@ class ChatScreen(Screen[None]):
         self.edits = EditController(self.conversation)
         views = ReplyViews(self.conversation, self.stats_bar, self.details, self.prompt)
         self.replies = ReplyController(host, self.conv, views, offer_edit=self.edits.offer)
+        self.warmer = ChatWarmer(host, self.conv, self.stats_bar)
 
     # -- layout ----------------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -90,6 +93,7 @@ class ChatScreen(Screen[None]):
         yield Footer()
         yield self.replies
         yield self.edits
+        yield self.warmer
 
     def on_mount(self) -> None:
         self.conv.store = self.host.store
@@ -118,12 +122,17 @@ class ChatScreen(Screen[None]):
 
     # -- what the app asks -------------------------------------------------------------------------------------
     async def stop_generation(self) -> None:
-        """Stop the running reply and finish it (partial text kept, shown and saved) before anything else."""
+        """Stop the running reply and finish it (partial text kept, shown and saved), and the reading of a reopened
+        chat (screens/warmer.py), before anything else: the engine has one owner at a time."""
+        await self.warmer.stop()
         await self.replies.stop()
 
     async def engine_ready(self) -> None:
-        """Called by the app when a model finished loading: start a reply that was waiting for it."""
+        """Called by the app when a model finished loading: start a reply that was waiting for it, else read the
+        open chat into the new engine's cache."""
         await self.replies.engine_ready()
+        if not self.generating:
+            self.warmer.start()
 
     def engine_unavailable(self) -> None:
         self.replies.engine_unavailable()
@@ -286,6 +295,7 @@ class ChatScreen(Screen[None]):
         if current and stored_pair and current not in stored_pair.split(", "):
             self.notify(f"This chat was with {stored_pair}; it goes on with {current} (F2 switches pairs).", timeout=6)
         await self.show_turns()
+        self.warmer.start()  # its next reply then reads only the new message
 
     async def show_turns(self) -> None:
         """Show the conversation's turns (an opened chat, a branch)."""

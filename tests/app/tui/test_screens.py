@@ -38,7 +38,10 @@ async def test_picker_lists_pairs_and_switches_keeping_the_conversation(tmp_path
         assert len(app.chat.query(AssistantMessage)) == 1  # the conversation is kept
         await send(pilot, "again")
         await reply_done(pilot)
-        assert [m["role"] for m in app.engine.requests[0].messages] == ["user", "assistant", "user"]
+        warm, reply = app.engine.requests  # the new engine first read the chat into its cache (screens/warmer.py)
+        assert [m["role"] for m in warm.messages] == ["user", "assistant"] and warm.sampling.max_new_tokens == 1
+        assert warm.conversation == reply.conversation == app.chat.conv.key  # the reply goes on from that cache
+        assert [m["role"] for m in reply.messages] == ["user", "assistant", "user"]
         assert app.store.chat(app.chat.conv.chat_id).pair == "smollm2-135m, plain"  # the pairs that wrote it
 
 
