@@ -34,6 +34,8 @@ MAX_NEW_TOKENS = 1 << 20  # per reply; the pair's context length is the practica
 MAX_SEED = 2**64 - 1  # seeds are 0 .. MAX_SEED
 PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scratch of long prompts
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
+# A pair's context_length when models.yaml gives none: this, or less where the target model states a shorter one.
+DEFAULT_CONTEXT = 8192
 DEFAULT_MAX_NEW_TOKENS = 512  # when neither the request nor the pair says
 
 DRAFTERS = ("none", "prompt-lookup", "suffix", "draft-model", "auto")  # what a request may ask for

@@ -149,8 +149,18 @@ def test_draft_model_pair_and_sampling(tmp_path):
 
 
 def test_missing_field(tmp_path):
-    path = write(tmp_path, pair_yaml(target=TARGET.replace("      params: 1000\n", "")))
-    assert_names(error_of(path), str(path), "pair 'p1'", "'target.params'", "(missing)", "add it")
+    path = write(tmp_path, pair_yaml(target=TARGET.replace("      source: org/target-model\n", "")))
+    assert_names(error_of(path), str(path), "pair 'p1'", "'target.source'", "(missing)", "add it")
+
+
+def test_sizes_are_optional_and_unknown_until_the_hub_files_are_here(tmp_path):
+    path = write(tmp_path, "  - name: p1\n    target: {source: org/target-model}\n")
+    pair = load_pairs_file(path)["p1"]
+    assert pair.target.params == 0 and not pair.target.sizes_known
+    assert dict(pair.target.origins) == dict.fromkeys(
+        ("params", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size"), "unknown"
+    )
+    assert pair.drafter == "prompt-lookup" and pair.context_length == 8192  # the defaults of a minimal pair
 
 
 def test_wrong_type(tmp_path):
@@ -270,8 +280,7 @@ def test_user_file_overrides_and_adds(tmp_path):
     shipped = load_pairs()[DEFAULT_PAIR]
     override = (
         f"  - name: {DEFAULT_PAIR}\n    target:\n      source: packaged:smollm2-135m-instruct\n"
-        "      params: 1\n      num_layers: 1\n      num_kv_heads: 1\n      head_dim: 1\n"
-        "      hidden_size: 1\n      vocab_size: 1\n    drafter: none\n    context_length: 1024\n"
+        "    drafter: none\n    context_length: 1024\n"
     )
     write(user.parent, override + pair_yaml("mine"))
     pairs = load_pairs()
