@@ -49,10 +49,11 @@ def take(where: Where, key: str, types: tuple[type, ...], fix: str, default: Any
     return value
 
 
-def bounded_int(where: Where, key: str, low: int, high: int | None, fix: str, default: Any = MISSING) -> int:
+def bounded_int(where: Where, key: str, low: int, high: int | None, fix: str, default: Any = MISSING) -> Any:
+    """The integer field ``key`` within [low, high]; ``default`` (None included) when the field is left out."""
     value = take(where, key, (int,), fix, default)
     if value is None:  # an optional field left out (default None)
-        return value
+        return None
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise where.error(key, value, f"must be {bound} ({fix})", "fix the value")

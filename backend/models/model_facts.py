@@ -180,8 +180,10 @@ def facts_from_folder(folder: str | Path) -> ModelFacts:
     if not config_file.is_file():
         raise FactsError(f"{folder}: no config.json; a checkpoint folder holds config.json beside its weights")
     config = _read_json(config_file)
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    text = {**{k: v for k, v in config.items() if k != "text_config"}, **text}
+    inner = config.get("text_config")
+    text: dict[str, Any] = {k: v for k, v in config.items() if k != "text_config"}
+    if isinstance(inner, dict):  # a multimodal checkpoint: the language model's sizes
+        text.update(inner)
     try:
         heads = int(text["num_attention_heads"])
         hidden = int(text["hidden_size"])

@@ -184,7 +184,10 @@ def parse_spec(file: Path, pair: str, role: str, node: Any, parent: dict[str, An
     given: dict[str, Any] = {
         k: bounded_int(where, k, low, None, fix, None) for k, (low, fix) in _SPEC_INT_FIELDS.items()
     }
-    flags = {k: take(where, k, (bool,), "true or false", False) for k in ("gated", "allow_pickle", "trust_remote_code")}
+    flags: dict[str, Any] = {
+        k: take(where, k, (bool,), "true or false", False) for k in ("gated", "allow_pickle", "trust_remote_code")
+    }
+    sizes: dict[str, Any] = {k: v or 0 for k, v in given.items()}
     spec = ModelSpec(
         source=source,
         kind=kind,
@@ -194,7 +197,7 @@ def parse_spec(file: Path, pair: str, role: str, node: Any, parent: dict[str, An
         download_bytes=bounded_int(where, "download_bytes", 0, None, "size of the weights in bytes", 0),
         path=path,
         tie_word_embeddings=take(where, "tie_word_embeddings", (bool,), "true or false", False),
-        **{k: v or 0 for k, v in given.items()},
+        **sizes,
         **flags,
     )
     try:
