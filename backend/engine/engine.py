@@ -29,7 +29,7 @@ from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
-from specchat.backend.models.capture import Progress
+from specchat.backend.models.capture import Progress, user_callback
 from specchat.backend.models.chat_format import plain_completion_note, stop_ids
 from specchat.backend.models.config import PairConfig
 from specchat.backend.models.loading import ConfirmDownload, LoadedModel
@@ -268,7 +268,7 @@ def load_engine(
     engine = Engine(target, draft, pair)
     note = plain_completion_note(target.tokenizer)
     if note is not None and progress is not None:
-        progress(note, None)
+        user_callback(progress)(note, None)  # reaches the terminal through a caller's capture of library output
     settle_heap()
     return engine
 

@@ -83,6 +83,7 @@ SPECIALS: tuple[str, ...] = (
     "<|assistant|>",
     "<|end|>",
     "<|system|>",
+    "<unk>",
 )
 TOKENS: list[str] = BYTES + ["".join(m.split(" ")) for m in MERGES] + list(SPECIALS)
 TOKEN_TYPES: list[int] = [1] * (len(TOKENS) - len(SPECIALS)) + [3] * len(SPECIALS)
@@ -135,6 +136,7 @@ def tokenizer_metadata(family: str) -> dict[str, Any]:
         "tokenizer.ggml.bos_token_id": ID[chat["bos"]],
         "tokenizer.ggml.eos_token_id": ID[chat["eos"]],
         "tokenizer.ggml.padding_token_id": ID["<pad>"],
+        "tokenizer.ggml.unknown_token_id": ID["<unk>"],
         "tokenizer.ggml.add_bos_token": family in ("llama", "mistral", "gemma2", "gemma3"),
     }
     if chat["eot"] is not None:

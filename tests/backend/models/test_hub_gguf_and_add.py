@@ -124,7 +124,7 @@ def test_add_appends_without_touching_what_is_there(tmp_path, tiny, monkeypatch)
     monkeypatch.chdir(tiny.parent)
     added = append_pair(file, "tiny", tiny.name)  # a relative path: written absolute
     text = file.read_text(encoding="utf-8")
-    assert text.startswith(before) and f'source: "{tiny}"' in text and "\n    - name: \"tiny\"" in text
+    assert text.startswith(before) and f'source: "{tiny}"' in text and '\n    - name: "tiny"' in text
     assert list(load_pairs_file(file)) == ["mine", "tiny"] and added.target.num_layers == 2
     with pytest.raises(ConfigError, match="already there"):
         append_pair(file, "tiny", str(tiny))
