@@ -8,10 +8,11 @@ limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic)
 run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per family on
 stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0.
 
-Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``DEFAULT_MAX_NEW_TOKENS``
-128 tokens, each run ``DEFAULT_REPEATS`` 2 times so the tables show how much a figure moves between runs
-(the spread column) instead of one number that noise alone can halve. The estimate printed after the warm-up
-covers the whole run (repeats included); the final line says how long it took against it.
+Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``BENCH_MAX_NEW_TOKENS``
+128 tokens (backend/limits.py, with the temperature and seed), each run ``DEFAULT_REPEATS`` 2 times so the
+tables show how much a figure moves between runs (the spread column) instead of one number that noise alone
+can halve. The estimate printed after the warm-up covers the whole run (repeats included); the final line says
+how long it took against it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 DEFAULT_LIMIT = 2
-DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_REPEATS = 2
 
 
@@ -97,19 +97,20 @@ def _repeats(args) -> int:
     return int(value) if value is not None else DEFAULT_REPEATS
 
 
-def _check_args(args) -> tuple[int, int, float]:
-    """(limit, max new tokens, temperature); RequestError naming the option for a value the run cannot use."""
-    from specchat.backend.api import MAX_SEED, MAX_TEMPERATURE
+def _check_args(args) -> tuple[int, int, float, int]:
+    """(limit, max new tokens, temperature, seed); RequestError naming the option for a value the run cannot use.
+    The temperature and seed arrive with their defaults (main.py's parser: backend/limits.py's BENCH_*) and are
+    checked here once, against the engine's own limits, before anything loads."""
     from specchat.backend.errors import RequestError
+    from specchat.backend.limits import BENCH_MAX_NEW_TOKENS, SAMPLING_LIMITS
 
     limit = args.limit if args.limit is not None else DEFAULT_LIMIT
-    max_new = args.max_new_tokens if args.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
-    temperature = float(args.temperature or 0.0)
-    if not 0 <= temperature <= MAX_TEMPERATURE:
-        raise RequestError(f"--temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature}")
-    seed = getattr(args, "seed", 0)
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise RequestError(f"--seed must be a whole number from 0 to 2**64 - 1, got {seed}")
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else BENCH_MAX_NEW_TOKENS
+    temperature, seed = float(args.temperature), args.seed
+    for name, value in (("max_new_tokens", max_new), ("temperature", temperature), ("seed", seed)):
+        ok, what = SAMPLING_LIMITS[name]
+        if not ok(value):
+            raise RequestError(f"--{name.replace('_', '-')} must be {what}, got {value}")
     out = Path(getattr(args, "out", None) or "bench_out")
     try:
         os.fsencode(out)
@@ -117,7 +118,7 @@ def _check_args(args) -> tuple[int, int, float]:
         raise RequestError(f"--out {str(out)!r}: not a usable folder name; name a folder for bench.json") from None
     if out.exists() and not out.is_dir():
         raise RequestError(f"--out {out} is a file, not a folder; name a folder for bench.json and the chart")
-    return limit, max_new, temperature
+    return limit, max_new, temperature, seed
 
 
 def _server_positions(runner, before) -> dict:
@@ -147,7 +148,7 @@ def execute(
         out = Console()
         if not out.is_terminal:  # piped to a file: no terminal width to respect, keep the tables whole
             out = Console(width=170)
-    limit, max_new, temperature = _check_args(args)
+    limit, max_new, temperature, seed = _check_args(args)
     prompts = load_suite(args.suite, limit)
     out_dir = Path(args.out or "bench_out")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +158,7 @@ def execute(
         "max_new_tokens": max_new,
         "temperature": temperature,
         "greedy": temperature <= 0,
-        "seed": args.seed,
+        "seed": seed,
         "modes": args.modes,
         "device": args.device,
         **environment(),
@@ -183,7 +184,7 @@ def execute(
             if missing is not None and not args.modes:
                 err.print(f"[yellow]llama.cpp modes left out: {escape(missing)}[/yellow]", highlight=False)
             kind = RemoteBenchRunner if remote is not None else BenchRunner
-            runner = kind(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
+            runner = kind(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=seed)
             fitting = [p for p in prompts if runner.fits(p)]
             skipped = [p.id for p in prompts if p not in fitting]
             if skipped:

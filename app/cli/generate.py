@@ -174,7 +174,8 @@ def _history_replies() -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specchat.backend.api import DEFAULT_PAIR, GenerationRequest, SamplingParams
+    from specchat.backend.api import GenerationRequest, SamplingParams
+    from specchat.backend.limits import DEFAULT_PAIR
     from specchat.backend.models.config import get_pair, load_pairs
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)

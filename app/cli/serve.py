@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from specchat.app.cli.generate import _confirm_download, _progress
     from specchat.app.serve.boundary import Limits
     from specchat.app.serve.server import ServeConfig, make_server
-    from specchat.backend.api import DEFAULT_PAIR
     from specchat.backend.engine.engine import load_engine
+    from specchat.backend.limits import DEFAULT_PAIR
     from specchat.backend.models.capture import capture_library_output
     from specchat.backend.models.config import get_pair, load_pairs
 

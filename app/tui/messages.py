@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from textual.message import Message
 
 if TYPE_CHECKING:
+    from specchat.app.tui.widgets.message_view import MessageView
     from specchat.backend.api import EngineAPI
 
 
@@ -75,4 +76,4 @@ class BranchFrom(Message):
     """A message view asks for a new chat branching from it (its ``index`` among the chat's messages is found
     by the screen)."""
 
-    view: Any
+    view: MessageView

@@ -2,7 +2,7 @@
 
 A :class:`Row` is one (prompt, mode) generation, timed by the bench itself around the whole call, prefill
 included, the same way for specchat and transformers. Specchat rows also carry the
-:class:`~specchat.backend.speculative.stats.StepCounts` counted from the StepEvents (drafted/accepted per position,
+:class:`~specchat.backend.speculative.stats.StepCounts` the engine counted (drafted/accepted per position,
 target pass times T(n), draft times), from which the expected speedup is computed with measured inputs:
 
     expected ×plain = T_plain(1) · Σ_steps E[N](γ_s) / Σ_steps (T_draft(γ_s) + T_target(γ_s + 1))

@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from specchat.backend.api import MAX_GAMMA, GenerationRequest, StepEvent, check_gamma
+from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.prompting import fit_to_context, validate_messages
 from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target
 from specchat.backend.engine.resolve import resolve_sampling
@@ -29,6 +29,7 @@ from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
+from specchat.backend.limits import MAX_GAMMA, check_gamma
 from specchat.backend.models.capture import Progress, user_callback
 from specchat.backend.models.chat_format import plain_completion_note, stop_ids
 from specchat.backend.models.config import PairConfig

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from specchat.backend.api import PREFILL_CHUNK, FinishReason, Gamma, PolicyState, RequestStats, StepEvent, TokenSource
+from specchat.backend.api import FinishReason, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
 from specchat.backend.engine.resolve import Sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.kv_cache import Sequence
+from specchat.backend.limits import PREFILL_CHUNK, Gamma
 from specchat.backend.speculative.drafters.base import Draft, Drafter
 from specchat.backend.speculative.policy import GammaPolicy
 from specchat.backend.speculative.sampling import SeenIds, apply_repetition_penalty, pick

@@ -45,8 +45,9 @@ from torch import nn
 
 from specchat.backend.kv.attention import softcapped
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+from specchat.backend.limits import MAX_GAMMA
 
-DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
+DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, MAX_GAMMA + 1)  # the largest: a verification at the largest γ
 DEFAULT_KV_STEP = 256
 
 

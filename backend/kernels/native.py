@@ -274,8 +274,8 @@ def check(forward: compact.CompactForward, cache: PagedKVCache) -> str | None:
         num_layers=len(cache.k_layers),
         num_kv_heads=first.kv_heads,
         head_dim=first.head_dim,
-        num_blocks=3,
-        block_size=16,
+        num_blocks=-(-44 // cache.block_size),  # the 44 tokens below, in blocks of the engine's size
+        block_size=cache.block_size,
         dtype=cache.dtype,
         device="cpu",
     )

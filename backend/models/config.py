@@ -29,8 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specchat.backend.api import DEFAULT_CONTEXT, DEFAULT_PAIR, MAX_CONTEXT, MAX_GAMMA, MIN_CONTEXT, SAMPLING_LIMITS
 from specchat.backend.errors import ConfigError
+from specchat.backend.limits import (
+    DEFAULT_CONTEXT,
+    DEFAULT_PAIR,
+    MAX_CONTEXT,
+    MAX_GAMMA,
+    MIN_CONTEXT,
+    PAIR_DRAFTERS,
+    SAMPLING_LIMITS,
+    is_gamma,
+)
 from specchat.backend.models.config_fields import MISSING as _MISSING
 from specchat.backend.models.config_fields import Where as _Where
 from specchat.backend.models.config_fields import bounded_int as _bounded_int
@@ -49,7 +58,6 @@ from specchat.backend.models.model_spec import (  # noqa: F401 - re-exported: th
 )
 from specchat.backend.paths import config_dir, expand
 
-DRAFTERS = ("prompt-lookup", "suffix", "draft-model", "none")
 REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
 # what they contain). openai: the plain OpenAI API; specchat: `specchat serve`.
@@ -105,7 +113,7 @@ class PairConfig:
         return self.target
 
 
-_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/api.py)
+_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/limits.py)
     key: ((int,) if key in ("top_k", "max_new_tokens") else (int, float), *SAMPLING_LIMITS[key])
     for key in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
 }
@@ -176,7 +184,7 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
         )
     target = parse_spec(file, name, "target", _take(where, "target", (dict,), "a model block"), node)
     draft_node = _take(where, "draft", (dict,), "a model block", None)
-    drafter = _choice(where, "drafter", DRAFTERS, "draft-model" if draft_node is not None else "prompt-lookup")
+    drafter = _choice(where, "drafter", PAIR_DRAFTERS, "draft-model" if draft_node is not None else "prompt-lookup")
     if drafter == "draft-model" and draft_node is None:
         raise where.error(
             "draft",
@@ -193,7 +201,7 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
         )
     draft = parse_spec(file, name, "draft", draft_node, node) if draft_node is not None else None
     gamma = _take(where, "gamma", (int, str), f"an integer 1..{MAX_GAMMA} or auto", "auto")
-    if isinstance(gamma, str) and gamma != "auto" or isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
+    if not is_gamma(gamma):
         raise where.error(
             "gamma", gamma, "not a valid number of drafted tokens", f"use an integer from 1 to {MAX_GAMMA}, or auto"
         )

@@ -11,7 +11,7 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   ``int8-torch`` as :func:`_torch_quantized_bytes` says (activations and KV cache in bfloat16);
 - KV cache: ``layers x 2 x kv_heads x head_dim x bytes(dtype) x context_length``;
 - scratch (the larger of the two models, which run one after the other): activations of one forward over
-  :data:`specchat.backend.api.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
+  :data:`specchat.backend.limits.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
   attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
   layer's K/V gathered from the paged cache (``2 x kv_heads x head_dim x context x bytes``), and the logits
   rows a pass keeps: :data:`LOGIT_ROWS` (a verification at the largest γ; a prefill chunk keeps one row, the
@@ -32,7 +32,7 @@ memory still free after loading (``cpu_linear.py``; ~1.6x faster verification pa
 is not part of the estimate that decides whether a pair fits.
 
 ``dtype: auto`` counts float32 on CPU and 2 bytes on CUDA, as loading does. The scratch term assumes the
-engine prefills long prompts in chunks of at most PREFILL_CHUNK tokens (backend/api.py).
+engine prefills long prompts in chunks of at most PREFILL_CHUNK tokens (backend/limits.py).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from specchat.backend.api import MAX_GAMMA, PREFILL_CHUNK
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
+from specchat.backend.limits import MAX_GAMMA, PREFILL_CHUNK
 from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.model_spec import GGUF_KINDS
 

@@ -67,7 +67,7 @@ def column_widths(width: int, names: list[str], drafters: list[str], targets: li
 
 
 def drafter_label(pair: PairConfig, *, long: bool = False) -> str:
-    if long and pair.drafter == "draft-model" and getattr(pair, "draft", None) is not None:
+    if long and pair.drafter == "draft-model" and pair.draft is not None:
         return f"draft model {pair.draft.source}"
     return str(pair.drafter)
 
@@ -108,7 +108,7 @@ class PairPickerScreen(ModalScreen[str | None]):
                 "target": Text(pair.target.source),
             }
             table.add_row(*(cells.get(column, "…") for column in self.widths), key=name)
-        if self.current in self.pairs:
+        if self.current is not None and self.current in self.pairs:
             table.move_cursor(row=list(self.pairs).index(self.current))
         table.focus()
         if self.pair_info is not None:
@@ -116,9 +116,12 @@ class PairPickerScreen(ModalScreen[str | None]):
 
     @work(thread=True, exclusive=True, group="pair-info", exit_on_error=False)
     def _estimate(self) -> None:
+        pair_info = self.pair_info
+        if pair_info is None:
+            return
         for name, pair in self.pairs.items():
             try:
-                info = dict(self.pair_info(pair))
+                info = dict(pair_info(pair))
             except Exception as error:  # noqa: BLE001 - an estimate failure is shown in the table, not fatal
                 info = {"error": str(error) or type(error).__name__}
             self.post_message(PairInfoReady(name, info))

@@ -14,12 +14,11 @@ reply waits for its first token its totals line says what is happening (``show_s
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.content import Content
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets._markdown import MarkdownFence
 
@@ -77,7 +76,7 @@ class CopyableFence(MarkdownFence):
     """
 
     @classmethod
-    def highlight(cls, code: str, language: str, ansi: bool = False, dark: bool = False) -> Any:
+    def highlight(cls, code: str, language: str, ansi: bool = False, dark: bool = False) -> Content:
         return super().highlight(code, language or "text", ansi=ansi, dark=dark)
 
     def on_click(self) -> None:
@@ -139,7 +138,8 @@ class UserMessage(MessageView):
         body = Static(Text(self.display_text), classes="user-text", markup=False)
         if len(lines) > LONG_USER_LINES:
             title = f"{lines[0][:70]} … ({len(lines)} lines)"
-            with Collapsible(title=Text(title), collapsed=True):
+            # Text, not str: user text is never parsed as markup (Textual takes any ContentText, annotates str)
+            with Collapsible(title=Text(title), collapsed=True):  # type: ignore[arg-type]
                 yield body
         else:
             yield body

@@ -11,7 +11,7 @@ rejection sampling and Σ q·p for an independent draft. Drafting stops at EOS.
 
 Cache: kept across requests (a conversation's next turn reuses it) and synced to each context by common
 prefix: truncated to the longest common prefix of what it holds and the new context (a pointer move, no copy),
-then only the missing ids are fed, in chunks of :data:`~specchat.backend.api.PREFILL_CHUNK` with one logits row
+then only the missing ids are fed, in chunks of :data:`~specchat.backend.limits.PREFILL_CHUNK` with one logits row
 kept. Each :class:`~specchat.backend.speculative.drafters.base.Draft` says how many context ids were fed and reused.
 """
 
@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from specchat.backend.api import PREFILL_CHUNK
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
 from specchat.backend.kv.kv_cache import Sequence as CacheSequence
+from specchat.backend.limits import PREFILL_CHUNK
 from specchat.backend.speculative.drafters.base import Draft
 from specchat.backend.speculative.sampling import GREEDY, SamplingRule, SeenIds, apply_repetition_penalty, pick
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from specchat.backend.errors import ConfigError
+from specchat.backend.limits import DEFAULT_PAIR
 from specchat.backend.models.config import (
-    DEFAULT_PAIR,
     ModelSpec,
     default_pair_name,
     get_pair,

@@ -14,11 +14,11 @@ import pytest
 import torch
 from foundation_fixtures import local_spec, save_tiny_llama, word_tokenizer
 
-from specchat.backend.api import MAX_GAMMA
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
+from specchat.backend.limits import DEFAULT_PAIR, MAX_GAMMA
 from specchat.backend.models import memory
-from specchat.backend.models.config import DEFAULT_PAIR, PairConfig, load_pairs
+from specchat.backend.models.config import PairConfig, load_pairs
 from specchat.backend.models.loading import load_model, load_pair
 from specchat.backend.models.memory import MemoryEstimate, check_fits, estimate_pair, free_memory
 
@@ -170,7 +170,8 @@ def test_embedded_default_estimate_matches_measured(monkeypatch):
     script = textwrap.dedent("""
         import gc, json, torch
         import transformers.models.llama.modeling_llama  # imports are code, not the model's memory
-        from specchat.backend.models.config import load_pairs, DEFAULT_PAIR
+        from specchat.backend.limits import DEFAULT_PAIR
+        from specchat.backend.models.config import load_pairs
         from specchat.backend.models.loading import load_pair
         from specchat.backend.models.memory import estimate_pair
         def rss():
