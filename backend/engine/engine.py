@@ -268,8 +268,9 @@ def load_engine(
     )
     engine = Engine(target, draft, pair)
     note = plain_completion_note(target.tokenizer)
-    if note is not None and progress is not None:
-        user_callback(progress)(note, None)  # reaches the terminal through a caller's capture of library output
+    report = user_callback(progress)  # reaches the terminal through a caller's capture of library output
+    if note is not None and report is not None:
+        report(note, None)
     settle_heap()
     return engine
 
