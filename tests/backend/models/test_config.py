@@ -114,9 +114,19 @@ def test_shipped_pairs_are_valid_and_true_to_their_models():
     assert pairs["qwen2.5-14b-nf4"].target.quantization == "nf4"
     llama = pairs["llama3.1-8b"]
     assert llama.target.gated and llama.draft.gated and "huggingface-cli login" in llama.description
+    assert "too weak for code edits" in default.description  # the embedded model is a demo, and says so
+    cpu = {name: pair for name, pair in pairs.items() if pair.target.kind == "hub-gguf"}
+    assert {"qwen2.5-coder-7b-q4", "qwen2.5-coder-1.5b-q4", "llama3.1-8b-q4", "llama3.2-3b-q4", "qwen3-8b-q4"} <= set(
+        cpu
+    )
+    assert any("gemma-3" in pair.target.source for pair in cpu.values())
+    for name, pair in cpu.items():  # sizes come from the files once downloaded; drafts are GGUF files too
+        assert pair.target.hub_repo and (pair.target.hub_filename or "").endswith(".gguf"), name
+        assert not pair.target.sizes_known and pair.context_length == 8192, name
+        assert pair.draft is None or pair.draft.kind == "hub-gguf", name
     for pair in pairs.values():
         for spec in (pair.target, pair.draft):
-            if spec is None:
+            if spec is None or spec.kind == "hub-gguf":
                 continue
             assert spec.params == param_count(spec, *ARCH_EXTRA[spec.source]), spec.source
             if spec.kind == "hub":  # bf16 safetensors plus tokenizer files
