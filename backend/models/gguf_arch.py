@@ -12,7 +12,8 @@ Contract:
 - :func:`config_from_gguf(metadata, tensors)` returns the transformers config dict (``AutoConfig.for_model(**d)``
   builds it) from the file's metadata and tensor table (``{name: shape}``, torch order): sizes, norms' epsilon,
   rope (``rope_theta``; ``linear`` / ``yarn`` scaling from ``rope.scaling.*``; Llama 3.x ``llama3`` scaling
-  recovered from the ``rope_freqs`` tensor's values, passed as ``rope_freqs``), sliding windows and layer types,
+  recovered from the ``rope_freqs`` tensor's values, passed as ``rope_freqs``; phi3's ``longrope`` from its
+  ``rope_factors_long`` / ``rope_factors_short`` tensors, passed as ``longrope``), sliding windows and layer types,
   soft-caps, ``query_pre_attn_scalar`` (llama.cpp's rule: ``hidden / heads`` for the 27B Gemmas, else
   ``head_dim``), gemma3's local rope base (``rope.freq_base_swa``, default 10,000), tied embeddings (no
   ``output`` tensor), and bos / eos / pad ids (eos a list when the end-of-turn id differs).
@@ -229,9 +230,11 @@ def config_from_gguf(
     tensors: Mapping[str, Sequence[int]],
     *,
     rope_freqs: Sequence[float] | None = None,
+    longrope: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> dict[str, Any]:
     """The transformers config dict of a GGUF file (see the module docstring). ``tensors``: name -> shape in
-    torch order; ``rope_freqs``: the values of the ``rope_freqs`` tensor when the file has one."""
+    torch order; ``rope_freqs``: the values of the ``rope_freqs`` tensor when the file has one; ``longrope``: phi3's
+    ``(rope_factors_long, rope_factors_short)`` values (Phi-3 128k's ``longrope`` scaling)."""
     why = unsupported(metadata)
     if why is not None:
         raise GgufArchError(why)
@@ -266,13 +269,27 @@ def config_from_gguf(
     if row.name in ("llama", "qwen3"):
         config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if row.name == "phi3":
-        _phi3(meta, config, head_dim, hidden, heads)
+        _phi3(meta, config, head_dim, hidden, heads, longrope)
     if row.norm_plus_one:
         _gemma(meta, row, config, layers, head_dim, hidden, heads)
     return config
 
 
-def _phi3(meta: _Meta, config: dict[str, Any], head_dim: int, hidden: int, heads: int) -> None:
+def _phi3(
+    meta: _Meta,
+    config: dict[str, Any],
+    head_dim: int,
+    hidden: int,
+    heads: int,
+    longrope: tuple[Sequence[float], Sequence[float]] | None,
+) -> None:
+    if longrope is not None:  # convert_hf_to_gguf stores longrope's factors as two tensors
+        config["rope_parameters"] = {
+            "rope_type": "longrope",
+            "long_factor": [_decimal(f) for f in longrope[0]],
+            "short_factor": [_decimal(f) for f in longrope[1]],
+            "rope_theta": config["rope_parameters"]["rope_theta"],
+        }
     window = meta.int("attention.sliding_window", 0)
     config["sliding_window"] = window or None  # convert writes 0 for "none" (Phi-4)
     config["original_max_position_embeddings"] = meta.int(

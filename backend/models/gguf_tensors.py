@@ -12,7 +12,7 @@ Contract:
   maps the tensors a :class:`~specchat.backend.models.gguf_file.GgufFile` holds and raises :class:`GgufArchError`
   naming any tensor the table does not know, or a required one the file lacks.
 - :func:`config_of(file)`: the file's transformers config dict (``gguf_arch.config_from_gguf``, its ``rope_freqs``
-  read), errors prefixed with the file's path.
+  and phi3's ``rope_factors_long`` / ``_short`` read), errors prefixed with the file's path.
 - :func:`hf_state_dict(file, config)` de-quantises the file into the transformers state dict (float32): llama's
   q/k rows un-permuted (``GgufArch.permuted_qk``, whole rows, so a block format could be moved the same way
   unread), gemma's norms less one (``norm_plus_one``), the tied head left out. It is the reference a test
@@ -163,9 +163,13 @@ def config_of(file: GgufFile) -> dict[str, Any]:
     """:func:`~gguf_arch.config_from_gguf` of an opened file (its ``rope_freqs`` values read when present)."""
     freqs = file.tensors.get("rope_freqs.weight")
     values = dequantize(freqs).reshape(-1).tolist() if freqs is not None else None
+    long, short = file.tensors.get("rope_factors_long.weight"), file.tensors.get("rope_factors_short.weight")
+    longrope = None
+    if long is not None and short is not None:
+        longrope = (dequantize(long).reshape(-1).tolist(), dequantize(short).reshape(-1).tolist())
     shapes = {name: tensor.shape for name, tensor in file.tensors.items()}
     try:
-        return config_from_gguf(file.metadata, shapes, rope_freqs=values)
+        return config_from_gguf(file.metadata, shapes, rope_freqs=values, longrope=longrope)
     except GgufArchError as error:
         raise GgufArchError(f"{file.path}: {error}") from None
 

@@ -165,6 +165,32 @@ def test_linear_and_yarn_scaling_from_metadata() -> None:
     }
 
 
+def test_phi3_longrope_from_its_factor_tensors() -> None:
+    meta = {
+        "general.architecture": "phi3",
+        "phi3.block_count": 2,
+        "phi3.context_length": 131072,
+        "phi3.rope.scaling.original_context_length": 4096,
+        "phi3.embedding_length": 256,
+        "phi3.feed_forward_length": 512,
+        "phi3.attention.head_count": 4,
+        "phi3.rope.dimension_count": 64,
+        "phi3.attention.sliding_window": 262144,
+    }
+    long, short = [1.0 + i / 10 for i in range(32)], [1.0] * 32
+    read = config_from_gguf(meta, {"token_embd.weight": (10, 256)}, longrope=(long, short))
+    assert read["rope_parameters"] == {
+        "rope_type": "longrope",
+        "long_factor": long,
+        "short_factor": short,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 1.0,
+    }
+    assert read["original_max_position_embeddings"] == 4096 and read["sliding_window"] == 262144
+    config = AutoConfig.for_model(**read)
+    assert config.rope_parameters["rope_type"] == "longrope"
+
+
 def test_gemma_27b_scales_queries_by_hidden_over_heads() -> None:
     meta = {
         "general.architecture": "gemma2",
