@@ -167,8 +167,10 @@ def execute(
     estimated_s = 0.0
     started = time.perf_counter()
     interrupted = False
+    sources: dict[str, str] = {}  # pair -> target source, for the measured speeds the listings show
     for index in range(num_pairs):
         engine, runner = load(index), None
+        sources[engine.pair.name] = engine.pair.target.source
         try:
             remote = engine.pair.remote
             missing = _llamacpp_missing(engine.target.spec) if remote is None else None
@@ -268,6 +270,10 @@ def execute(
     meta["repeats"] = _repeats(args)
     meta["interrupted"] = interrupted
     aggs = aggregate_with_overall(rows)
+    if not interrupted:
+        from specchat.backend.bench.measured import record
+
+        record(aggs, {**meta, "threads": meta.get("torch_threads")}, sources)
     greedy = temperature <= 0
     print_report(out, aggs, rows, greedy=greedy)
     text = Console(file=io.StringIO(), width=170, record=True)
