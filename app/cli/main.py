@@ -252,6 +252,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="random-weight models with real shapes on the device (GPU speed check)",
     )
+    bench.add_argument(
+        "--kernels",
+        action="store_true",
+        help="time the GGUF block kernels per weight type at 1/4/16/64 rows, beside the memory bound",
+    )
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for --kernels (default: torch's current count)",
+    )
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)
