@@ -29,6 +29,8 @@ MAX_GAMMA = 31  # drafted tokens per step: n = γ + 1 <= 32, the largest CUDA-gr
 KV_BLOCK_SIZE = 16  # tokens per KV cache block (the paged cache's unit of allocation and of rollback)
 PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scratch of long prompts
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
+# A pair's context_length when models.yaml gives none: this, or less where the target model states a shorter one.
+DEFAULT_CONTEXT = 8192
 
 # -- sampling ------------------------------------------------------------------------------------------------
 MAX_TEMPERATURE = 10.0  # 0 is greedy

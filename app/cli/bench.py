@@ -4,9 +4,10 @@ A remote pair (its target is a server) runs mode ``server`` (and, on `specchat s
 modes) through backend/bench/remote.py; transformers modes are refused for it by name.
 
 Contract: ``run(args) -> int`` with the namespace of app/cli/main.py's bench parser (pair: list | None, suite,
-limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic). Prints an estimate of the
-run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per family on
-stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0.
+limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic, kernels, threads). Prints an
+estimate of the run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per
+family on stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0. ``--kernels`` times the
+GGUF block kernels instead (backend/bench/kernels.py) and loads no pair.
 
 Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``BENCH_MAX_NEW_TOKENS``
 128 tokens (backend/limits.py, with the temperature and seed), each run ``DEFAULT_REPEATS`` 2 times so the
@@ -34,6 +35,11 @@ DEFAULT_REPEATS = 2
 
 def run(args) -> int:
     _check_args(args)  # the bench arguments' boundary: before anything loads
+    if getattr(args, "kernels", False):
+        # The GGUF block kernels alone, on random weights of every type (issue 31): no pair is loaded.
+        from specchat.backend.bench.kernels import run_kernels
+
+        return run_kernels(args)
     if getattr(args, "synthetic", None):
         # Random-weight models with real shapes on the device (issue 8): a separate measurement, its own table.
         from specchat.backend.bench.synthetic import run_synthetic
@@ -167,8 +173,10 @@ def execute(
     estimated_s = 0.0
     started = time.perf_counter()
     interrupted = False
+    sources: dict[str, str] = {}  # pair -> target source, for the measured speeds the listings show
     for index in range(num_pairs):
         engine, runner = load(index), None
+        sources[engine.pair.name] = engine.pair.target.source
         try:
             remote = engine.pair.remote
             missing = _llamacpp_missing(engine.target.spec) if remote is None else None
@@ -268,6 +276,10 @@ def execute(
     meta["repeats"] = _repeats(args)
     meta["interrupted"] = interrupted
     aggs = aggregate_with_overall(rows)
+    if not interrupted:
+        from specchat.backend.bench.measured import record
+
+        record(aggs, {**meta, "threads": meta.get("torch_threads")}, sources)
     greedy = temperature <= 0
     print_report(out, aggs, rows, greedy=greedy)
     text = Console(file=io.StringIO(), width=170, record=True)

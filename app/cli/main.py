@@ -32,6 +32,7 @@ commands:
   generate    headless generation; --json prints one JSON object per sample on stdout
   bench       measure every decoding mode against transformers in one run
   models      list the model pairs of models.yaml with memory estimates (remote pairs: reachable?)
+  add         add a model (a .gguf file, a folder, a hub id or hf:ORG/NAME/FILE.gguf) to your models.yaml
   serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
 
 Run `specchat COMMAND --help` for a command's options.
@@ -251,12 +252,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="random-weight models with real shapes on the device (GPU speed check)",
     )
+    bench.add_argument(
+        "--kernels",
+        action="store_true",
+        help="time the GGUF block kernels per weight type at 1/4/16/64 rows, beside the memory bound",
+    )
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for --kernels (default: torch's current count)",
+    )
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)
     models.add_argument(
         "--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="show only this pair"
     )
+
+    add = sub.add_parser(
+        "add",
+        help="add a model pair to your models.yaml",
+        description="Add a pair to your models.yaml from a model source alone (sizes are read from its files); "
+        "with --draft, the draft's tokenizer must match the target's.",
+    )
+    _add_global_options(add, suppress_defaults=True)
+    add.add_argument("source", help="a .gguf file, a model folder, a hub id org/name, or hf:ORG/NAME/FILE.gguf")
+    add.add_argument("--draft", metavar="SOURCE", default=None, help="a smaller model of the same family")
+    add.add_argument("--name", metavar="NAME", type=_pair_name, default=None, help="the pair's name")
 
     from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE
 
@@ -361,6 +385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import bench as command
         elif args.command == "models":
             from specchat.app.cli import models as command
+        elif args.command == "add":
+            from specchat.app.cli import add as command
         elif args.command == "serve":
             from specchat.app.cli import serve as command
         else:

@@ -30,7 +30,8 @@ from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
 from specchat.backend.limits import MAX_GAMMA, check_gamma
-from specchat.backend.models.capture import Progress
+from specchat.backend.models.capture import Progress, user_callback
+from specchat.backend.models.chat_format import plain_completion_note, stop_ids
 from specchat.backend.models.config import PairConfig
 from specchat.backend.models.loading import ConfirmDownload, LoadedModel
 from specchat.backend.speculative.drafters.base import Drafter
@@ -43,15 +44,8 @@ log = logging.getLogger(__name__)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    ids: set[int] = set()
-    eos = loaded.generation_config.get("eos_token_id")
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(e) for e in eos)
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
-    return frozenset(ids)
+    """Where a reply stops: eos and the end-of-turn tokens the chat template writes (``chat_format.stop_ids``)."""
+    return stop_ids(loaded.tokenizer, loaded.generation_config)
 
 
 class Engine:
@@ -256,7 +250,12 @@ def load_engine(
     from specchat.backend.models.memory import check_fits
 
     dev = resolve_device(device)
-    check_fits(pair, dev)
+    estimate = check_fits(pair, dev)
+    if not estimate.known:  # a hub model not downloaded yet: fetched (after asking) and its sizes read first
+        from specchat.backend.models.fetch import fetch_sources
+
+        pair = fetch_sources(pair, progress=progress, confirm_download=confirm_download)
+        check_fits(pair, dev)
     start_heap()
     # Only the name: loading registers the function with transformers where it builds a transformers model
     # (registering imports transformers' modelling code, which the light int4 model on CPU never needs).
@@ -268,6 +267,10 @@ def load_engine(
         confirm_download=confirm_download,
     )
     engine = Engine(target, draft, pair)
+    note = plain_completion_note(target.tokenizer)
+    report = user_callback(progress)  # reaches the terminal through a caller's capture of library output
+    if note is not None and report is not None:
+        report(note, None)
     settle_heap()
     return engine
 

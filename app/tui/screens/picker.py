@@ -7,7 +7,8 @@ under the table names the target and says when a pair is gated). Sizes are binar
 models` prints them (1.11 GiB). The estimates come from the app's ``pair_info(pair) ->
 dict`` callable, run in a thread worker (the real one imports torch), one pair at a time, filling the table in
 as they arrive. Keys of that dict, all optional: ``memory_bytes`` (int), ``free_bytes`` (int), ``fits``
-(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str); a
+(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str),
+``speed`` (str: the expected speed from the bench's measurements, or "not measured ..."); a
 remote pair's (a server runs it: no memory estimate) has ``remote`` True, ``reachable`` (bool) and
 ``model_listed`` (bool | None) instead, shown as "server" and "up" / "DOWN" / "404" (model not listed).
 Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too, and so does
@@ -175,6 +176,8 @@ class PairPickerScreen(ModalScreen[str | None]):
                 f"\nneeds about {human_bytes(info.get('memory_bytes'))}, "
                 f"{human_bytes(info['free_bytes'])} free on {info.get('device', 'the device')}"
             )
+        if info.get("speed"):
+            text.append(f"\nexpected speed: {info['speed']}")
         self.query_one("#pair-description", Static).update(text)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

@@ -45,7 +45,7 @@ BASE_PAIR = {
     "name": "fuzzed",
     "description": "a pair",
     "target": {
-        "source": "packaged:smollm2-135m-instruct",
+        "source": "org/fuzz-model",  # a hub id not in the cache: the numbers are overrides, unchecked
         "params": 1000,
         "num_layers": 2,
         "num_kv_heads": 1,
