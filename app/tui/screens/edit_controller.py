@@ -77,6 +77,7 @@ class EditController(Widget):
         super().__init__()
         self._conversation = conversation  # where the notes go
         self.applied: list[AppliedEdit] = []  # this session's applied edits, oldest first: /undo takes the last
+        self.undone: list[AppliedEdit] = []  # edits /undo took back, oldest first (what a further /undo says)
 
     @work(exclusive=True, group="edit")
     async def offer(self, targets: list[EditTarget], reply_text: str, request: str = "") -> None:
@@ -113,18 +114,24 @@ class EditController(Widget):
         from specchat.app.chat.edit_files import undo_edit
 
         if not self.applied:
-            self.notify("Nothing to undo: no /edit was applied in this session.", title="/undo", timeout=5)
+            if self.undone:  # "no /edit was applied" would be wrong: one was, and /undo already took it back
+                names = ", ".join(f.shown for f in self.undone[-1].files)
+                message = f"Nothing left to undo: the edit of {names} was already undone (its files are as before)."
+            else:
+                message = "Nothing to undo: no /edit was applied in this session."
+            self.notify(message, title="/undo", timeout=5)
             return
         applied = self.applied[-1]
         try:
-            restored = undo_edit(applied)
+            done = undo_edit(applied)
         except SpecchatError as error:
             self.notify(str(error), title="/undo", severity="error", timeout=12)
             return
-        self.applied.pop()
-        names = ", ".join(f"{f.shown} from {f.backup.name}" for f in applied.files)
-        self._conversation.add_note(EditNote("undone", f"/undo restored {names}"))
-        self.notify(f"Restored {len(restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
+        self.undone.append(self.applied.pop())
+        names = ", ".join(f.shown for f in applied.files)
+        kept = f" · backup kept: {', '.join(done.kept)}" if done.kept else ""
+        self._conversation.add_note(EditNote("undone", f"/undo restored {names} as before the edit{kept}"))
+        self.notify(f"Restored {len(done.restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
 
     def apply_reply(self, turns: Sequence[Turn], index: int) -> None:
         """The Apply action of reply ``index``'s SEARCH/REPLACE blocks: plan them against the files of the /edit
