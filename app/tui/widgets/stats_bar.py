@@ -20,11 +20,9 @@ time for the "ready" note.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rich.segment import Segment
@@ -34,7 +32,8 @@ from textual.containers import Horizontal
 from textual.strip import Strip
 from textual.widget import Widget
 
-from specchat.app.tui.bridge import LiveView, step_name
+from specchat.app.tui.bridge import LiveView
+from specchat.app.tui.widgets.load_steps import QUIET_S, SPINNER, LoadSteps, short_step
 from specchat.app.tui.widgets.speed import (
     SLOW_PREFILL_S,
     decode_rate,
@@ -157,43 +156,6 @@ def sparkline(samples: list[float], width: int = SPARK_WIDTH) -> Text:
     return Text("".join(SPARK_BARS[min(last, round(value / top * last))] if value > 0 else " " for value in columns))
 
 
-def short_step(name: str) -> str:
-    """A step's name for the "ready" note: without what it reads from or runs on, nor remarks in brackets."""
-    name = re.sub(r"\s*\([^)]*\)", "", name)
-    return re.sub(r"\s+(?:from|on|to)\s+\S.*$", "", name).strip() or name
-
-
-@dataclass
-class LoadSteps:
-    """The steps of one load as the loader names them, with the time each took (a clock for tests)."""
-
-    clock: Callable[[], float] = time.monotonic
-    started: float = field(default=0.0)
-    steps: list[tuple[str, float]] = field(default_factory=list)  # (name, start time)
-    message: str = ""
-    fraction: float | None = None
-
-    def __post_init__(self) -> None:
-        self.started = self.clock()
-
-    def report(self, message: str, fraction: float | None) -> None:
-        name = step_name(message)
-        if not self.steps or self.steps[-1][0] != name:
-            self.steps.append((name, self.clock()))
-        self.message, self.fraction = message, fraction
-
-    def step_elapsed(self) -> float:
-        return self.clock() - (self.steps[-1][1] if self.steps else self.started)
-
-    def total(self) -> float:
-        return self.clock() - self.started
-
-    def durations(self) -> list[tuple[str, float]]:
-        """(step, seconds) of every step so far, the current one up to now."""
-        ends = [start for _, start in self.steps[1:]] + [self.clock()]
-        return [(name, end - start) for (name, start), end in zip(self.steps, ends)]
-
-
 class StatsLine(Widget):
     """The statistics on the left, the tokens/s sparkline on the right: one line, or two when the text needs
     them (a long loader message on a narrow terminal: wrapped, never cut).
@@ -309,9 +271,12 @@ class StatsBar(Horizontal):
         load = self.load
         if load is None:
             return
-        text = Text.assemble(("⟳ ", "bold yellow"), (self.pair_name, "bold"), " · ", load.message)
+        spin = SPINNER[int(load.total() * 2) % len(SPINNER)]  # moves at each tick, even while a step is silent
+        text = Text.assemble((f"{spin} ", "bold yellow"), (self.pair_name, "bold"), " · ", load.message)
         if load.fraction is not None:
             text.append(f"  {percent_bar(load.fraction)} {load.fraction * 100:3.0f}%", style="cyan")
+            if load.quiet_s() >= QUIET_S:  # a step that reports no fraction inside (quantising a draft: ~30 s)
+                text.append(f" still working, {seconds(load.quiet_s())} since the last report", style="yellow")
         elapsed = f"  {seconds(load.step_elapsed())}"
         if len(load.steps) > 1:
             elapsed += f" (total {seconds(load.total())})"

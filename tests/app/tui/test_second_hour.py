@@ -4,7 +4,7 @@ chat UI, checked on what the screen shows (``screen_text``) at 80x24 unless said
 from __future__ import annotations
 
 from app_harness import make_app, ready, reply_done, screen_text, send, wait_for
-from fake_engine import FakeEngineFactory
+from fake_engine import FakeEngineFactory, fake_pair_info
 from textual.widgets import Button, RadioButton
 from textual.widgets._toast import Toast
 
@@ -152,3 +152,44 @@ def test_an_older_settings_files_one_drafter_is_kept_for_its_last_pair_only(tmp_
     assert settings.request_drafter("plain") == "suffix" and settings.request_drafter("smollm2-135m") is None
     path.write_text('{"drafter": "suffix"}')  # no pair to keep it for: dropped rather than applied to every pair
     assert load_settings(path)[0].drafters == {}
+
+
+async def test_the_picker_says_which_pair_is_expected_to_be_slower_here(tmp_path):
+    def pair_info(pair):
+        slower = (
+            "expected slower than plain decoding on CPU: its nf4 draft (bitsandbytes) ..."
+            if pair.drafter == "draft-model"
+            else None
+        )
+        return {**fake_pair_info(pair), "slower": slower}
+
+    app = make_app(tmp_path, pair_info=pair_info)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot)
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: len(getattr(app.screen, "info", {})) == 3, what="estimates")
+        await pilot.pause()
+        rows = [row.strip("│ ●") for row in screen_text(app).splitlines() if "B  " in row]  # the table's rows
+        slow = [row.split()[0] for row in rows if "▼" in row]
+        assert slow == [n for n, p in app.pairs.items() if p.drafter == "draft-model"], rows  # seen in the table
+        assert slow == [n for n, p in app.pairs.items() if p.drafter == "draft-model"], rows  # seen in the table
+        table = app.screen.query_one("#pairs")
+        table.move_cursor(row=list(app.pairs).index(slow[0]))
+        await pilot.pause()
+        assert "▼ expected slower than plain decoding on CPU" in screen_text(app)
+
+
+async def test_loading_progress_moves_while_a_step_reports_nothing(tmp_path):
+    factory = FakeEngineFactory()
+    factory.release.clear()  # the load reaches its last percentage, then sits there (a draft being quantised)
+    app = make_app(tmp_path, factory=factory)
+    async with app.run_test(size=(80, 24)) as pilot:
+        line = lambda: str(app.chat.query_one("#stats-text").render())  # noqa: E731
+        await wait_for(pilot, lambda: "100%" in line(), what="the last percentage")
+        first = line()
+        await pilot.pause(0.6)
+        assert line() != first and line()[0] != first[0]  # the spinner and the time move
+        await wait_for(pilot, lambda: "still working" in line(), what="the quiet step named", timeout=6)
+        assert "since the last report" in line()
+        factory.release.set()
+        await ready(pilot)

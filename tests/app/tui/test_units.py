@@ -367,7 +367,7 @@ def test_loader_progress_is_throttled_within_a_step_but_each_new_step_shows():
 
 
 def test_load_steps_time_each_step():
-    from specchat.app.tui.widgets.stats_bar import LoadSteps, short_step
+    from specchat.app.tui.widgets.load_steps import LoadSteps, short_step
 
     clock = Clock()
     steps = LoadSteps(clock)
