@@ -98,7 +98,8 @@ BNB_QUANTIZATIONS = ("nf4", "int8")  # bitsandbytes: on CPU, weights de-quantise
 def expected_slower(pair: Any, device: str) -> str | None:
     """See the module docstring; ``pair`` is a ``PairConfig`` (its name, drafter, draft and local target)."""
     entry = _read().get(pair.name)
-    modes = entry.get("decode_tok_s") if isinstance(entry, dict) else None
+    entry = entry if isinstance(entry, dict) else {}
+    modes = entry.get("decode_tok_s")
     if isinstance(modes, dict) and entry.get("source") == pair.local_target.source:
         plain = modes.get(_PLAIN)
         others = [v for m, v in modes.items() if m != _PLAIN and isinstance(v, (int, float))]

@@ -131,7 +131,7 @@ class PairPickerScreen(ModalScreen[str | None]):
         self.info[message.pair_name] = info = message.info
         table = self.query_one(DataTable)
         fits = info.get("fits")
-        cells = {
+        cells: dict[str, str | Text] = {
             "memory": human_bytes(info.get("memory_bytes")) if "error" not in info else "?",
             "fits": "?" if fits is None else "yes" if fits else "NO",
             "download": human_bytes(info["download_bytes"]) if info.get("download_bytes") else "—",
