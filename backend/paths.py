@@ -53,6 +53,17 @@ def data_dir() -> Path:
     return _override("SPECCHAT_DATA_DIR") or Path(platformdirs.user_data_dir(APP_NAME))
 
 
+def documents_dir() -> Path:
+    """Where a chat export goes unless the user names another place: ``SPECCHAT_EXPORT_DIR``, else the desktop's
+    documents folder (``XDG_DOCUMENTS_DIR`` on Linux, ~/Documents elsewhere) when it exists, else the home folder.
+    Never the current directory (an export there went unnoticed, issue 36)."""
+    explicit = _override("SPECCHAT_EXPORT_DIR")
+    if explicit is not None:
+        return explicit
+    documents = Path(platformdirs.user_documents_dir())
+    return documents if documents.is_dir() else Path.home()
+
+
 def log_dir() -> Path:
     """Folder of log files (library output captured during loading, UI tracebacks)."""
     explicit = _override("SPECCHAT_LOG_DIR")

@@ -13,7 +13,9 @@ Contract:
 - Line ends: unchanged lines keep their own (a file mixing CRLF and LF stays mixed); new lines take the
   file's most common one; a UTF-8 BOM is restored.
 - :func:`undo_edit` puts back, byte for byte, every file of an :class:`AppliedEdit` from its backup, refusing
-  (nothing written) when a file changed since the edit or a backup is no longer the original.
+  (nothing written) when a file changed since the edit or a backup is no longer the original. Once every file
+  is back, its backups are deleted (the file itself holds those bytes again): an undone edit leaves no
+  ``.specchat-bak`` file behind; a backup that cannot be deleted is named in :attr:`Undone.kept`.
 - :func:`git_diff` is ``git diff`` of a file tracked by git (None when git is missing, the file is not
   tracked, or git fails or takes over 5 s); it runs git read-only, with no pager and no prompt.
 """
@@ -205,8 +207,16 @@ def _write_backup(target: EditTarget, data: bytes, mode: int) -> Path:
         staging.unlink(missing_ok=True)
 
 
-def undo_edit(applied: AppliedEdit) -> list[Path]:
-    """Put every file of ``applied`` back from its backup, byte for byte; returns the paths restored."""
+@dataclass(frozen=True, slots=True)
+class Undone:
+    """What :func:`undo_edit` did: the files restored, and the backups it could not delete (with why)."""
+
+    restored: list[Path]
+    kept: list[str]
+
+
+def undo_edit(applied: AppliedEdit) -> Undone:
+    """Put every file of ``applied`` back from its backup, byte for byte, then delete the backups."""
     restore: list[tuple[AppliedFile, bytes, int]] = []
     for f in applied.files:
         try:
@@ -236,7 +246,13 @@ def undo_edit(applied: AppliedEdit) -> list[Path]:
                 f"/undo: could not write {f.path}: {exc.strerror or exc}{restored}; its original is in {f.backup}."
             ) from None
         done.append(f.path)
-    return done
+    kept = []
+    for f in applied.files:  # every file holds its original again: the backups are copies of it
+        try:
+            f.backup.unlink()
+        except OSError as exc:
+            kept.append(f"{f.backup} ({exc.strerror or exc})")
+    return Undone(done, kept)
 
 
 def git_diff(path: Path) -> str | None:

@@ -11,6 +11,11 @@ owner-only (0600) with ``specchat.backend.files.write_atomic``: a crash or a fai
 file whole; a failed save leaves no temporary file, and the next load removes those of a killed process. A
 file or folder without write permission (decided from the mode bits, as root too) is left alone: the save
 raises :class:`SettingsError` saying so.
+
+The drafter is chosen per pair (``drafters``: pair name -> choice; a pair without an entry uses its own drafter):
+a draft model or a tree of continuations that pays on one pair may not exist, or not pay, on another. An older
+file's single ``drafter`` is kept for its ``last_pair`` only. :func:`drafter_options` lists every drafter of
+``backend/limits.py`` for a pair, what each needs, and why one is not available for that pair.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import math
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +37,7 @@ from specchat.backend.inputs import InputError, parse_json, shown
 from specchat.backend.limits import (
     CHAT_MAX_NEW_TOKENS,
     CHAT_MAX_NEW_TOKENS_LIMIT,
+    DRAFTERS,
     MAX_GAMMA,
     MAX_TEMPERATURE,
     SAMPLING_LIMITS,
@@ -42,13 +48,9 @@ from specchat.backend.limits import (
 from specchat.backend.paths import config_dir
 
 SETTINGS_FILE = "settings.json"
-DrafterChoice = Literal["pair", "prompt-lookup", "suffix", "none"]
-DRAFTER_CHOICES: dict[str, str] = {
-    "pair": "Pair default",
-    "prompt-lookup": "Prompt lookup",
-    "suffix": "Suffix tree",
-    "none": "Off",
-}
+DrafterChoice = Literal["pair"] | DrafterName  # "pair": the pair's own drafter (models.yaml)
+DRAFTER_CHOICES: tuple[str, ...] = ("pair", *DRAFTERS)  # every drafter the engine knows (backend/limits.py)
+MAX_PAIR_CHOICES = 1000  # pairs with a drafter of their own in the file (models.yaml holds a few dozen)
 MAX_SETTINGS_BYTES = 1 << 20  # the file; a system prompt of a few pages is ~10 kB
 MAX_SYSTEM_PROMPT_CHARS = 200_000
 MAX_NAME_CHARS = 200  # theme, last_pair
@@ -65,7 +67,7 @@ class Settings:
     top_p: float | None = None  # None: pair default; (0, 1]
     top_k: int | None = None  # None: pair default; 0: no top-k
     max_new_tokens: int = CHAT_MAX_NEW_TOKENS
-    drafter: DrafterChoice = "pair"
+    drafters: dict[str, DrafterChoice] = field(default_factory=dict)  # pair name -> its drafter (absent: "pair")
     gamma: Gamma | None = None  # None: pair default; "auto": adaptive; int: fixed
     system_prompt: str = ""
     theme: str | None = None
@@ -78,9 +80,66 @@ class Settings:
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, max_new_tokens=self.max_new_tokens
         )
 
-    def request_drafter(self) -> DrafterName | None:
-        """``GenerationRequest.drafter``: None keeps the pair's drafter."""
-        return None if self.drafter == "pair" else self.drafter
+    def drafter_for(self, pair_name: str | None) -> DrafterChoice:
+        """The drafter chosen for ``pair_name`` ("pair": its own; a choice for one pair never applies to another)."""
+        return self.drafters.get(pair_name, "pair") if pair_name else "pair"
+
+    def request_drafter(self, pair_name: str | None) -> DrafterName | None:
+        """``GenerationRequest.drafter`` for a reply of ``pair_name``: None keeps the pair's drafter."""
+        choice = self.drafter_for(pair_name)
+        return None if choice == "pair" else choice
+
+    def with_drafter(self, pair_name: str, choice: DrafterChoice) -> Settings:
+        """These settings with ``choice`` for ``pair_name`` ("pair" removes the pair's entry)."""
+        drafters = {name: value for name, value in self.drafters.items() if name != pair_name}
+        if choice != "pair":
+            drafters[pair_name] = choice
+        return replace(self, drafters=drafters)
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterOption:
+    """One drafter as the settings list shows it for a pair."""
+
+    name: str  # "pair" or a DrafterName
+    label: str
+    needs: str  # what it needs to run, or what it does
+    unavailable: str | None = None  # why the pair cannot use it (None: it can)
+
+
+# Label and what each drafter needs; a drafter the engine knows but this table does not is listed by its name.
+DRAFTER_INFO: dict[str, tuple[str, str]] = {
+    "none": ("Off", "plain decoding: one target pass a token"),
+    "prompt-lookup": ("Prompt lookup", "needs nothing: copies text from the chat"),
+    "suffix": ("Suffix tree", "needs nothing: the chat and earlier replies"),
+    "draft-model": ("Draft model", "needs the pair's draft model"),
+    "auto": ("Auto", "the engine picks the pair's best drafter"),
+    "eagle3": ("EAGLE-3", "needs the pair's EAGLE-3 head"),
+    "medusa": ("Medusa", "needs the pair's Medusa heads"),
+    "prediction": ("Prediction", "needs a predicted output (an /edit's file)"),
+}
+
+
+def _unavailable(name: str, pair: Any) -> str | None:
+    """Why ``pair`` (a PairConfig) cannot use drafter ``name``; None when it can, or when this cannot be told."""
+    if getattr(pair, "remote", None) is not None:
+        return "a remote pair: its server speculates itself"
+    if name == "draft-model" and getattr(pair, "draft", None) is None:
+        return f"needs a draft model; {pair.name} has none"
+    if name in ("eagle3", "medusa") and hasattr(pair, name) and getattr(pair, name) is None:
+        return f"{DRAFTER_INFO[name][1]}; {pair.name} has none"  # a pair config without the field: unknown
+    return None
+
+
+def drafter_options(pair: Any) -> list[DrafterOption]:
+    """The settings' drafter list for ``pair`` (a PairConfig; None when no pair is loaded): the pair's own, then
+    every drafter of ``backend/limits.py`` with what it needs and, when the pair cannot use it, why."""
+    own = getattr(pair, "drafter", None)
+    options = [DrafterOption("pair", f"Pair default ({own})" if own else "Pair default", "as models.yaml says")]
+    for name in DRAFTERS:
+        label, needs = DRAFTER_INFO.get(name, (name, ""))
+        options.append(DrafterOption(name, label, needs, _unavailable(name, pair) if pair is not None else None))
+    return options
 
 
 def settings_path() -> Path:
@@ -121,10 +180,25 @@ def _max_new_tokens(value: Any) -> int:
     return number
 
 
-def _drafter(value: Any) -> str:
+def _drafter(value: Any, name: str = "drafter") -> str:
     if not isinstance(value, str) or value not in DRAFTER_CHOICES:
-        raise SettingsError(f"setting 'drafter': {shown(value)} is not one of {', '.join(DRAFTER_CHOICES)}")
+        raise SettingsError(f"setting {name!r}: {shown(value)} is not one of {', '.join(DRAFTER_CHOICES)}")
     return value
+
+
+def _drafters(value: Any) -> dict[str, str]:
+    """{pair name: drafter choice}; a pair left at its own drafter has no entry."""
+    if not isinstance(value, dict):
+        raise SettingsError(f"setting 'drafters': expected an object of pair name -> drafter, got {shown(value)}")
+    if len(value) > MAX_PAIR_CHOICES:
+        raise SettingsError(f"setting 'drafters': {len(value):,} pairs (at most {MAX_PAIR_CHOICES:,})")
+    out = {}
+    for pair, choice in value.items():
+        pair = _text("drafters", MAX_NAME_CHARS, optional=False, printable=True)(pair)
+        choice = _drafter(choice, f"drafters.{pair}")
+        if choice != "pair":
+            out[pair] = choice
+    return out
 
 
 def _gamma(value: Any) -> int | str | None:
@@ -167,7 +241,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "top_p": _sampling("top_p", float, "outside (0, 1] (1 turns top-p off)"),
     "top_k": _sampling("top_k", int, "negative (0 turns top-k off)"),
     "max_new_tokens": _max_new_tokens,
-    "drafter": _drafter,
+    "drafters": _drafters,
     "gamma": _gamma,
     "system_prompt": _text("system_prompt", MAX_SYSTEM_PROMPT_CHARS, optional=False, printable=False),
     "theme": _text("theme", MAX_NAME_CHARS, optional=True, printable=True),
@@ -224,6 +298,16 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
         except SettingsError as error:
             errors.append(str(error))
             bad.append(repr(name))
+    if "drafter" in raw:  # an older file's one drafter for every pair: kept for the pair it was last used with
+        try:
+            legacy = _drafter(raw["drafter"])
+        except SettingsError as error:
+            errors.append(str(error))
+            bad.append("'drafter'")
+        else:
+            last = values.get("last_pair")
+            if legacy != "pair" and last and last not in values.get("drafters", {}):
+                values["drafters"] = {**values.get("drafters", {}), last: legacy}
     if not errors:
         return Settings(**values), None
     more = f"; also bad: {', '.join(bad[3:])}" if len(errors) > 3 else ""

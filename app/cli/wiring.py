@@ -76,7 +76,7 @@ def default_pair_info(device: str | None) -> PairInfo:
             from specchat.backend.remote.client import check_server
 
             return {"remote": True, **check_server(pair.remote, pair.name)}
-        from specchat.backend.bench.measured import expected_speed
+        from specchat.backend.bench.measured import expected_slower, expected_speed
         from specchat.backend.models import hub_gguf
         from specchat.backend.models.hub import is_cached
         from specchat.backend.models.loading import resolve_device
@@ -91,10 +91,13 @@ def default_pair_info(device: str | None) -> PairInfo:
         download = sum(s.download_bytes for s in specs if s.kind == "hub" and not is_cached(s))
         download += sum(s.download_bytes for s in specs if s.kind == "hub-gguf" and hub_gguf.cached_path(s) is None)
         speed = expected_speed(pair.name, pair.local_target.source)
+        slower = expected_slower(pair, str(dev))
         if not estimate.known:
-            return {"error": "memory known once its files are downloaded", "speed": speed, "device": str(dev)}
+            known = {"speed": speed, "slower": slower, "device": str(dev)}
+            return {"error": "memory known once its files are downloaded", **known}
         return {
             "speed": speed,
+            "slower": slower,
             "memory_bytes": estimate.total,
             "free_bytes": free,
             "fits": estimate.total <= free,

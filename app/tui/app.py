@@ -21,11 +21,12 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from textual import events
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.theme import Theme
 
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
     from specchat.backend.models.config import PairConfig
 
 log = logging.getLogger(__name__)
+# The longest a notification stays, by severity (seconds): an information toast is read at a glance, an error
+# may need reading twice; a click dismisses any of them sooner.
+NOTIFY_MAX_S: dict[str, float] = {"information": 5.0, "warning": 8.0, "error": 12.0}
 
 
 class SpecchatApp(App[int]):
@@ -91,6 +95,11 @@ class SpecchatApp(App[int]):
         self.initial_pair = self._initial_pair(initial_pair)
         self.chat = ChatScreen(self)
 
+    @property
+    def current_pair(self) -> PairConfig | None:
+        """The loaded pair's configuration (ChatHost); None when none is loaded."""
+        return self.pairs.get(self.current_pair_name or "")
+
     def _initial_pair(self, requested: str | None) -> str | None:
         if requested and requested not in self.pairs:  # never another pair in its place
             known = ", ".join(self.pairs) or "none"
@@ -131,9 +140,22 @@ class SpecchatApp(App[int]):
                 log.exception("closing the engine failed")
             self.engine = None
 
-    def notify(self, message: str, *, markup: bool = False, **kwargs: Any) -> None:
-        """Notifications carry file names, paths and error text: never parse them as markup by default."""
-        super().notify(message, markup=markup, **kwargs)
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,  # noqa: ARG002 - Textual's signature; never honoured (see below)
+    ) -> None:
+        """Every notification of the app, its screens and widgets (``Widget.notify`` calls this one, passing
+        ``markup=True`` by default): file names, paths, titles and error text are user data, so markup is always
+        off (``/file [b]x[/b].txt`` shows as typed). Toasts stand at the top right, clear of the input and the
+        statistics (styles.tcss), and last at most :data:`NOTIFY_MAX_S` for their severity."""
+        limit = NOTIFY_MAX_S.get(severity, NOTIFY_MAX_S["error"])
+        shown_for = limit if timeout is None else min(timeout, limit)
+        super().notify(message, title=title, severity=severity, timeout=shown_for, markup=False)
 
     def _theme_changed(self, theme: Theme) -> None:
         if self.settings.theme != theme.name:

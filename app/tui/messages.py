@@ -69,3 +69,19 @@ class PromptSubmitted(Message):
 @dataclass
 class RecallLastMessage(Message):
     """Up arrow in the empty prompt: put the last message back in the input to edit and resend it."""
+
+
+@dataclass
+class WarmProgress(Message):
+    """The chat warmer (screens/warmer.py) read ``done`` of ``total`` prompt tokens of conversation ``key`` into the
+    engine's cache since ``started`` (time.monotonic()); ``finished``: it has ended (``cached``: tokens the cache
+    already held, ``seconds``: the engine's prefill time; ``cancelled``: stopped for a reply or another chat)."""
+
+    key: str
+    done: int
+    total: int
+    started: float
+    finished: bool = False
+    cached: int = 0
+    seconds: float | None = None
+    cancelled: bool = False

@@ -52,6 +52,10 @@ class ChatHost(Protocol):
         """The loaded pair's name; None when none is loaded."""
 
     @property
+    def current_pair(self) -> PairConfig | None:
+        """The loaded pair's configuration; None when none is loaded."""
+
+    @property
     def loading_pair(self) -> str | None:
         """The pair being loaded now, if any."""
 

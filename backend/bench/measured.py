@@ -9,6 +9,9 @@ Contract:
 - :func:`expected_speed(pair_name, source)` is one line for a listing: the plain speed and the fastest speculative
   mode's, e.g. ``18.2 tok/s plain, 31.5 with suffix (bench 2025-06-01, cpu, 2 threads)``; ``not measured (specchat
   bench --pair NAME)`` where no run of this pair with this target is recorded. Nothing here imports torch.
+- :func:`expected_slower(pair, device)` says why a pair is expected to be slower than plain decoding on this
+  device, or None: measured (its fastest speculative mode ran below plain in the bench), else known (a
+  bitsandbytes draft on CPU de-quantises all its weights at every draft step: ~3x the target's cost there).
 """
 
 from __future__ import annotations
@@ -87,3 +90,27 @@ def expected_speed(pair_name: str, source: str) -> str:
     threads = entry.get("threads")
     where = ", ".join(str(x) for x in (entry.get("date"), entry.get("device"), threads and f"{threads} threads") if x)
     return f"{', '.join(parts)} (bench {where})"
+
+
+BNB_QUANTIZATIONS = ("nf4", "int8")  # bitsandbytes: on CPU, weights de-quantised at each call
+
+
+def expected_slower(pair: Any, device: str) -> str | None:
+    """See the module docstring; ``pair`` is a ``PairConfig`` (its name, drafter, draft and local target)."""
+    entry = _read().get(pair.name)
+    entry = entry if isinstance(entry, dict) else {}
+    modes = entry.get("decode_tok_s")
+    if isinstance(modes, dict) and entry.get("source") == pair.local_target.source:
+        plain = modes.get(_PLAIN)
+        others = [v for m, v in modes.items() if m != _PLAIN and isinstance(v, (int, float))]
+        if isinstance(plain, (int, float)) and others and max(others) < plain:
+            return f"slower than plain decoding here: {max(others):.1f} against {plain:.1f} tok/s plain in the bench"
+        if isinstance(plain, (int, float)) and others:
+            return None  # measured, and speculation paid
+    draft = pair.draft if pair.drafter == "draft-model" else None
+    if device.startswith("cpu") and draft is not None and draft.quantization in BNB_QUANTIZATIONS:
+        return (
+            f"expected slower than plain decoding on CPU: its {draft.quantization} draft (bitsandbytes) "
+            "de-quantises every weight at each draft step, and quantising it takes ~30 s at load"
+        )
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from rich.table import Table
 from specchat.backend.bench.stats import Aggregate, Row, aggregate
 
 OVERALL = "all families"
+TITLE_CHARS = 120  # a panel title wraps at this many characters (8-point text across a 12-inch panel)
 
 
 def aggregate_with_overall(rows: list[Row]) -> list[Aggregate]:
@@ -163,7 +165,7 @@ def write_chart(path: Path, aggs: list[Aggregate]) -> None:
         baseline = "hf-plain" if any(a.mode == "hf-plain" for a in mine) else "plain"
         base = {a.family: a.tok_s for a in mine if a.mode == baseline}
         lines = [a for a in mine if a.mode != baseline and base.get(a.family)]
-        hatched = False
+        hatched, top = False, 1.0
         families = list(dict.fromkeys(a.family for a in mine))
         modes = list(dict.fromkeys(a.mode for a in lines))
         width = 0.8 / max(len(modes), 1)
@@ -173,6 +175,7 @@ def write_chart(path: Path, aggs: list[Aggregate]) -> None:
                 if agg is None:
                     continue
                 ratio = agg.tok_s / base[family]
+                top = max(top, ratio)
                 x = f - 0.4 + width * (m + 0.5)
                 hatched = hatched or bool(agg.mismatches)
                 ax.bar(
@@ -186,16 +189,17 @@ def write_chart(path: Path, aggs: list[Aggregate]) -> None:
                     label=mode if agg is next(a for a in lines if a.mode == mode) else None,
                 )
                 ax.text(x, ratio, f"{ratio:.2f}×\n{agg.tok_s:.1f}", ha="center", va="bottom", fontsize=5.5)
+        ax.set_ylim(0, top * 1.25)  # room above the tallest bar for its two-line label (it was cut off, issue 36)
         ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(families)), families, rotation=15)
         who = "transformers plain" if baseline == "hf-plain" else "specchat plain"
         ax.set_ylabel(f"tok/s over {who}")
-        ax.set_title(
+        title = (
             f"{pair}: speedup over {who} (labels: × and absolute tok/s; {who} "
             + ", ".join(f"{f} {base[f]:.1f}" for f in families if base.get(f))
-            + " tok/s)",
-            fontsize=8,
+            + " tok/s)"
         )
+        ax.set_title(textwrap.fill(title, TITLE_CHARS), fontsize=8)  # a long title wraps instead of running off
         if modes:
             handles, _ = ax.get_legend_handles_labels()
             if hatched:  # an entry for hatching only when a bar is hatched
@@ -204,5 +208,5 @@ def write_chart(path: Path, aggs: list[Aggregate]) -> None:
                 )
             ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.15)  # the legend beside the axes is kept whole
     plt.close(fig)

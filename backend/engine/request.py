@@ -29,6 +29,7 @@ from specchat.backend.engine.resolve import Sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
+from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.kv.kv_cache import Sequence
 from specchat.backend.limits import PREFILL_CHUNK, Gamma
 from specchat.backend.speculative.drafters.base import Draft, Drafter
@@ -138,12 +139,15 @@ class RequestState:
         """The reply positions the next pass's rows decide: the pending token is at ``produced - 1``."""
         return range(self.produced, self.produced + rows)
 
-    def _target_logits(self, ids: list[int], keep: int, parents: list[int] | None = None) -> torch.Tensor:
+    def _target_logits(
+        self, ids: list[int], keep: int, parents: list[int] | None = None, cancel: threading.Event | None = None
+    ) -> torch.Tensor:
         """[keep, V] logits over the tokenizer's ids, penalised per row for a chain; a tree's (``parents``) rows
-        are penalised by :meth:`_tree_decider`, along the followed path only."""
+        are penalised by :meth:`_tree_decider`, along the followed path only. ``cancel`` (a prefill pass): raises
+        PassCancelled between layers once set, nothing of the pass kept."""
         runner = self.target.runner
         try:
-            logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents)
+            logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents, cancel=cancel)
         except BaseException as error:
             # Nothing of this pass was committed: give back the blocks it reserved, keep the history intact.
             self.conv.seq.truncate(self.conv.seq.length)
@@ -274,9 +278,6 @@ class RequestState:
         todo = self.prompt[len(conv.cached) :]
         logits = None
         for start in range(0, len(todo), PREFILL_CHUNK):
-            if self.cancel.is_set():
-                yield self._final(None, "cancelled", None)
-                return
             if prefill_progress:  # not a step: no tokens, no statistics (backend/api.py, StepEvent)
                 yield StepEvent(
                     token_ids=[],
@@ -292,14 +293,18 @@ class RequestState:
                     drafter=self.drafter_used,
                     prefill_tokens=len(todo),
                     prefill_done=start,
-                )
-                if self.cancel.is_set():
-                    yield self._final(None, "cancelled", None)
-                    return
+                )  # the last one before a cancel says how much of the prompt was read (and is cached)
+            if self.cancel.is_set():
+                yield self._final(None, "cancelled", None)
+                return
             if self.target.threads is not None:
                 self.target.threads.step()
             chunk = todo[start : start + PREFILL_CHUNK]
-            logits = self._target_logits(chunk, keep=1)  # only the last chunk's row is used
+            try:  # a pass of PREFILL_CHUNK tokens took 4 s on a busy CPU: Esc stops it between two layers
+                logits = self._target_logits(chunk, keep=1, cancel=self.cancel)  # only the last chunk's row is used
+            except PassCancelled:
+                yield self._final(None, "cancelled", None)
+                return
             conv.seq.commit(len(chunk))
             conv.cached.extend(chunk)
         prefill_s = time.perf_counter() - t0

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
@@ -51,6 +52,7 @@ def forward_paged(
     graphs: cuda_graphs.GraphRunner | None = None,
     fast: compact.CompactForward | None = None,
     parents: list[int] | None = None,
+    cancel: threading.Event | None = None,
 ) -> torch.Tensor:  # [logits_to_keep, vocab] float
     """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The static
     forward of ``graphs`` when given and it takes the step, else the compact forward ``fast`` when given,
@@ -60,7 +62,11 @@ def forward_paged(
     i's parent among the drafts, -1 for the pending token): each draft attends to the committed prefix and its
     own ancestors at position ``start + depth``; its K/V are written at slot ``start + 1 + i`` (move the accepted
     path into place with ``PagedKVCache.move`` before committing it). Graph runners decline trees; the compact
-    forward and the model's own take them."""
+    forward and the model's own take them.
+
+    ``cancel``: when it is set, the pass stops before its next decoder layer with
+    :class:`~specchat.backend.kv.attention.PassCancelled` (the compact forward's and the model's own; a graph
+    replay or a native pass runs to its end); a pass that completes is unchanged by it."""
     if graphs is not None and parents is None and isinstance(logits_to_keep, int):
         n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if 1 <= logits_to_keep <= n:
@@ -90,11 +96,11 @@ def forward_paged(
     seq.reserve(n)
     plan = seq.plan(n)
     if parents is None:
-        ctx = attention.PagedContext(seq.cache, plan)
+        ctx = attention.PagedContext(seq.cache, plan, cancel=cancel)
         positions = torch.arange(plan.start, plan.kv_len, device=device)
     else:
         depths, visible = attention.tree_tensors(parents, device)
-        ctx = attention.PagedContext(seq.cache, plan, tree=(depths, visible))
+        ctx = attention.PagedContext(seq.cache, plan, tree=(depths, visible), cancel=cancel)
         positions = plan.start + depths
     if fast is not None:
         return fast(ids, positions, ctx, logits_to_keep)
@@ -171,9 +177,10 @@ class ModelRunner:
         *,
         logits_to_keep: int = 1,
         parents: list[int] | None = None,
+        cancel: threading.Event | None = None,
     ) -> torch.Tensor:  # [logits_to_keep, vocab] float
         """One forward over ``input_ids`` after ``seq``'s committed tokens (reserves, writes, never commits);
-        ``parents``: a tree of drafts (see :func:`forward_paged`)."""
+        ``parents``: a tree of drafts; ``cancel``: stop between layers once set (see :func:`forward_paged`)."""
         return forward_paged(
             self.model,
             seq,
@@ -182,6 +189,7 @@ class ModelRunner:
             graphs=self.graphs,
             fast=self.compact,
             parents=parents,
+            cancel=cancel,
         )
 
     def adopt_native(self) -> bool:

@@ -327,6 +327,7 @@ class CompactForward:
     ) -> None:
         shape = (self.hidden,)
         for layer in self.layers:  # the residual stream is this pass's own tensor: added to in place
+            attention.check_cancel(ctx)  # a long prefill pass stops within one layer (request.py)
             h.add_(self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, signed_sin, ctx))
             h.add_(self._mlp(layer, F.rms_norm(h, shape, layer.norm2, layer.eps2)))
 

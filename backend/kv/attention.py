@@ -24,6 +24,7 @@ Contract:
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
@@ -113,14 +114,19 @@ class PagedContext:
     i may see new token j (j is i or one of its ancestors). Every new token sees the whole committed prefix.
     """
 
-    __slots__ = ("cache", "plan", "tree", "_layouts")
+    __slots__ = ("cache", "plan", "tree", "cancel", "_layouts")
 
     def __init__(
-        self, cache: PagedKVCache, plan: SlotPlan, tree: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        cache: PagedKVCache,
+        plan: SlotPlan,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.cache = cache
         self.plan = plan
         self.tree = tree
+        self.cancel = cancel  # set: the pass stops at its next layer (check_cancel), nothing of it is kept
         self._layouts: dict[tuple[int | None, bool], tuple[int, torch.Tensor | None, bool]] = {}
 
     def layout(self, window: int | None, explicit: bool) -> tuple[int, torch.Tensor | None, bool]:
@@ -171,6 +177,20 @@ class PagedContext:
             k_pos = torch.cat([torch.arange(first, start, device=device), start + depths])[None, :]
             mask = mask & (k_pos > q_pos - window)
         return mask
+
+
+class PassCancelled(Exception):
+    """A forward given a cancel event (:class:`PagedContext`) stopped between two layers because it was set. The
+    pass's reserved slots hold partial K/V: the caller gives them back (``seq.truncate``) and keeps nothing of it."""
+
+
+def check_cancel(ctx: object) -> None:
+    """Raise :class:`PassCancelled` if ``ctx`` (a :class:`PagedContext`, or a graph runner's static context,
+    which has none) carries a cancel event that is set: called before each layer, so a long prefill pass stops
+    within one layer's time, and every pass that completes computes exactly what it did without the check."""
+    cancel = getattr(ctx, "cancel", None)
+    if cancel is not None and cancel.is_set():
+        raise PassCancelled("the pass was cancelled")
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool, scale: float) -> torch.Tensor:
@@ -225,6 +245,7 @@ def paged_attention_forward(
     scale = float(scaling) if scaling is not None else head_dim**-0.5
     if not isinstance(ctx, PagedContext):  # static mode (cuda_graphs.StaticContext): fixed shapes, graph-safe
         return ctx.attend(layer, query, key, value, scale, kwargs.get("sliding_window"), kwargs.get("softcap")), None
+    check_cancel(ctx)
     cache, plan = ctx.cache, ctx.plan
     cache.write(layer, plan, key, value)
     window = kwargs.get("sliding_window")

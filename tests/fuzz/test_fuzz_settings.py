@@ -13,13 +13,13 @@ from reliability import JSON_RAW, SCALES, dump_json, fuzz, values
 
 from specchat.app.chat.settings import Settings, load_settings, save_settings, validate_settings
 
-FIELDS = ["temperature", "top_p", "top_k", "max_new_tokens", "drafter", "gamma", "system_prompt", "theme", "last_pair"]
+FIELDS = ["temperature", "top_p", "top_k", "max_new_tokens", "drafters", "gamma", "system_prompt", "theme", "last_pair"]
 GOOD = {
     "temperature": 0.7,
     "top_p": 0.9,
     "top_k": 40,
     "max_new_tokens": 256,
-    "drafter": "none",
+    "drafters": {"smollm2-135m": "none"},
     "gamma": 4,
     "system_prompt": "be brief",
     "theme": "nord",

@@ -1,5 +1,6 @@
-"""Markdown export of a stored chat: :func:`render_markdown` (the document) and :func:`export_markdown` (to a
-file, or to ``<title>.md`` in a folder).
+"""Markdown export of a stored chat: :func:`render_markdown` (the document), :func:`export_markdown` (to a
+file, or to ``<title>.md`` in a folder) and :func:`suggested_path` (the documents folder's ``<title>.md``, the
+place the UI proposes).
 
 Contract: the document starts with ``# <title>``, then the pair, the start date and the message count, then
 one ``## <role> · <date>`` section per message; a reply saved incomplete is marked "reply interrupted", and a
@@ -16,7 +17,7 @@ from pathlib import Path
 from specchat.app.chat.history.records import ChatSummary, StoredMessage, StoreError, format_time
 from specchat.app.chat.history.store import ChatStore
 from specchat.backend.files import read_only_reason, write_atomic
-from specchat.backend.paths import expand
+from specchat.backend.paths import documents_dir, expand
 
 _ROLE_HEADINGS = {"system": "System", "user": "You", "assistant": "Assistant"}
 
@@ -56,14 +57,30 @@ def render_markdown(chat: ChatSummary, messages: list[StoredMessage]) -> str:
     return "\n".join(lines)
 
 
+def file_stem(title: str) -> str:
+    """A file name (no suffix) from a chat's title: letters, digits, ``.``, ``_`` and ``-`` only."""
+    return re.sub(r"[^\w.-]+", "-", title).strip("-.")[:60] or "chat"
+
+
+def suggested_path(title: str, folder: Path | None = None) -> Path:
+    """Where to propose exporting the chat ``title``: ``<folder>/<title>.md`` in the documents folder
+    (``paths.documents_dir``), ``-2``, ``-3``... added until the name is new (the proposal never replaces a file)."""
+    folder = folder if folder is not None else documents_dir()
+    stem, n = file_stem(title), 1
+    target = folder / f"{stem}.md"
+    while target.exists():
+        n += 1
+        target = folder / f"{stem}-{n}.md"
+    return target
+
+
 def export_markdown(store: ChatStore, chat_id: int, path: Path | str) -> Path:
     """Write the chat as Markdown to ``path`` (a folder: ``<folder>/<title>.md``); returns the file written."""
     summary = store.chat(chat_id)
     text = render_markdown(summary, store.messages(chat_id))
     target = expand(path)
     if target.is_dir():
-        stem = re.sub(r"[^\w.-]+", "-", summary.title).strip("-.")[:60] or "chat"
-        target = target / f"{stem}.md"
+        target = target / f"{file_stem(summary.title)}.md"
     reason = read_only_reason(target)  # the user's permissions hold for root too
     if reason is not None:
         raise StoreError(f"could not export the chat to {target}: {reason}. Choose a folder you can write to.")

@@ -4,8 +4,9 @@ Contract:
 - The screen owns the :class:`~specchat.app.chat.conversation.Conversation` (the turns, saved to the history) and
   composes: a :class:`ConversationView` (what is shown of it, the token view), a :class:`DetailsPanel`, the
   :class:`Attachments` of the next message, the :class:`PromptInput`, the :class:`StatsBar`, and two non-visual
-  controllers: the :class:`ReplyController` (the streaming reply and its worker: see reply_controller.py) and the
-  :class:`EditController` (``/edit`` outcomes and ``/undo``: see edit_controller.py). It reads the app through
+  controllers: the :class:`ReplyController` (the streaming reply and its worker: see reply_controller.py), the
+  :class:`EditController` (``/edit`` outcomes and ``/undo``: see edit_controller.py) and the :class:`ChatWarmer`
+  (a reopened chat read into the engine's cache before the next message: see warmer.py). It reads the app through
   :class:`~specchat.app.tui.seams.ChatHost`, handed to it.
 - Enter sends the prompt's text, or runs it as a command (commands.py); a command that fails keeps the text, to
   fix. Anything that starts a reply or shows another chat stops the running reply first (partial text kept).
@@ -32,10 +33,12 @@ from specchat.app.tui.messages import PromptSubmitted, RecallLastMessage
 from specchat.app.tui.screens.commands import COMMANDS_HELP, is_command, parse_command
 from specchat.app.tui.screens.edit_controller import EditController
 from specchat.app.tui.screens.reply_controller import ReplyController, ReplyViews
+from specchat.app.tui.screens.warmer import ChatWarmer
 from specchat.app.tui.widgets.attachments import Attachments
 from specchat.app.tui.widgets.conversation import ConversationView
 from specchat.app.tui.widgets.details_panel import DetailsPanel
-from specchat.app.tui.widgets.message_view import BranchFrom, UserMessage
+from specchat.app.tui.widgets.edit_block import ApplyEdit
+from specchat.app.tui.widgets.message_view import AssistantMessage, BranchFrom, UserMessage
 from specchat.app.tui.widgets.prompt_input import PromptInput
 from specchat.app.tui.widgets.stats_bar import StatsBar
 from specchat.backend.errors import SpecchatError
@@ -76,6 +79,7 @@ class ChatScreen(Screen[None]):
         self.edits = EditController(self.conversation)
         views = ReplyViews(self.conversation, self.stats_bar, self.details, self.prompt)
         self.replies = ReplyController(host, self.conv, views, offer_edit=self.edits.offer)
+        self.warmer = ChatWarmer(host, self.conv, self.stats_bar)
 
     # -- layout ----------------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -89,6 +93,7 @@ class ChatScreen(Screen[None]):
         yield Footer()
         yield self.replies
         yield self.edits
+        yield self.warmer
 
     def on_mount(self) -> None:
         self.conv.store = self.host.store
@@ -117,12 +122,17 @@ class ChatScreen(Screen[None]):
 
     # -- what the app asks -------------------------------------------------------------------------------------
     async def stop_generation(self) -> None:
-        """Stop the running reply and finish it (partial text kept, shown and saved) before anything else."""
+        """Stop the running reply and finish it (partial text kept, shown and saved), and the reading of a reopened
+        chat (screens/warmer.py), before anything else: the engine has one owner at a time."""
+        await self.warmer.stop()
         await self.replies.stop()
 
     async def engine_ready(self) -> None:
-        """Called by the app when a model finished loading: start a reply that was waiting for it."""
+        """Called by the app when a model finished loading: start a reply that was waiting for it, else read the
+        open chat into the new engine's cache."""
         await self.replies.engine_ready()
+        if not self.generating:
+            self.warmer.start()
 
     def engine_unavailable(self) -> None:
         self.replies.engine_unavailable()
@@ -249,6 +259,18 @@ class ChatScreen(Screen[None]):
             timeout=8,
         )
 
+    def on_apply_edit(self, message: ApplyEdit) -> None:
+        """An edit block's Apply (or ``a`` on a reply): plan that reply's blocks and show the diff."""
+        source = message.source
+        view = source if isinstance(source, AssistantMessage) else source.query_ancestor(AssistantMessage)
+        views = self.conversation.messages()
+        if view not in views or views.index(view) >= len(self.conv.turns):
+            return
+        if self.generating and view is self.conversation.last_reply():
+            self.notify("The reply is still being written: apply it once it has ended.", timeout=4)
+            return
+        self.edits.apply_reply(self.conv.turns, views.index(view))
+
     # -- conversation management -------------------------------------------------------------------------------
     async def new_chat(self) -> None:
         await self.stop_generation()
@@ -273,6 +295,7 @@ class ChatScreen(Screen[None]):
         if current and stored_pair and current not in stored_pair.split(", "):
             self.notify(f"This chat was with {stored_pair}; it goes on with {current} (F2 switches pairs).", timeout=6)
         await self.show_turns()
+        self.warmer.start()  # its next reply then reads only the new message
 
     async def show_turns(self) -> None:
         """Show the conversation's turns (an opened chat, a branch)."""

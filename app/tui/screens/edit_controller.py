@@ -77,6 +77,7 @@ class EditController(Widget):
         super().__init__()
         self._conversation = conversation  # where the notes go
         self.applied: list[AppliedEdit] = []  # this session's applied edits, oldest first: /undo takes the last
+        self.undone: list[AppliedEdit] = []  # edits /undo took back, oldest first (what a further /undo says)
 
     @work(exclusive=True, group="edit")
     async def offer(self, targets: list[EditTarget], reply_text: str, request: str = "") -> None:
@@ -113,18 +114,52 @@ class EditController(Widget):
         from specchat.app.chat.edit_files import undo_edit
 
         if not self.applied:
-            self.notify("Nothing to undo: no /edit was applied in this session.", title="/undo", timeout=5)
+            if self.undone:  # "no /edit was applied" would be wrong: one was, and /undo already took it back
+                names = ", ".join(f.shown for f in self.undone[-1].files)
+                message = f"Nothing left to undo: the edit of {names} was already undone (its files are as before)."
+            else:
+                message = "Nothing to undo: no /edit was applied in this session."
+            self.notify(message, title="/undo", timeout=5)
             return
         applied = self.applied[-1]
         try:
-            restored = undo_edit(applied)
+            done = undo_edit(applied)
         except SpecchatError as error:
             self.notify(str(error), title="/undo", severity="error", timeout=12)
             return
-        self.applied.pop()
-        names = ", ".join(f"{f.shown} from {f.backup.name}" for f in applied.files)
-        self._conversation.add_note(EditNote("undone", f"/undo restored {names}"))
-        self.notify(f"Restored {len(restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
+        self.undone.append(self.applied.pop())
+        names = ", ".join(f.shown for f in applied.files)
+        kept = f" · backup kept: {', '.join(done.kept)}" if done.kept else ""
+        self._conversation.add_note(EditNote("undone", f"/undo restored {names} as before the edit{kept}"))
+        self.notify(f"Restored {len(done.restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
+
+    def apply_reply(self, turns: Sequence[Turn], index: int) -> None:
+        """The Apply action of reply ``index``'s SEARCH/REPLACE blocks: plan them against the files of the /edit
+        request it answers, else the files the blocks name (relative to the current folder), and show the diff
+        as :meth:`offer` does (nothing is written before the user confirms)."""
+        from specchat.app.chat.edit_plan import parse_blocks
+        from specchat.app.chat.editing import load_edit_target
+
+        reply = turns[index]
+        user = next((t for t in reversed(turns[:index]) if t.role == "user"), None)
+        paths = user.paths("edit") if user is not None else []
+        if not paths:
+            blocks, _ = parse_blocks(reply.content)
+            paths = list(dict.fromkeys(block.file for block in blocks if block.file))
+        if not paths:
+            self.notify(
+                "The edit blocks name no file. Ask again with /edit PATH, so the reply knows which file it edits.",
+                title="Apply edit",
+                severity="warning",
+                timeout=8,
+            )
+            return
+        try:
+            targets = [load_edit_target(path) for path in paths]
+        except SpecchatError as error:
+            self.notify(str(error), title="Apply edit", severity="error", timeout=10)
+            return
+        self.offer(targets, reply.content, user.request if user is not None else "")
 
     def last_request(self, turns: Sequence[Turn]) -> tuple[list[EditTarget], str] | None:
         """The files (reloaded from disk) and request of the last user turn, if it was an /edit request; a file

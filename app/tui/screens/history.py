@@ -10,7 +10,6 @@ whole; a title too long for what is left ends in "…".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.text import Text
@@ -22,7 +21,7 @@ from textual.coordinate import Coordinate
 from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Label, Static
 
-from specchat.app.chat.history.export import export_markdown
+from specchat.app.chat.history.export import export_markdown, suggested_path
 from specchat.app.chat.history.records import format_time
 from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from specchat.backend.errors import SpecchatError
@@ -54,8 +53,8 @@ async def export_chat(screen: Screen, store: ChatStore, chat_id: int, title: str
     target = await screen.app.push_screen_wait(
         TextPromptScreen(
             f"Export “{title}” to Markdown",
-            str(Path.cwd()),
-            hint="A file name (.md) or a folder (the file is named after the chat).",
+            str(suggested_path(title)),  # the documents folder, a new name: never the current folder unseen
+            hint="Enter writes it there; or type a file name (.md) or a folder (the file is named after the chat).",
         )
     )
     if target is None:
@@ -65,7 +64,7 @@ async def export_chat(screen: Screen, store: ChatStore, chat_id: int, title: str
     except SpecchatError as error:
         screen.app.notify(str(error), title="Export failed", severity="error", timeout=8)
         return
-    screen.app.notify(f"Exported to {written}", title="Chat exported")
+    screen.app.notify(f"Exported to {written.resolve()}", title="Chat exported", timeout=12)  # the whole path
 
 
 class HistoryScreen(ModalScreen[HistoryResult]):

@@ -8,7 +8,8 @@ models` prints them (1.11 GiB). The estimates come from the app's ``pair_info(pa
 dict`` callable, run in a thread worker (the real one imports torch), one pair at a time, filling the table in
 as they arrive. Keys of that dict, all optional: ``memory_bytes`` (int), ``free_bytes`` (int), ``fits``
 (bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str),
-``speed`` (str: the expected speed from the bench's measurements, or "not measured ..."); a
+``speed`` (str: the expected speed from the bench's measurements, or "not measured ..."), ``slower`` (str |
+None: why the pair is expected to be slower than plain decoding here; its row's drafter then reads "slower"); a
 remote pair's (a server runs it: no memory estimate) has ``remote`` True, ``reachable`` (bool) and
 ``model_listed`` (bool | None) instead, shown as "server" and "up" / "DOWN" / "404" (model not listed).
 Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too, and so does
@@ -130,7 +131,7 @@ class PairPickerScreen(ModalScreen[str | None]):
         self.info[message.pair_name] = info = message.info
         table = self.query_one(DataTable)
         fits = info.get("fits")
-        cells = {
+        cells: dict[str, str | Text] = {
             "memory": human_bytes(info.get("memory_bytes")) if "error" not in info else "?",
             "fits": "?" if fits is None else "yes" if fits else "NO",
             "download": human_bytes(info["download_bytes"]) if info.get("download_bytes") else "—",
@@ -141,6 +142,9 @@ class PairPickerScreen(ModalScreen[str | None]):
             cells["fits"] = (
                 "DOWN" if not info.get("reachable") else "404" if info.get("model_listed") is False else "up"
             )
+        if info.get("slower") and "drafter" in self.widths:  # seen without moving the cursor to it
+            width = self.widths["drafter"]
+            cells["drafter"] = Text(f"{drafter_label(self.pairs[message.pair_name])[: width - 2]} ▼", style="yellow")
         for column, value in cells.items():
             if column in self.widths:
                 table.update_cell(message.pair_name, column, value)
@@ -178,6 +182,8 @@ class PairPickerScreen(ModalScreen[str | None]):
             )
         if info.get("speed"):
             text.append(f"\nexpected speed: {info['speed']}")
+        if info.get("slower"):
+            text.append(f"\n▼ {info['slower']}", style="yellow")
         self.query_one("#pair-description", Static).update(text)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

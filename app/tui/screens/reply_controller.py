@@ -166,7 +166,7 @@ class ReplyController(Widget):
         request = GenerationRequest(
             messages=self._conv.request_messages(settings.system_prompt),
             sampling=settings.sampling(),
-            drafter=settings.request_drafter(),
+            drafter=settings.request_drafter(self._host.current_pair_name),
             gamma=settings.gamma,
             conversation=self._conv.key,
             prefill_progress=True,
@@ -272,11 +272,15 @@ class ReplyController(Widget):
         if self._active is reply:
             self._active = None
             self._views.prompt.cursor_blink = True
+        prefill = reply.live.prefill  # how much of the prompt was read, for a reply stopped before its first token
         if outcome.stats is not None:  # the engine's totals (a stop before its last event keeps the latest stats)
-            reply.live = LiveView(outcome.stats, reply.live.drafter, None)
+            stopped_early = prefill if not outcome.stats.new_tokens else None
+            reply.live = LiveView(outcome.stats, reply.live.drafter, None, stopped_early)
         live, stats = reply.live, reply.live.stats
         error = (outcome.message or "unknown error") if outcome.finish_reason == "error" else None
-        await reply.view.finish(reply_totals(stats, outcome.finish_reason, error))
+        read = (prefill[0], prefill[1]) if prefill is not None else None
+        elapsed = time.monotonic() - prefill[2] if prefill is not None else None
+        await reply.view.finish(reply_totals(stats, outcome.finish_reason, error, read, elapsed))
         complete = outcome.finish_reason in COMPLETE_REASONS
         self._conv.finish_reply(
             reply.turn,
@@ -302,7 +306,7 @@ class ReplyController(Widget):
             return
         reply.cancel.set()
         if reply.live.prefill is not None and not reply.live.stats.new_tokens:
-            reply.view.show_status("stopping after the current pass over the prompt…")  # Esc was heard
+            reply.view.show_status("stopping…")  # Esc was heard: the engine stops within one layer of its pass
         if reply.worker is not None:
             try:
                 await reply.worker.wait()

@@ -4,6 +4,9 @@ Contract: dismissed with a validated :class:`Settings` (Save) or None (Cancel / 
 the dialog open, marks the field and says what is accepted; nothing is saved until every field is valid.
 Empty sampling fields mean "the pair's default", and each says what that is for the pair in use (its
 models.yaml value, else "the model's default": the model's generation_config, which the UI does not read).
+The drafter is chosen for the pair in use (the settings keep one per pair): the list names every drafter the
+engine knows with what it needs; one the pair cannot use is shown disabled with why (no pair loaded: all but
+the pair's own are disabled).
 """
 
 from __future__ import annotations
@@ -12,13 +15,21 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Literal, TypeVar, cast
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Select, Static, TextArea
+from textual.widgets import Button, Input, Label, RadioButton, RadioSet, Select, Static, TextArea
 
-from specchat.app.chat.settings import DRAFTER_CHOICES, Settings, SettingsError, validate_settings
+from specchat.app.chat.settings import (
+    DRAFTER_CHOICES,
+    DrafterOption,
+    Settings,
+    SettingsError,
+    drafter_options,
+    validate_settings,
+)
 from specchat.backend.limits import CHAT_MAX_NEW_TOKENS_LIMIT, MAX_GAMMA
 
 if TYPE_CHECKING:
@@ -26,6 +37,17 @@ if TYPE_CHECKING:
     from specchat.backend.models.config import PairConfig
 
 T = TypeVar("T", int, float)  # what a number field parses to
+
+
+def drafter_text(option: DrafterOption) -> Text:
+    """One line of the drafter list: its name, then what it needs, or why this pair cannot use it."""
+    text = Text(option.label, style="bold")
+    if option.unavailable is not None:
+        text.append(f" — {option.unavailable}", style="dim")
+    elif option.needs:
+        text.append(f" — {option.needs}")
+    return text
+
 
 GAMMA_MODES = {"pair": "Pair default", "auto": "Auto (adaptive)", "fixed": "Fixed"}
 
@@ -40,6 +62,20 @@ class SettingsScreen(ModalScreen[Settings | None]):
     def __init__(self, settings: Settings, pair: PairConfig | None = None) -> None:
         super().__init__(classes="dialog-screen")
         self.settings, self.pair = settings, pair
+
+    @property
+    def pair_name(self) -> str | None:
+        return self.pair.name if self.pair is not None else None
+
+    def drafter_title(self) -> str:
+        if self.pair is None:
+            return "Drafter (load a pair first: the choice is kept per pair)"
+        return f"Drafter for {self.pair.name} (kept for this pair only)"
+
+    def chosen_drafter(self) -> DrafterChoice:
+        pressed = self.query_one("#drafter", RadioSet).pressed_button
+        name = (pressed.id or "").removeprefix("drafter-") if pressed is not None else "pair"
+        return cast("DrafterChoice", name if name in DRAFTER_CHOICES else "pair")
 
     def pair_default(self, name: str) -> str:
         """What an empty field means for the pair in use, e.g. "pair default: 0.2"."""
@@ -71,14 +107,6 @@ class SettingsScreen(ModalScreen[Settings | None]):
                     yield Input(_text(s.top_k), placeholder=self.pair_default("top_k"), id="top_k", compact=True)
                     yield Label("Max new tokens")
                     yield Input(_text(s.max_new_tokens), id="max_new_tokens", compact=True)
-                    yield Label("Drafter")
-                    yield Select(
-                        [(label, key) for key, label in DRAFTER_CHOICES.items()],
-                        value=s.drafter,
-                        allow_blank=False,
-                        id="drafter",
-                        compact=True,
-                    )
                     yield Label("γ (draft tokens per step)")
                     with Horizontal(id="gamma-row"):
                         yield Select(
@@ -97,6 +125,15 @@ class SettingsScreen(ModalScreen[Settings | None]):
                         id="draft_from_history",
                         compact=True,
                     )
+                yield Label(self.drafter_title(), id="drafter-title", markup=False)
+                with RadioSet(id="drafter"):
+                    for option in drafter_options(self.pair):
+                        yield RadioButton(
+                            drafter_text(option),
+                            value=option.name == s.drafter_for(self.pair_name),
+                            id=f"drafter-{option.name}",
+                            disabled=option.unavailable is not None or (self.pair is None and option.name != "pair"),
+                        )
                 yield Label("System prompt")
                 yield TextArea(s.system_prompt, id="system_prompt", soft_wrap=True)
             yield Static("", id="settings-error", markup=False)
@@ -135,15 +172,16 @@ class SettingsScreen(ModalScreen[Settings | None]):
         max_new = self._parse("max_new_tokens", int)
         if max_new is None:
             raise SettingsError(f"max new tokens: a number is required (1 .. {CHAT_MAX_NEW_TOKENS_LIMIT})")
+        settings = self.settings
+        if self.pair_name is not None:
+            settings = settings.with_drafter(self.pair_name, self.chosen_drafter())
         return validate_settings(
             replace(
-                self.settings,
+                settings,
                 temperature=self._parse("temperature", float),
                 top_p=self._parse("top_p", float),
                 top_k=self._parse("top_k", int),
                 max_new_tokens=max_new,
-                # one of DRAFTER_CHOICES (the select has no blank); validate_settings checks it all the same
-                drafter=cast("DrafterChoice", self.query_one("#drafter", Select).value),
                 gamma=gamma,
                 system_prompt=self.query_one("#system_prompt", TextArea).text,
                 draft_from_history=self.query_one("#draft_from_history", Select).value == "on",

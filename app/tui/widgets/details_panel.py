@@ -15,11 +15,11 @@ from rich.text import Text
 from textual.widgets import Static
 
 from specchat.app.tui.bridge import LiveView
+from specchat.app.tui.widgets.speed import MIN_STEPS, measured_speedup, step_counts
 from specchat.app.tui.widgets.stats_bar import num, pct
 from specchat.backend.api import RequestStats
 
 BAR_WIDTH = 20
-MIN_STEPS = 8  # speculating and plain steps a reply needs before their speed ratio is shown
 
 
 def bar(value: float | None, width: int = BAR_WIDTH) -> Text:
@@ -27,12 +27,6 @@ def bar(value: float | None, width: int = BAR_WIDTH) -> Text:
         return Text("·" * width, style="dim")
     filled = round(max(0.0, min(1.0, value)) * width)
     return Text.assemble(("█" * filled, "green"), ("░" * (width - filled), "dim"))
-
-
-def step_counts(stats: RequestStats) -> tuple[int, int]:
-    """(speculating steps, plain steps) of the reply; a remote server that reports no steps counts none."""
-    speculating = sum(stats.accepted_length_histogram)
-    return speculating, max(0, (stats.steps or 0) - speculating)
 
 
 def count(value: int | None) -> str:
@@ -51,14 +45,6 @@ def tree_line(stats: RequestStats) -> str:
     return f"{shape}; followed branch {stats.tree_branch} for {stats.tree_accepted} token" + (
         "s" if stats.tree_accepted != 1 else ""
     )
-
-
-def measured_speedup(stats: RequestStats) -> float | None:
-    """Tokens/s of speculating steps over plain steps; None unless each kind has ``MIN_STEPS`` steps."""
-    speculating, plain = step_counts(stats)
-    if stats.spec_tok_s and stats.plain_tok_s and min(speculating, plain) >= MIN_STEPS:
-        return stats.spec_tok_s / stats.plain_tok_s
-    return None
 
 
 def render_details(live: LiveView) -> Text:

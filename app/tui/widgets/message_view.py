@@ -15,6 +15,7 @@ reply waits for its first token its totals line says what is happening (``show_s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -23,10 +24,14 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Static
-from textual.widgets._markdown import MarkdownFence
+from textual.widgets._markdown import MarkdownBlock, MarkdownFence
 
-from specchat.app.tui.widgets.stream_tail import StreamTail, split_finished
+from specchat.app.tui.widgets.edit_block import TOKEN_TYPE, ApplyEdit, EditBlockView
+from specchat.app.tui.widgets.stream_tail import StreamTail, parser, split_finished
 from specchat.backend.api import TokenSource
+
+if TYPE_CHECKING:
+    from markdown_it.token import Token
 
 SOURCE_STYLES: dict[TokenSource, str] = {
     TokenSource.ACCEPTED: "bold green",
@@ -87,7 +92,15 @@ class CopyableFence(MarkdownFence):
 
 
 class ChatMarkdown(Markdown):
+    """A reply's Markdown: code blocks copy on click, SEARCH/REPLACE blocks are edits (``edit_block.py``)."""
+
     BLOCKS = {**Markdown.BLOCKS, "fence": CopyableFence, "code_block": CopyableFence}
+
+    def __init__(self, markdown: str = "", **kwargs: Any) -> None:
+        super().__init__(markdown, parser_factory=parser, **kwargs)
+
+    def unhandled_token(self, token: Token) -> MarkdownBlock | None:
+        return EditBlockView(self, token) if token.type == TOKEN_TYPE else None
 
 
 @dataclass
@@ -114,7 +127,12 @@ class MessageView(Vertical, can_focus=True):
         raise NotImplementedError
 
     def code_blocks(self) -> list[str]:
-        return [fence.code for fence in self.query(MarkdownFence)]
+        """The code of each code block and SEARCH/REPLACE block, in the order shown."""
+        return [
+            block.code
+            for block in self.query("MarkdownFence, EditBlockView")
+            if isinstance(block, (MarkdownFence, EditBlockView))
+        ]
 
     def action_copy_message(self) -> None:
         self.app.copy_to_clipboard(self.message_text())
@@ -156,7 +174,16 @@ class UserMessage(MessageView):
 
 
 class AssistantMessage(MessageView):
-    """A reply; streams while ``streaming`` and shows its totals line once finished."""
+    """A reply; streams while ``streaming`` and shows its totals line once finished. ``a`` applies its
+    SEARCH/REPLACE blocks (as their Apply button does)."""
+
+    BINDINGS = [Binding("a", "apply_edit", "Apply edit")]
+
+    def action_apply_edit(self) -> None:
+        if not self.query(EditBlockView):
+            self.app.notify("This reply has no SEARCH/REPLACE block to apply.", severity="warning", timeout=3)
+            return
+        self.post_message(ApplyEdit(self))
 
     def __init__(self, *, header: str, text: str = "", totals: str = "", token_view: bool = False) -> None:
         super().__init__(classes="message assistant")

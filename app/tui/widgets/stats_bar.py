@@ -3,10 +3,13 @@ the presenters that format statistics for it and for a reply's totals line.
 
 Contract: the bar is updated from the UI thread at most ~10 times a second (once per drained reply buffer).
 Every number is the engine's (:class:`RequestStats`, the same object `specchat generate --json` prints and
-the history stores) except the live tokens/s, measured over the last second by the bridge (``backend``'s
-tok_s counts the whole reply, prefill included). Labels say what the latest step did while a reply streams
-(speculating with γ drafted, no draft found, paused, plain decoding) and, between replies, what the last
-reply did ("last reply: ..."): never "speculating" while idle.
+the history stores) except the live tokens/s, measured over the last second by the bridge. Rates are shown
+apart (``speed.py``): the decode rate (tokens after the first over the time after it: ``backend``'s tok_s
+counts the whole reply, prefill included) and, after a reply whose prompt took a second or more to read, the
+prefill rate; beside τ, the speed-up against plain decoding on this machine ("×1.42 vs plain"; "×1.3?" when it
+is the γ policy's expectation rather than this reply's measured steps). Labels say what the latest step did
+while a reply streams (speculating with γ drafted, no draft found, paused, plain decoding) and, between
+replies, what the last reply did ("last reply: ..."): never "speculating" while idle.
 
 While a reply reads its prompt (an engine that reports prefill progress), the bar says "reading prompt
 2,300 / 4,936 tokens", a percentage bar and the time so far. While a pair loads it shows the loader's current
@@ -17,11 +20,9 @@ time for the "ready" note.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rich.segment import Segment
@@ -31,7 +32,16 @@ from textual.containers import Horizontal
 from textual.strip import Strip
 from textual.widget import Widget
 
-from specchat.app.tui.bridge import LiveView, step_name
+from specchat.app.tui.bridge import LiveView
+from specchat.app.tui.widgets.load_steps import QUIET_S, SPINNER, LoadSteps, short_step
+from specchat.app.tui.widgets.speed import (
+    SLOW_PREFILL_S,
+    decode_rate,
+    prefill_rate,
+    rates_text,
+    speedup,
+    speedup_text,
+)
 from specchat.backend.api import PolicyState, RequestStats
 
 if TYPE_CHECKING:
@@ -93,18 +103,30 @@ def prefill_line(done: int, total: int, elapsed: float | None = None) -> str:
     return line if elapsed is None else f"{line} · {seconds(elapsed)}"
 
 
-def reply_totals(stats: RequestStats, finish_reason: str, error: str | None = None) -> str:
-    """One line under a finished reply: tokens, time, tok/s, acceptance, τ, drafter, and how it ended (for an
-    error, what went wrong and what the user can do)."""
-    parts = [f"{stats.new_tokens} tokens", f"{num(stats.wall_s, 2)} s", f"{num(stats.tok_s)} tok/s"]
+def reply_totals(
+    stats: RequestStats,
+    finish_reason: str,
+    error: str | None = None,
+    prefill: tuple[int, int] | None = None,
+    elapsed_s: float | None = None,
+) -> str:
+    """One line under a finished reply: tokens, time, the decode rate (and the prefill's, when the prompt took
+    long to read), acceptance, τ, the speed-up against plain decoding, drafter, and how it ended (for an error,
+    what went wrong and what the user can do). A reply stopped before its first token says how much of the prompt
+    was read (``prefill``: tokens read, tokens to read; ``elapsed_s``: the time it ran)."""
+    if finish_reason == "cancelled" and not stats.new_tokens:
+        read = f" ({prefill[0]:,} of {prefill[1]:,} tokens)" if prefill is not None else ""
+        return f"stopped during prefill{read}" + (f" · {seconds(elapsed_s)}" if elapsed_s is not None else "")
+    parts = [f"{stats.new_tokens} tokens", f"{num(stats.wall_s, 2)} s", rates_text(stats)]
     if stats.drafted:
         parts.append(f"acceptance {pct(stats.acceptance_rate)}")
         parts.append(f"τ {num(stats.mean_accepted_length, 2)}")
+    gain = speedup_text(stats)
+    if gain:
+        parts.append(gain)
     if stats.drafter:
         parts.append("plain decoding" if stats.drafter == "none" else stats.drafter)
     note = FINISH_NOTES.get(finish_reason, finish_reason)
-    if finish_reason == "cancelled" and not stats.new_tokens:
-        note = "stopped while reading the prompt"
     if finish_reason == "error":
         note = f"error: {(error or 'unknown').rstrip('.')} · ↑ edits your message, Ctrl+R retries"
     if note:
@@ -132,43 +154,6 @@ def sparkline(samples: list[float], width: int = SPARK_WIDTH) -> Text:
         return Text(" " * len(columns))
     last = len(SPARK_BARS) - 1
     return Text("".join(SPARK_BARS[min(last, round(value / top * last))] if value > 0 else " " for value in columns))
-
-
-def short_step(name: str) -> str:
-    """A step's name for the "ready" note: without what it reads from or runs on, nor remarks in brackets."""
-    name = re.sub(r"\s*\([^)]*\)", "", name)
-    return re.sub(r"\s+(?:from|on|to)\s+\S.*$", "", name).strip() or name
-
-
-@dataclass
-class LoadSteps:
-    """The steps of one load as the loader names them, with the time each took (a clock for tests)."""
-
-    clock: Callable[[], float] = time.monotonic
-    started: float = field(default=0.0)
-    steps: list[tuple[str, float]] = field(default_factory=list)  # (name, start time)
-    message: str = ""
-    fraction: float | None = None
-
-    def __post_init__(self) -> None:
-        self.started = self.clock()
-
-    def report(self, message: str, fraction: float | None) -> None:
-        name = step_name(message)
-        if not self.steps or self.steps[-1][0] != name:
-            self.steps.append((name, self.clock()))
-        self.message, self.fraction = message, fraction
-
-    def step_elapsed(self) -> float:
-        return self.clock() - (self.steps[-1][1] if self.steps else self.started)
-
-    def total(self) -> float:
-        return self.clock() - self.started
-
-    def durations(self) -> list[tuple[str, float]]:
-        """(step, seconds) of every step so far, the current one up to now."""
-        ends = [start for _, start in self.steps[1:]] + [self.clock()]
-        return [(name, end - start) for (name, start), end in zip(self.steps, ends)]
 
 
 class StatsLine(Widget):
@@ -286,9 +271,12 @@ class StatsBar(Horizontal):
         load = self.load
         if load is None:
             return
-        text = Text.assemble(("⟳ ", "bold yellow"), (self.pair_name, "bold"), " · ", load.message)
+        spin = SPINNER[int(load.total() * 2) % len(SPINNER)]  # moves at each tick, even while a step is silent
+        text = Text.assemble((f"{spin} ", "bold yellow"), (self.pair_name, "bold"), " · ", load.message)
         if load.fraction is not None:
             text.append(f"  {percent_bar(load.fraction)} {load.fraction * 100:3.0f}%", style="cyan")
+            if load.quiet_s() >= QUIET_S:  # a step that reports no fraction inside (quantising a draft: ~30 s)
+                text.append(f" still working, {seconds(load.quiet_s())} since the last report", style="yellow")
         elapsed = f"  {seconds(load.step_elapsed())}"
         if len(load.steps) > 1:
             elapsed += f" (total {seconds(load.total())})"
@@ -319,6 +307,10 @@ class StatsBar(Horizontal):
         self._stop_loading()
         self._set(Text.assemble(("○ ", "bold red"), note))
 
+    def show_note(self, text: Text) -> None:
+        """A line of its own after the pair's name (the chat warmer's progress and outcome)."""
+        self._set(Text.assemble(("◌ ", "bold cyan"), (self.pair_name, "bold"), "  ", text))
+
     # -- replies ----------------------------------------------------------------------------------------------
     def show_live(self, live: LiveView, *, streaming: bool) -> None:
         stats = live.stats
@@ -329,6 +321,11 @@ class StatsBar(Horizontal):
         text = Text()
         text.append("● " if streaming else "○ ", style="bold green" if streaming else "dim")
         text.append(self.pair_name, style="bold")
+        if not streaming and live.prefill is not None and not stats.new_tokens:
+            done, total, _ = live.prefill
+            text.append(f"  stopped during prefill ({done:,} of {total:,} tokens)", style="dim")
+            self._set(text, spark)
+            return
         if streaming and live.prefill is not None and not stats.new_tokens:
             done, total, started = live.prefill
             text.append(f"  {prefill_line(done, total)}", style="bold cyan")
@@ -337,10 +334,19 @@ class StatsBar(Horizontal):
             text.append("  esc stop", style="dim")
             self._set(text, spark)
             return
-        rate = (live.window_tok_s or stats.tok_s) if streaming else stats.tok_s
+        decode = decode_rate(stats)
+        rate = (live.window_tok_s or decode or stats.tok_s) if streaming else (decode or stats.tok_s)
         text.append(f"  {num(rate)} tok/s", style="bold cyan")
+        read = prefill_rate(stats)
+        if not streaming and read is not None and (stats.prefill_s or 0.0) >= SLOW_PREFILL_S:
+            text.append(f"  prefill {read:,.0f} tok/s", style="cyan")
         text.append(f"  acc {pct(stats.acceptance_rate)}")
         text.append(f"  τ {num(stats.mean_accepted_length, 2)}")
+        found = speedup(stats)
+        if found is not None:  # beside τ: whether those tokens per step paid, on this machine
+            value, measured = found
+            label = f"  ×{value:.2f}{'' if measured else '?'} vs plain"
+            text.append(label, style="green" if value >= 1.0 else "yellow")
         if streaming:
             text.append(f"  γ {'—' if stats.last_gamma is None else stats.last_gamma}")
             label = policy_label(live)

@@ -7,7 +7,10 @@ its top-level blocks itself to strips, each once while it is unchanged, and keep
 ``RESERVE_LINES``, so most redraws repaint its own lines only. When the text no longer fits (:meth:`fits`), the
 message moves the finished blocks (:func:`split_finished`) to the Markdown widget in the same layout pass that
 gives the tail its next step. A code fence is drawn here as plain code, laid out as Textual's MarkdownFence
-draws it; it is highlighted once, in the Markdown widget. Other blocks are drawn with Rich's Markdown.
+draws it; it is highlighted once, in the Markdown widget. A SEARCH/REPLACE block (``edit_block.py``: the parser
+knows it) is drawn as its widget draws it, without the Apply button until it moves. Other blocks are drawn with
+Rich's Markdown. A paragraph that is only a file name stays in the tail while the block after it is the last: it
+becomes the header of a SEARCH/REPLACE block if that block turns out to be one.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from rich.segment import Segment
 from textual.strip import Strip
 from textual.widget import Widget
 
+from specchat.app.tui.widgets.edit_block import TOKEN_TYPE, edit_block_lines, edit_blocks_plugin, file_name, header_text
+
 RESERVE_LINES = 8  # the tail grows (a layout pass) in steps of this many lines
 FENCE_PADDING = 2  # columns left of the code, as Textual's MarkdownFence draws it
 
 
 def parser() -> MarkdownIt:
-    return MarkdownIt("gfm-like")  # what Textual's Markdown widget parses with
+    """What the reply's Markdown widget parses with: Textual's default ("gfm-like") and SEARCH/REPLACE blocks."""
+    return MarkdownIt("gfm-like").use(edit_blocks_plugin)
 
 
 def top_level_blocks(markdown: str, md: MarkdownIt) -> list[tuple[Token, int, int]]:
@@ -42,7 +48,15 @@ def split_finished(markdown: str, md: MarkdownIt | None = None) -> int:
     """How many leading characters of ``markdown`` are finished top-level blocks: all but the last block
     (a block is finished once the next one has started)."""
     blocks = top_level_blocks(markdown, md or parser())
+    if len(blocks) >= 3 and _names_a_file(markdown, blocks[-2]):
+        return blocks[-2][1]  # the file name may yet head the last block (see the module docstring)
     return blocks[-1][1] if len(blocks) >= 2 else 0
+
+
+def _names_a_file(markdown: str, block: tuple[Token, int, int]) -> bool:
+    token, start, end = block
+    text = markdown[start:end].strip()
+    return token.type == "paragraph_open" and "\n" not in text and bool(file_name(text))
 
 
 def reserved_height(lines: int) -> int:
@@ -144,6 +158,19 @@ class StreamTail(Widget):
             return lines
         console = self.app.console
         options = console.options.update(width=width, height=None)
+        if token.type == TOKEN_TYPE:  # as EditBlockView lays it out: margin 1, a header line, padding 1 2
+            style = base + self.get_component_rich_style("stream-tail--code", partial=True)
+            lines = [Strip.blank(width, base)] if first else []
+            header = header_text(token.info, token.content)
+            lines.extend(Strip(line, width) for line in console.render_lines(header, options, style=base, pad=True))
+            lines.append(Strip.blank(width, style))
+            body = edit_block_lines(token.content)
+            body.no_wrap = True
+            for row in body.split("\n", allow_blank=True):
+                segments = [Segment(" " * FENCE_PADDING), *row.render(console, end="")]
+                lines.append(Strip(Segment.apply_style(segments, style)).adjust_cell_length(width, style))
+            lines.append(Strip.blank(width, style))
+            return lines
         return [
             Strip(line, width) for line in console.render_lines(RichMarkdown(source), options, style=base, pad=True)
         ]

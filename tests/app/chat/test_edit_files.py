@@ -39,8 +39,10 @@ def test_undo_restores_every_file_byte_for_byte(tmp_path: Path) -> None:
     applied = apply_plan(EditPlan(changes=(change(a, "x = 1\n"), change(b, "other"))))
     assert a.read_bytes() == b"\xef\xbb\xbfx = 1\r\n" and b.read_bytes() == b"other"
     assert [f.backup.read_bytes() for f in applied.files] == [before[a], before[b]]
-    assert undo_edit(applied) == [a, b]
+    undone = undo_edit(applied)
+    assert undone.restored == [a, b] and undone.kept == []
     assert {p: p.read_bytes() for p in (a, b)} == before and oct(b.stat().st_mode & 0o777) == "0o640"
+    assert sorted(tmp_path.iterdir()) == [a, b]  # the backups went with the edit (issue 36): no .specchat-bak left
 
 
 def test_undo_refuses_a_file_changed_since_the_edit(tmp_path: Path) -> None:

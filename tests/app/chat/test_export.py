@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from specchat.app.chat.history.export import export_markdown
+from specchat.app.chat.history.export import export_markdown, suggested_path
 from specchat.app.chat.history.records import StoreError
 from specchat.app.chat.history.store import ChatStore
+from specchat.backend import paths
 
 
 def test_export_markdown(store: ChatStore, tmp_path: Path) -> None:
@@ -58,3 +59,17 @@ def test_a_failed_export_leaves_no_temporary_file(
     with pytest.raises(StoreError, match=r"could not export the chat to .*c\.md: No space left on device\. Choose"):
         export_markdown(store, chat, folder / "c.md")
     assert list(folder.iterdir()) == []
+
+
+def test_the_proposed_export_path_is_the_documents_folder_and_a_new_name(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("SPECCHAT_EXPORT_DIR", raising=False)
+    monkeypatch.setattr(paths.platformdirs, "user_documents_dir", lambda: str(tmp_path / "Documents"))
+    monkeypatch.setattr(paths.Path, "home", lambda: tmp_path / "home")
+    assert paths.documents_dir() == tmp_path / "home"  # no documents folder: the home folder, never the cwd
+    (tmp_path / "Documents").mkdir()
+    assert paths.documents_dir() == tmp_path / "Documents"
+    assert suggested_path("Fix: the /undo bug?") == tmp_path / "Documents" / "Fix-the-undo-bug.md"
+    (tmp_path / "Documents" / "Fix-the-undo-bug.md").write_text("mine")
+    assert suggested_path("Fix: the /undo bug?").name == "Fix-the-undo-bug-2.md"  # never replaces a file
+    monkeypatch.setenv("SPECCHAT_EXPORT_DIR", str(tmp_path / "out"))
+    assert paths.documents_dir() == tmp_path / "out"

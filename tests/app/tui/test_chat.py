@@ -166,7 +166,9 @@ async def test_stats_bar_totals_and_details_panel(tmp_path):
         bar = stats_text(app)
         assert f"acc {acc}" in bar and f"τ {tau}" in bar and "last reply: prompt-lookup" in bar
         assert "speculating" not in bar and "γ" not in bar  # idle: what the last reply did, not a step state
-        assert f"{stats['tok_s']:.1f} tok/s" in bar  # the finished reply shows the engine's own tok/s
+        decode = (stats["new_tokens"] - 1) / (stats["wall_s"] - stats["ttft_s"])  # after the first token (issue 36)
+        assert f"{decode:.1f} tok/s" in bar  # the engine's own times, prefill apart
+        assert "×1.80? vs plain" in bar  # beside τ: the policy's expected speed-up (too few plain steps to measure)
         line = app.chat.query_one("#stats-text")
         drawn = line.render_line(0)  # drawn from Rich segments: one line, exactly as wide, the same text
         assert drawn.cell_length == line.size.width and "\n" not in drawn.text

@@ -158,9 +158,12 @@ async def test_search_replace_blocks_apply_exactly_and_undo_restores_byte_for_by
             assert "git diff calc.py" in screen_text(app) and "+def sub(a: int, b: int) -> int:" in screen_text(app)
         await send(pilot, "/undo")
         assert (tmp_path / "calc.py").read_bytes() == original
+        assert not list(tmp_path.glob("*.specchat-bak*"))  # the undone edit's backup is gone too (issue 36)
         assert any(n.kind == "undone" for n in app.chat.query(EditNote))
         await send(pilot, "/undo")
-        assert "Nothing to undo" in notifications(app)[-1]
+        assert notifications(app)[-1].endswith(
+            "Nothing left to undo: the edit of calc.py was already undone (its files are as before)."
+        )
 
 
 async def test_one_request_edits_several_files(tmp_path, monkeypatch):

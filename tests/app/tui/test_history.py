@@ -59,7 +59,10 @@ async def test_reopen_a_chat_and_continue_it(tmp_path):
         assert len(app.store.messages(first_chat)) == 4 and len(app.store.list_chats()) == 1
 
 
-async def test_rename_delete_and_export(tmp_path):
+async def test_rename_delete_and_export(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECCHAT_EXPORT_DIR", str(tmp_path / "Documents"))
+    (tmp_path / "Documents").mkdir()
+    monkeypatch.chdir(tmp_path / "Documents")  # not where it goes: the test names another folder below
     app = make_app(tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)
@@ -81,6 +84,18 @@ async def test_rename_delete_and_export(tmp_path):
         await wait_for(pilot, lambda: (tmp_path / "out.md").exists())
         exported = (tmp_path / "out.md").read_text()
         assert "# Renamed chat" in exported and "keep me" in exported and "def reverse" in exported
+        await pilot.press("e")  # Enter takes the proposal: the documents folder, the chat's title, a new name
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen))
+        proposed = tmp_path / "Documents" / "Renamed-chat.md"
+        assert app.screen.query_one(Input).value == str(proposed)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: proposed.exists())
+        assert f"Chat exported: Exported to {proposed.resolve()}" in notifications(app)  # the whole path said
+        await pilot.press("e")  # the next proposal does not replace that file
+        await wait_for(pilot, lambda: isinstance(app.screen, TextPromptScreen))
+        assert app.screen.query_one(Input).value == str(tmp_path / "Documents" / "Renamed-chat-2.md")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is history)
         await pilot.press("d")
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")

@@ -6,7 +6,7 @@ import json
 
 from app_harness import make_app, notifications, ready, reply_done, send, wait_for
 from fake_engine import FakeEngineFactory
-from textual.widgets import DataTable, Input, Select, Static, TextArea
+from textual.widgets import DataTable, Input, RadioButton, Select, Static, TextArea
 
 from specchat.app.tui.screens.dialogs import ConfirmScreen
 from specchat.app.tui.screens.help import HelpScreen
@@ -38,7 +38,10 @@ async def test_picker_lists_pairs_and_switches_keeping_the_conversation(tmp_path
         assert len(app.chat.query(AssistantMessage)) == 1  # the conversation is kept
         await send(pilot, "again")
         await reply_done(pilot)
-        assert [m["role"] for m in app.engine.requests[0].messages] == ["user", "assistant", "user"]
+        warm, reply = app.engine.requests  # the new engine first read the chat into its cache (screens/warmer.py)
+        assert [m["role"] for m in warm.messages] == ["user", "assistant"] and warm.sampling.max_new_tokens == 1
+        assert warm.conversation == reply.conversation == app.chat.conv.key  # the reply goes on from that cache
+        assert [m["role"] for m in reply.messages] == ["user", "assistant", "user"]
         assert app.store.chat(app.chat.conv.chat_id).pair == "smollm2-135m, plain"  # the pairs that wrote it
 
 
@@ -87,7 +90,7 @@ async def test_settings_are_validated_persisted_and_used(tmp_path):
         screen.query_one("#temperature", Input).value = "0.5"
         screen.query_one("#top_k", Input).value = "40"
         screen.query_one("#max_new_tokens", Input).value = "64"
-        screen.query_one("#drafter", Select).value = "none"
+        screen.query_one("#drafter-none", RadioButton).value = True
         screen.query_one("#gamma_mode", Select).value = "fixed"
         screen.query_one("#gamma", Input).value = "x"
         await pilot.press("ctrl+s")
@@ -98,7 +101,11 @@ async def test_settings_are_validated_persisted_and_used(tmp_path):
         assert app.screen is not screen
         saved = json.loads((tmp_path / "settings.json").read_text())
         assert saved["temperature"] == 0.5 and saved["top_k"] == 40 and saved["max_new_tokens"] == 64
-        assert saved["drafter"] == "none" and saved["gamma"] == 3 and saved["system_prompt"] == "Be brief."
+        assert (
+            saved["drafters"] == {"smollm2-135m": "none"}
+            and saved["gamma"] == 3
+            and saved["system_prompt"] == "Be brief."
+        )
         await send(pilot, "hi")
         await reply_done(pilot)
         request = app.engine.requests[0]

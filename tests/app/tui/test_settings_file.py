@@ -32,7 +32,7 @@ async def test_the_app_starts_on_a_bad_settings_file_with_one_notification(tmp_p
         found = [n for n in notifications(app) if "Settings file" in n]
         assert len(found) == 1 and str(path) in found[0] and expected in found[0], notifications(app)
         if name == "list as drafter":
-            assert app.settings.system_prompt == "kept" and app.settings.drafter == "pair"
+            assert app.settings.system_prompt == "kept" and app.settings.drafters == {}
 
 
 async def test_a_settings_save_that_fails_is_said_once(tmp_path) -> None:

@@ -29,8 +29,9 @@ async def chat_with_reply(pilot) -> None:
 def test_snapshot_finished_reply(tmp_path, snap_compare):
     """The header reads "specchat — smollm2-135m · Reverse a string in Python". Below: the user message, then
     the reply with a syntax-highlighted Python code block and the italic totals line
-    "79 tokens · 1.00 s · 79.0 tok/s · acceptance 50% · τ 3.00 · prompt-lookup". The stats bar at the
-    bottom shows "79.0 tok/s  acc 50%  τ 3.00  last reply: prompt-lookup" (no γ nor "speculating" between
+    "79 tokens · 1.00 s · 78.8 tok/s · acceptance 50% · τ 3.00 · ×1.80 vs plain (expected) · prompt-lookup"
+    (the rate after the first token). The stats bar at the bottom shows "78.8 tok/s  acc 50%  τ 3.00  ×1.80? vs
+    plain  last reply: prompt-lookup" (no γ nor "speculating" between
     replies) and a rising sparkline; the prompt input (placeholder text) sits between them;
     the footer lists Help, Pair, Settings, History (F1-F4 first), then Regenerate, New chat, Token view,
     Details."""

@@ -61,7 +61,8 @@ def step(
         ("top_k", -1, "negative"),
         ("top_k", 2.5, "whole number"),
         ("max_new_tokens", 0, "1 .. 32768"),
-        ("drafter", "draft-model", "not one of"),
+        ("drafters", {"smollm2-135m": "fast"}, "not one of"),
+        ("drafters", ["none"], "expected an object"),
         ("gamma", 0, "1 .. 31"),
         ("gamma", "fast", "expected a number"),
         ("system_prompt", 3, "expected text"),
@@ -76,7 +77,9 @@ def test_validate_settings_names_the_field_and_the_range(field, value, words):
 def test_settings_round_trip_and_bad_files(tmp_path):
     path = tmp_path / "cfg" / "settings.json"
     assert load_settings(path) == (Settings(), None)  # missing: defaults, no warning
-    saved = Settings(temperature=0.7, top_k=20, gamma="auto", drafter="none", system_prompt="hi", theme="nord")
+    saved = Settings(
+        temperature=0.7, top_k=20, gamma="auto", drafters={"plain": "none"}, system_prompt="hi", theme="nord"
+    )
     save_settings(saved, path)
     assert load_settings(path) == (saved, None)
     raw = json.loads(path.read_text())
@@ -89,7 +92,9 @@ def test_settings_round_trip_and_bad_files(tmp_path):
     path.write_text("[1, 2]")
     assert "JSON object" in load_settings(path)[1]
     assert Settings(temperature=0.0).sampling().temperature == 0.0
-    assert Settings().request_drafter() is None and Settings(drafter="none").request_drafter() == "none"
+    assert Settings().request_drafter("plain") is None
+    assert Settings(drafters={"plain": "none"}).request_drafter("plain") == "none"
+    assert Settings(drafters={"plain": "none"}).request_drafter("smollm2-135m") is None  # per pair, never global
 
 
 def test_save_settings_where_no_folder_can_be_made_raises_a_clear_error(tmp_path):
@@ -155,7 +160,8 @@ def test_totals_lines_and_the_measured_speedup():
         accepted_length_histogram=(2, 3, 3),
     )
     line = reply_totals(stats, "cancelled")
-    assert line == "7 tokens · 0.50 s · 14.0 tok/s · acceptance 75% · τ 2.50 · prompt-lookup · stopped"
+    # no first-token time: the engine's tok/s; the speed-up beside τ (16 steps: 8 speculating, 8 plain, measured)
+    assert line == "7 tokens · 0.50 s · 14.0 tok/s · acceptance 75% · τ 2.50 · ×1.50 vs plain · prompt-lookup · stopped"
     assert stored_totals(None) == "" and "max tokens reached" in stored_totals({"finish_reason": "length"})
     assert stored_totals(stats.to_dict() | {"finish_reason": "cancelled"}) == line  # as the history keeps it
     assert stored_totals({"new_tokens": "garbled", "finish_reason": "eos"}).startswith("0 tokens")
@@ -322,7 +328,10 @@ def test_a_failed_reply_totals_say_what_went_wrong_and_what_to_do():
     assert stored_totals({"finish_reason": "error", "error": "boom"}).endswith(
         "error: boom · ↑ edits your message, Ctrl+R retries"
     )
-    assert reply_totals(RequestStats(), "cancelled").endswith("stopped while reading the prompt")
+    assert reply_totals(RequestStats(), "cancelled") == "stopped during prefill"  # no "0 tokens · 0.00 s" (issue 36)
+    assert reply_totals(RequestStats(), "cancelled", prefill=(1024, 2692), elapsed_s=3.25) == (
+        "stopped during prefill (1,024 of 2,692 tokens) · 3.2 s"
+    )
 
 
 def test_sizes_use_the_binary_units_of_specchat_models():
@@ -358,7 +367,7 @@ def test_loader_progress_is_throttled_within_a_step_but_each_new_step_shows():
 
 
 def test_load_steps_time_each_step():
-    from specchat.app.tui.widgets.stats_bar import LoadSteps, short_step
+    from specchat.app.tui.widgets.load_steps import LoadSteps, short_step
 
     clock = Clock()
     steps = LoadSteps(clock)
