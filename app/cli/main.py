@@ -244,7 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="show only this pair"
     )
 
-    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE
+    from specchat.app.serve.boundary import (
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_MAX_CONNECTIONS,
+        DEFAULT_MAX_MESSAGES,
+        DEFAULT_MAX_TOKENS,
+        DEFAULT_QUEUE,
+    )
 
     serve = sub.add_parser(
         "serve",
@@ -262,14 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key-env",
         metavar="VAR",
         default=None,
-        help="require the API key held in environment variable VAR (Authorization: Bearer KEY)",
+        help="require the API key held in environment variable VAR (Authorization: Bearer KEY; default: "
+        "SPECCHAT_API_KEY when set); required for a --host other than loopback",
     )
     serve.add_argument(
         "--queue",
         type=_positive_int,
         default=DEFAULT_QUEUE,
         metavar="N",
-        help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})",
+        help=f"requests that may wait for the engine; more get 429 (default {DEFAULT_QUEUE})",
     )
     serve.add_argument(
         "--max-tokens",
@@ -284,6 +291,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="N",
         help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    serve.add_argument(
+        "--max-messages",
+        type=_positive_int,
+        default=DEFAULT_MAX_MESSAGES,
+        metavar="N",
+        help=f"most messages in one request; more get 413 (default {DEFAULT_MAX_MESSAGES})",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections open at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    serve.add_argument(
+        "--log",
+        default="-",
+        metavar="FILE",
+        help="where the access log goes, one line per request: '-' stderr (default), a file, or 'off'",
+    )
+    serve.add_argument(
+        "--log-prompts",
+        action="store_true",
+        help="add each request's last user message to its access-log line (off: no prompt text is logged)",
+    )
+    serve.add_argument(
+        "--share-state",
+        action="store_true",
+        help="let requests learn from each other (reply memory, acceptance estimates, draft cache): faster "
+        "for one trusted user; off by default, so no client's reply depends on or shows another's",
     )
     return parser
 
