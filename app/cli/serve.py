@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     pair = get_pair(load_pairs(args.models), args.pair or DEFAULT_PAIR)
     if pair.remote is not None:
         raise RequestError(
-            f"pair '{pair.name}' is a remote pair ({pair.remote.server}): it is already served "
+            f"pair '{pair.name}' is a remote pair ({pair.target.source}): it is already served "
             "there; serve a local pair"
         )
     key = api_key_from(args.api_key_env)

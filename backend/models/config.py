@@ -29,6 +29,7 @@ from specchat.backend.api import DEFAULT_PAIR, MAX_CONTEXT, MAX_GAMMA, MIN_CONTE
 from specchat.backend.errors import ConfigError
 from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.paths import config_dir, expand
+from specchat.backend.redact import mask_url
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")  # PyTorch's own int4/int8 kernels (backend/models/quantized.py)
@@ -50,7 +51,8 @@ _HUB_ID = re.compile(f"{_HUB_PART}/{_HUB_PART}")
 _PAIR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # A branch, tag or commit (git's ref-name rules): printable ASCII without spaces or ~ ^ : ? * [ \
 _REVISION = re.compile(r"[^\x00-\x20\x7f-\U0010ffff~^:?*\[\\]{1,255}")
-_SERVER_URL = re.compile(r"^https?://[A-Za-z0-9.\-_\[\]:%]+(:\d{1,5})?(/[!-~]*)?\Z")
+# Optional user:password@ (sent as HTTP basic auth; masked in every message: backend/redact.py).
+_SERVER_URL = re.compile(r"^https?://([!-~]+@)?[A-Za-z0-9.\-_\[\]:%]+(:\d{1,5})?(/[!-~]*)?\Z")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 
 
@@ -90,7 +92,7 @@ class RemoteSpec:
 
     @property
     def source(self) -> str:
-        return f"{self.model} @ {self.server}"
+        return f"{self.model} @ {mask_url(self.server)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +286,7 @@ def _parse_remote(file: Path, pair: str, node: Any) -> RemoteSpec:
     if not _SERVER_URL.match(server):
         raise where.error(
             "server",
-            server,
+            mask_url(server),
             "not an http:// or https:// URL",
             "write the base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1",
         )

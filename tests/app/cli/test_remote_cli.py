@@ -136,7 +136,7 @@ def test_models_lists_remote_pairs_with_a_reachability_check(tmp_path, capsys) -
     down = _models_file(tmp_path, f"http://127.0.0.1:{closed_port()}/v1")
     assert main(["models", "--models", str(down), "--device", "cpu", "--pair", "far"]) == 0
     text = capsys.readouterr().out
-    assert " DOWN " in text and "! far: ConnectError" in text
+    assert " DOWN " in text and "! far: pair 'far': cannot reach http://127.0.0.1" in text
 
 
 def test_bench_on_a_remote_pair(tmp_path, capsys) -> None:
