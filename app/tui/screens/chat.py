@@ -155,6 +155,7 @@ class ChatScreen(ChatActionsMixin, Screen):
         self.query_one("#attachments").display = False
         self.query_one("#conversation", VerticalScroll).anchor()
         self.query_one(PromptInput).focus()
+        self.recover_edits()
 
     @property
     def stats_bar(self) -> StatsBar:

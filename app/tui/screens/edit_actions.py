@@ -7,9 +7,11 @@ Contract:
   plan becomes a note in the conversation and a notification, each saying why and that nothing was written.
   Otherwise the diff dialog shows every file — a symlink as ``link → real file``, flagged when the real file
   is outside the current folder — and notes (mixed line ends kept, a whole-file reply, code that no longer
-  parses). Only Apply writes (``app/chat/edit_files.py``: backups, atomic writes); the note that follows
-  shows ``git diff`` of each file git tracks. ``/undo`` puts back the last applied edit of this session,
-  byte for byte, from its backups; earlier ones follow on the next ``/undo``.
+  parses). Only Apply writes (``app/chat/edit_files.py``: one transaction, its journal outside the user's
+  folders, atomic writes); the note that follows shows ``git diff`` of each file git tracks. ``/undo`` puts back
+  the last applied edit, byte for byte, from its journal; earlier ones follow on the next ``/undo``, and once
+  none is left it says so (naming the last one undone). At start, :meth:`recover_edits` finishes an edit a
+  killed specchat left half-applied and offers the edits of earlier sessions to ``/undo``.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def plan_notes(plan: EditPlan) -> list[str]:
 class EditActionsMixin:
     pending_edits: list[EditTarget]
     applied_edits: list[AppliedEdit]
+    _undone: str | None = None  # the files of the last edit /undo took back, for the next /undo's message
     app: Any
     notify: Any
     update_attachments: Any
@@ -143,11 +146,26 @@ class EditActionsMixin:
         self._add_note(EditNote("applied", f"Applied to {applied.describe()} · /undo takes it back", shown))
         self.notify(f"Wrote {', '.join(str(f.path) for f in applied.files)}.", title="Edit applied", timeout=6)
 
+    def recover_edits(self) -> None:
+        """At start: edits a killed specchat left are completed (or taken back); they and earlier sessions'
+        edits are offered to /undo."""
+        from specchat.app.chat.edit_files import recover_edits
+
+        edits, notes = recover_edits()
+        self.applied_edits[:0] = edits
+        for note in notes:
+            self.notify(note, title="/edit", timeout=12)
+
     def undo_last_edit(self) -> None:
         from specchat.app.chat.edit_files import undo_edit
 
         if not self.applied_edits:
-            self.notify("Nothing to undo: no /edit was applied in this session.", title="/undo", timeout=5)
+            message = (
+                f"Nothing left to undo: the last /edit ({self._undone}) was undone already."
+                if self._undone
+                else "Nothing to undo: no /edit was applied."
+            )
+            self.notify(message, title="/undo", timeout=5)
             return
         applied = self.applied_edits[-1]
         try:
@@ -156,8 +174,8 @@ class EditActionsMixin:
             self.notify(str(error), title="/undo", severity="error", timeout=12)
             return
         self.applied_edits.pop()
-        names = ", ".join(f"{f.shown} from {f.backup.name}" for f in applied.files)
-        self._add_note(EditNote("undone", f"/undo restored {names}"))
+        self._undone = applied.describe()
+        self._add_note(EditNote("undone", f"/undo restored {applied.describe()} as they were before the edit"))
         self.notify(f"Restored {len(restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
 
     def last_edit_request(self) -> tuple[list[EditTarget], str] | None:

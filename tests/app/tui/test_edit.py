@@ -44,10 +44,15 @@ async def test_edit_shows_a_diff_and_applies_after_confirmation(tmp_path, monkey
         await pilot.press("a")
         await wait_for(pilot, lambda: (tmp_path / "answer.py").read_text() != ORIGINAL)
         assert (tmp_path / "answer.py").read_text() == "def answer():\n    return 42\n"
-        backups = list(tmp_path.glob("answer.py.specchat-bak-*"))
-        assert len(backups) == 1 and backups[0].read_text() == ORIGINAL
+        assert not _left_beside(tmp_path)  # no backup beside it: the journal has it
+        assert app.chat.applied_edits[-1].files[0].backup.read_text() == ORIGINAL
         assert any("Edit applied" in n for n in notifications(app))
         assert not chip.display
+
+
+def _left_beside(folder) -> list:
+    """Backup, staging or temporary files an edit left in the user's folder."""
+    return [p.name for p in folder.iterdir() if "specchat-bak" in p.name or p.name.endswith(".tmp")]
 
 
 async def test_edit_cancelled_leaves_the_file_and_can_be_reviewed_again(tmp_path, monkeypatch):
@@ -60,7 +65,7 @@ async def test_edit_cancelled_leaves_the_file_and_can_be_reviewed_again(tmp_path
         await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen))
         await pilot.press("escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, DiffScreen))
-        assert (tmp_path / "answer.py").read_text() == ORIGINAL and not list(tmp_path.glob("*.specchat-bak-*"))
+        assert (tmp_path / "answer.py").read_text() == ORIGINAL and not _left_beside(tmp_path)
         app.chat.action_review_edit()
         await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen))
         await pilot.click("#apply")
@@ -120,7 +125,7 @@ async def test_a_reply_holding_only_the_changed_function_is_refused_and_the_file
         note = app.chat.query_one(EditNote)
         assert note.kind == "refused" and "drops add, mul" in note.text and "Nothing was written" in note.text
         assert not isinstance(app.screen, DiffScreen)
-        assert (tmp_path / "calc.py").read_text() == CALC and not list(tmp_path.glob("*.specchat-bak-*"))
+        assert (tmp_path / "calc.py").read_text() == CALC and not _left_beside(tmp_path)
         assert any("/edit refused" in n for n in notifications(app))
 
 
@@ -159,8 +164,9 @@ async def test_search_replace_blocks_apply_exactly_and_undo_restores_byte_for_by
         await send(pilot, "/undo")
         assert (tmp_path / "calc.py").read_bytes() == original
         assert any(n.kind == "undone" for n in app.chat.query(EditNote))
-        await send(pilot, "/undo")
-        assert "Nothing to undo" in notifications(app)[-1]
+        await send(pilot, "/undo")  # says what happened, not that nothing was ever applied
+        assert "Nothing left to undo: the last /edit (calc.py) was undone already." in notifications(app)[-1]
+        assert not [p for p in tmp_path.iterdir() if "specchat-bak" in p.name or p.name.endswith(".tmp")]
 
 
 async def test_one_request_edits_several_files(tmp_path, monkeypatch):
