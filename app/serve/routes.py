@@ -154,7 +154,8 @@ class Routes:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
         path = request.url.path[:100]
         if status == 405:
-            message, kind = f"{request.method[:16]} is not allowed on {path}; use GET or POST as listed", "invalid"
+            kind = "invalid_request_error"
+            message = f"{request.method[:16]} is not allowed on {path}; use GET or POST as listed"
         else:
             routes = "POST /v1/chat/completions, GET /v1/models, /metrics or /health"
             message, kind = f"no route {request.method[:16]} {path}; use {routes}", "not_found"

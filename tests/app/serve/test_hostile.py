@@ -128,7 +128,7 @@ def test_random_bytes_never_crash_the_server(hostile) -> None:
     _, port = hostile
     prefixes = st.sampled_from([b"", b"GET / HTTP/1.1\r\nHost: x\r\n", b"POST /v1/chat/completions HTTP/1.1\r\n"])
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(prefixes, st.binary(max_size=300))
     def run(prefix: bytes, noise: bytes) -> None:
         FUZZED["serve: bad requests (raw socket)"] += 1
@@ -268,3 +268,21 @@ def test_no_traceback_and_every_request_logged(hostile, caplog) -> None:
     assert any('"POST /v1/chat/completions" 200 ok tokens=' in line for line in lines)
     assert any('"POST /v1/chat/completions" 499 client-left' in line for line in lines)
     assert not any("hi" in line.split('"')[-1] for line in lines)  # no prompt text without --log-prompts
+
+
+def test_prompts_are_logged_only_when_asked_and_escaped(caplog) -> None:
+    engine = FakeEngine(FakePair("tiny"), reply="ok")
+    body = {**GOOD, "messages": [{"role": "user", "content": 'secret "plan"\n\x1b[2J next'}]}
+    for log_prompts in (False, True):
+        with running_server(engine, log_prompts=log_prompts) as (server, _), caplog.at_level(logging.INFO):
+            caplog.clear()
+            assert exchange(server.server_address[1], _body(body), half_close=True).status == 200
+            deadline = time.monotonic() + 5  # the line is written once the answer has gone out
+            while not (lines := [r.getMessage() for r in caplog.records if r.name == "specchat.serve.access"]):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            (line,) = lines
+        assert "\n" not in line and "\x1b" not in line
+        assert ("secret" in line) == log_prompts
+        if log_prompts:
+            assert 'prompt="secret \\"plan\\"\\n\\u001b[2J next"' in line
