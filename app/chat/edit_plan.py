@@ -316,9 +316,9 @@ def _plan_whole(targets: list[EditTarget], reply: str, request: str) -> EditPlan
             name = name_before(lines, block.line) or "" if block.line >= 0 else ""
             if ambiguous := ambiguity(f"The code block at line {block.line + 1}", name, targets):
                 return EditPlan(refusals=(ambiguous,))
-            target = target_for(name, targets) if name else None
-            if target is not None:
-                chosen[targets.index(target)] = (target, block.text, block.closed)
+            named = target_for(name, targets) if name else None
+            if named is not None:
+                chosen[targets.index(named)] = (named, block.text, block.closed)
     if not chosen:
         attached = ", ".join(t.shown for t in targets)
         if len(targets) > 1 and blocks:

@@ -11,10 +11,19 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from specchat import __version__
+from specchat.app.cli.options import add_global_options as _add_global_options
+from specchat.app.cli.options import add_serve_parser
+from specchat.app.cli.options import gamma as _gamma
+from specchat.app.cli.options import number as _number
+from specchat.app.cli.options import one_of as _one_of
+from specchat.app.cli.options import pair_name as _pair_name
+from specchat.app.cli.options import positive_int as _positive_int
+from specchat.app.cli.options import whole as _whole
 from specchat.backend.bench.suites import SUITES
-from specchat.backend.inputs import shown
+from specchat.backend.limits import BENCH_MAX_NEW_TOKENS, BENCH_SEED, BENCH_TEMPERATURE, DRAFTERS
 
 EPILOG = """\
 commands:
@@ -22,84 +31,11 @@ commands:
   generate    headless generation; --json prints one JSON object per sample on stdout
   bench       measure every decoding mode against transformers in one run
   models      list the model pairs of models.yaml with memory estimates (remote pairs: reachable?)
+  add         add a model (a .gguf file, a folder, a hub id or hf:ORG/NAME/FILE.gguf) to your models.yaml
   serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
 
 Run `specchat COMMAND --help` for a command's options.
 """
-
-
-def _add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: bool) -> None:
-    # The same options work before and after the subcommand name; in the subparsers they default to
-    # SUPPRESS so that a value given before the subcommand is not overwritten by the subparser's default.
-    default = argparse.SUPPRESS if suppress_defaults else None
-    parser.add_argument(
-        "--models",
-        metavar="FILE",
-        default=default,
-        help="models.yaml to use instead of the packaged one (user overrides still apply)",
-    )
-    parser.add_argument(
-        "--device", metavar="DEV", default=default, help="cuda, cuda:N or cpu (default: cuda when available, else cpu)"
-    )
-
-
-def _positive_int(text: str) -> int:
-    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 written in digits 0-9, got {shown(text)}")
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
-
-
-def _whole(text: str) -> int:
-    """An integer option (--top-k, --seed): ranges are checked where the value is used, naming the option."""
-    stripped = text.strip().removeprefix("-")
-    if not (stripped.isascii() and stripped.isdigit() and len(stripped) <= 40):
-        raise argparse.ArgumentTypeError(f"expected a whole number written in digits 0-9, got {shown(text)}")
-    return int(text)
-
-
-def _number(text: str) -> float:
-    """A float option (--temperature, --top-p, ...): NaN and infinities pass here and are refused by range."""
-    try:
-        return float(text) if len(text) <= 100 else float("nan")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
-
-
-def _one_of(choices: list[str]):
-    def check(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(f"{shown(text)} is not one of {', '.join(choices)}")
-        return text
-
-    return check
-
-
-def _pair_name(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a pair name (see `specchat models`), got an empty name")
-    return text
-
-
-def _port(text: str) -> int:
-    if not (text.isascii() and text.strip().isdigit()) or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
-    return int(text)
-
-
-def _gamma(text: str) -> int | str:
-    from specchat.backend.api import MAX_GAMMA
-
-    if text == "auto":
-        return text
-    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
-        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {shown(text)}")
-    value = int(text)
-    if not 1 <= value <= MAX_GAMMA:
-        raise argparse.ArgumentTypeError(f"gamma must be between 1 and {MAX_GAMMA} (or 'auto'), got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_global_options(gen, suppress_defaults=True)
     gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
-    drafters = ["none", "prompt-lookup", "suffix", "draft-model", "auto"]
+    drafters = list(DRAFTERS)
     gen.add_argument(
         "--drafter",
         type=_one_of(drafters),
@@ -177,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, nothing else")
 
-    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEATS
+    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_REPEATS
 
     bench = sub.add_parser(
         "bench",
@@ -209,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         metavar="N",
-        help=f"new tokens per reply (default: {DEFAULT_MAX_NEW_TOKENS})",
+        help=f"new tokens per reply (default: {BENCH_MAX_NEW_TOKENS})",
     )
     bench.add_argument(
         "--repeats",
@@ -229,13 +165,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--out", metavar="DIR", default="bench_out", help="where the JSON and PNG go (default: bench_out)"
     )
-    bench.add_argument("--temperature", type=_number, default=0.0, metavar="T", help="0 is greedy (default: 0)")
-    bench.add_argument("--seed", type=_whole, default=0, metavar="S", help="(default: 0)")
+    bench.add_argument(
+        "--temperature",
+        type=_number,
+        default=BENCH_TEMPERATURE,
+        metavar="T",
+        help=f"0 is greedy (default: {BENCH_TEMPERATURE:g})",
+    )
+    bench.add_argument("--seed", type=_whole, default=BENCH_SEED, metavar="S", help=f"(default: {BENCH_SEED})")
     bench.add_argument(
         "--synthetic",
         metavar="NAME",
         default=None,
         help="random-weight models with real shapes on the device (GPU speed check)",
+    )
+    bench.add_argument(
+        "--kernels",
+        action="store_true",
+        help="time the GGUF block kernels per weight type at 1/4/16/64 rows, beside the memory bound",
+    )
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for --kernels (default: torch's current count)",
     )
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
@@ -244,85 +198,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="show only this pair"
     )
 
-    from specchat.app.serve.boundary import (
-        DEFAULT_MAX_BODY_BYTES,
-        DEFAULT_MAX_CONNECTIONS,
-        DEFAULT_MAX_MESSAGES,
-        DEFAULT_MAX_TOKENS,
-        DEFAULT_QUEUE,
+    add = sub.add_parser(
+        "add",
+        help="add a model pair to your models.yaml",
+        description="Add a pair to your models.yaml from a model source alone (sizes are read from its files); "
+        "with --draft, the draft's tokenizer must match the target's.",
     )
+    _add_global_options(add, suppress_defaults=True)
+    add.add_argument("source", help="a .gguf file, a model folder, a hub id org/name, or hf:ORG/NAME/FILE.gguf")
+    add.add_argument("--draft", metavar="SOURCE", default=None, help="a smaller model of the same family")
+    add.add_argument("--name", metavar="NAME", type=_pair_name, default=None, help="the pair's name")
 
-    serve = sub.add_parser(
-        "serve",
-        help="serve a pair over an OpenAI-compatible API",
-        description="Serve one local pair over the OpenAI chat completions API (streaming, "
-        "/v1/models, /metrics), with its speculation statistics per request.",
-    )
-    _add_global_options(serve, suppress_defaults=True)
-    serve.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="the pair to serve")
-    serve.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
-    )
-    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
-    serve.add_argument(
-        "--api-key-env",
-        metavar="VAR",
-        default=None,
-        help="require the API key held in environment variable VAR (Authorization: Bearer KEY; default: "
-        "SPECCHAT_API_KEY when set); required for a --host other than loopback",
-    )
-    serve.add_argument(
-        "--queue",
-        type=_positive_int,
-        default=DEFAULT_QUEUE,
-        metavar="N",
-        help=f"requests that may wait for the engine; more get 429 (default {DEFAULT_QUEUE})",
-    )
-    serve.add_argument(
-        "--max-tokens",
-        type=_positive_int,
-        default=DEFAULT_MAX_TOKENS,
-        metavar="N",
-        help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS})",
-    )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=_positive_int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        metavar="N",
-        help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})",
-    )
-    serve.add_argument(
-        "--max-messages",
-        type=_positive_int,
-        default=DEFAULT_MAX_MESSAGES,
-        metavar="N",
-        help=f"most messages in one request; more get 413 (default {DEFAULT_MAX_MESSAGES})",
-    )
-    serve.add_argument(
-        "--max-connections",
-        type=_positive_int,
-        default=DEFAULT_MAX_CONNECTIONS,
-        metavar="N",
-        help=f"connections open at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})",
-    )
-    serve.add_argument(
-        "--log",
-        default="-",
-        metavar="FILE",
-        help="where the access log goes, one line per request: '-' stderr (default), a file, or 'off'",
-    )
-    serve.add_argument(
-        "--log-prompts",
-        action="store_true",
-        help="add each request's last user message to its access-log line (off: no prompt text is logged)",
-    )
-    serve.add_argument(
-        "--share-state",
-        action="store_true",
-        help="let requests learn from each other (reply memory, acceptance estimates, draft cache): faster "
-        "for one trusted user; off by default, so no client's reply depends on or shows another's",
-    )
+    add_serve_parser(sub)
     return parser
 
 
@@ -350,10 +237,34 @@ def one_line(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _single_value_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options of ``parser`` and its subcommands that take exactly one value."""
+    found: list[argparse.Action] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _single_value_actions(sub)
+        elif action.option_strings and action.nargs is None and isinstance(action, argparse._StoreAction):
+            found.append(action)
+    return found
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, refusing an option whose value argparse dropped: ``--models=--`` parses as an empty list (argparse
+    strips a ``--`` value), which no one-value option can use."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for action in _single_value_actions(parser):
+        if getattr(args, action.dest, None) == []:
+            parser.error(f"{action.option_strings[0]} needs a value: '--' is not one")
+    return _normalise(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _normalise(build_parser().parse_args(argv))
+    args = _parse(argv)
     from specchat.backend.errors import SpecchatError
 
+    command: ModuleType  # the subcommand's module: each has run(args) -> int
     try:
         if args.command == "generate":
             from specchat.app.cli import generate as command
@@ -361,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import bench as command
         elif args.command == "models":
             from specchat.app.cli import models as command
+        elif args.command == "add":
+            from specchat.app.cli import add as command
         elif args.command == "serve":
             from specchat.app.cli import serve as command
         else:

@@ -1,9 +1,9 @@
 """`specchat serve`'s routes (a Starlette app): the OpenAI chat completions API over the engine's one owner.
 
 Routes: ``POST /v1/chat/completions`` (also ``/chat/completions``: server-sent events or one JSON object),
-``GET /v1/models`` (also ``/models``), ``GET /metrics`` (Prometheus text), ``GET /health``; any other path or
-method is a JSON 404 / 405. Every error is the OpenAI-style JSON object (app/serve/boundary.py), never a
-traceback; a bug is answered 500 and logged once.
+``GET /v1/models`` (also ``/models``), ``GET /metrics`` (Prometheus text; a reply's counts are added when it
+ends, from its RequestStats), ``GET /health``; any other path or method is a JSON 404 / 405. Every error is the
+OpenAI-style JSON object (app/serve/boundary.py), never a traceback; a bug is answered 500 and logged once.
 
 Contract of one chat request: the API key (when set) is checked first (401); the body is read within
 ``config.body_timeout_s`` (408) up to ``limits.max_body_bytes`` (413, told by ``Content-Length`` before

@@ -121,6 +121,7 @@ class Int4Linear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] (any float dtype, rounded to compute_dtype) times the weight, plus the bias: [M, N] in
         compute_dtype. What :meth:`forward` computes, without its reshapes and its cast back."""
+        out: torch.Tensor  # (torch.ops are typed as returning Any)
         if _dequantises(x.shape[0]) and self.packed.device.type == "cpu":
             weight = self.dequantized()
             if weight is not None:
@@ -258,7 +259,9 @@ def kernel_call(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return matmul if matmul is not None else layer
 
 
-def _bound(layer: Int4Linear | Int8Linear, kernel: Callable[[torch.Tensor], torch.Tensor]):
+def _bound(
+    layer: Int4Linear | Int8Linear, kernel: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
     dtype, bias, long_input = layer.compute_dtype, layer.bias, layer.matmul
 
     def call(x: torch.Tensor) -> torch.Tensor:

@@ -41,9 +41,10 @@ from typing import Any
 
 import httpx
 
-from specchat.backend.api import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, StepEvent
+from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.prompting import validate_messages
 from specchat.backend.errors import RemoteError, RequestError
+from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
 from specchat.backend.models.config import PairConfig, RemoteSpec
 from specchat.backend.remote.faults import describe, error_text, http_error, network_error, one_line, shown_url
 from specchat.backend.remote.reply import MAX_LINE_BYTES, ReplyState, TooLarge, capped_lines, sse_data

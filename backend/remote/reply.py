@@ -184,14 +184,14 @@ class ReplyState:
         self.counted += len(ids)
         sources, texts = self._tokens(own, ids, text)
         message, self.notice = self.notice, None
-        policy = own.get("policy")
+        policy, gamma, accepted = own.get("policy"), own.get("gamma"), own.get("accepted")
         return StepEvent(
             token_ids=ids,
             sources=sources,
             token_texts=texts,
             text=text,
-            gamma=own.get("gamma") if isinstance(own.get("gamma"), int) else 0,
-            accepted=own.get("accepted") if isinstance(own.get("accepted"), int) else 0,
+            gamma=gamma if isinstance(gamma, int) else 0,
+            accepted=accepted if isinstance(accepted, int) else 0,
             draft_s=0.0,
             verify_s=0.0,
             overhead_s=0.0,

@@ -26,6 +26,9 @@ CLOCK = {
     "expected_speedup",
     "policy",
     "seed",
+    "pass_s",  # step_counts' timings
+    "spec_time_s",
+    "plain_time_s",
 }
 PROMPT = "w7 w8 w9 w10 w11 w7 w8 w9 w10 w11 w7 w8"
 
@@ -44,14 +47,21 @@ def _body(content: str, **extra) -> dict:
     }
 
 
+def _counts(stats: dict) -> dict:
+    """A reply's statistics without the clock readings, those inside ``step_counts`` too."""
+    kept = {k: v for k, v in stats.items() if k not in CLOCK}
+    if isinstance(kept.get("step_counts"), dict):
+        kept["step_counts"] = {k: v for k, v in kept["step_counts"].items() if k not in CLOCK}
+    return kept
+
+
 def _seen(url: str, body: dict) -> dict:
     """What a client sees of one streamed reply, clock readings left out."""
     with httpx.stream("POST", url + "/chat/completions", json=body, timeout=120) as response:
         assert response.status_code == 200
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     steps = [
-        {k: v for k, v in c["specchat"].items() if k != "stats"}
-        | {"stats": {k: v for k, v in c["specchat"]["stats"].items() if k not in CLOCK}}
+        {k: v for k, v in c["specchat"].items() if k != "stats"} | {"stats": _counts(c["specchat"]["stats"])}
         for c in chunks
         if c["choices"]
     ]
@@ -64,7 +74,7 @@ def _seen(url: str, body: dict) -> dict:
         "usage": last["usage"],
         "draft_counts": {k: last["timings"][k] for k in ("draft_n", "draft_n_accepted", "prompt_n", "predicted_n")},
         "metrics": metrics,
-        "stats": {k: v for k, v in last["specchat"]["stats"].items() if k not in CLOCK},
+        "stats": _counts(last["specchat"]["stats"]),
     }
 
 

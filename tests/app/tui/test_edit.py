@@ -11,7 +11,7 @@ from app_harness import make_app, notifications, ready, reply_done, screen_text,
 from fake_engine import FakeEngineFactory
 from textual.widgets import Static
 
-from specchat.app.tui.screens.chat_actions import split_path_argument
+from specchat.app.tui.screens.commands import split_path_argument
 from specchat.app.tui.screens.dialogs import DiffScreen
 from specchat.app.tui.widgets.edit_note import EditNote
 from specchat.app.tui.widgets.message_view import UserMessage
@@ -45,7 +45,7 @@ async def test_edit_shows_a_diff_and_applies_after_confirmation(tmp_path, monkey
         await wait_for(pilot, lambda: (tmp_path / "answer.py").read_text() != ORIGINAL)
         assert (tmp_path / "answer.py").read_text() == "def answer():\n    return 42\n"
         assert not _left_beside(tmp_path)  # no backup beside it: the journal has it
-        assert app.chat.applied_edits[-1].files[0].backup.read_text() == ORIGINAL
+        assert app.chat.edits.applied[-1].files[0].backup.read_text() == ORIGINAL
         assert any("Edit applied" in n for n in notifications(app))
         assert not chip.display
 
@@ -229,7 +229,7 @@ async def test_up_on_an_edit_request_attaches_the_file_again(tmp_path, monkeypat
         prompt = app.chat.query_one("#prompt")
         prompt.focus()
         await pilot.press("up")
-        assert prompt.text == "type hints pls" and [t.path.name for t in app.chat.pending_edits] == ["calc.py"]
+        assert prompt.text == "type hints pls" and [t.path.name for t in app.chat.attachments.edits] == ["calc.py"]
         prompt.text = "add type hints to every function"
         await pilot.press("enter")
         await reply_done(pilot)
