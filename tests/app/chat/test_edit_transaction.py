@@ -131,11 +131,26 @@ def test_bad_replies_over_odd_layouts_write_all_or_nothing(tmp_path_factory) -> 
 
 
 # -- kill -9 during multi-file applies ---------------------------------------------------------------------------
+# The child says where it is after the journal is in place and after each file is written, and lingers 20 ms
+# there, so that the parent's kill lands at every stage (before the journal, between two files, after the last
+# one) instead of only before or after the whole apply, which is what a blind random delay mostly hits.
 CHILD = textwrap.dedent("""
-    import sys
+    import sys, time
+    from specchat.app.chat import edit_journal
     from specchat.app.chat.edit_files import apply_plan
     from specchat.app.chat.edit_plan import EditPlan, FileChange
     from specchat.app.chat.editing import load_edit_target
+
+    def said(name, real):
+        def wrapped(*args):
+            result = real(*args)
+            print(name, flush=True)
+            time.sleep(0.02)
+            return result
+        return wrapped
+
+    edit_journal.begin = said("begun", edit_journal.begin)
+    edit_journal.put = said("put", edit_journal.put)
     paths = sys.argv[1:]
     targets = [load_edit_target(p) for p in paths]
     plan = EditPlan(changes=tuple(FileChange(t, t.text.replace("old", "NEW"), "whole file") for t in targets))
@@ -148,7 +163,7 @@ CHILD = textwrap.dedent("""
 def kill_during_multi_file_applies(tmp_path: Path, kills: int, seed: int) -> None:
     rng = random.Random(seed)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    outcomes = {"old": 0, "new": 0, "completed at the next start": 0}
+    outcomes = {"old": 0, "new": 0, "completed at the next start": 0, "half-applied when killed": 0}
     for round_ in range(kills):
         root = tmp_path / f"round{round_}"
         root.mkdir()
@@ -162,10 +177,14 @@ def kill_during_multi_file_applies(tmp_path: Path, kills: int, seed: int) -> Non
             [sys.executable, "-c", CHILD, *map(str, paths)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
         )
         assert child.stdout is not None and child.stdout.readline() == b"go\n"
-        time.sleep(rng.uniform(0.0, 0.06))
+        for _ in range(rng.randint(0, len(paths) + 1)):  # past the journal and some of the files
+            assert child.stdout.readline() in (b"begun\n", b"put\n")
+        time.sleep(rng.uniform(0.0, 0.025))
         os.kill(child.pid, signal.SIGKILL)
         child.communicate()
         KILLS["multi-file /edit apply"] += 1
+        killed = {p.read_bytes() == new[p] for p in paths}
+        outcomes["half-applied when killed"] += killed == {True, False}  # what the next start must heal
         edits, notes = recover_edits()  # the next start
         outcomes["completed at the next start"] += sum("is now complete" in n for n in notes)
         state = {p: p.read_bytes() for p in paths}
@@ -182,7 +201,8 @@ def kill_during_multi_file_applies(tmp_path: Path, kills: int, seed: int) -> Non
             outcomes["old"] += 1
         SURVIVED["multi-file /edit apply"] += 1
     READINGS[f"multi-file /edit kills ({kills})"] = ", ".join(f"{k} {v}" for k, v in outcomes.items())
-    assert outcomes["old"] and outcomes["new"] or kills < 10, outcomes  # the kills landed on both sides
+    # the kills landed before the journal, after the whole apply and in between
+    assert outcomes["old"] and outcomes["new"] and outcomes["completed at the next start"] or kills < 10, outcomes
 
 
 @SCALES
