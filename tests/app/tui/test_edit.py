@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 from app_harness import make_app, notifications, ready, reply_done, screen_text, send, wait_for
 from fake_engine import FakeEngineFactory
@@ -235,3 +236,36 @@ async def test_up_on_an_edit_request_attaches_the_file_again(tmp_path, monkeypat
         await reply_done(pilot)
         assert len(app.chat.conv.turns) == 2
         assert "Request: add type hints to every function" in app.engine.requests[-1].messages[-1]["content"]
+
+
+KILLED_MID_APPLY = """
+import os, sys
+from specchat.app.chat import edit_journal
+from specchat.app.chat.edit_files import apply_plan
+from specchat.app.chat.edit_plan import EditPlan, FileChange
+from specchat.app.chat.editing import load_edit_target
+real_put = edit_journal.put
+def put(file, data):
+    real_put(file, data)
+    os._exit(0)  # gone after the first file, as a kill -9 would leave it
+edit_journal.put = put
+targets = [load_edit_target(p) for p in sys.argv[1:]]
+apply_plan(EditPlan(changes=tuple(FileChange(t, t.text.replace("1", "2"), "whole file") for t in targets)))
+"""
+
+
+async def test_an_edit_killed_half_way_is_completed_at_start_and_can_be_undone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first, second = tmp_path / "one.py", tmp_path / "two.py"
+    first.write_text("x = 1\n")
+    second.write_text("y = 1\n")
+    subprocess.run([sys.executable, "-c", KILLED_MID_APPLY, str(first), str(second)], check=True, timeout=60)
+    assert (first.read_text(), second.read_text()) == ("x = 2\n", "y = 1\n")  # half-applied, as the kill left it
+    app = edit_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await wait_for(pilot, lambda: any("it is now complete" in n for n in notifications(app)))
+        assert (first.read_text(), second.read_text()) == ("x = 2\n", "y = 2\n")
+        await send(pilot, "/undo")
+        assert (first.read_text(), second.read_text()) == ("x = 1\n", "y = 1\n")
+        assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".py") == ["one.py", "two.py"]
