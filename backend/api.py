@@ -96,6 +96,9 @@ class GenerationRequest:
     gamma: Gamma | None = None  # None: the pair's gamma
     conversation: str | None = None
     prefill_progress: bool = False  # yield prefill progress events (StepEvent.prefill_done)
+    # Messages that do not fit the context: False drops the oldest (a chat), True refuses the request with a
+    # RequestError naming the token counts (an API client's history is never cut behind its back).
+    keep_all_messages: bool = False
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:

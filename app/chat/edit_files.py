@@ -1,21 +1,21 @@
-"""Writing an accepted ``/edit`` to disk, taking it back with ``/undo``, and showing git's view of it.
+"""Writing an accepted ``/edit`` to disk as one transaction, taking it back with ``/undo``, and showing git's view.
 
 Contract:
 - :func:`apply_plan` writes the files of an :class:`~specchat.app.chat.edit_plan.EditPlan` (only their real
   paths: a symlink stays a link to the file it names) after the user's confirmation. Before writing anything
   it checks every file: unchanged since it was attached (SHA-256 of its bytes), writable, and the new text
-  encodable; one failure refuses them all (:class:`EditError`, nothing written). Then, per file, the original
-  bytes go to a new ``<name>.specchat-bak-<timestamp>[-n]`` (never overwriting anything) and the new content
-  replaces the file through ``specchat.backend.files.write_atomic`` — a reader, or a ``kill -9`` at any moment,
-  sees the old bytes or the new ones, never a part; the backup is complete before it takes its name.
-  Permission bits are kept and, where allowed, the owner. If a later file fails, the files already written
-  are put back from their originals. Model output is only ever written as file content, never executed.
+  encodable; one failure refuses them all (:class:`EditError`, nothing written). Then the journal
+  (``edit_journal.py``: both versions of every file, outside the user's folders) is written and fsynced, and
+  only then is each file replaced through ``specchat.backend.files.write_atomic`` — a reader, or a ``kill -9``
+  at any moment, sees each file's old bytes or its new ones, never a part, and the next start completes an
+  interrupted edit (``edit_journal.recover``). Permission bits are kept and, where allowed, the owner. If a
+  later file fails, the files already written are put back. No backup or staging file is left beside the
+  user's files. Model output is only ever written as file content, never executed.
 - Line ends: unchanged lines keep their own (a file mixing CRLF and LF stays mixed); new lines take the
   file's most common one; a UTF-8 BOM is restored.
-- :func:`undo_edit` puts back, byte for byte, every file of an :class:`AppliedEdit` from its backup, refusing
-  (nothing written) when a file changed since the edit or a backup is no longer the original. Once every file
-  is back, its backups are deleted (the file itself holds those bytes again): an undone edit leaves no
-  ``.specchat-bak`` file behind; a backup that cannot be deleted is named in :attr:`Undone.kept`.
+- :func:`undo_edit` puts back, byte for byte, every file of an :class:`AppliedEdit` from its journal, refusing
+  (nothing written) when a file changed since the edit or the journal is gone or damaged; then the journal is
+  removed. A kill mid-undo is completed at the next start.
 - :func:`git_diff` is ``git diff`` of a file tracked by git (None when git is missing, the file is not
   tracked, or git fails or takes over 5 s); it runs git read-only, with no pager and no prompt.
 """
@@ -32,11 +32,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specchat.app.chat import edit_journal
 from specchat.app.chat.edit_plan import EditPlan, FileChange, split_lines
 from specchat.app.chat.editing import EditError, EditTarget, check_writable
-from specchat.backend.files import write_atomic
 
-BACKUP_MARK = ".specchat-bak"
 GIT_TIMEOUT_S = 5.0
 
 
@@ -44,17 +43,37 @@ GIT_TIMEOUT_S = 5.0
 class AppliedFile:
     path: Path  # the real file written
     shown: str  # the path as the user typed it
-    backup: Path  # its original bytes
-    before_sha256: str  # of the original bytes (the backup's)
+    backup: Path  # its original bytes (in the edit's journal, not beside the file)
+    before_sha256: str  # of the original bytes
     after_sha256: str  # of the bytes written
 
 
 @dataclass(frozen=True, slots=True)
 class AppliedEdit:
     files: tuple[AppliedFile, ...]
+    journal: Path | None = None  # the edit's journal folder (edit_journal.py)
 
     def describe(self) -> str:
-        return ", ".join(f"{f.shown} (backup: {f.backup.name})" for f in self.files)
+        return ", ".join(f.shown for f in self.files)
+
+
+def _applied(folder: Path, files: list[edit_journal.JournalFile]) -> AppliedEdit:
+    return AppliedEdit(
+        tuple(AppliedFile(Path(f.path), f.shown, folder / f"{i}.orig", f.before, f.after) for i, f in enumerate(files)),
+        folder,
+    )
+
+
+def recover_edits() -> tuple[list[AppliedEdit], list[str]]:
+    """At start: edits a killed specchat left, completed or taken back (``edit_journal.recover``); the applied
+    ones for ``/undo`` (oldest first) and one sentence per edit acted on."""
+    folders, notes = edit_journal.recover()
+    edits = []
+    for folder in folders:
+        record = edit_journal.read(folder)
+        if record is not None:
+            edits.append(_applied(folder, record["files"]))
+    return edits, notes
 
 
 def restore_line_ends(target: EditTarget, new_text: str) -> str:
@@ -100,10 +119,10 @@ def _read_current(target: EditTarget) -> tuple[bytes, os.stat_result]:
 
 
 def apply_plan(plan: EditPlan) -> AppliedEdit:
-    """Write every file of ``plan`` (see the module docstring); returns what :func:`undo_edit` needs."""
+    """Write every file of ``plan`` as one transaction (see the module docstring); what :func:`undo_edit` needs."""
     if not plan.ok:
         raise EditError(plan.message() if plan.refusals else "/edit: the edit changes no file. Nothing was written.")
-    prepared: list[tuple[FileChange, bytes, os.stat_result, bytes]] = []
+    prepared: list[tuple[edit_journal.JournalFile, bytes, bytes]] = []
     for change in plan.changes:
         target = change.target
         current, st = _read_current(target)
@@ -114,145 +133,111 @@ def apply_plan(plan: EditPlan) -> AppliedEdit:
                 f"changes. Nothing was written: run /edit {target.shown} again to edit the current version."
             )
         check_writable(target)
-        prepared.append((change, current, st, _payload(change)))
-    done: list[tuple[AppliedFile, bytes, int]] = []
-    for change, current, st, payload in prepared:
-        target, mode = change.target, stat.S_IMODE(st.st_mode)
-        try:
-            backup = _write_backup(target, current, mode)
-        except EditError as exc:
-            raise EditError(f"{exc}{_put_back(done)}") from None
-        try:
-            write_atomic(target.path, payload, mode=mode)
-        except OSError as exc:
-            raise EditError(
-                f"/edit {target.shown}: could not write {target.path}: {exc.strerror or exc}. The file "
-                f"is unchanged; the backup is {backup}.{_put_back(done)}"
-            ) from None
-        _keep_owner(target.path, st)
-        done.append(
-            (
-                AppliedFile(target.path, target.shown, backup, target.sha256, hashlib.sha256(payload).hexdigest()),
-                current,
-                mode,
-            )
+        payload = _payload(change)
+        file = edit_journal.JournalFile(
+            str(target.path),
+            target.shown,
+            target.sha256,
+            hashlib.sha256(payload).hexdigest(),
+            stat.S_IMODE(st.st_mode),
+            st.st_uid,
+            st.st_gid,
         )
-    return AppliedEdit(tuple(applied for applied, _, _ in done))
+        prepared.append((file, current, payload))
+    try:
+        folder = edit_journal.begin(prepared)
+    except OSError as exc:
+        raise EditError(
+            f"/edit: could not write the edit's journal in {edit_journal.edits_dir()}: {exc.strerror or exc}. "
+            "Nothing was written; check the free space and permissions of that folder."
+        ) from None
+    done: list[tuple[edit_journal.JournalFile, bytes]] = []
+    for file, current, payload in prepared:
+        try:
+            edit_journal.put(file, payload)
+        except OSError as exc:
+            message = f"/edit {file.shown}: could not write {file.path}: {exc.strerror or exc}. The file is unchanged."
+            raise EditError(message + _put_back(done, folder)) from None
+        done.append((file, current))
+    try:
+        edit_journal.set_state(folder, "applied")
+    except OSError:
+        pass  # the files are written; the next start finds them so and marks the journal applied
+    edit_journal.prune()
+    return _applied(folder, [file for file, _, _ in prepared])
 
 
 def apply_edit(target: EditTarget, new_text: str) -> Path:
-    """Write ``new_text`` as the whole new content of ``target`` (no guard: the caller decided); its backup."""
+    """Write ``new_text`` as the whole new content of ``target`` (no guard: the caller decided); the copy of
+    its original bytes (in the edit's journal)."""
     new_text = new_text.replace("\r\n", "\n")
     if target.text and not target.text.endswith("\n") and new_text.endswith("\n"):
         new_text = new_text[:-1]  # a fenced block always ends its last line; keep the file's own convention
     return apply_plan(EditPlan(changes=(FileChange(target, new_text, "whole file"),))).files[0].backup
 
 
-def _put_back(done: list[tuple[AppliedFile, bytes, int]]) -> str:
-    """Restore the files already written (a later one failed); a sentence saying so ("" when none)."""
+def _put_back(done: list[tuple[edit_journal.JournalFile, bytes]], folder: Path) -> str:
+    """Restore the files already written (a later one failed) and drop the journal; a sentence saying so."""
     failed = []
-    for applied, original, mode in done:
+    for file, original in done:
         try:
-            write_atomic(applied.path, original, mode=mode)
+            edit_journal.put(file, original)
         except OSError:
-            failed.append(f"{applied.path} (its backup is {applied.backup})")
-    if failed:
-        return " These files already written could not be put back: " + ", ".join(failed) + "."
+            failed.append(file.path)
+    if failed:  # keep the journal: the next start puts them back
+        return " These files already written could not be put back yet: " + ", ".join(failed) + "."
+    edit_journal.drop(folder)
     return " The files written before it were put back." if done else ""
 
 
-def _keep_owner(path: Path, st: os.stat_result) -> None:
-    if hasattr(os, "chown") and (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-        try:
-            os.chown(path, st.st_uid, st.st_gid)
-        except OSError:
-            pass  # not allowed (not root): the new file is ours, as any editor would leave it
-
-
-def _write_backup(target: EditTarget, data: bytes, mode: int) -> Path:
-    """The original bytes under a new ``<name>.specchat-bak-<timestamp>[-n]``: written whole under a temporary
-    name, then linked to a name no file has (a link never replaces one), so a backup is never partial."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    staging = target.path.with_name(f".{target.path.name}{BACKUP_MARK}.{os.getpid()}.{os.urandom(3).hex()}")
-    try:
-        write_atomic(staging, data, mode=mode | stat.S_IRUSR | stat.S_IWUSR)
-    except OSError as exc:
+def undo_edit(applied: AppliedEdit) -> list[Path]:
+    """Put every file of ``applied`` back from its journal, byte for byte; returns the paths restored."""
+    folder = applied.journal
+    record = edit_journal.read(folder) if folder is not None else None
+    if folder is None or record is None or record["state"] != "applied":
         raise EditError(
-            f"/edit {target.shown}: could not write a backup next to {target.path}: "
-            f"{exc.strerror or exc}. Nothing was written."
-        ) from None
-    try:
-        for n in range(1, 1000):
-            backup = target.path.with_name(f"{target.path.name}{BACKUP_MARK}-{stamp}{'' if n == 1 else f'-{n}'}")
-            try:
-                os.link(staging, backup)
-                return backup
-            except FileExistsError:
-                continue
-            except OSError:  # a file system without hard links: check, then rename
-                if backup.exists() or backup.is_symlink():
-                    continue
-                os.replace(staging, backup)
-                return backup
-        raise EditError(
-            f"/edit {target.shown}: 999 backups from this second already exist next to it; remove "
-            "some. Nothing was written."
+            f"/undo: the record of the edit of {applied.describe()} is gone (undone already, perhaps by another "
+            "specchat). Nothing was restored."
         )
-    except OSError as exc:
-        raise EditError(
-            f"/edit {target.shown}: could not name the backup of {target.path}: "
-            f"{exc.strerror or exc}. Nothing was written."
-        ) from None
-    finally:
-        staging.unlink(missing_ok=True)
-
-
-@dataclass(frozen=True, slots=True)
-class Undone:
-    """What :func:`undo_edit` did: the files restored, and the backups it could not delete (with why)."""
-
-    restored: list[Path]
-    kept: list[str]
-
-
-def undo_edit(applied: AppliedEdit) -> Undone:
-    """Put every file of ``applied`` back from its backup, byte for byte, then delete the backups."""
-    restore: list[tuple[AppliedFile, bytes, int]] = []
-    for f in applied.files:
+    files: list[edit_journal.JournalFile] = record["files"]
+    originals = []
+    for index, (f, file) in enumerate(zip(applied.files, files)):
         try:
-            current, st = f.path.read_bytes(), f.path.stat()
-            original = f.backup.read_bytes()
+            current = f.path.read_bytes()
+            original = edit_journal.copy(folder, index, "orig")
         except OSError as exc:
             raise EditError(
                 f"/undo: cannot read {exc.filename or f.path}: {exc.strerror or exc}. Nothing was restored."
             ) from None
-        if hashlib.sha256(current).hexdigest() != f.after_sha256:
+        if hashlib.sha256(current).hexdigest() != file.after:
             raise EditError(
                 f"/undo: {f.shown} changed since the edit was applied; undoing would lose those changes. "
-                f"Nothing was restored; its original is in {f.backup}."
+                f"Nothing was restored; its original is in {folder / f'{index}.orig'}."
             )
-        if hashlib.sha256(original).hexdigest() != f.before_sha256:
+        if hashlib.sha256(original).hexdigest() != file.before:
             raise EditError(
-                f"/undo: the backup {f.backup} no longer holds the original of {f.shown}. Nothing was restored."
+                f"/undo: the journal {folder} no longer holds the original of {f.shown}. Nothing was restored."
             )
-        restore.append((f, original, stat.S_IMODE(st.st_mode)))
+        originals.append(original)
+    try:
+        edit_journal.set_state(folder, "undoing")
+    except OSError as exc:
+        raise EditError(
+            f"/undo: cannot update the journal {folder}: {exc.strerror or exc}. Nothing was restored."
+        ) from None
     done: list[Path] = []
-    for f, original, mode in restore:
+    for file, original in zip(files, originals):
         try:
-            write_atomic(f.path, original, mode=mode)
+            edit_journal.put(file, original)
         except OSError as exc:
             restored = f" ({', '.join(map(str, done))} were restored)" if done else ""
             raise EditError(
-                f"/undo: could not write {f.path}: {exc.strerror or exc}{restored}; its original is in {f.backup}."
+                f"/undo: could not write {file.path}: {exc.strerror or exc}{restored}; the next start of specchat "
+                "finishes the undo."
             ) from None
-        done.append(f.path)
-    kept = []
-    for f in applied.files:  # every file holds its original again: the backups are copies of it
-        try:
-            f.backup.unlink()
-        except OSError as exc:
-            kept.append(f"{f.backup} ({exc.strerror or exc})")
-    return Undone(done, kept)
+        done.append(Path(file.path))
+    edit_journal.drop(folder)
+    return done
 
 
 def git_diff(path: Path) -> str | None:

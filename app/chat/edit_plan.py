@@ -2,9 +2,11 @@
 
 Contract:
 - :func:`parse_blocks` reads SEARCH/REPLACE blocks (the format ``editing.build_edit_prompt`` asks for, learnt
-  from aider's "diff" edit format): the file's name on a line before ``<<<<<<< SEARCH``, the lines to find, a
-  ``=======`` line, the lines that replace them, ``>>>>>>> REPLACE``; fences around them are ignored. A block
-  cut short (no divider, or the reply ended inside it) is a problem, never a block. It never raises.
+  from aider's "diff" edit format): the file's name on a line before ``<<<<<<< SEARCH`` (matched to an
+  attached file by ``edit_names.py``: a name that could mean several attached files refuses the edit, never a
+  guess), the lines to find, a ``=======`` line, the lines that replace them, ``>>>>>>> REPLACE``; fences
+  around them are ignored. A block cut short (no divider, or the reply ended inside it) is a problem, never a
+  block. It never raises.
 - :func:`plan_edit` never raises either, and never writes. Its :class:`EditPlan` holds either the changed files
   (``changes``) or the reasons nothing may be written (``refusals``), never both:
   - a reply with SEARCH/REPLACE blocks: each block is applied exactly, in order, to its file's text as left by
@@ -31,12 +33,12 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from specchat.app.chat.edit_names import ambiguity, name_before, target_for
 from specchat.app.chat.editing import EditTarget, code_blocks
 
 _SEARCH = re.compile(r"^\s*<{5,9}\s*SEARCH\s*$")
 _DIVIDER = re.compile(r"^\s*={5,9}\s*$")
 _REPLACE = re.compile(r"^\s*>{5,9}\s*REPLACE\s*$")
-_FENCE_LINE = re.compile(r"^\s*(`{3,}|~{3,})")
 _SHRINK_WORDS = re.compile(r"\b(delete|remove|drop|shorten|trim|strip|clear|empty|truncate|cut|only)", re.I)
 _DROP_WORDS = re.compile(r"\b(delete|remove|drop|rename|merge|replace|move|inline|combine|split|get rid)", re.I)
 _DEFINITION_PATTERNS = [
@@ -91,28 +93,6 @@ def split_lines(text: str) -> list[str]:
 
 
 # -- parsing --------------------------------------------------------------------------------------------------
-def _file_name(line: str) -> str:
-    """A file name written on its own line (decorations removed), or ""."""
-    name = line.strip()
-    name = re.sub(r"^(?:#+|\*+|[-+] )\s*", "", name)
-    name = re.sub(r"^(?:file(?:name)?|path)\s*:\s*", "", name, flags=re.I)
-    name = name.strip("*`'\"").rstrip(":").strip("*`'\" ")
-    if not name or any(c.isspace() for c in name) or not re.search(r"[./\\]", name) or name.endswith("."):
-        return ""
-    return name
-
-
-def _name_before(lines: list[str], index: int) -> str | None:
-    """The file name in the three lines before ``index`` (skipping fences and blank lines); None when none."""
-    for line in reversed(lines[max(0, index - 3) : index]):
-        if not line.strip() or _FENCE_LINE.match(line):
-            continue
-        if _REPLACE.match(line) or _DIVIDER.match(line):
-            return None
-        return _file_name(line) or None
-    return None
-
-
 def parse_blocks(reply: str) -> tuple[list[EditBlock], list[str]]:
     """The reply's SEARCH/REPLACE blocks, and a problem for each block cut short (see the module docstring)."""
     lines = reply.replace("\r\n", "\n").split("\n")
@@ -125,7 +105,7 @@ def parse_blocks(reply: str) -> tuple[list[EditBlock], list[str]]:
             i += 1
             continue
         number = len(blocks) + len(problems) + 1
-        current = _name_before(lines, i) or current
+        current = name_before(lines, i) or current
         parts: list[list[str]] = [[], []]
         part, j = 0, i + 1
         while j < len(lines):
@@ -153,17 +133,6 @@ def parse_blocks(reply: str) -> tuple[list[EditBlock], list[str]]:
 
 
 # -- applying blocks -------------------------------------------------------------------------------------------
-def _target_for(name: str, targets: list[EditTarget]) -> EditTarget | None:
-    if not name:
-        return targets[0] if len(targets) == 1 else None
-    wanted = name.replace("\\", "/").removeprefix("./")
-    for target in targets:
-        forms = {target.shown, str(target.path), target.path.name, target.link}
-        if name in forms or wanted in forms or target.path.as_posix().endswith("/" + wanted):
-            return target
-    return None
-
-
 def _short(line: str, width: int = 60) -> str:
     line = line.rstrip("\n").strip()
     return line if len(line) <= width else line[: width - 1] + "…"
@@ -228,7 +197,10 @@ def _plan_blocks(targets: list[EditTarget], blocks: list[EditBlock], problems: l
     refusals = list(problems)
     texts = {t.path: t.text for t in targets}
     for block in blocks:
-        target = _target_for(block.file, targets)
+        target = target_for(block.file, targets)
+        if target is None and (ambiguous := ambiguity(f"Block {block.number}", block.file, targets)):
+            refusals.append(ambiguous)
+            continue
         if target is None:
             attached = ", ".join(t.shown for t in targets)
             refusals.append(
@@ -341,7 +313,10 @@ def _plan_whole(targets: list[EditTarget], reply: str, request: str) -> EditPlan
             chosen[0] = (target, best.text, best.closed)
     else:
         for block in blocks:
-            named = _target_for(_name_before(lines, block.line) or "", targets) if block.line >= 0 else None
+            name = name_before(lines, block.line) or "" if block.line >= 0 else ""
+            if ambiguous := ambiguity(f"The code block at line {block.line + 1}", name, targets):
+                return EditPlan(refusals=(ambiguous,))
+            named = target_for(name, targets) if name else None
             if named is not None:
                 chosen[targets.index(named)] = (named, block.text, block.closed)
     if not chosen:

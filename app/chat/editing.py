@@ -244,21 +244,35 @@ def build_edit_prompt(targets: EditTarget | list[EditTarget], request: str) -> s
     if not request.strip():
         shown = targets[0].shown
         raise EditError(f"/edit {shown}: say what to change after the path, e.g. /edit {shown} add type hints")
-    first = targets[0]
-    which = f"`{first.path.name}`" if len(targets) == 1 else "the files below"
+    labels = edit_labels(targets)
+    which = f"`{labels[0]}`" if len(targets) == 1 else "the files below"
     parts = [
         f"Edit {which} as requested. Answer with SEARCH/REPLACE blocks, one per change, each like this:\n\n"
-        f"{first.path.name}\n{SEARCH}\n(lines copied exactly from the current file)\n{DIVIDER}\n"
+        f"{labels[0]}\n{SEARCH}\n(lines copied exactly from the current file)\n{DIVIDER}\n"
         f"(the new lines that replace them)\n{REPLACE}\n\n"
         "Copy the SEARCH lines character for character, with their indentation, and include enough of them to "
         "match one place only. Change nothing the request does not ask for. Explain after the blocks.\n\n"
         f"Request: {request.strip()}\n"
     ]
-    for target in targets:
+    for target, label in zip(targets, labels):
         fence, lang = _fence_for(target.text), target.language
         body = target.text if target.text.endswith("\n") or not target.text else target.text + "\n"
-        parts.append(f"\nCurrent `{target.path.name}`:\n{fence}{lang}\n{body}{fence}\n")
+        parts.append(f"\nCurrent `{label}`:\n{fence}{lang}\n{body}{fence}\n")
     return "".join(parts)
+
+
+def edit_labels(targets: list[EditTarget]) -> list[str]:
+    """The name each file goes by in the prompt (and so in the reply): its file name, or as many of its last
+    folders as tell it from the other attached files (two ``util.py``: ``a/util.py`` and ``b/util.py``)."""
+    labels = []
+    for target in targets:
+        parts = target.path.parts
+        for k in range(1, len(parts) + 1):
+            label = "/".join(parts[-k:])
+            if sum(o.path.as_posix().endswith("/" + label) for o in targets) <= 1:
+                break
+        labels.append(label)
+    return labels
 
 
 def build_file_context(path: str | os.PathLike[str]) -> str:

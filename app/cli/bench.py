@@ -65,9 +65,12 @@ def run(args) -> int:
     def load(index: int):
         config = configs[index]
         if config.remote is not None:
+            from rich.markup import escape
+
+            from specchat.backend.redact import mask_url
             from specchat.backend.remote.client import RemoteEngine
 
-            err.print(f"Pair [bold]{config.name}[/bold] runs on {config.remote.server}")
+            err.print(f"Pair [bold]{config.name}[/bold] runs on {escape(mask_url(config.remote.server))}")
             return RemoteEngine(config)
         from specchat.app.cli.generate import _progress  # one line per step off a terminal, as generate's
         from specchat.backend.engine.engine import load_engine

@@ -14,17 +14,16 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from specchat import __version__
+from specchat.app.cli.options import add_global_options as _add_global_options
+from specchat.app.cli.options import add_serve_parser
+from specchat.app.cli.options import gamma as _gamma
+from specchat.app.cli.options import number as _number
+from specchat.app.cli.options import one_of as _one_of
+from specchat.app.cli.options import pair_name as _pair_name
+from specchat.app.cli.options import positive_int as _positive_int
+from specchat.app.cli.options import whole as _whole
 from specchat.backend.bench.suites import SUITES
-from specchat.backend.inputs import shown
-from specchat.backend.limits import (
-    BENCH_MAX_NEW_TOKENS,
-    BENCH_SEED,
-    BENCH_TEMPERATURE,
-    DRAFTERS,
-    MAX_GAMMA,
-    SERVE_MAX_TOKENS,
-    is_gamma,
-)
+from specchat.backend.limits import BENCH_MAX_NEW_TOKENS, BENCH_SEED, BENCH_TEMPERATURE, DRAFTERS
 
 EPILOG = """\
 commands:
@@ -37,78 +36,6 @@ commands:
 
 Run `specchat COMMAND --help` for a command's options.
 """
-
-
-def _add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: bool) -> None:
-    # The same options work before and after the subcommand name; in the subparsers they default to
-    # SUPPRESS so that a value given before the subcommand is not overwritten by the subparser's default.
-    default = argparse.SUPPRESS if suppress_defaults else None
-    parser.add_argument(
-        "--models",
-        metavar="FILE",
-        default=default,
-        help="models.yaml to use instead of the packaged one (user overrides still apply)",
-    )
-    parser.add_argument(
-        "--device", metavar="DEV", default=default, help="cuda, cuda:N or cpu (default: cuda when available, else cpu)"
-    )
-
-
-def _positive_int(text: str) -> int:
-    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1 written in digits 0-9, got {shown(text)}")
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
-    return value
-
-
-def _whole(text: str) -> int:
-    """An integer option (--top-k, --seed): ranges are checked where the value is used, naming the option."""
-    stripped = text.strip().removeprefix("-")
-    if not (stripped.isascii() and stripped.isdigit() and len(stripped) <= 40):
-        raise argparse.ArgumentTypeError(f"expected a whole number written in digits 0-9, got {shown(text)}")
-    return int(text)
-
-
-def _number(text: str) -> float:
-    """A float option (--temperature, --top-p, ...): NaN and infinities pass here and are refused by range."""
-    try:
-        return float(text) if len(text) <= 100 else float("nan")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
-
-
-def _one_of(choices: Sequence[str]):
-    def check(text: str) -> str:
-        if text not in choices:
-            raise argparse.ArgumentTypeError(f"{shown(text)} is not one of {', '.join(choices)}")
-        return text
-
-    return check
-
-
-def _pair_name(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a pair name (see `specchat models`), got an empty name")
-    return text
-
-
-def _port(text: str) -> int:
-    if not (text.isascii() and text.strip().isdigit()) or not 0 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
-    return int(text)
-
-
-def _gamma(text: str) -> int | str:
-    if text == "auto":
-        return text
-    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
-        raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {shown(text)}")
-    value = int(text)
-    if not is_gamma(value):
-        raise argparse.ArgumentTypeError(f"gamma must be between 1 and {MAX_GAMMA} (or 'auto'), got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,47 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--draft", metavar="SOURCE", default=None, help="a smaller model of the same family")
     add.add_argument("--name", metavar="NAME", type=_pair_name, default=None, help="the pair's name")
 
-    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE
-
-    serve = sub.add_parser(
-        "serve",
-        help="serve a pair over an OpenAI-compatible API",
-        description="Serve one local pair over the OpenAI chat completions API (streaming, "
-        "/v1/models, /metrics), with its speculation statistics per request.",
-    )
-    _add_global_options(serve, suppress_defaults=True)
-    serve.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="the pair to serve")
-    serve.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
-    )
-    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0 picks a free one)")
-    serve.add_argument(
-        "--api-key-env",
-        metavar="VAR",
-        default=None,
-        help="require the API key held in environment variable VAR (Authorization: Bearer KEY)",
-    )
-    serve.add_argument(
-        "--queue",
-        type=_positive_int,
-        default=DEFAULT_QUEUE,
-        metavar="N",
-        help=f"requests that may wait for the engine; more get 503 (default {DEFAULT_QUEUE})",
-    )
-    serve.add_argument(
-        "--max-tokens",
-        type=_positive_int,
-        default=SERVE_MAX_TOKENS,
-        metavar="N",
-        help=f"largest max_tokens a request may ask for (default {SERVE_MAX_TOKENS})",
-    )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=_positive_int,
-        default=DEFAULT_MAX_BODY_BYTES,
-        metavar="N",
-        help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})",
-    )
+    add_serve_parser(sub)
     return parser
 
 

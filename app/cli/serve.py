@@ -1,36 +1,81 @@
 """`specchat serve`: the local engine of one pair behind an OpenAI-compatible API (app/serve/).
 
 Contract: ``run(args)`` (``args.pair``, ``models``, ``device``, ``host``, ``port``, ``api_key_env``, ``queue``,
-``max_tokens``, ``max_body_bytes``) loads the pair's engine, binds ``host:port`` (127.0.0.1 by default: only this
-machine can connect) and serves until Ctrl+C, then closes the engine and returns 0. A remote pair cannot be
-served (RequestError: it already is, by its server). Binding another address without an API key is allowed but
-warned about. The API key is read from the environment variable ``--api-key-env`` names, never from the command
-line (which other users of the machine can read).
+``max_tokens``, ``max_body_bytes``, ``max_messages``, ``max_connections``, ``log``, ``log_prompts``,
+``share_state``) loads the pair's engine, binds ``host:port`` (127.0.0.1 by default: only this machine can
+connect) and serves until Ctrl+C (then returns 0) or SIGTERM, closing the engine. A remote pair cannot be served
+(RequestError: it already is, by its server). The API key is read from the environment variable
+``--api-key-env`` names, else from ``SPECCHAT_API_KEY``, never from the command line (which other users of the
+machine can read); binding an address other than loopback without a key is refused before the model loads.
+The access log (one line per request, app/serve/access.py) goes to stderr, to the file ``--log`` names, or
+nowhere (``--log off``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import os
 import sys
 
 from specchat.backend.errors import RequestError
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_KEY_ENV = "SPECCHAT_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach ``host`` (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def api_key_from(env: str | None) -> str | None:
+    """The key in the variable ``env`` names (RequestError when it is unset or empty), else in
+    ``SPECCHAT_API_KEY`` when that is set, else None."""
     if env is None:
-        return None
+        return os.environ.get(DEFAULT_KEY_ENV) or None
     key = os.environ.get(env)
     if not key:
         raise RequestError(f"--api-key-env {env}: the variable is not set (or empty); export {env}=<a key>")
     return key
 
 
+def _access_log(destination: str) -> None:
+    """Send the access log (logger ``specchat.serve.access``) and the server's errors to their places."""
+    access = logging.getLogger("specchat.serve.access")
+    access.propagate = False
+    access.setLevel(logging.INFO)
+    for handler in list(access.handlers):
+        access.removeHandler(handler)
+    if destination == "off":
+        access.disabled = True
+    else:
+        try:
+            handler = logging.StreamHandler(sys.stderr) if destination == "-" else logging.FileHandler(destination)
+        except OSError as error:
+            raise RequestError(
+                f"--log {destination}: cannot open it ({error.strerror or error}); name a file you can write, "
+                "'-' (stderr) or 'off'"
+            ) from None
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)
+    errors = logging.getLogger("specchat.serve")
+    if not errors.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("specchat serve: %(levelname)s: %(message)s"))
+        errors.addHandler(handler)
+        errors.propagate = False
+
+
 def run(args: argparse.Namespace) -> int:
     from specchat.app.cli.generate import _confirm_download, _progress
     from specchat.app.serve.boundary import Limits
+    from specchat.app.serve.protocol import Guard
     from specchat.app.serve.server import ServeConfig, make_server
     from specchat.backend.engine.engine import load_engine
     from specchat.backend.limits import DEFAULT_PAIR
@@ -40,21 +85,30 @@ def run(args: argparse.Namespace) -> int:
     pair = get_pair(load_pairs(args.models), args.pair or DEFAULT_PAIR)
     if pair.remote is not None:
         raise RequestError(
-            f"pair '{pair.name}' is a remote pair ({pair.remote.server}): it is already served "
+            f"pair '{pair.name}' is a remote pair ({pair.target.source}): it is already served "
             "there; serve a local pair"
         )
     key = api_key_from(args.api_key_env)
-    if args.host not in LOOPBACK and key is None:
-        print(
-            f"specchat: warning: serving on {args.host} without an API key: anyone who can reach this machine "
-            "can use the model (set --api-key-env VAR)",
-            file=sys.stderr,
+    if not is_loopback(args.host) and key is None:
+        raise RequestError(
+            f"--host {args.host} lets other machines connect, so an API key is required: export "
+            f"{DEFAULT_KEY_ENV}=<a key> (or name another variable with --api-key-env VAR); clients send "
+            "'Authorization: Bearer <key>'"
         )
+    _access_log(args.log)
     with capture_library_output(progress=_progress):
         engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens)
-    blocks = getattr(engine, "blocks_in_use", None)
-    config = ServeConfig(model=pair.name, limits=limits, queue_size=args.queue, api_key=key, blocks_in_use=blocks)
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_messages=args.max_messages)
+    config = ServeConfig(
+        model=pair.name,
+        limits=limits,
+        queue_size=args.queue,
+        api_key=key,
+        blocks_in_use=getattr(engine, "blocks_in_use", None),
+        guard=Guard(max_connections=args.max_connections),
+        share_state=args.share_state,
+        log_prompts=args.log_prompts,
+    )
     try:
         server = make_server(engine, config, host=args.host, port=args.port)
     except OSError as error:
@@ -64,14 +118,16 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     address = server.server_address  # the socket's name after the bind: the host is a str (typeshed allows bytes)
     host, port = str(address[0]), address[1]
+    shown = f"[{host}]" if ":" in host else host
+    sharing = "; requests share what they learn (--share-state)" if args.share_state else ""
     print(
-        f"specchat serve: pair {pair.name} on http://{host}:{port}/v1 (model id '{pair.name}'; queue "
-        f"{args.queue}; Ctrl+C stops)",
+        f"specchat serve: pair {pair.name} on http://{shown}:{port}/v1 (model id '{pair.name}'; queue "
+        f"{args.queue}; {'API key required' if key else 'no API key'}{sharing}; Ctrl+C stops)",
         file=sys.stderr,
         flush=True,
     )
     try:
-        server.serve_forever(poll_interval=0.2)
+        server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:

@@ -43,9 +43,10 @@ REPLY_MEMORY_CHARS = 800_000
 def default_engine_factory(device: str | None, replies: Callable[[], list[str] | None] | None = None) -> EngineFactory:
     def factory(pair: PairConfig, progress: Progress, confirm_download: ConfirmDownload) -> EngineAPI:
         if pair.remote is not None:  # nothing to load: the server runs the model
+            from specchat.backend.redact import mask_url
             from specchat.backend.remote.client import RemoteEngine
 
-            progress(f"connecting to {pair.remote.server}", None)
+            progress(f"connecting to {mask_url(pair.remote.server)}", None)
             return RemoteEngine(pair)
         from specchat.backend.models.capture import capture_library_output
 

@@ -8,8 +8,12 @@ JSON (400), a top level that is not an object (400), a missing or unknown ``mode
 list), ``messages`` that are not a non-empty list of ``{"role": system|user|assistant, "content": text or text
 parts}`` (400), sampling values out of the engine's range (``specchat.backend.limits.SAMPLING_LIMITS``: 400),
 ``max_tokens`` over the server's limit (400), and OpenAI features the server does not offer when asked for
-(``n`` > 1, ``tools``, ``logprobs``, non-text ``response_format``: 400). Other unknown fields are ignored, as
-OpenAI-compatible servers do. The body size limit is checked by the server before reading (413).
+(``n`` > 1, ``tools``, ``logprobs``, non-text ``response_format``: 400), and more than ``limits.max_messages``
+messages (413, before any message is read). Other unknown fields are ignored, as OpenAI-compatible servers do.
+The spellings common clients send for "off" or "default" are accepted (:func:`_normalise`): ``top_k`` -1
+(vLLM, SGLang), ``seed`` -1 and ``max_tokens`` -1 (llama.cpp's "none"), the role ``developer`` (OpenAI's newer
+name for ``system``), an empty ``stop``, ``logit_bias`` {}, ``min_p`` 0, ``top_logprobs`` 0, ``tool_choice``
+"none" or "auto" without tools. The body size limit is checked by the server before reading (413).
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ from specchat.backend.errors import RequestError
 from specchat.backend.limits import DRAFTERS, SERVE_MAX_TOKENS, check_gamma, check_sampling_value
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
-DEFAULT_QUEUE = 8  # requests waiting for the engine; one more is refused (503)
+DEFAULT_QUEUE = 8  # requests waiting for the engine; one more is refused (429)
+DEFAULT_MAX_MESSAGES = 2048  # messages in one request (OpenAI's own limit); more are refused (413)
+DEFAULT_MAX_CONNECTIONS = 64  # open at once; more are refused (503: app/serve/protocol.py)
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer clients send "developer" for the system message
 
 
 class ApiError(Exception):
@@ -46,6 +53,7 @@ class ApiError(Exception):
 class Limits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens: int = SERVE_MAX_TOKENS  # per reply; a request asking for more is refused (400)
+    max_messages: int = DEFAULT_MAX_MESSAGES
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,16 +116,24 @@ def _content(index: int, content: Any) -> str:
     raise _bad(param, content, "must be a string or a list of text parts")
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _messages(value: Any, most: int) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise _bad("messages", value, 'must be a non-empty list of {"role": ..., "content": ...} objects')
+    if len(value) > most:
+        raise ApiError(
+            413,
+            f"field 'messages' has {len(value)} messages; this server takes at most {most} (--max-messages): "
+            "send fewer, e.g. drop the oldest turns",
+            "messages",
+        )
     out = []
     for i, message in enumerate(value):
         if not isinstance(message, Mapping):
             raise _bad(f"messages[{i}]", message, 'must be an object {"role": ..., "content": ...}')
         role = message.get("role")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            raise _bad(f"messages[{i}].role", role, "must be one of " + ", ".join(ROLES))
+            raise _bad(f"messages[{i}].role", role, "must be one of " + ", ".join(ROLES) + " (or developer)")
         if "content" not in message or message["content"] is None:
             raise _bad(f"messages[{i}].content", None, "is required (text)")
         text = _content(i, message["content"]).encode("utf-8", "replace").decode("utf-8")  # lone surrogates
@@ -133,15 +149,22 @@ def _number(body: Mapping[str, Any], key: str, ours: str) -> Any:
     if key not in body or body[key] is None:
         return None
     value = body[key]
+    if value == -1 and not isinstance(value, bool) and key in OFF_AT_MINUS_ONE:
+        return OFF_AT_MINUS_ONE[key]
     try:
         check_sampling_value(ours, value)
     except RequestError as error:
-        raise ApiError(400, f"field '{key}' = {_shown(value)}: {str(error).split(': ', 1)[-1]}", key) from None
+        off = " (or -1: off)" if key in OFF_AT_MINUS_ONE else ""
+        raise ApiError(400, f"field '{key}' = {_shown(value)}: {str(error).split(': ', 1)[-1]}{off}", key) from None
     return value
 
 
+# Clients send -1 for "off" / "server's choice" (vLLM and SGLang top_k, llama.cpp seed): what it means here.
+OFF_AT_MINUS_ONE: dict[str, Any] = {"top_k": 0, "seed": None}
+
+
 def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
+    if value is None or value == "" or value == []:
         return ()
     items = [value] if isinstance(value, str) else value
     if (
@@ -171,8 +194,17 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     for key in ("tools", "functions"):
         if body.get(key):
             raise _bad(key, body[key], "this server does not call tools; leave it out")
+    if body.get("tools") in (None, []) and body.get("tool_choice") not in (None, "none", "auto"):
+        raise _bad("tool_choice", body["tool_choice"], 'this server does not call tools; send "none" or leave it out')
     if body.get("logprobs") not in (None, False):
         raise _bad("logprobs", body["logprobs"], "this server does not return log-probabilities; leave it out")
+    if body.get("top_logprobs") not in (None, 0) or isinstance(body.get("top_logprobs"), bool):
+        raise _bad("top_logprobs", body["top_logprobs"], "this server does not return log-probabilities; send 0")
+    if body.get("logit_bias") not in (None, {}):
+        raise _bad("logit_bias", body["logit_bias"], "is not supported; send {} or leave it out")
+    min_p = body.get("min_p")
+    if min_p is not None and (not isinstance(min_p, (int, float)) or isinstance(min_p, bool) or min_p != 0):
+        raise _bad("min_p", min_p, "is not supported; send 0 or leave it out (top_p and top_k are)")
     response_format = body.get("response_format")
     if response_format is not None and (
         not isinstance(response_format, Mapping) or response_format.get("type") != "text"
@@ -211,10 +243,12 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
             "model",
             "model_not_found",
         )
-    messages = _messages(data.get("messages"))
+    messages = _messages(data.get("messages"), limits.max_messages)
     _unsupported(data)
     max_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = data.get(max_key)
+    if max_tokens == -1 and not isinstance(max_tokens, bool):  # llama.cpp's "no limit": the server's default
+        max_tokens = None
     if max_tokens is not None and (
         not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= limits.max_tokens
     ):
@@ -222,8 +256,6 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
     temperature = _number(data, "temperature", "temperature")
     top_p = _number(data, "top_p", "top_p")
     top_k = _number(data, "top_k", "top_k")
-    if isinstance(top_k, int) and top_k < 0:  # vLLM and SGLang use -1 for "no top-k"
-        top_k = 0
     repetition_penalty = _number(data, "repetition_penalty", "repetition_penalty")
     seed = _number(data, "seed", "seed")
     for key in ("presence_penalty", "frequency_penalty"):
@@ -248,7 +280,9 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
             seed=seed,
             stop=_stop(data.get("stop")),
         )
-        request = GenerationRequest(messages=messages, sampling=sampling, drafter=drafter, gamma=gamma)
+        request = GenerationRequest(
+            messages=messages, sampling=sampling, drafter=drafter, gamma=gamma, keep_all_messages=True
+        )
     except RequestError as error:  # the checks above cover every field; this keeps the contract if they drift
         raise ApiError(400, str(error), None) from None
     return ChatCall(model, request, stream, include_usage, _flag(data, "return_token_ids"))

@@ -2,11 +2,15 @@
 arrival order, from a bounded queue; and the counters ``/metrics`` shows.
 
 Contract: :meth:`EngineOwner.submit` puts a request in the queue and returns its :class:`Job` at once, or raises
-:class:`Busy` when ``queue_size`` requests are already waiting (the server answers 503). The worker iterates
-``engine.generate(request, job.cancel)`` (the engine API only) and hands each StepEvent to the job's own queue;
-an exception raised by the engine ends the job with that exception; then :data:`END`. A job cancelled while it
-waits is skipped. :meth:`close` cancels the running job, ends the waiting ones and stops the worker. Requests carry
-no conversation key (app/serve/boundary.py), so each is prefilled whole and frees its KV blocks when it ends.
+:class:`Busy` when ``queue_size`` requests are already waiting (the server answers 429). The worker iterates
+``engine.generate(request, job.cancel)`` (the engine API only) and hands each StepEvent to the job's own queue,
+calling ``job.notify()`` after each item (the HTTP side's event loop waits on it instead of a thread per
+request); an exception raised by the engine ends the job with that exception; then :data:`END`. A job cancelled
+while it waits is skipped. ``before_job`` (when given) runs in the worker before each job: `specchat serve` passes
+the engine's ``forget_requests`` there, so that no request learns from another's (the default; an operator may
+opt in to sharing). :meth:`cancel_all` cancels the running and waiting jobs (a server shutting down);
+:meth:`close` also stops the worker. Requests carry no conversation key (app/serve/boundary.py), so each is
+prefilled whole and frees its KV blocks when it ends.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +36,12 @@ class Job:
     request: GenerationRequest
     cancel: threading.Event = field(default_factory=threading.Event)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # StepEvent | Exception | END
+    notify: Callable[[], None] | None = None  # called (from the worker thread) after each item is queued
+
+    def put(self, item: object) -> None:
+        self.events.put(item)
+        if self.notify is not None:
+            self.notify()
 
 
 class Metrics:
@@ -76,8 +87,15 @@ class Metrics:
 class EngineOwner:
     """See the module docstring."""
 
-    def __init__(self, engine: EngineAPI, *, queue_size: int, metrics: Metrics | None = None) -> None:
-        self.engine, self.queue_size = engine, queue_size
+    def __init__(
+        self,
+        engine: EngineAPI,
+        *,
+        queue_size: int,
+        metrics: Metrics | None = None,
+        before_job: Callable[[], None] | None = None,
+    ) -> None:
+        self.engine, self.queue_size, self.before_job = engine, queue_size, before_job
         self.metrics = metrics or Metrics()
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._running = 0
@@ -94,8 +112,8 @@ class EngineOwner:
     def running(self) -> int:
         return self._running
 
-    def submit(self, request: GenerationRequest) -> Job:
-        job = Job(request)
+    def submit(self, request: GenerationRequest, notify: Callable[[], None] | None = None) -> Job:
+        job = Job(request, notify=notify)
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -108,19 +126,30 @@ class EngineOwner:
             if job is None:
                 return
             if job.cancel.is_set():
-                job.events.put(END)
+                job.put(END)
                 continue
             with self._lock:
                 self._running, self._current = 1, job
             try:
+                if self.before_job is not None:
+                    self.before_job()
                 for event in self.engine.generate(job.request, job.cancel):
-                    job.events.put(event)
-            except Exception as error:  # noqa: BLE001 - handed to the request's thread, which answers with it
-                job.events.put(error)
+                    job.put(event)
+            except Exception as error:  # noqa: BLE001 - handed to the request's handler, which answers with it
+                job.put(error)
             finally:
                 with self._lock:
                     self._running, self._current = 0, None
-                job.events.put(END)
+                job.put(END)
+
+    def cancel_all(self) -> None:
+        """Cancel the running job and every waiting one (each still ends with END)."""
+        with self._lock:
+            if self._current is not None:
+                self._current.cancel.set()
+        for job in list(self._jobs.queue):
+            if job is not None:
+                job.cancel.set()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: waiting jobs end at once, the running one is cancelled (the engine stops at its next step)."""
@@ -134,7 +163,7 @@ class EngineOwner:
                 break
             if job is not None:
                 job.cancel.set()
-                job.events.put(END)
+                job.put(END)
         try:
             self._jobs.put(None, timeout=timeout_s)
         except queue.Full:

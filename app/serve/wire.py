@@ -7,13 +7,14 @@ Contract:
   whose ``finish_reason`` is OpenAI's ``stop`` or ``length``); ``choices[0].token_ids`` (vLLM's name) when
   asked for; a ``specchat`` block with the step's token sources and texts, γ, accepted, policy, drafter and the
   request's :class:`RequestStats` so far (``RequestStats.to_dict``), and the engine's own finish reason.
-- :func:`speculation_fields` are the totals in the other servers' shapes: ``usage``; llama-server's ``timings``
-  (``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``, and ``draft_n`` / ``draft_n_accepted`` when
-  the reply drafted, as tools/server/server-common.cpp does); vLLM's ``metrics.speculative_decoding``
-  (``mean_acceptance_length``, ``draft_acceptance_rate``, ``acceptance_histogram``, ``num_spec_steps``,
-  ``num_accepted_draft_tokens``, ``num_draft_tokens``, ``num_spec_tokens``: vllm/v1/metrics/stats.py) when the
-  reply speculated. A stream sends them on a last chunk with empty ``choices`` when ``include_usage`` is asked;
-  a non-streaming reply carries them in its object.
+- :func:`speculation_fields` are the totals in the other servers' shapes, always all three: ``usage``;
+  llama-server's ``timings`` (``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``, ``draft_n``,
+  ``draft_n_accepted``: tools/server/server-common.cpp's names; the draft counts are 0 when the reply drafted
+  nothing); vLLM's ``metrics.speculative_decoding`` (``mean_acceptance_length``, ``draft_acceptance_rate``,
+  ``acceptance_histogram``, ``num_spec_steps``, ``num_accepted_draft_tokens``, ``num_draft_tokens``,
+  ``num_spec_tokens``: vllm/v1/metrics/stats.py; counts 0 and the rates null when nothing was drafted). A
+  stream sends them on a last chunk with empty ``choices`` when ``include_usage`` is asked; a non-streaming
+  reply always carries them in its object.
 """
 
 from __future__ import annotations
@@ -93,24 +94,26 @@ def speculation_fields(stats: RequestStats) -> dict[str, Any]:
         "predicted_n": new,
         "predicted_ms": round(max(stats.wall_s - prefill_s, 0.0) * 1000, 3),
     }
-    if stats.drafted:
-        timings.update(draft_n=stats.drafted, draft_n_accepted=stats.accepted)
+    drafted, accepted = stats.drafted or 0, stats.accepted or 0
+    timings.update(draft_n=drafted, draft_n_accepted=accepted)
     out["timings"] = timings
-    if stats.drafted:
-        histogram = list(stats.accepted_length_histogram)
+    histogram: list[int] = []
+    k = 0
+    if drafted:  # steps by accepted length, 0 .. the largest γ
         k = stats.gamma.max or 0
+        histogram = list(stats.accepted_length_histogram)
         histogram += [0] * (k + 1 - len(histogram))
-        out["metrics"] = {
-            "speculative_decoding": {
-                "mean_acceptance_length": stats.mean_accepted_length,
-                "draft_acceptance_rate": stats.acceptance_rate,
-                "acceptance_histogram": histogram,
-                "num_spec_steps": sum(histogram),
-                "num_accepted_draft_tokens": stats.accepted,
-                "num_draft_tokens": stats.drafted,
-                "num_spec_tokens": k,
-            }
+    out["metrics"] = {
+        "speculative_decoding": {
+            "mean_acceptance_length": stats.mean_accepted_length if drafted else None,
+            "draft_acceptance_rate": stats.acceptance_rate if drafted else None,
+            "acceptance_histogram": histogram,
+            "num_spec_steps": sum(histogram),
+            "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": drafted,
+            "num_spec_tokens": k,
         }
+    }
     return out
 
 

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 from specchat.backend.api import GenerationRequest, StepEvent
-from specchat.backend.engine.prompting import fit_to_context, validate_messages
+from specchat.backend.engine.prompting import fit_to_context, render, validate_messages
 from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
@@ -118,6 +118,22 @@ class Engine:
             for runner in filter(None, (self.runner, self.draft_runner)):
                 runner.close()  # frees the CUDA graphs' memory pool
 
+    def forget_requests(self) -> None:
+        """Forget what earlier requests taught the engine, so the next reply depends on nothing but its own
+        request: the suffix drafter's memory of replies, the γ policies' acceptance estimates (their measured
+        pass costs, a property of the machine, are kept), the drafters' state (the draft model's cached
+        context) and cached conversations. `specchat serve` calls it before each request unless the operator
+        opts in to sharing (one client's requests must not shape, nor show in, another's reply)."""
+        with self._lock:
+            self.reply_memory.clear()
+            for policy in self.policies.values():
+                policy.reset()
+            for drafter in self.drafters.values():
+                drafter.reset()
+            for conv in self._conversations.values():
+                conv.seq.free()
+            self._conversations.clear()
+
     def use_reply_memory(self, enabled: bool, replies: Iterable[str] = ()) -> int:
         """Turn the suffix drafter's memory of earlier replies on (seeded with ``replies``, oldest first: the
         local chat history) or off (emptied; finished replies are not kept: ``--no-history``). Only the newest
@@ -162,6 +178,14 @@ class Engine:
         if not request.messages:
             raise RequestError("the request has no messages: type something to send")
         messages = validate_messages(request.messages)
+        if request.keep_all_messages:
+            ids = render(self.tokenizer, messages)
+            if len(ids) > budget:
+                raise RequestError(
+                    f"the messages come to {len(ids)} tokens; the context holds {budget} for the prompt "
+                    f"(pair {self.pair.name!r}, context_length {self.context_length}): send fewer or shorter messages"
+                )
+            return ids, None
         ids, dropped, notice = fit_to_context(
             self.tokenizer, messages, budget=budget, already_dropped=conv.dropped if conv else 0
         )

@@ -57,13 +57,15 @@ from specchat.backend.models.model_spec import (  # noqa: F401 - re-exported: th
     resolve_source,
 )
 from specchat.backend.paths import config_dir, expand
+from specchat.backend.redact import mask_url
 
 REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
 # what they contain). openai: the plain OpenAI API; specchat: `specchat serve`.
 REMOTE_KINDS = ("openai", "vllm", "sglang", "llama-server", "specchat")
 _PAIR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_SERVER_URL = re.compile(r"^https?://[A-Za-z0-9.\-_\[\]:%]+(:\d{1,5})?(/[!-~]*)?\Z")
+# Optional user:password@ (sent as HTTP basic auth; masked in every message: backend/redact.py).
+_SERVER_URL = re.compile(r"^https?://([!-~]+@)?[A-Za-z0-9.\-_\[\]:%]+(:\d{1,5})?(/[!-~]*)?\Z")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
 
 
@@ -82,7 +84,7 @@ class RemoteSpec:
 
     @property
     def source(self) -> str:
-        return f"{self.model} @ {self.server}"
+        return f"{self.model} @ {mask_url(self.server)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +132,7 @@ def _parse_remote(file: Path, pair: str, node: Any) -> RemoteSpec:
     if not _SERVER_URL.match(server):
         raise where.error(
             "server",
-            server,
+            mask_url(server),
             "not an http:// or https:// URL",
             "write the base URL of the OpenAI-compatible API, e.g. http://127.0.0.1:8000/v1",
         )

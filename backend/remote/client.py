@@ -12,10 +12,16 @@ Contract:
   server for its statistics (vLLM and specchat ``return_token_ids``, SGLang ``return_spec_tokens_details``,
   llama-server ``timings_per_token``; specchat also the request's drafter and γ). The answer is read by what it
   contains, whatever the kind.
-- Errors before the reply starts (host unreachable, wrong API key, unknown model, server busy, a bad request)
-  raise :class:`RemoteError` naming the server and what to do. A reply that breaks off (the server died, the
-  connection dropped, a read timeout) ends with a last event ``finish_reason="error"`` whose message says so:
-  the text streamed so far stays with the caller.
+- Errors before the reply starts (host unreachable, TLS or DNS failure, wrong API key, unknown model, server
+  busy, a bad request, an HTML page or anything but an event stream) raise :class:`RemoteError`: one line naming
+  the server (its URL with any password masked: ``faults.shown_url``) and what to check, never an httpx
+  traceback. A reply that breaks off (the server died, the connection dropped or was reset, a read timeout, a
+  wrong Content-Length, a body that does not decompress, a line or an answer over its cap) ends with a last
+  event ``finish_reason="error"`` whose message says so: the text streamed so far stays with the caller.
+- Limits: an error answer is read up to :data:`MAX_ERROR_BYTES`, a stream line up to
+  ``reply.MAX_LINE_BYTES``, a whole answer up to :data:`MAX_ANSWER_BYTES`; the reply ends at the request's
+  ``max_new_tokens`` (else the pair's, else the engine's default) whatever the server sends (``reply.py``).
+  Server text reaching the caller (the reply, error messages, names) has terminal control characters stripped.
 - Timeouts: connect :data:`CONNECT_TIMEOUT_S`, then :data:`READ_TIMEOUT_S` between two chunks (a large model's
   first token may take long); a failed connect is retried :data:`CONNECT_RETRIES` times, nothing else is. The
   server is addressed directly: proxy settings from the environment are not used.
@@ -35,40 +41,22 @@ from typing import Any
 
 import httpx
 
-from specchat.backend.api import FinishReason, GenerationRequest, PolicyState, RequestStats, StepEvent, TokenSource
+from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.prompting import validate_messages
 from specchat.backend.errors import RemoteError, RequestError
+from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
 from specchat.backend.models.config import PairConfig, RemoteSpec
-from specchat.backend.remote.stats import remote_stats, server_figures
+from specchat.backend.remote.faults import describe, error_text, http_error, network_error, one_line, shown_url
+from specchat.backend.remote.reply import MAX_LINE_BYTES, ReplyState, TooLarge, capped_lines, sse_data
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # between two chunks: a 70B model's prefill of a long prompt may take minutes
 WRITE_TIMEOUT_S = 60.0
 CONNECT_RETRIES = 2
 CANCEL_POLL_S = 0.05
-MAX_ERROR_BODY = 4096  # characters of an error response shown
-
-
-def _finish(reason: Any, stop_reason: Any) -> FinishReason:
-    if reason == "length":
-        return "length"
-    if reason == "stop" and isinstance(stop_reason, str):
-        return "stop"
-    return "eos" if reason in ("stop", "tool_calls", "eos") else "stop"
-
-
-def _error_text(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-        return response.text[:MAX_ERROR_BODY].strip() or response.reason_phrase
-    if isinstance(body, Mapping):
-        error = body.get("error", body.get("detail", body.get("message")))
-        if isinstance(error, Mapping):
-            error = error.get("message", error)
-        if error is not None:
-            return str(error)[:MAX_ERROR_BODY]
-    return str(body)[:MAX_ERROR_BODY]
+MAX_ERROR_BYTES = 64 << 10  # of an error answer (or a JSON one): the rest is not read
+MAX_ANSWER_BYTES = 64 << 20  # of one streamed answer (specchat's chunks carry ~2 kB of statistics per step)
+MAX_LIST_BYTES = 4 << 20  # of GET /models and /metrics
 
 
 def api_key(spec: RemoteSpec, pair_name: str) -> str | None:
@@ -79,7 +67,7 @@ def api_key(spec: RemoteSpec, pair_name: str) -> str | None:
     if not key:
         raise RemoteError(
             f"pair '{pair_name}': api_key_env {spec.api_key_env} is not set; export "
-            f"{spec.api_key_env}=<the API key of {spec.server}>"
+            f"{spec.api_key_env}=<the API key of {shown_url(spec.server)}>"
         )
     return key
 
@@ -97,24 +85,6 @@ def make_client(spec: RemoteSpec, pair_name: str, *, read_timeout_s: float = REA
         trust_env=False,
         transport=httpx.HTTPTransport(retries=CONNECT_RETRIES),
     )
-
-
-def http_error(spec: RemoteSpec, pair_name: str, response: httpx.Response) -> RemoteError:
-    """A RemoteError for a non-2xx answer, saying what to do about each common status."""
-    text, status = _error_text(response), response.status_code
-    where = f"pair '{pair_name}': {spec.server} answered {status}"
-    if status == 401 or status == 403:
-        env = spec.api_key_env
-        fix = f"check the key in {env}" if env else "set api_key_env: VAR in the pair and export VAR=<the key>"
-        return RemoteError(f"{where} (API key refused: {text}); {fix}")
-    if status == 404:
-        return RemoteError(
-            f"{where} ({text}); check the pair's server URL (it ends in /v1) and model "
-            f"'{spec.model}' against GET {spec.server}/models"
-        )
-    if status in (429, 503):
-        return RemoteError(f"{where} (busy: {text}); try again in a moment")
-    return RemoteError(f"{where}: {text}")
 
 
 class _CancelWatch:
@@ -141,23 +111,6 @@ class _CancelWatch:
         self._done.set()
 
 
-def sse_data(lines: Iterator[str]) -> Iterator[str]:
-    """The data of each server-sent event (``data:`` lines joined by newlines; comments and other fields
-    skipped), up to ``[DONE]``."""
-    data: list[str] = []
-    for line in lines:
-        if line == "":
-            if data:
-                payload, data = "\n".join(data), []
-                if payload.strip() == "[DONE]":
-                    return
-                yield payload
-        elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-    if data and "\n".join(data).strip() != "[DONE]":
-        yield "\n".join(data)
-
-
 class RemoteEngine:
     """A remote pair's engine (see the module docstring). ``read_timeout_s`` is for tests."""
 
@@ -177,7 +130,7 @@ class RemoteEngine:
         remote pair cannot take (token ids instead of messages)."""
         if request.prompt_ids is not None or not request.messages:
             raise RequestError(
-                f"pair '{self.pair.name}' runs on {self.spec.server}: send messages (the server "
+                f"pair '{self.pair.name}' runs on {shown_url(self.spec.server)}: send messages (the server "
                 "applies its own chat template), not token ids"
             )
         body = self.request_body(request)
@@ -193,10 +146,12 @@ class RemoteEngine:
         """The server's Prometheus ``/metrics`` (at the root beside ``/v1``), or None when it has none."""
         root = self.spec.server.removesuffix("/v1")
         try:
-            response = self._client.get(root + "/metrics", timeout=CONNECT_TIMEOUT_S)
-        except httpx.HTTPError:
+            with self._client.stream("GET", root + "/metrics", timeout=CONNECT_TIMEOUT_S) as response:
+                if response.status_code != 200:
+                    return None
+                return read_capped(response, MAX_LIST_BYTES).decode("utf-8", "replace")
+        except (httpx.HTTPError, httpx.StreamError, OSError, TooLarge):
             return None
-        return response.text if response.status_code == 200 else None
 
     # -- internals --------------------------------------------------------------------------------------
 
@@ -248,174 +203,71 @@ class RemoteEngine:
             )
         return None
 
+    def _max_new_tokens(self, request: GenerationRequest) -> int:
+        asked = request.sampling.max_new_tokens or self.pair.sampling.get("max_new_tokens")
+        return asked if isinstance(asked, int) and asked > 0 else DEFAULT_MAX_NEW_TOKENS
+
     def _stream(self, body: dict[str, Any], request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
         t0 = time.perf_counter()
-        state = _Reply(self.pair.name, t0, self._notice(request))
+        server = shown_url(self.spec.server)
+        state = ReplyState(self.pair.name, server, t0, self._notice(request), self._max_new_tokens(request))
         try:
             with self._client.stream("POST", "chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    response.read()
-                    raise http_error(self.spec, self.pair.name, response)
+                chunks = self._answer(response)
                 watch = _CancelWatch(cancel, response)
                 try:
-                    for data in sse_data(response.iter_lines()):
+                    lines = capped_lines(chunks, max_line=MAX_LINE_BYTES, max_total=MAX_ANSWER_BYTES)
+                    for data in sse_data(state.watch(lines)):
                         if cancel.is_set():
                             break
                         event = state.chunk(data)
                         if event is not None:
                             yield event
-                        if state.failed:
+                        if state.done:
                             break
-                except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as error:
+                except TooLarge as error:
+                    state.broken(f"sent too much ({error})")
+                except (httpx.HTTPError, httpx.StreamError, OSError, ValueError) as error:
                     if not cancel.is_set():
-                        state.broken(self.spec.server, error)
+                        state.broken(describe(error))
                 finally:
                     watch.stop()
-        except httpx.ConnectError as error:
+        except RemoteError:
+            raise
+        except (httpx.HTTPError, httpx.StreamError, OSError, ValueError) as error:
+            raise network_error(self.spec, self.pair.name, error) from None
+        yield state.last(cancel.is_set())
+
+    def _answer(self, response: httpx.Response) -> Iterator[bytes]:
+        """The answer's body as an event stream's bytes; RemoteError for an error answer or one that is not a
+        stream (an HTML page, a JSON error); a whole JSON completion is taken as a stream of one event."""
+        kind = response.headers.get("content-type", "").lower()
+        if response.status_code != 200 or "html" in kind or "json" in kind:
+            body = read_capped(response, MAX_ERROR_BYTES, truncate=True)
+            text = error_text(body, kind, response.reason_phrase)
+            if response.status_code != 200:
+                raise http_error(self.spec, self.pair.name, response.status_code, text)
+            if "json" in kind and b'"choices"' in body:
+                return iter([b"data: " + body.replace(b"\n", b" ") + b"\n\n"])
             raise RemoteError(
-                f"pair '{self.pair.name}': cannot reach {self.spec.server} ({error}); is the server "
-                "running and the URL right?"
-            ) from None
-        except httpx.TimeoutException as error:
-            raise RemoteError(
-                f"pair '{self.pair.name}': {self.spec.server} did not answer in time "
-                f"({type(error).__name__}); check the server"
-            ) from None
-        yield state.last(cancel.is_set(), self.spec.server)
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}
-
-
-class _Reply:
-    """One streaming reply's state: the chunks read so far, turned into StepEvents."""
-
-    def __init__(self, pair_name: str, t0: float, notice: str | None) -> None:
-        self.pair_name, self.t0, self.notice = pair_name, t0, notice
-        self.figures: dict[str, Any] = {}
-        self.counted = 0
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.finish: FinishReason | None = None
-        self.failed: str | None = None
-        self.drafter = "server"
-
-    def stats(self) -> RequestStats:
-        wall = (self.t_last or time.perf_counter()) - self.t0
-        ttft = None if self.t_first is None else self.t_first - self.t0
-        return remote_stats(
-            self.figures,
-            wall_s=wall,
-            ttft_s=ttft,
-            counted_tokens=self.counted,
-            drafter=str(self.figures.get("drafter", self.drafter)),
-        )
-
-    def chunk(self, data: str) -> StepEvent | None:
-        try:
-            chunk = json.loads(data)
-        except (json.JSONDecodeError, RecursionError):
-            self.failed = f"the server sent a chunk that is not JSON: {data[:120]!r}"
-            return None
-        if not isinstance(chunk, dict):
-            return None
-        if "error" in chunk:  # vLLM and others report a failure mid-stream as a chunk
-            error = chunk["error"]
-            self.failed = str(error.get("message", error) if isinstance(error, Mapping) else error)[:MAX_ERROR_BODY]
-            return None
-        self.figures.update(server_figures(chunk))
-        own: Mapping[str, Any] = _mapping(chunk.get("specchat"))
-        choices = chunk.get("choices")
-        choice: Mapping[str, Any] = _mapping(choices[0] if isinstance(choices, list) and choices else None)
-        content = _mapping(choice.get("delta")).get("content")
-        text: str = content if isinstance(content, str) else ""
-        raw_ids = choice.get("token_ids")
-        ids = [int(t) for t in raw_ids if isinstance(t, int)] if isinstance(raw_ids, list) else []
-        if choice.get("finish_reason") is not None:
-            self.finish = (
-                own.get("finish_reason")
-                if own.get("finish_reason") in ("eos", "stop", "length", "context", "cancelled", "error")
-                else _finish(choice.get("finish_reason"), choice.get("stop_reason"))
+                f"pair '{self.pair.name}': {shown_url(self.spec.server)} answered {text[:200]} ({kind or 'no type'}) "
+                "instead of an event stream; check that the pair's server URL is the API's, ending in /v1, and "
+                "that no proxy or login page is in between"
             )
-        if not text and not ids:
-            return None
-        now = time.perf_counter()
-        first = self.t_first is None
-        if first:
-            self.t_first = now
-        self.t_last = now
-        self.counted += len(ids)
-        sources, texts = self._tokens(own, ids, text)
-        message, self.notice = self.notice, None
-        policy, gamma, accepted = own.get("policy"), own.get("gamma"), own.get("accepted")
-        return StepEvent(
-            token_ids=ids,
-            sources=sources,
-            token_texts=texts,
-            text=text,
-            gamma=gamma if isinstance(gamma, int) else 0,
-            accepted=accepted if isinstance(accepted, int) else 0,
-            draft_s=0.0,
-            verify_s=0.0,
-            overhead_s=0.0,
-            policy=PolicyState(policy) if policy in ("speculating", "paused", "off") else PolicyState.OFF,
-            drafter=str(self.figures.get("drafter", self.drafter)),
-            is_prefill=first,
-            message=message,
-            stats=self.stats(),
-        )
+        return response.iter_bytes()
 
-    @staticmethod
-    def _tokens(own: Mapping[str, Any], ids: list[int], text: str) -> tuple[list[TokenSource], list[str]]:
-        sources, texts = own.get("sources"), own.get("token_texts")
-        if (
-            isinstance(sources, list)
-            and isinstance(texts, list)
-            and len(sources) == len(texts) == len(ids)
-            and all(s in (0, 1, 2, 3) for s in sources)
-            and all(isinstance(t, str) for t in texts)
-            and "".join(texts) == text
-        ):
-            return [TokenSource(s) for s in sources], list(texts)
-        return [TokenSource.TARGET] * len(ids), [""] * (len(ids) - 1) + [text] if ids else []
 
-    def broken(self, server: str, error: Exception) -> None:
-        what = "stopped answering" if isinstance(error, httpx.ReadTimeout) else "closed the connection"
-        self.failed = f"{server} {what} mid-reply ({type(error).__name__})"
-
-    def last(self, cancelled: bool, server: str) -> StepEvent:
-        reason: FinishReason
-        message: str | None
-        if cancelled:
-            reason, message = "cancelled", None
-        elif self.failed is not None:
-            reason, message = "error", f"pair '{self.pair_name}': {self.failed}; the partial reply is kept"
-        elif self.finish is None:
-            reason = "error"
-            message = (
-                f"pair '{self.pair_name}': {server} ended the stream without finishing the reply (the "
-                "server may have stopped); the partial reply is kept"
-            )
-        else:
-            reason, message = self.finish, None
-        stats = self.stats()
-        return StepEvent(
-            token_ids=[],
-            sources=[],
-            token_texts=[],
-            text="",
-            gamma=0,
-            accepted=0,
-            draft_s=0.0,
-            verify_s=0.0,
-            overhead_s=0.0,
-            policy=PolicyState.OFF,
-            drafter=str(self.figures.get("drafter", self.drafter)),
-            finish_reason=reason,
-            message=message,
-            stats=stats,
-        )
+def read_capped(response: httpx.Response, most: int, *, truncate: bool = False) -> bytes:
+    """At most ``most`` bytes of a streamed answer's body: TooLarge past them, or (``truncate``) the first
+    ``most`` only; the rest is never read."""
+    out = bytearray()
+    for chunk in response.iter_bytes():
+        out += chunk
+        if len(out) > most:
+            if truncate:
+                return bytes(out[:most])
+            raise TooLarge(f"the answer passed {most:,} bytes")
+    return bytes(out)
 
 
 def check_server(spec: RemoteSpec, pair_name: str, *, timeout_s: float = 3.0) -> dict[str, Any]:
@@ -427,17 +279,25 @@ def check_server(spec: RemoteSpec, pair_name: str, *, timeout_s: float = 3.0) ->
         return {"reachable": False, "model_listed": None, "error": str(error)}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with httpx.Client(timeout=timeout_s, trust_env=False, headers=headers) as client:
-            response = client.get(spec.server + "/models")
-    except httpx.HTTPError as error:
-        return {"reachable": False, "model_listed": None, "error": f"{type(error).__name__}: {error}"}
-    if response.status_code != 200:
-        return {"reachable": True, "model_listed": None, "error": str(http_error(spec, pair_name, response))}
+        with (
+            httpx.Client(timeout=timeout_s, trust_env=False, headers=headers) as client,
+            client.stream("GET", spec.server + "/models") as response,
+        ):
+            status, kind = response.status_code, response.headers.get("content-type", "")
+            body = read_capped(response, MAX_LIST_BYTES, truncate=status != 200)
+    except TooLarge:
+        return {"reachable": True, "model_listed": None, "error": "GET /models answered more than 4 MiB"}
+    except (httpx.HTTPError, httpx.StreamError, OSError, ValueError) as error:
+        return {"reachable": False, "model_listed": None, "error": str(network_error(spec, pair_name, error))}
+    if status != 200:
+        text = error_text(body, kind, "")
+        return {"reachable": True, "model_listed": None, "error": str(http_error(spec, pair_name, status, text))}
     try:
-        data = response.json().get("data", [])
+        data = json.loads(body).get("data", [])
         ids = {m.get("id") for m in data if isinstance(m, Mapping)}
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):
         return {"reachable": True, "model_listed": None, "error": "GET /models did not answer a model list"}
     listed = spec.model in ids
-    problem = None if listed else f"model '{spec.model}' is not listed (the server has: {', '.join(map(str, ids))})"
+    names = one_line(", ".join(map(str, list(ids)[:20])), 300)
+    problem = None if listed else f"model '{one_line(spec.model, 80)}' is not listed (the server has: {names})"
     return {"reachable": True, "model_listed": listed, "error": problem}

@@ -24,15 +24,23 @@ SUPPORT = Path(__file__).resolve().parent
 
 @contextlib.contextmanager
 def running_server(
-    engine: Any, *, model: str = "tiny", api_key: str | None = None, queue_size: int = 8, limits: Limits | None = None
+    engine: Any,
+    *,
+    model: str = "tiny",
+    api_key: str | None = None,
+    queue_size: int = 8,
+    limits: Limits | None = None,
+    **config: Any,
 ) -> Iterator[tuple[SpecchatServer, str]]:
-    """Serve ``engine`` on 127.0.0.1:<free port> in a thread; yields (server, base URL ending /v1)."""
+    """Serve ``engine`` on 127.0.0.1:<free port> in a thread; yields (server, base URL ending /v1). ``config``:
+    more ServeConfig fields (guard, timeouts, share_state, log_prompts)."""
     config = ServeConfig(
         model=model,
         limits=limits or Limits(),
         queue_size=queue_size,
         api_key=api_key,
         blocks_in_use=getattr(engine, "blocks_in_use", None),
+        **config,
     )
     server = make_server(engine, config, host="127.0.0.1", port=0)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)

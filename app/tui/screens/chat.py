@@ -100,6 +100,7 @@ class ChatScreen(Screen[None]):
         self.details.display = False
         self.conversation.anchor()
         self.prompt.focus()
+        self.edits.recover()
 
     @property
     def generating(self) -> bool:

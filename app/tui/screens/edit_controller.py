@@ -7,9 +7,12 @@ Contract:
   refused plan becomes a note in the conversation and a notification, each saying why and that nothing was
   written. Otherwise the diff dialog shows every file — a symlink as ``link → real file``, flagged when the real
   file is outside the current folder — and notes (mixed line ends kept, a whole-file reply, code that no longer
-  parses). Only Apply writes (``app/chat/edit_files.py``: backups, atomic writes); the note that follows shows
-  ``git diff`` of each file git tracks. :meth:`EditController.undo` (``/undo``) puts back the last applied edit of
-  this session, byte for byte, from its backups; earlier ones follow on the next ``/undo``.
+  parses). Only Apply writes (``app/chat/edit_files.py``: one transaction, its journal outside the user's
+  folders, atomic writes); the note that follows shows ``git diff`` of each file git tracks.
+  :meth:`EditController.undo` (``/undo``) puts back the last applied edit, byte for byte, from its journal;
+  earlier ones follow on the next ``/undo``, and once none is left it says so (naming the last one undone).
+- :meth:`EditController.recover` (at start) finishes an edit a killed specchat left half-applied and offers the
+  edits of earlier sessions to ``/undo``.
 - Notes go into the conversation it is given; they are shown in this session only.
 """
 
@@ -76,8 +79,8 @@ class EditController(Widget):
     def __init__(self, conversation: ConversationView) -> None:
         super().__init__()
         self._conversation = conversation  # where the notes go
-        self.applied: list[AppliedEdit] = []  # this session's applied edits, oldest first: /undo takes the last
-        self.undone: list[AppliedEdit] = []  # edits /undo took back, oldest first (what a further /undo says)
+        self.applied: list[AppliedEdit] = []  # the applied edits /undo can take back, oldest first: it takes the last
+        self._undone: str | None = None  # the files of the last edit /undo took back, for the next /undo's message
 
     @work(exclusive=True, group="edit")
     async def offer(self, targets: list[EditTarget], reply_text: str, request: str = "") -> None:
@@ -109,29 +112,40 @@ class EditController(Widget):
         )
         self.notify(f"Wrote {', '.join(str(f.path) for f in applied.files)}.", title="Edit applied", timeout=6)
 
+    def recover(self) -> None:
+        """At start: edits a killed specchat left are completed (or taken back); they and earlier sessions'
+        edits are offered to /undo."""
+        from specchat.app.chat.edit_files import recover_edits
+
+        edits, notes = recover_edits()
+        self.applied[:0] = edits
+        for note in notes:
+            self.notify(note, title="/edit", timeout=12)
+
     def undo(self) -> None:
-        """``/undo``: put back the files of the last applied edit from its backups."""
+        """``/undo``: put back the files of the last applied edit from its journal."""
         from specchat.app.chat.edit_files import undo_edit
 
         if not self.applied:
-            if self.undone:  # "no /edit was applied" would be wrong: one was, and /undo already took it back
-                names = ", ".join(f.shown for f in self.undone[-1].files)
-                message = f"Nothing left to undo: the edit of {names} was already undone (its files are as before)."
-            else:
-                message = "Nothing to undo: no /edit was applied in this session."
+            message = (
+                f"Nothing left to undo: the last /edit ({self._undone}) was undone already."
+                if self._undone
+                else "Nothing to undo: no /edit was applied."
+            )
             self.notify(message, title="/undo", timeout=5)
             return
         applied = self.applied[-1]
         try:
-            done = undo_edit(applied)
+            restored = undo_edit(applied)
         except SpecchatError as error:
             self.notify(str(error), title="/undo", severity="error", timeout=12)
             return
-        self.undone.append(self.applied.pop())
-        names = ", ".join(f.shown for f in applied.files)
-        kept = f" · backup kept: {', '.join(done.kept)}" if done.kept else ""
-        self._conversation.add_note(EditNote("undone", f"/undo restored {names} as before the edit{kept}"))
-        self.notify(f"Restored {len(done.restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
+        self.applied.pop()
+        self._undone = applied.describe()
+        self._conversation.add_note(
+            EditNote("undone", f"/undo restored {applied.describe()} as they were before the edit")
+        )
+        self.notify(f"Restored {len(restored)} file(s) as they were before the edit.", title="/undo", timeout=6)
 
     def apply_reply(self, turns: Sequence[Turn], index: int) -> None:
         """The Apply action of reply ``index``'s SEARCH/REPLACE blocks: plan them against the files of the /edit

@@ -19,7 +19,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specchat.app.chat.edit_files import BACKUP_MARK, apply_plan, git_diff, undo_edit
+from specchat.app.chat import edit_journal
+from specchat.app.chat.edit_files import apply_plan, git_diff, recover_edits, undo_edit
 from specchat.app.chat.edit_plan import EditPlan, FileChange, plan_edit
 from specchat.app.chat.editing import EditError, load_edit_target
 
@@ -39,10 +40,9 @@ def test_undo_restores_every_file_byte_for_byte(tmp_path: Path) -> None:
     applied = apply_plan(EditPlan(changes=(change(a, "x = 1\n"), change(b, "other"))))
     assert a.read_bytes() == b"\xef\xbb\xbfx = 1\r\n" and b.read_bytes() == b"other"
     assert [f.backup.read_bytes() for f in applied.files] == [before[a], before[b]]
-    undone = undo_edit(applied)
-    assert undone.restored == [a, b] and undone.kept == []
+    assert undo_edit(applied) == [a, b]
     assert {p: p.read_bytes() for p in (a, b)} == before and oct(b.stat().st_mode & 0o777) == "0o640"
-    assert sorted(tmp_path.iterdir()) == [a, b]  # the backups went with the edit (issue 36): no .specchat-bak left
+    assert sorted(tmp_path.iterdir()) == [a, b]  # nothing beside the files: the journal held the originals
 
 
 def test_undo_refuses_a_file_changed_since_the_edit(tmp_path: Path) -> None:
@@ -94,17 +94,16 @@ def test_a_refused_plan_writes_nothing(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["calc.py"]
 
 
-def test_a_backup_is_linked_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nothing_is_left_beside_the_files_and_a_second_undo_finds_nothing(tmp_path: Path) -> None:
     a = tmp_path / "a.py"
     a.write_text("a = 1\n")
-
-    def no_links(*args):
-        raise OSError(1, "Operation not permitted")
-
-    monkeypatch.setattr("os.link", no_links)
-    applied = apply_plan(EditPlan(changes=(change(a, "a = 2\n"),)))  # no hard links here: check, then rename
-    assert applied.files[0].backup.read_text() == "a = 1\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.py", applied.files[0].backup.name]
+    applied = apply_plan(EditPlan(changes=(change(a, "a = 2\n"),)))
+    assert applied.files[0].backup.read_text() == "a = 1\n" and [p.name for p in tmp_path.iterdir()] == ["a.py"]
+    undo_edit(applied)
+    assert a.read_text() == "a = 1\n" and [p.name for p in tmp_path.iterdir()] == ["a.py"]
+    assert not list(edit_journal.edits_dir().iterdir())  # an undone edit leaves no journal either
+    with pytest.raises(EditError, match=r"/undo: the record of the edit of .*a\.py is gone"):
+        undo_edit(applied)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -155,10 +154,9 @@ def test_a_failed_apply_leaves_the_file_old_and_a_done_one_new(tmp_path_factory,
     finally:
         os.write = real_write
     assert path.read_bytes() == (new_text if written else old_text).encode("utf-8")
-    leftovers = [p.name for p in folder.iterdir() if p != path and BACKUP_MARK + "-" not in p.name]
-    assert not leftovers  # no temporary or staging file left behind
-    for backup in folder.glob(f"f.txt{BACKUP_MARK}-*"):
-        assert backup.read_bytes() == old_text.encode("utf-8")  # a backup is whole
+    leftovers = [p.name for p in folder.iterdir() if p != path]
+    assert not leftovers  # no backup, temporary or staging file left beside it
+    assert not [p for p in edit_journal.edits_dir().glob(".*.tmp")]  # nor a half-written journal
 
 
 # -- kill -9 at random moments of an apply ------------------------------------------------------------------------
@@ -198,11 +196,10 @@ def kill_during_applies(tmp_path: Path, kills: int, seed: int = 0) -> None:
         content = path.read_bytes()
         assert content in versions  # the old content or the new one, never a part
         seen.add(content)
-        for backup in tmp_path.glob(f"big.txt{BACKUP_MARK}-*"):
-            assert backup.read_bytes() in versions
-            backup.unlink()  # 999 a second at most: keep the folder small
-        for stale in tmp_path.glob(".big.txt*"):
-            stale.unlink()  # a killed write's temporary file: never the file itself
+        recover_edits()  # the next start: completes the interrupted edit, removes the killed write's temporary
+        assert path.read_bytes() == content or path.read_bytes() in versions
+        assert [p.name for p in tmp_path.iterdir()] == ["big.txt"]
+        seen.add(path.read_bytes())
     assert applies >= kills and seen == versions  # the kills landed among many applies, both ways
 
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specchat.app.chat import edit_journal
 from specchat.app.chat.edit_files import apply_edit
 from specchat.app.chat.edit_plan import unified_diff
 from specchat.app.chat.editing import (
@@ -303,29 +304,29 @@ def test_diff_marks_a_missing_final_newline(tmp_path: Path) -> None:
     assert diff.endswith("-two\n\\ No newline at end of file\n+three\n\\ No newline at end of file\n")
 
 
-def test_apply_writes_only_the_file_and_keeps_a_backup(py_file: Path) -> None:
+def test_apply_writes_only_the_file_and_keeps_the_original_in_its_journal(py_file: Path) -> None:
     os.chmod(py_file, 0o640)
     target = load_edit_target(py_file)
-    backup = apply_edit(target, NEW_PY)
+    original = apply_edit(target, NEW_PY)
     assert py_file.read_text() == NEW_PY
-    assert backup.parent == py_file.parent and backup.name.startswith("calc.py.specchat-bak-")
-    assert backup.read_text() == PY
+    assert original.parent.parent == edit_journal.edits_dir() and original.read_text() == PY
     assert stat.S_IMODE(py_file.stat().st_mode) == 0o640
-    assert sorted(p.name for p in py_file.parent.iterdir()) == sorted(["calc.py", backup.name])  # no temp left
+    assert [p.name for p in py_file.parent.iterdir()] == ["calc.py"]  # no backup, no temporary file beside it
 
     again = apply_edit(load_edit_target(py_file), "x = 1\n")  # a second edit in the same second
-    assert again != backup and again.read_text() == NEW_PY and backup.read_text() == PY
+    assert again != original and again.read_text() == NEW_PY and original.read_text() == PY
     assert py_file.read_text() == "x = 1\n"
 
 
-def test_apply_that_cannot_write_leaves_the_file_the_backup_and_no_temporary_file(
+def test_apply_that_cannot_write_leaves_the_file_and_nothing_beside_it(
     py_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     target = load_edit_target(py_file)
+    journals = edit_journal.edits_dir()
 
     real_replace = os.replace
 
-    def boom(src, dst):  # the backup is written; replacing the file itself fails
+    def boom(src, dst):  # the journal is written; replacing the file itself fails
         if Path(dst) == py_file:
             raise OSError(28, "No space left on device")
         real_replace(src, dst)
@@ -334,13 +335,12 @@ def test_apply_that_cannot_write_leaves_the_file_the_backup_and_no_temporary_fil
     with pytest.raises(EditError) as err:
         apply_edit(target, NEW_PY)
     monkeypatch.undo()
-    assert (
-        f"/edit {py_file}: could not write {py_file}: No space left on device. The file is unchanged; the "
-        "backup is " in str(err.value)
+    assert f"/edit {py_file}: could not write {py_file}: No space left on device. The file is unchanged." in str(
+        err.value
     )
     assert py_file.read_text() == PY
-    (backup,) = [p for p in py_file.parent.iterdir() if p != py_file]  # the backup, and no temporary file
-    assert backup.name.startswith("calc.py.specchat-bak-") and backup.read_text() == PY
+    assert [p.name for p in py_file.parent.iterdir()] == ["calc.py"]
+    assert not list(journals.iterdir())  # the journal of the failed edit is gone too
 
 
 def test_apply_refuses_a_file_changed_since_it_was_loaded(py_file: Path) -> None:
@@ -384,7 +384,7 @@ def test_apply_through_a_symlink_edits_the_real_file(tmp_path: Path, py_file: Pa
     target = load_edit_target(link)
     assert target.path == py_file and target.display == str(link)
     backup = apply_edit(target, NEW_PY)
-    assert link.is_symlink() and py_file.read_text() == NEW_PY and backup.parent == py_file.parent
+    assert link.is_symlink() and py_file.read_text() == NEW_PY and backup.read_text() == PY
 
 
 # -- path safety (issue 20, item 10) -----------------------------------------------------------------------------

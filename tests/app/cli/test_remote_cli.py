@@ -136,7 +136,7 @@ def test_models_lists_remote_pairs_with_a_reachability_check(tmp_path, capsys) -
     down = _models_file(tmp_path, f"http://127.0.0.1:{closed_port()}/v1")
     assert main(["models", "--models", str(down), "--device", "cpu", "--pair", "far"]) == 0
     text = capsys.readouterr().out
-    assert "server DOWN" in text and "problem   ConnectError" in text
+    assert "server DOWN" in text and "cannot reach http://127.0.0.1" in text
 
 
 def test_bench_on_a_remote_pair(tmp_path, capsys) -> None:
@@ -182,3 +182,16 @@ def test_serve_refuses_a_remote_pair_and_a_bad_port(tmp_path, capsys) -> None:
     assert "is a remote pair" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--port", "70000"])
+
+
+def test_serve_beyond_loopback_needs_an_api_key(monkeypatch, capsys) -> None:
+    from specchat.app.cli.serve import api_key_from, is_loopback
+
+    monkeypatch.delenv("SPECCHAT_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2  # refused before the model loads
+    err = capsys.readouterr().err
+    assert "an API key is required" in err and "SPECCHAT_API_KEY" in err
+    assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4") and not is_loopback("example.org")
+    monkeypatch.setenv("SPECCHAT_API_KEY", "k")
+    assert api_key_from(None) == "k"

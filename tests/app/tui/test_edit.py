@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 from app_harness import make_app, notifications, ready, reply_done, screen_text, send, wait_for
 from fake_engine import FakeEngineFactory
@@ -44,10 +45,15 @@ async def test_edit_shows_a_diff_and_applies_after_confirmation(tmp_path, monkey
         await pilot.press("a")
         await wait_for(pilot, lambda: (tmp_path / "answer.py").read_text() != ORIGINAL)
         assert (tmp_path / "answer.py").read_text() == "def answer():\n    return 42\n"
-        backups = list(tmp_path.glob("answer.py.specchat-bak-*"))
-        assert len(backups) == 1 and backups[0].read_text() == ORIGINAL
+        assert not _left_beside(tmp_path)  # no backup beside it: the journal has it
+        assert app.chat.edits.applied[-1].files[0].backup.read_text() == ORIGINAL
         assert any("Edit applied" in n for n in notifications(app))
         assert not chip.display
+
+
+def _left_beside(folder) -> list:
+    """Backup, staging or temporary files an edit left in the user's folder."""
+    return [p.name for p in folder.iterdir() if "specchat-bak" in p.name or p.name.endswith(".tmp")]
 
 
 async def test_edit_cancelled_leaves_the_file_and_can_be_reviewed_again(tmp_path, monkeypatch):
@@ -60,7 +66,7 @@ async def test_edit_cancelled_leaves_the_file_and_can_be_reviewed_again(tmp_path
         await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen))
         await pilot.press("escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, DiffScreen))
-        assert (tmp_path / "answer.py").read_text() == ORIGINAL and not list(tmp_path.glob("*.specchat-bak-*"))
+        assert (tmp_path / "answer.py").read_text() == ORIGINAL and not _left_beside(tmp_path)
         app.chat.action_review_edit()
         await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen))
         await pilot.click("#apply")
@@ -120,7 +126,7 @@ async def test_a_reply_holding_only_the_changed_function_is_refused_and_the_file
         note = app.chat.query_one(EditNote)
         assert note.kind == "refused" and "drops add, mul" in note.text and "Nothing was written" in note.text
         assert not isinstance(app.screen, DiffScreen)
-        assert (tmp_path / "calc.py").read_text() == CALC and not list(tmp_path.glob("*.specchat-bak-*"))
+        assert (tmp_path / "calc.py").read_text() == CALC and not _left_beside(tmp_path)
         assert any("/edit refused" in n for n in notifications(app))
 
 
@@ -158,12 +164,10 @@ async def test_search_replace_blocks_apply_exactly_and_undo_restores_byte_for_by
             assert "git diff calc.py" in screen_text(app) and "+def sub(a: int, b: int) -> int:" in screen_text(app)
         await send(pilot, "/undo")
         assert (tmp_path / "calc.py").read_bytes() == original
-        assert not list(tmp_path.glob("*.specchat-bak*"))  # the undone edit's backup is gone too (issue 36)
         assert any(n.kind == "undone" for n in app.chat.query(EditNote))
-        await send(pilot, "/undo")
-        assert notifications(app)[-1].endswith(
-            "Nothing left to undo: the edit of calc.py was already undone (its files are as before)."
-        )
+        await send(pilot, "/undo")  # says what happened, not that nothing was ever applied
+        assert "Nothing left to undo: the last /edit (calc.py) was undone already." in notifications(app)[-1]
+        assert not [p for p in tmp_path.iterdir() if "specchat-bak" in p.name or p.name.endswith(".tmp")]
 
 
 async def test_one_request_edits_several_files(tmp_path, monkeypatch):
@@ -232,3 +236,36 @@ async def test_up_on_an_edit_request_attaches_the_file_again(tmp_path, monkeypat
         await reply_done(pilot)
         assert len(app.chat.conv.turns) == 2
         assert "Request: add type hints to every function" in app.engine.requests[-1].messages[-1]["content"]
+
+
+KILLED_MID_APPLY = """
+import os, sys
+from specchat.app.chat import edit_journal
+from specchat.app.chat.edit_files import apply_plan
+from specchat.app.chat.edit_plan import EditPlan, FileChange
+from specchat.app.chat.editing import load_edit_target
+real_put = edit_journal.put
+def put(file, data):
+    real_put(file, data)
+    os._exit(0)  # gone after the first file, as a kill -9 would leave it
+edit_journal.put = put
+targets = [load_edit_target(p) for p in sys.argv[1:]]
+apply_plan(EditPlan(changes=tuple(FileChange(t, t.text.replace("1", "2"), "whole file") for t in targets)))
+"""
+
+
+async def test_an_edit_killed_half_way_is_completed_at_start_and_can_be_undone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first, second = tmp_path / "one.py", tmp_path / "two.py"
+    first.write_text("x = 1\n")
+    second.write_text("y = 1\n")
+    subprocess.run([sys.executable, "-c", KILLED_MID_APPLY, str(first), str(second)], check=True, timeout=60)
+    assert (first.read_text(), second.read_text()) == ("x = 2\n", "y = 1\n")  # half-applied, as the kill left it
+    app = edit_app(tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await wait_for(pilot, lambda: any("it is now complete" in n for n in notifications(app)))
+        assert (first.read_text(), second.read_text()) == ("x = 2\n", "y = 2\n")
+        await send(pilot, "/undo")
+        assert (first.read_text(), second.read_text()) == ("x = 1\n", "y = 1\n")
+        assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".py") == ["one.py", "two.py"]
