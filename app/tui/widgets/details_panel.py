@@ -15,7 +15,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from specchat.app.tui.bridge import LiveView
-from specchat.app.tui.widgets.stats_bar import num, pct
+from specchat.app.tui.widgets.stats_bar import TAU_MEANING, num, pct
 from specchat.backend.api import RequestStats
 
 BAR_WIDTH = 20
@@ -96,13 +96,16 @@ def render_details(live: LiveView) -> Text:
         ("steps", count(stats.steps)),
         ("drafted", count(stats.drafted)),
         ("accepted", count(stats.accepted)),
+        ("rejected", count(stats.rejected)),
+        ("discarded", count(stats.discarded)),
         ("acceptance", pct(stats.acceptance_rate)),
-        ("τ (tokens/step)", num(stats.mean_accepted_length, 2)),
+        ("τ (spec steps)", num(stats.mean_accepted_length, 2)),
         ("paused steps", count(stats.spec_paused_steps)),
         ("first token", f"{num(stats.ttft_s, 2)} s"),
         ("tok/s (reply)", num(stats.tok_s)),
     ):
         text.append(f"  {label:<16}{value:>8}\n")
+    text.append(f"\n{TAU_MEANING}; discarded: drafts accepted past the reply's end (EOS, stop, length)\n", style="dim")
     return text
 
 

@@ -46,6 +46,12 @@ FINISH_NOTES = {
     "eos": "",
 }
 BAR_CELLS = 12  # the width of a percentage bar (loading, reading a prompt)
+# What τ is, wherever it is shown (RequestStats.mean_accepted_length: one definition for the UI, JSON and serve).
+TAU_MEANING = (
+    "τ: tokens per speculating step = (accepted drafts + 1 per speculating step) ÷ speculating steps; "
+    "plain steps are not counted (plain decoding has no τ)"
+)
+ACCEPTANCE_MEANING = "acc: accepted ÷ drafted (drafts past the reply's end, at EOS or a stop, are discarded)"
 
 
 def pct(value: float | None) -> str:
@@ -333,6 +339,7 @@ class StatsBar(Horizontal):
             self._set(text, spark)
             return
         rate = (live.window_tok_s or stats.tok_s) if streaming else stats.tok_s
+        self.tooltip = f"{ACCEPTANCE_MEANING}\n{TAU_MEANING}"
         text.append(f"  {num(rate)} tok/s", style="bold cyan")
         text.append(f"  acc {pct(stats.acceptance_rate)}")
         text.append(f"  τ {num(stats.mean_accepted_length, 2)}")
