@@ -251,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="random-weight models with real shapes on the device (GPU speed check)",
     )
+    from specchat.app.cli import bench_replay
+
+    bench_replay.add_options(bench, _positive_int)
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)
