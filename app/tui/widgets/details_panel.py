@@ -15,10 +15,13 @@ from rich.text import Text
 from textual.widgets import Static
 
 from specchat.app.tui.bridge import LiveView
-from specchat.app.tui.widgets.stats_bar import TAU_MEANING, num, pct
+from specchat.app.tui.widgets.stats_bar import num, pct
 from specchat.backend.api import RequestStats
 
 BAR_WIDTH = 20
+# The counts' definitions (RequestStats) in short for a 38-column panel; the stats bar's tooltip has them in full.
+TAU_NOTE = "τ = (accepted + 1 per step) ÷ speculating steps"
+DISCARDED_NOTE = "discarded: accepted drafts past the end (EOS, stop string, length)"
 MIN_STEPS = 8  # speculating and plain steps a reply needs before their speed ratio is shown
 
 
@@ -105,7 +108,7 @@ def render_details(live: LiveView) -> Text:
         ("tok/s (reply)", num(stats.tok_s)),
     ):
         text.append(f"  {label:<16}{value:>8}\n")
-    text.append(f"\n{TAU_MEANING}; discarded: drafts accepted past the reply's end (EOS, stop, length)\n", style="dim")
+    text.append(f"\n{TAU_NOTE}\n{DISCARDED_NOTE}\n", style="dim")
     return text
 
 
