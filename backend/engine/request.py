@@ -54,9 +54,7 @@ class RequestState:
         self.rule = sampling.rule
         self.cancel, self.t_start = cancel, t_start
         self.context: list[int] = list(prompt)
-        # The ids of ``context``: every row of a pass sees them (the pending token included) as the repetition
-        # penalty's context; row j of a verification also sees the drafts before it.
-        self.seen = SeenIds(target.runner.device)
+        self.seen = SeenIds(target.runner.device)  # the ids of ``context``: see _penalty_context
         self.seen.add(prompt)
         self.produced = 0
         self.detok = IncrementalDetokenizer(target.tokenizer, sampling.stop, prompt_tail=prompt)
@@ -85,6 +83,11 @@ class RequestState:
 
     # -- logits -> tokens -------------------------------------------------------------------------------
 
+    def _penalty_context(self) -> torch.Tensor:
+        """The ids every row of a pass sees as the penalty's context (the pending token included); row j of a
+        verification also sees the drafts before it."""
+        return self.seen.tensor()
+
     def _positions(self, rows: int) -> range:
         """The reply positions the next pass's rows decide: the pending token is at ``produced - 1``."""
         return range(self.produced, self.produced + rows)
@@ -93,9 +96,7 @@ class RequestState:
         """[keep, V] logits over the tokenizer's ids, penalised per row for a chain; a tree's (``parents``) rows
         are penalised by :meth:`_tree_decider`, along the followed path only."""
         logits = self._raw_logits(ids, keep, parents)
-        if parents is None:
-            logits = self._penalised(logits, ids[len(ids) - keep + 1 :])  # row j sees the drafts before it
-        return logits
+        return logits if parents is not None else self._penalised(logits, ids[len(ids) - keep + 1 :])  # drafts
 
     def _decide(self, rows: torch.Tensor, positions: range | list[int]) -> list[int]:
         if self.target.trace is not None:
@@ -105,7 +106,7 @@ class RequestState:
     def _penalised(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
         if not self.s.repetition_penalty:
             return logits
-        return apply_repetition_penalty(logits, self.seen.tensor(), self.s.repetition_penalty, draft_ids=drafts)
+        return apply_repetition_penalty(logits, self._penalty_context(), self.s.repetition_penalty, draft_ids=drafts)
 
     def _raw_logits(self, ids: list[int], keep: int, parents: list[int] | None = None) -> torch.Tensor:
         """[keep, V] float32 logits over the tokenizer's ids, before any penalty."""
@@ -135,7 +136,7 @@ class RequestState:
         def decide(row: int, path: list[int]) -> int:
             rows = logits[row : row + 1]
             if self.s.repetition_penalty:
-                context = self.seen.tensor()
+                context = self._penalty_context()
                 if path:
                     context = torch.cat([context, torch.tensor(path, dtype=context.dtype, device=context.device)])
                 rows = apply_repetition_penalty(rows, context, self.s.repetition_penalty)
@@ -224,11 +225,10 @@ class RequestState:
             conv.cached.extend(chunk)
         if logits is not None:  # kept with the cache: a request with this whole prompt starts from the same row
             conv.prompt_logits, conv.prompt_length = logits[0].clone(), len(self.prompt)
-        else:
-            logits = conv.logits_after(len(self.prompt))
-            if logits is None:  # the engine leaves the prompt's last token to prefill unless it kept this row
-                raise RuntimeError("prefill fed no token and no row was kept for the cached prompt")
-            logits = logits[None]
+        elif (kept := conv.logits_after(len(self.prompt))) is not None:
+            logits = kept[None]
+        else:  # the engine leaves the prompt's last token to prefill unless it kept this row
+            raise RuntimeError("prefill fed no token and no row was kept for the cached prompt")
         prefill_s = time.perf_counter() - t0
         pending = self._decide(self._penalised(logits, []), self._positions(1))[0]
         tokens, sources, texts = self._cut([pending], [TokenSource.TARGET])
