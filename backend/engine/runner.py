@@ -140,8 +140,6 @@ class ModelRunner:
                 self.native = native.attach(self.compact, self.cache, loaded.spec.source)
         elif loaded.device.type == "cpu":
             self.packed_layers = _pack_if_it_fits(loaded)
-            if self.packed_layers:  # oneDNN's packed product computes a row alike in every pass: so does this
-                self.compact = _compact_forward(loaded)
         if light and self.compact is None:
             raise ModelLoadError(
                 f"{loaded.spec.source} was loaded for the compact forward on CPU, which is not "
