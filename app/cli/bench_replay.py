@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from specchat.backend.engine.engine import load_engine
     from specchat.backend.engine.prompting import render
     from specchat.backend.errors import RequestError
-    from specchat.backend.limits import DEFAULT_PAIR, check_seed_range
+    from specchat.backend.limits import DEFAULT_PAIR, MAX_GAMMA, check_seed_range
     from specchat.backend.models.config import get_pair, load_pairs
 
     settings = _settings(args.settings)
@@ -126,20 +126,26 @@ def run(args: argparse.Namespace) -> int:
         from specchat.app.cli.bench import _native_layers
 
         native = _native_layers(engine)  # the same decoder layers for every run (docs/determinism.md)
+        path = f"{engine.runner.path}{'; ' + native if native else ''}"
         drafters = grid_drafters(engine)
         if args.drafters:
             unknown = [d for d in args.drafters if d not in drafters]
             if unknown:
                 raise RequestError(f"--drafters {unknown[0]!r}: {config.name} has {', '.join(drafters)}")
             drafters = list(args.drafters)
-        budget = engine.context_length - max_new - 64
+        budget = engine.context_length - max_new - MAX_GAMMA - 1  # room for the reply and a verification step
         chosen = [ReplayPrompt(p.id, tuple(render(engine.tokenizer, p.message_dicts()))) for p in prompts]
         chosen = [p for p in chosen if len(p.ids) <= budget]
+        if not chosen:
+            raise RequestError(
+                f"no prompt of --suite {args.suite} fits {config.name}'s context ({engine.context_length} tokens) "
+                f"with {max_new} new tokens; lower --max-new-tokens or choose a pair with a longer context"
+            )
         combos = combinations(drafters, gammas)
         runs, refs = count_runs(len(chosen), len(settings), len(seeds), samples, len(combos))
         lengths = ", ".join(str(len(p.ids)) for p in chosen)
         print(
-            f"Replay on {config.name} ({engine.runner.path}{'; ' + native if native else ''}): {len(chosen)} prompts "
+            f"Replay on {config.name} ({path}): {len(chosen)} prompts "
             f"({lengths} tokens) × {len(settings)} settings × {len(seeds)}×{samples} seeds × {len(combos)} "
             f"drafter/γ = {runs} runs against {refs} plain references, {max_new} tokens each",
             file=sys.stderr,
@@ -173,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
     summary = result.to_dict() | {
         "pair": config.name,
-        "path": native or "",
+        "path": path,
         "prompts": {p.id: len(p.ids) for p in chosen},
         "settings": [s.label() for s in settings],
         "seeds": seeds,

@@ -196,7 +196,7 @@ def test_drafts_past_the_reply_s_end_are_discarded_not_accepted() -> None:
     assert (out.drafted, out.accepted, out.rejected, out.discarded) == (8, 4, 1, 3)
     assert out.drafted == out.accepted + out.rejected + out.discarded
     assert out.mean_accepted_length == 5.0 and out.acceptance_rate == 0.5
-    assert out.per_position_acceptance == (1.0, 1.0, 1.0, 1.0)  # positions 4.. lie past the end: not counted
+    assert out.per_position_acceptance == (1.0,) * 4 + (None,) * 4  # positions 4.. lie past the end: not reached
     assert out.accepted_length_histogram == (0, 0, 0, 0, 1)
     counts = StepCounts.from_dict(dict(out.step_counts or {}))
     assert (counts.accepted, counts.rejected, counts.discarded) == (4, 1, 3)
