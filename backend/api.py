@@ -130,6 +130,8 @@ JSON_STATS_FIELDS = (
     "spec_paused_steps",
     "drafted",
     "accepted",
+    "rejected",
+    "discarded",
     "acceptance_rate",
     "mean_accepted_length",
     "per_position_acceptance",
@@ -154,8 +156,13 @@ class RequestStats:
       already there (a conversation's earlier turns) at its first draft of the request;
     - ``seed``: the seed the reply was sampled with (the request's, or one drawn for it): the same request
       with this seed replays the reply, whatever the drafter and γ;
-    - ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` τ = 1 + accepted / speculating steps;
-    - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it;
+    - every drafted token is exactly one of ``accepted`` (the target accepted it and the reply holds it),
+      ``rejected`` (the target did not accept it) or ``discarded`` (accepted, but past the reply's end: an EOS, a
+      stop string or the length limit came first in its step): drafted = accepted + rejected + discarded;
+    - ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` τ = accepted + 1 per speculating step,
+      over the speculating steps (= 1 + accepted / speculating steps; plain steps are not counted);
+    - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it (inside the
+      reply);
     - ``step_counts``: the counts every figure above is computed from (``StepCounts.to_dict()``: steps and
       times by drafter and γ; per drafter, the steps that reached and that accepted each draft position; ...):
       figures over many requests (`specchat serve`'s /metrics, the bench) add these up rather than recount;
@@ -181,6 +188,8 @@ class RequestStats:
     spec_paused_steps: int | None = 0
     drafted: int | None = 0
     accepted: int | None = 0
+    rejected: int | None = 0
+    discarded: int | None = 0
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     per_position_acceptance: tuple[float | None, ...] = ()
@@ -292,6 +301,8 @@ _OPTIONAL_NUMBERS = {
     "spec_paused_steps",
     "drafted",
     "accepted",
+    "rejected",
+    "discarded",
     "draft_s",
     "verify_s",
     "overhead_s",
@@ -318,7 +329,7 @@ class StepEvent:
     token_texts: list[str]  # per token, the text it completed ("" when held back); "".join == text
     text: str
     gamma: int  # tokens drafted in this step (0 when not speculating)
-    accepted: int  # of those, how many the target accepted
+    accepted: int  # of those, how many the target accepted that the reply holds (RequestStats' ``accepted``)
     draft_s: float
     verify_s: float  # the target forward pass (prefill for the first event)
     overhead_s: float  # everything else: sampling, verification bookkeeping, detokenisation
@@ -330,6 +341,12 @@ class StepEvent:
     message: str | None = None  # a user-facing notice (context full, drafter failed and was switched off, ...)
     stats: RequestStats | None = None
     prefill_done: int | None = None  # a prefill progress event: prompt tokens read so far (None otherwise)
+
+    @classmethod
+    def empty(cls, policy: PolicyState, drafter: str, **fields: Any) -> StepEvent:
+        """An event without tokens: a prefill progress event, or the closing event of a request that ended
+        between steps (``fields``: any other field, such as ``prefill_done``)."""
+        return cls([], [], [], "", 0, 0, 0.0, 0.0, 0.0, policy, drafter, **fields)
 
 
 class EngineAPI(Protocol):

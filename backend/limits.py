@@ -34,6 +34,10 @@ DEFAULT_CONTEXT = 8192
 
 # -- sampling ------------------------------------------------------------------------------------------------
 MAX_TEMPERATURE = 10.0  # 0 is greedy
+# Temperatures below this are greedy: the argmax, lowest id on ties (as vLLM's _SAMPLING_EPS). At such a temperature
+# p' holds every id tied at the largest logit with equal mass and nothing else (a logit 1e-3 lower weighs
+# e^-100); sampling would break those ties by noise, where a user asking for 1e-6 means "greedy".
+GREEDY_TEMPERATURE = 1e-5
 MAX_REPETITION_PENALTY = 10.0  # 1 is none; values in (0, 1) favour repeats
 MAX_SEED = 2**64 - 1  # seeds are 0 .. MAX_SEED
 
@@ -91,6 +95,18 @@ def check_sampling_value(name: str, value: Any) -> None:
     ok, what = SAMPLING_LIMITS[name]
     if not ok(value):
         raise RequestError(f"sampling setting {name}={value!r} is out of range: use {what}")
+
+
+def check_seed_range(seed: int | None, samples: int, option: str = "--seed") -> None:
+    """Samples i = 0 .. samples - 1 of a run use seed + i (``generate --samples``, the replay bench): refuse a
+    ``seed`` whose last sample's seed would pass MAX_SEED (wrapping would silently replay seed 0), naming the
+    largest seed that fits. ``seed`` None: each sample draws its own; a seed itself out of range is left to the
+    sampling check (``SAMPLING_LIMITS``), which names the field."""
+    if seed is not None and 0 <= seed <= MAX_SEED < seed + samples - 1:
+        raise RequestError(
+            f"{option} {seed} with {samples} samples uses seeds {seed} .. {seed + samples - 1}, past the largest "
+            f"seed 2**64 - 1; use {option} {MAX_SEED - samples + 1} or lower"
+        )
 
 
 def is_gamma(value: Any) -> bool:

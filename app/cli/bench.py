@@ -40,6 +40,11 @@ def run(args) -> int:
         from specchat.backend.bench.kernels import run_kernels
 
         return run_kernels(args)
+    if getattr(args, "replay", False):
+        # Seed replay across drafters, γ, settings and --samples (issue 32): its own report, no timing tables.
+        from specchat.app.cli.bench_replay import run as run_replay
+
+        return run_replay(args)
     if getattr(args, "synthetic", None):
         # Random-weight models with real shapes on the device (issue 8): a separate measurement, its own table.
         from specchat.backend.bench.synthetic import run_synthetic

@@ -175,8 +175,10 @@ def _history_replies() -> list[str] | None:
 
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import GenerationRequest, SamplingParams
-    from specchat.backend.limits import DEFAULT_PAIR
+    from specchat.backend.limits import DEFAULT_PAIR, check_seed_range
     from specchat.backend.models.config import get_pair, load_pairs
+
+    check_seed_range(args.seed, args.samples)  # sample i uses seed + i: refused before anything loads
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
@@ -268,7 +270,8 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         print(
             f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
             f"drafter {stats.drafter}, acceptance "
-            f"{'n/a' if rate is None else f'{rate:.0%}'}, τ {stats.mean_accepted_length or 0:.2f}, "
+            f"{'n/a' if rate is None else f'{rate:.0%}'}, "
+            f"τ {stats.mean_accepted_length or 0:.2f} per speculating step, "
             f"seed {stats.seed}",
             file=sys.stderr,
         )

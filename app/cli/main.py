@@ -191,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="CPU threads for --kernels (default: torch's current count)",
     )
+    from specchat.app.cli import bench_replay
+
+    bench_replay.add_options(bench, _positive_int)
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)

@@ -6,7 +6,9 @@ Contract:
 - :func:`chunk` is one ``chat.completion.chunk`` per StepEvent that carries text or tokens (and the last one,
   whose ``finish_reason`` is OpenAI's ``stop`` or ``length``); ``choices[0].token_ids`` (vLLM's name) when
   asked for; a ``specchat`` block with the step's token sources and texts, γ, accepted, policy, drafter and the
-  request's :class:`RequestStats` so far (``RequestStats.to_dict``), and the engine's own finish reason.
+  request's :class:`RequestStats` so far (``RequestStats.to_dict``), and the engine's own finish reason. The
+  stats' ``step_counts`` (the raw counts behind every figure, up to ~6 KB) go only on the chunk that finishes the
+  reply: the figures a live view reads (drafted, accepted, rejected, discarded, τ, ...) are on every chunk.
 - :func:`speculation_fields` are the totals in the other servers' shapes, always all three: ``usage``;
   llama-server's ``timings`` (``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``, ``draft_n``,
   ``draft_n_accepted``: tools/server/server-common.cpp's names; the draft counts are 0 when the reply drafted
@@ -43,6 +45,8 @@ def new_id() -> str:
 
 def _own(event: StepEvent, finish: str | None) -> dict[str, Any]:
     stats = event.stats.to_dict() if event.stats is not None else None
+    if stats is not None and finish is None:
+        del stats["step_counts"]  # the reply's last chunk carries them (module docstring)
     block: dict[str, Any] = {
         "sources": [int(s) for s in event.sources],
         "token_texts": event.token_texts,

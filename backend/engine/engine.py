@@ -18,11 +18,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
 
 from specchat.backend.api import GenerationRequest, StepEvent
+from specchat.backend.engine.parts import Conversation, Speculation, Target
 from specchat.backend.engine.prompting import fit_to_context, render, validate_messages
-from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target
+from specchat.backend.engine.request import RequestState
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
@@ -90,6 +93,7 @@ class Engine:
         self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
         # On CPU: the compute threads follow what other programs leave free (backend/engine/threads.py).
         self.threads = ThreadGovernor() if target.device.type == "cpu" else None
+        self.trace: Callable[[range | list[int], torch.Tensor], None] | None = None  # parts.Target.trace
 
     @property
     def draft_cache(self) -> PagedKVCache | None:
@@ -243,12 +247,19 @@ class Engine:
         try:
             budget = self.context_length - 1
             prompt, notice = self._prompt_ids(request, conv if request.conversation else None, budget)
-            keep = min(common_prefix_len(conv.cached, prompt), len(prompt) - 1)
-            conv.seq.truncate(keep)
-            del conv.cached[keep:]
+            keep = common_prefix_len(conv.cached, prompt)
+            if keep < len(prompt) or conv.logits_after(len(prompt)) is None:
+                keep = min(keep, len(prompt) - 1)  # the last prompt token's row is computed by the prefill
+            conv.truncate(keep)
             self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + MAX_GAMMA)
             target = Target(
-                self.runner, self.tokenizer, self.eos_ids, self.vocab_limit, self.context_length, self.threads
+                self.runner,
+                self.tokenizer,
+                self.eos_ids,
+                self.vocab_limit,
+                self.context_length,
+                self.threads,
+                self.trace,
             )
             speculation = Speculation(
                 self.drafters, self.policies, self.disabled_drafters, self.disabled_drafters.__setitem__

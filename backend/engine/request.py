@@ -17,69 +17,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from specchat.backend.api import FinishReason, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
+from specchat.backend.engine.parts import Conversation, Speculation, Target, describe_error, is_out_of_memory
 from specchat.backend.engine.resolve import Sampling
-from specchat.backend.engine.runner import ModelRunner
-from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.attention import PassCancelled
-from specchat.backend.kv.kv_cache import Sequence
 from specchat.backend.limits import PREFILL_CHUNK, Gamma
-from specchat.backend.speculative.drafters.base import Draft, Drafter
+from specchat.backend.speculative.drafters.base import Draft
 from specchat.backend.speculative.policy import GammaPolicy
+from specchat.backend.speculative.request_stats import SpecStats
 from specchat.backend.speculative.sampling import SeenIds, apply_repetition_penalty, pick
-from specchat.backend.speculative.stats import SpecStats
-from specchat.backend.speculative.verify import VerifyResult, verify, verify_tree
-
-
-@dataclass
-class Conversation:
-    """A cache slot: the sequence, the token ids whose K/V it holds, and how many old messages were dropped."""
-
-    seq: Sequence
-    cached: list[int] = field(default_factory=list)  # token ids whose K/V are committed in seq
-    dropped: int = 0  # oldest messages left out to fit the context (kept stable across turns)
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """What a request uses of the engine's speculation parts (the engine keeps them between requests)."""
-
-    drafters: Mapping[str, Drafter]
-    policies: Mapping[str, GammaPolicy]  # learned costs and acceptance, shared by "auto" requests
-    disabled: Mapping[str, str]  # drafter -> why it is off for the engine's life (out of memory)
-    disable: Callable[[str, str], None]  # switch a drafter off for the engine's life, with the reason
-
-
-@dataclass(frozen=True)
-class Target:
-    """The target model as a request sees it: its runner, and what decides where a reply ends."""
-
-    runner: ModelRunner
-    tokenizer: Any
-    eos_ids: frozenset[int]
-    vocab_limit: int  # p and q are compared over the tokenizer's ids only
-    context_length: int
-    threads: ThreadGovernor | None = None  # CPU: fewer compute threads while other programs are busy
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA/host allocation failures (torch raises OutOfMemoryError, or RuntimeError on some paths)."""
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
-
-
-def _describe(error: BaseException) -> str:
-    detail = str(error).splitlines()[0] if str(error) else ""
-    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+from specchat.backend.speculative.verify import VerifyResult, verify_tokens, verify_tree
 
 
 class RequestState:
@@ -101,7 +55,7 @@ class RequestState:
         self.rule = sampling.rule
         self.cancel, self.t_start = cancel, t_start
         self.context: list[int] = list(prompt)
-        self.seen = SeenIds(target.runner.device)  # the ids of ``context``: the repetition penalty's context
+        self.seen = SeenIds(target.runner.device)  # the ids of ``context``: see _penalty_context
         self.seen.add(prompt)
         self.produced = 0
         self.detok = IncrementalDetokenizer(target.tokenizer, sampling.stop, prompt_tail=prompt)
@@ -131,8 +85,8 @@ class RequestState:
     # -- logits -> tokens -------------------------------------------------------------------------------
 
     def _penalty_context(self) -> torch.Tensor:
-        """The ids every row of the next pass sees as context: the prompt and every emitted token (the pending
-        one included); row j of a verification also sees the drafts before it."""
+        """The ids every row of a pass sees as the penalty's context (the pending token included); row j of a
+        verification also sees the drafts before it."""
         return self.seen.tensor()
 
     def _positions(self, rows: int) -> range:
@@ -145,6 +99,23 @@ class RequestState:
         """[keep, V] logits over the tokenizer's ids, penalised per row for a chain; a tree's (``parents``) rows
         are penalised by :meth:`_tree_decider`, along the followed path only. ``cancel`` (a prefill pass): raises
         PassCancelled between layers once set, nothing of the pass kept."""
+        logits = self._raw_logits(ids, keep, parents, cancel)
+        return logits if parents is not None else self._penalised(logits, ids[len(ids) - keep + 1 :])  # drafts
+
+    def _decide(self, rows: torch.Tensor, positions: range | list[int]) -> list[int]:
+        if self.target.trace is not None:
+            self.target.trace(positions, rows)
+        return pick(rows, self.rule, positions)
+
+    def _penalised(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        if not self.s.repetition_penalty:
+            return logits
+        return apply_repetition_penalty(logits, self._penalty_context(), self.s.repetition_penalty, draft_ids=drafts)
+
+    def _raw_logits(
+        self, ids: list[int], keep: int, parents: list[int] | None = None, cancel: threading.Event | None = None
+    ) -> torch.Tensor:
+        """[keep, V] float32 logits over the tokenizer's ids, before any penalty."""
         runner = self.target.runner
         try:
             logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents, cancel=cancel)
@@ -157,19 +128,13 @@ class RequestState:
                 torch.cuda.empty_cache()
             raise InsufficientMemoryError(
                 f"the target model {runner.loaded.spec.source} ran out of memory on {runner.device} while "
-                f"generating ({_describe(error)}); the reply was stopped. Retry with a lower max_new_tokens or a "
+                f"generating ({describe_error(error)}); the reply was stopped. Retry with a lower max_new_tokens or a "
                 "new conversation, or choose a smaller context_length, a quantized or smaller pair "
                 "(`specchat models`)"
             ) from error
-        logits = logits[:, : self.target.vocab_limit].float()  # over the tokenizer's ids only
-        if self.s.repetition_penalty and parents is None:
-            drafts = ids[len(ids) - keep + 1 :]  # row j sees the drafts before it (none for a prefill row)
-            logits = apply_repetition_penalty(
-                logits, self._penalty_context(), self.s.repetition_penalty, draft_ids=drafts
-            )
-        return logits
+        return logits[:, : self.target.vocab_limit].float()  # over the tokenizer's ids only
 
-    def _tree_decider(self, logits: torch.Tensor):
+    def _tree_decider(self, logits: torch.Tensor) -> Callable[[int, list[int]], int]:
         """The target's token at a row of a tree pass, given the accepted tokens before it: the row's penalty
         sees the context plus exactly those tokens (its ancestors), its reply position is ``produced`` plus
         their number (its depth)."""
@@ -181,7 +146,7 @@ class RequestState:
                 if path:
                     context = torch.cat([context, torch.tensor(path, dtype=context.dtype, device=context.device)])
                 rows = apply_repetition_penalty(rows, context, self.s.repetition_penalty)
-            return pick(rows, self.rule, [self.produced + len(path)])[0]
+            return self._decide(rows, [self.produced + len(path)])[0]
 
         return decide
 
@@ -220,39 +185,11 @@ class RequestState:
             return PolicyState.PAUSED
         return PolicyState.NO_DRAFT
 
-    def _event(
-        self,
-        tokens: list[int],
-        sources: list[TokenSource],
-        texts: list[str],
-        *,
-        gamma: int,
-        accepted: int,
-        draft_s: float,
-        verify_s: float,
-        t_step: float,
-        policy: PolicyState,
-        drafter: str,
-        is_prefill: bool = False,
-        prefill_tokens: int = 0,
-        message: str | None = None,
-    ) -> StepEvent:
-        return StepEvent(
-            token_ids=tokens,
-            sources=sources,
-            token_texts=texts,
-            text="".join(texts),
-            gamma=gamma,
-            accepted=accepted,
-            draft_s=draft_s,
-            verify_s=verify_s,
-            overhead_s=max(time.perf_counter() - t_step - draft_s - verify_s, 0.0),
-            policy=policy,
-            drafter=drafter,
-            is_prefill=is_prefill,
-            prefill_tokens=prefill_tokens,
-            message=message,
-        )
+    def _event(self, tokens: list[int], sources: list[TokenSource], texts: list[str], **fields: Any) -> StepEvent:
+        """A step's event (``fields``: StepEvent's, with ``t_step`` the step's start instead of ``overhead_s``: the
+        step's time neither drafting nor verifying)."""
+        spent = time.perf_counter() - fields.pop("t_step") - fields["draft_s"] - fields["verify_s"]
+        return StepEvent(tokens, sources, texts, "".join(texts), overhead_s=max(spent, 0.0), **fields)
 
     def _report(self) -> RequestStats:
         return self.stats.report(
@@ -279,38 +216,28 @@ class RequestState:
         logits = None
         for start in range(0, len(todo), PREFILL_CHUNK):
             if prefill_progress:  # not a step: no tokens, no statistics (backend/api.py, StepEvent)
-                yield StepEvent(
-                    token_ids=[],
-                    sources=[],
-                    token_texts=[],
-                    text="",
-                    gamma=0,
-                    accepted=0,
-                    draft_s=0.0,
-                    verify_s=0.0,
-                    overhead_s=0.0,
-                    policy=PolicyState.OFF,
-                    drafter=self.drafter_used,
-                    prefill_tokens=len(todo),
-                    prefill_done=start,
-                )  # the last one before a cancel says how much of the prompt was read (and is cached)
-            if self.cancel.is_set():
+                yield StepEvent.empty(PolicyState.OFF, self.drafter_used, prefill_tokens=len(todo), prefill_done=start)
+            if self.cancel.is_set():  # the last progress event before a cancel says how much of the prompt was read
                 yield self._final(None, "cancelled", None)
                 return
             if self.target.threads is not None:
                 self.target.threads.step()
             chunk = todo[start : start + PREFILL_CHUNK]
             try:  # a pass of PREFILL_CHUNK tokens took 4 s on a busy CPU: Esc stops it between two layers
-                logits = self._target_logits(chunk, keep=1, cancel=self.cancel)  # only the last chunk's row is used
+                logits = self._raw_logits(chunk, keep=1, cancel=self.cancel)  # only the last chunk's row is used
             except PassCancelled:
                 yield self._final(None, "cancelled", None)
                 return
             conv.seq.commit(len(chunk))
             conv.cached.extend(chunk)
+        if logits is not None:  # kept with the cache: a request with this whole prompt starts from the same row
+            conv.prompt_logits, conv.prompt_length = logits[0].clone(), len(self.prompt)
+        elif (kept := conv.logits_after(len(self.prompt))) is not None:
+            logits = kept[None]
+        else:  # the engine leaves the prompt's last token to prefill unless it kept this row
+            raise RuntimeError("prefill fed no token and no row was kept for the cached prompt")
         prefill_s = time.perf_counter() - t0
-        if logits is None:  # the engine always leaves at least the prompt's last token to prefill
-            raise RuntimeError("prefill fed no token: the conversation's cache holds the whole prompt")
-        pending = pick(logits, self.rule, self._positions(1))[0]
+        pending = self._decide(self._penalised(logits, []), self._positions(1))[0]
         tokens, sources, texts = self._cut([pending], [TokenSource.TARGET])
         self.context.append(pending)
         self.seen.add([pending])
@@ -387,7 +314,7 @@ class RequestState:
         verify_s = time.perf_counter() - t_verify
         result: VerifyResult
         if parents is None:
-            result = verify(logits, draft_ids, self.rule, self._positions(1 + len(draft_ids)))
+            result = verify_tokens(self._decide(logits, self._positions(1 + len(draft_ids))), draft_ids)
         else:
             result = verify_tree(self._tree_decider(logits), draft_ids, parents)
             start = conv.seq.length + 1  # the pending token is at conv.seq.length; node i was written at start + i
@@ -395,6 +322,7 @@ class RequestState:
         conv.seq.commit(1 + result.accepted)
         conv.cached.extend([pending] + result.tokens[: result.accepted])
         tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
+        kept = min(result.accepted, len(tokens))  # drafts the reply holds (past its end: discarded)
         self.produced += len(tokens)
         self.context.extend(tokens)
         self.seen.add(tokens)
@@ -420,7 +348,7 @@ class RequestState:
             sources,
             texts,
             gamma=len(draft_ids),
-            accepted=result.accepted,
+            accepted=kept,
             draft_s=draft_s,
             verify_s=verify_s,
             t_step=t_step,
@@ -453,32 +381,20 @@ class RequestState:
             pass
         rest = f"with {', '.join(self.candidates)}" if self.candidates else "with plain decoding"
         if is_out_of_memory(error):
-            self.spec.disable(name, f"it ran out of memory ({_describe(error)})")
+            self.spec.disable(name, f"it ran out of memory ({describe_error(error)})")
             if self.target.runner.device.type == "cuda":
                 torch.cuda.empty_cache()
             return (
-                f"The {name} drafter ran out of memory ({_describe(error)}); it is switched off until the pair "
+                f"The {name} drafter ran out of memory ({describe_error(error)}); it is switched off until the pair "
                 f"is loaded again, continuing {rest}."
             )
-        return f"The {name} drafter failed ({_describe(error)}); continuing without it ({rest})."
+        return f"The {name} drafter failed ({describe_error(error)}); continuing without it ({rest})."
 
     def _final(self, event: StepEvent | None, reason: FinishReason, message: str | None) -> StepEvent:
         """Close the request: ``event`` (the last step's, or None for an empty closing event) gets the finish
         reason, the request's totals and any text held back for a stop string that never completed."""
         if event is None:
-            event = StepEvent(
-                token_ids=[],
-                sources=[],
-                token_texts=[],
-                text="",
-                gamma=0,
-                accepted=0,
-                draft_s=0.0,
-                verify_s=0.0,
-                overhead_s=0.0,
-                policy=self._idle_state(),
-                drafter=self.drafter_used,
-            )
+            event = StepEvent.empty(self._idle_state(), self.drafter_used)
         elif reason != "stop" and event.token_texts:
             tail = self.detok.flush()
             event.token_texts[-1] += tail

@@ -50,6 +50,8 @@ SERVER_FIELDS = (
     "spec_paused_steps",
     "drafted",
     "accepted",
+    "rejected",
+    "discarded",
     "draft_s",
     "verify_s",
     "overhead_s",

@@ -1,41 +1,47 @@
 """Logits -> tokens: repetition penalty, temperature, top-k, top-p, and the seeded Gumbel-max choice.
 
-Contract (pure functions over tensors; no model, no state):
+Contract (pure functions over tensors; no model, no state). ``docs/determinism.md`` states the rule for users:
 
 - Settings arrive checked (``specchat.backend.api.SamplingParams`` validates itself against the limits of
-  ``backend/limits.py``) and travel as a :class:`SamplingRule`. Temperature 0 means greedy (the argmax).
+  ``backend/limits.py``) and travel as a :class:`SamplingRule`. **Greedy** is a temperature below
+  ``GREEDY_TEMPERATURE`` (0 included) or top-k 1: the argmax, the lowest id among equal logits.
 - :func:`pick` is THE function that turns one position's processed logits row and (seed, reply position) into
-  the token: argmax over the ids top-k/top-p keep of ``logits + T · g``, g the Gumbel noise of
-  ``backend/speculative/gumbel.py`` keyed by (seed, position, id). That is exactly a sample from
-  p' = :func:`logits_to_probs` (the Gumbel-max trick), and a fixed function of the seed, the position and the
-  row: the target decides every token with it, and verification accepts a drafted token iff it equals the
-  target's own (``backend/speculative/verify.py``), so the same seed gives the same reply whatever was drafted. The
-  draft model picks with the same rule and noise (coupled drafts). ``logits + T · g`` is never divided by T,
-  so a tiny temperature cannot overflow: it degrades to the argmax.
+  the token. Sampled: the candidates are the ids top-k / top-p keep (``candidates.py``: ids ranked by (−logit,
+  id), so every cut through tied logits is decided by id), and the token is the candidate with the largest
+  ``logit + T · g`` (float64), g the Gumbel noise of ``gumbel.py`` keyed by (seed, position, id), the lowest id
+  among equal scores. That is exactly a sample from p' = :func:`logits_to_probs` (the Gumbel-max trick), and a
+  function of (the row, the seed, the position) alone: where two scores are too close for the vectorised noise
+  to tell them apart (:data:`SCORE_MARGIN`), the contenders are scored again with the reference noise in plain
+  Python (``gumbel.reference_gumbel``), so neither the rows beside it nor the vector width decide. The target
+  decides every token with it, and verification accepts a drafted token iff it equals the target's own
+  (``backend/speculative/verify.py``), so the same seed gives the same reply whatever was drafted. The draft
+  model picks with the same rule and noise (coupled drafts).
 - :func:`logits_to_probs` is p', the distribution :func:`pick` samples from (the tests' exact probabilities).
   Computed from ``(logits - max) / T``, so any temperature > 0 gives a finite distribution.
 - :func:`apply_repetition_penalty` penalises (CTRL / transformers style: positive logits divided by the penalty,
   negative ones multiplied) every id already in the context. In a verification chunk of γ+1 positions,
   position i sees the committed context *plus the draft tokens before it*; the function applies exactly that,
-  row by row, in one vectorised pass. Results are clamped to float32's finite range (a penalty of 1e-30
-  cannot make an infinite logit).
+  row by row, in one vectorised pass (multiplications and divisions only: exact whatever the batch). Results
+  are clamped to float32's finite range (a penalty of 1e-30 cannot make an infinite logit).
 
 Order of operations (as transformers): repetition penalty on raw logits, then temperature, top-k, top-p.
-Ties at the k-th largest logit are all kept (as transformers' TopKLogitsWarper); top-p keeps the smallest set
-of most likely tokens whose mass reaches top_p (at least one).
+A row holding a NaN logit stops the reply with :class:`ModelOutputError`: no token is drawn from it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specchat.backend.errors import ModelOutputError, RequestError
-from specchat.backend.speculative.gumbel import gumbel_noise
+from specchat.backend.limits import GREEDY_TEMPERATURE
+from specchat.backend.speculative.candidates import ranked_candidates
+from specchat.backend.speculative.gumbel import gumbel_noise, reference_gumbel
 
-_TOP_P_CANDIDATES = (256, 4096)  # top-p looks for its nucleus among this many most likely tokens first
+SCORE_MARGIN = 1e-9  # relative to |best score| + T: closer scores are compared again with the reference noise
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -51,7 +57,8 @@ class SamplingRule:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0
+        """The argmax decides (a temperature below GREEDY_TEMPERATURE, or top-k 1: a single candidate)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 GREEDY = SamplingRule()
@@ -146,38 +153,6 @@ def apply_repetition_penalty(
     return out.squeeze(0) if squeeze else out
 
 
-def candidates(
-    logits: torch.Tensor,  # [n, V] float32, sliced to the tokenizer's ids and penalised
-    *,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:  # ([n, m] logits, -inf where dropped; [n, m] their ids) or None
-    """The ids top-k/top-p keep per row with their (unscaled) logits, or None when every id is kept.
-
-    Filtering works on a short, sorted list of candidates instead of the whole vocabulary: full passes over V
-    (and above all a full sort) are what sampling costs on CPU. Probabilities for top-p are computed from
-    ``(logits - max) / temperature`` (no overflow at any temperature > 0)."""
-    n, vocab = logits.shape
-    k = top_k if top_k is not None and 0 < top_k < vocab else None
-    p_top = top_p if top_p is not None and top_p < 1.0 else None
-    if k is None and p_top is None:
-        return None
-    if k is not None:
-        vals, idx = _top_k_with_ties(logits, k)  # [n, m] descending, -inf past each row's k-th value
-        probs_sorted = torch.softmax((vals - vals[:, :1]) / float(temperature), dim=-1)
-    else:
-        scaled = (logits - logits.max(dim=-1, keepdim=True).values) / float(temperature)
-        _, idx, probs_sorted = _nucleus_candidates(scaled, p_top or 1.0)
-        vals = logits.gather(1, idx)
-    if p_top is not None:
-        # Keep a token while the more likely tokens hold less than top_p (the most likely one always stays).
-        keep = (probs_sorted.cumsum(-1) - probs_sorted) < p_top
-        keep[:, 0] = True
-        vals = vals.masked_fill(~keep, float("-inf"))
-    return vals, idx
-
-
 def logits_to_probs(
     logits: torch.Tensor,  # [n, V] (or [V]); already sliced to the tokenizer's ids and penalised
     *,
@@ -185,83 +160,113 @@ def logits_to_probs(
     top_k: int | None,
     top_p: float | None,
 ) -> torch.Tensor:  # [n, V] float32, rows sum to 1
-    """p' = softmax(top_p(top_k(logits / temperature))): the distribution :func:`pick` samples exactly.
+    """p' = softmax(top_p(top_k(logits / temperature))) with ``candidates.py``'s cuts: the distribution
+    :func:`pick` samples exactly. One-hot on the greedy token where :func:`pick` is greedy.
 
-    ``temperature`` must be > 0 (greedy is the argmax). ``top_k`` None/0 and ``top_p`` None/1.0 disable those
-    filters. Slice padded output columns off *before* calling this: top-k/top-p must only ever select real
+    ``temperature`` must be > 0 (0 is greedy: take the argmax). ``top_k`` None/0 and ``top_p`` None/1.0 disable
+    those filters. Slice padded output columns off *before* calling this: top-k/top-p must only ever select real
     token ids."""
     if temperature <= 0:
         raise RequestError("sampling.temperature = 0 means greedy: take the argmax instead of logits_to_probs()")
     squeeze = logits.dim() == 1
     x = (logits.unsqueeze(0) if squeeze else logits).float()  # [n, V]
-    kept = candidates(x, temperature=temperature, top_k=top_k, top_p=top_p)
+    if SamplingRule(temperature, top_k, top_p).greedy:
+        probs = torch.zeros_like(x).scatter_(1, x.argmax(-1, keepdim=True), 1.0)
+        return probs.squeeze(0) if squeeze else probs
+    kept = ranked_candidates(x, temperature=temperature, top_k=top_k, top_p=top_p)
     if kept is None:
         probs = torch.softmax((x - x.max(dim=-1, keepdim=True).values) / float(temperature), dim=-1)
     else:
-        vals, idx = kept
+        ids, keep = kept
+        vals = x.gather(1, ids).masked_fill(~keep, float("-inf"))
         scaled = (vals - vals[:, :1]) / float(temperature)  # column 0 is each row's largest logit
-        probs = torch.zeros_like(x).scatter_(1, idx, torch.softmax(scaled, dim=-1))
+        probs = torch.zeros_like(x).scatter_(1, ids, torch.softmax(scaled, dim=-1))
     return probs.squeeze(0) if squeeze else probs
 
 
 def pick(logits: torch.Tensor, rule: SamplingRule, positions: Sequence[int]) -> list[int]:
     """The token at each row: ``logits`` [n, V] float32 (sliced, penalised), row i at reply position
-    ``positions[i]``. Greedy: the argmax. Otherwise argmax over the kept ids of ``logits + T · g(seed, position,
-    id)``: an exact sample from :func:`logits_to_probs`' p', the same for a row whatever else is in the batch.
+    ``positions[i]`` (module docstring). Greedy: the argmax, lowest id on ties. Otherwise the kept id with the
+    largest ``logit + T · g(seed, position, id)``, lowest id on ties: an exact sample from
+    :func:`logits_to_probs`' p', a function of the row, the seed and the position only.
 
-    Raises :class:`ModelOutputError` for a row whose winner is NaN (the model produced NaN logits): never a
-    token drawn from a broken distribution."""
+    Raises :class:`ModelOutputError` for a row holding NaN (the model produced NaN logits): never a token drawn
+    from a broken distribution."""
     if logits.dim() != 2 or logits.shape[0] != len(positions):
         raise ValueError(
             f"pick: need [{len(positions)}, V] logits for {len(positions)} positions, got {tuple(logits.shape)}"
         )
-    if rule.greedy:
-        token = logits.argmax(dim=-1)  # ties: the lowest id
-        best = logits.gather(1, token[:, None])[:, 0]
-    else:
-        kept = candidates(logits, temperature=rule.temperature, top_k=rule.top_k, top_p=rule.top_p)
-        if kept is None:
-            vals, ids = logits, torch.arange(logits.shape[1], device=logits.device)[None]
-        else:
-            vals, ids = kept
-        noise = gumbel_noise(rule.seed, positions, ids)  # [n, m] (float64; float32 on MPS)
-        scores = vals.to(noise.dtype) + rule.temperature * noise  # [n, m]
-        at = scores.argmax(dim=-1)
-        best = scores.gather(1, at[:, None])[:, 0]
-        token = at if kept is None else ids.gather(1, at[:, None])[:, 0]
-    out = torch.stack([token.to(best.dtype), best]).tolist()  # one device sync
-    if any(value != value for value in out[1]):  # NaN
+    if bool(torch.isnan(logits).any()):
         raise ModelOutputError(
             "the model produced NaN logits, so no token can be chosen; the reply was stopped. "
             "This is a numerical problem of the model or its dtype: try dtype: float32 or "
             "bfloat16 for the pair in models.yaml"
         )
-    return [int(t) for t in out[0]]
+    if rule.greedy:
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]  # ties: the first maximal index, the lowest id
+    kept = ranked_candidates(logits, temperature=rule.temperature, top_k=rule.top_k, top_p=rule.top_p)
+    if kept is None:
+        return _gumbel_max(logits, torch.arange(logits.shape[1], device=logits.device)[None], None, rule, positions)
+    ids, keep = kept
+    return _gumbel_max(logits.gather(1, ids), ids, keep, rule, positions)
 
 
-def _top_k_with_ties(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values per row, descending, plus any ties with the k-th (kept, as transformers does)."""
-    vals, idx = torch.topk(x, k + 1, dim=-1)  # one extra tells whether the k-th value is tied beyond k
-    if not bool((vals[:, k] == vals[:, k - 1]).any()):
-        return vals[:, :k], idx[:, :k]
-    kth = vals[:, k - 1 : k]
-    m = int((x >= kth).sum(-1).max())
-    vals, idx = torch.topk(x, m, dim=-1)
-    return vals.masked_fill(vals < kth, float("-inf")), idx
+def _gumbel_max(
+    vals: torch.Tensor,  # [n, m] the candidates' logits
+    ids: torch.Tensor,  # [n, m] their ids (or [1, m] shared by every row)
+    keep: torch.Tensor | None,  # [n, m] bool: candidates a filter kept (None: every column)
+    rule: SamplingRule,
+    positions: Sequence[int],
+) -> list[int]:
+    """argmax over the kept columns of ``vals + T · g``, the lowest id among equal scores (see :func:`pick`)."""
+    temperature = rule.temperature
+    noise = gumbel_noise(rule.seed, positions, ids)  # [n, m] float64 (float32 on MPS)
+    scores = vals.to(noise.dtype) + temperature * noise
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    n, m = scores.shape
+    full_ids = ids.expand(n, -1)
+    at = scores.argmax(dim=-1, keepdim=True)  # the first maximal column
+    tokens = [int(t) for t in full_ids.gather(1, at)[:, 0].tolist()]
+    if m < 2 or noise.dtype != torch.float64:
+        return tokens  # MPS: float32 noise, replayed per device type (docs/determinism.md)
+    top2 = scores.topk(2, dim=-1).values  # [n, 2]
+    best, second = top2[:, 0], top2[:, 1]
+    separated = (best - second) > SCORE_MARGIN * (best.abs() + temperature)  # False for infinite or NaN scores
+    for row in (~separated).nonzero()[:, 0].tolist():
+        tokens[row] = _exact_choice(
+            vals[row],
+            full_ids[row],
+            scores[row],
+            keep[row] if keep is not None else None,
+            float(best[row]),
+            rule,
+            positions[row],
+        )
+    return tokens
 
 
-def _nucleus_candidates(x: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The most likely tokens per row, descending, enough of them to hold top_p of every row's mass (the top
-    256, else the top 4096, else the whole sorted row: a flat distribution), with their probabilities within
-    the whole row."""
-    vocab = x.shape[-1]
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # [n, 1]
-    for m in _TOP_P_CANDIDATES:
-        if m >= vocab:
-            break
-        vals, idx = torch.topk(x, m, dim=-1)
-        probs = torch.exp(vals - lse)
-        if not bool((probs.sum(-1) < top_p).any()):
-            return vals, idx, probs
-    vals, idx = torch.sort(x, dim=-1, descending=True)
-    return vals, idx, torch.exp(vals - lse)
+def _exact_choice(
+    vals: torch.Tensor,  # [m] logits
+    ids: torch.Tensor,  # [m]
+    scores: torch.Tensor,  # [m] the vectorised scores (-inf where not kept)
+    keep: torch.Tensor | None,  # [m]
+    best: float,
+    rule: SamplingRule,
+    position: int,
+) -> int:
+    """The definition for a row whose best scores are too close to call with the vectorised noise: every
+    contender scored with :func:`reference_gumbel` (plain Python float64), the lowest id among equal scores."""
+    if math.isfinite(best):
+        near = scores >= best - 2 * SCORE_MARGIN * (abs(best) + rule.temperature)
+    else:
+        near = scores == best  # +inf: every infinite logit; -inf: every kept candidate
+    if keep is not None:
+        near &= keep
+    columns = near.nonzero()[:, 0]
+    winner, top = -1, -math.inf
+    for token, value in zip(ids[columns].tolist(), vals[columns].double().tolist()):
+        score = value + rule.temperature * reference_gumbel(rule.seed, position, token)
+        if score > top or (score == top and (winner < 0 or token < winner)):
+            winner, top = token, score
+    return winner

@@ -9,26 +9,35 @@ Pure Python (no torch). Three layers:
   draft position how many steps reached and accepted it, target pass times by tokens per pass, drafting times,
   emitted tokens and step time of speculating and of plain steps. A request's travel in its RequestStats
   (``step_counts``); the bench and `specchat serve` add them up across requests instead of recounting steps.
-- :class:`SpecStats`: one request: a :class:`StepCounts` plus the request's clock (first token, last token,
-  prefill). :meth:`SpecStats.report` builds the :class:`~specchat.backend.api.RequestStats` every consumer
-  reads (the UI live, `specchat generate --json`, the history); the engine attaches one to every StepEvent.
+- One request's statistics (its clock, and the :class:`~specchat.backend.api.RequestStats` every consumer
+  reads) are ``request_stats.py``'s :class:`~specchat.backend.speculative.request_stats.SpecStats`, built on
+  these counts.
 
 Definitions (the vocabulary of ``backend/api.py``): a *speculating step* drafted at least one token; a step
 with nothing drafted is *plain*: ``paused`` when the policy paused speculation, ``no draft`` when a drafter
-was on but nothing was verified for another reason; per-position acceptance α_i = steps
-that accepted draft position i / steps that reached it (drafted more than i tokens and accepted every one
-before i). A position never reached counts as α = 0 in E[N].
+was on but nothing was verified for another reason. Every drafted token is counted once, as exactly one of:
+
+- *accepted*: the target accepted it and it is in the reply;
+- *discarded*: the target accepted it, but it lies past the reply's end (an EOS, a stop string or the length
+  limit came first in the same step), so the reply does not hold it;
+- *rejected*: the target did not accept it (the first mismatch and every draft after it; in a tree, every node
+  off the followed path).
+
+drafted = accepted + rejected + discarded; acceptance rate = accepted / drafted; τ = (accepted + 1 per
+speculating step) / speculating steps = 1 + accepted / speculating steps. Per-position acceptance α_i = steps
+that accepted draft position i / steps that reached it (drafted more than i tokens and accepted every one before
+i), over positions inside the reply (a discarded position is neither). A position never reached counts as α = 0
+in E[N].
 """
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from specchat.backend.api import GammaSummary, PolicyState, RequestStats
+from specchat.backend.api import GammaSummary
 
 
 def judged_positions(accepted: int, drafted: int, tried: int | None = None) -> int:
@@ -53,7 +62,7 @@ def speedup(expected: float, gamma: int, *, t1: float, draft_s_per_token: float,
     return expected * t1 / (gamma * draft_s_per_token + target_s)
 
 
-def _rate(num: float, den: float, digits: int = 4) -> float | None:
+def rate(num: float, den: float, digits: int = 4) -> float | None:
     return round(num / den, digits) if den else None
 
 
@@ -80,8 +89,10 @@ class StepCounts:
     accepted_at: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position: steps accepting it
     accepted_lengths: Counter[int] = field(default_factory=Counter)  # accepted count -> speculating steps
     drafted: int = 0
-    accepted: int = 0
-    rejected_steps: int = 0  # speculating steps that ended in a rejection
+    accepted: int = 0  # drafted tokens the reply holds
+    rejected: int = 0  # drafted tokens the target did not accept
+    discarded: int = 0  # drafted tokens the target accepted past the reply's end (EOS, stop string, length)
+    rejected_steps: int = 0  # speculating steps that ended in a rejection inside the reply
     paused_steps: int = 0
     no_draft_steps: int = 0
     spec_emitted: int = 0
@@ -105,13 +116,18 @@ class StepCounts:
         no_draft: bool = False,
         tried: int | None = None,
     ) -> None:
-        """One step: ``gamma`` tokens drafted by ``drafter`` (0: plain), ``accepted`` of them kept, ``emitted``
-        tokens yielded (accepted + 1, fewer when EOS or the token limit cut the step). A tree of ``gamma`` nodes
-        gives ``tried``: the positions judged along the followed path (accepted, plus one where no child
-        matched); a chain judged ``min(accepted + 1, gamma)``."""
+        """One step: ``gamma`` tokens drafted by ``drafter`` (0: plain), ``accepted`` of them accepted by the
+        target (verification's count), ``emitted`` tokens the reply kept of the step (accepted + 1, fewer when an
+        EOS, a stop string or the token limit ended the reply inside it: the accepted drafts past that end are
+        counted *discarded*, not accepted). A tree of ``gamma`` nodes gives ``tried``: the positions judged along
+        the followed path (accepted, plus one where no child matched); a chain judged ``min(accepted + 1,
+        gamma)``."""
         if not 0 <= accepted <= gamma:
             raise ValueError(f"StepCounts.observe: need 0 <= accepted <= gamma, got {accepted}, {gamma}")
-        judged = judged_positions(accepted, gamma, tried)
+        if not 0 <= emitted <= accepted + 1:
+            raise ValueError(f"StepCounts.observe: need 0 <= emitted <= accepted + 1, got {emitted}, {accepted}")
+        kept = min(accepted, emitted)  # the reply holds the step's first ``emitted`` tokens: drafts first
+        judged = min(judged_positions(accepted, gamma, tried), emitted)  # positions judged inside the reply
         key = (drafter if gamma else "none", gamma)
         self.steps[key] += 1
         self.draft_s[key] = self.draft_s.get(key, 0.0) + draft_s
@@ -134,12 +150,14 @@ class StepCounts:
             taken.extend([0] * (gamma - len(taken)))
         for i in range(judged):
             reached[i] += 1
-        for i in range(accepted):
+        for i in range(kept):
             taken[i] += 1
         self.drafted += gamma
-        self.accepted += accepted
-        self.rejected_steps += accepted < judged
-        self.accepted_lengths[accepted] += 1
+        self.accepted += kept
+        self.rejected += gamma - accepted
+        self.discarded += accepted - kept
+        self.rejected_steps += kept < judged
+        self.accepted_lengths[kept] += 1
         self.spec_emitted += emitted
         self.spec_time_s += step_s
 
@@ -197,18 +215,18 @@ class StepCounts:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return _rate(self.accepted, self.drafted)
+        return rate(self.accepted, self.drafted)
 
     @property
     def mean_accepted_length(self) -> float | None:
-        """τ = 1 + accepted / speculating steps (the recovered or bonus token counts)."""
+        """τ = (accepted + 1 per speculating step) / speculating steps: the recovered or bonus token counts."""
         steps = self.spec_steps
         return round(1.0 + self.accepted / steps, 4) if steps else None
 
     @property
     def alpha_hat(self) -> float | None:
         """Pooled per-position acceptance: accepted / (accepted + steps ending in a rejection)."""
-        return _rate(self.accepted, self.accepted + self.rejected_steps)
+        return rate(self.accepted, self.accepted + self.rejected_steps)
 
     def per_position_acceptance(self, drafter: str | None = None) -> list[float | None]:
         """α_i for ``drafter`` (None: every drafter pooled); None where no step reached position i."""
@@ -218,7 +236,7 @@ class StepCounts:
         for name in names:
             _add_rows(reached, self.reached.get(name, []))
             _add_rows(taken, self.accepted_at.get(name, []))
-        return [_rate(a, r) for a, r in zip(taken, reached)]
+        return [rate(a, r) for a, r in zip(taken, reached)]
 
     def mean_pass_s(self, n: int) -> float | None:
         seconds, passes = self.pass_s.get(n, (0.0, 0))
@@ -232,7 +250,7 @@ class StepCounts:
         if not gammas:
             return GammaSummary()
         mode = min(gammas, key=lambda g: (-gammas[g], g))
-        return GammaSummary(mode=mode, mean=_rate(self.drafted, sum(gammas.values())), max=max(gammas))
+        return GammaSummary(mode=mode, mean=rate(self.drafted, sum(gammas.values())), max=max(gammas))
 
     def busiest_drafter(self) -> str | None:
         """The drafter of the most speculating steps (None without any)."""
@@ -263,156 +281,3 @@ class StepCounts:
 
 # The plain totals (the number fields): added by merge, written and read as they are by to_dict / from_dict.
 _TOTALS = tuple(f.name for f in fields(StepCounts) if isinstance(f.default, (int, float)))
-
-
-class SpecStats:
-    """One request's statistics. ``clock`` is injectable for tests.
-
-    The engine calls :meth:`observe_prefill` once (the first token comes from the prefill pass), then
-    :meth:`observe_step` after every later target pass, and :meth:`report` for each event.
-    """
-
-    def __init__(
-        self, *, clock: Callable[[], float] = time.perf_counter, t0: float | None = None, seed: int | None = None
-    ) -> None:
-        self._clock = clock
-        self.seed = seed  # the seed the reply is sampled with (reported so it can be replayed)
-        self.draft_context: tuple[int, int] | None = None  # (fed, reused) at the draft model's first draft
-        self.t0 = clock() if t0 is None else t0  # the request's start (prompt rendering included)
-        self.t_first: float | None = None
-        self.t_last: float | None = None
-        self.new_tokens = 0
-        self.prefill_tokens = 0
-        self.prefill_s = 0.0
-        self.counts = StepCounts()
-        self.last_gamma = 0
-        self.last_policy: PolicyState | None = None
-        self.policy_estimate: float | None = None  # the γ policy's S, preferred over the counts' own
-        self.policy_estimates: Mapping[str, Any] | None = None
-        self.tree = (0, 0, 0, 0, 0)  # the latest tree draft: nodes, depth, leaves, accepted depth, branch
-
-    def _emit(self, n: int) -> None:
-        if n <= 0:
-            return
-        now = self._clock()
-        if self.t_first is None:
-            self.t_first = now
-        self.t_last = now
-        self.new_tokens += n
-
-    def observe_prefill(
-        self, *, tokens: int, seconds: float, emitted: int = 1, policy: PolicyState | None = None
-    ) -> None:
-        """The prefill pass: ``tokens`` actually prefilled (after prefix reuse) in ``seconds``; it yields
-        ``emitted`` tokens (the first one)."""
-        self.prefill_tokens += tokens
-        self.prefill_s += seconds
-        self.last_policy = policy
-        self._emit(emitted)
-
-    def observe_step(
-        self,
-        *,
-        drafter: str,
-        gamma: int,
-        accepted: int,
-        emitted: int,
-        policy: PolicyState,
-        draft_s: float,
-        verify_s: float,
-        overhead_s: float,
-        tried: int | None = None,
-    ) -> None:
-        """One target pass after prefill (see :meth:`StepCounts.observe`)."""
-        self.counts.observe(
-            drafter=drafter,
-            gamma=gamma,
-            accepted=accepted,
-            emitted=emitted,
-            draft_s=draft_s,
-            verify_s=verify_s,
-            overhead_s=overhead_s,
-            paused=policy is PolicyState.PAUSED,
-            no_draft=policy is PolicyState.NO_DRAFT,
-            tried=tried,
-        )
-        self.last_gamma = gamma
-        self.last_policy = policy
-        self._emit(emitted)
-
-    def observe_tree(self, parents: Sequence[int], path: Sequence[int]) -> None:
-        """The shape of the tree the last step verified (``parents`` as in a Draft) and the accepted ``path``
-        (node indices): kept for the live view (RequestStats.tree_*)."""
-        depth: list[int] = []
-        for parent in parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-        leaves = len(parents) - len({p for p in parents if p >= 0})
-        roots = [i for i, p in enumerate(parents) if p < 0]
-        branch = roots.index(path[0]) + 1 if path else 0
-        self.tree = (len(parents), max(depth, default=0), leaves, len(path), branch)
-
-    def observe_draft_context(self, drafter: str, *, prefilled: int, reused: int) -> None:
-        """A drafter with a cache read the context: ``prefilled`` ids fed, ``reused`` found cached. The first
-        time in a request is its prefill (later ones catch up on the tokens of the last step)."""
-        if self.draft_context is None:
-            self.draft_context = (prefilled, reused)
-
-    def set_policy(self, expected_speedup: float | None, estimates: Mapping[str, Any] | None) -> None:
-        """The γ policy's S and estimates (a single drafter); preferred over the counts' own S."""
-        self.policy_estimate, self.policy_estimates = expected_speedup, estimates
-
-    @property
-    def wall_s(self) -> float:
-        return (self.t_last - self.t0) if self.t_last is not None else 0.0
-
-    def expected_speedup(self) -> float | None:
-        if self.policy_estimate is not None:
-            return round(self.policy_estimate, 4)
-        value = self.counts.expected_speedup(self.counts.mean_pass_s(1))
-        return round(value, 4) if value is not None and self.counts.spec_steps else None
-
-    def report(self, *, prompt_tokens: int = 0, drafter: str = "none") -> RequestStats:
-        """The request's statistics now. ``drafter``: reported when no drafter ran a speculating step."""
-        c, wall = self.counts, self.wall_s
-        steps = c.total_steps
-        longest = max(c.accepted_lengths, default=-1)
-        return RequestStats(
-            new_tokens=self.new_tokens,
-            wall_s=round(wall, 6),
-            prefill_s=round(self.prefill_s, 6),
-            ttft_s=round(self.t_first - self.t0, 6) if self.t_first is not None else None,
-            prefill_tokens=self.prefill_tokens,
-            tok_s=_rate(self.new_tokens, wall, 2) if self.new_tokens else None,
-            steps=steps,
-            spec_paused_steps=c.paused_steps,
-            drafted=c.drafted,
-            accepted=c.accepted,
-            acceptance_rate=c.acceptance_rate,
-            mean_accepted_length=c.mean_accepted_length,
-            per_position_acceptance=tuple(c.per_position_acceptance()),
-            gamma=c.gamma_summary(),
-            prompt_tokens=prompt_tokens,
-            drafter=c.busiest_drafter() or drafter,
-            draft_s=round(sum(c.draft_s.values()), 6),
-            verify_s=round(c.verify_s, 6),
-            overhead_s=round(c.overhead_s, 6),
-            tokens_per_step=_rate(c.spec_emitted + c.plain_emitted, steps),
-            alpha_hat=c.alpha_hat,
-            expected_speedup=self.expected_speedup(),
-            accepted_length_histogram=tuple(c.accepted_lengths.get(k, 0) for k in range(longest + 1)),
-            spec_tok_s=_rate(c.spec_emitted, c.spec_time_s, 2),
-            plain_tok_s=_rate(c.plain_emitted, c.plain_time_s, 2),
-            last_gamma=self.last_gamma,
-            last_policy=self.last_policy,
-            policy=self.policy_estimates,
-            step_counts=c.to_dict(),
-            no_draft_steps=c.no_draft_steps,
-            draft_prefill_tokens=self.draft_context[0] if self.draft_context else 0,
-            draft_reused_tokens=self.draft_context[1] if self.draft_context else 0,
-            seed=self.seed,
-            tree_nodes=self.tree[0],
-            tree_depth=self.tree[1],
-            tree_width=self.tree[2],
-            tree_accepted=self.tree[3],
-            tree_branch=self.tree[4],
-        )

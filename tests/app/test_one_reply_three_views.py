@@ -1,4 +1,5 @@
-"""One reply, three views: the chat UI, `specchat generate --json` and the history show the same statistics.
+"""One reply, every view: the chat UI, `specchat generate --json`, the history and `specchat serve`'s chunks show the
+same statistics.
 
 A real engine (a tiny random-weight model, prompt lookup on a repetitive prompt, so drafts are accepted and
 rejected) produces one reply; a replaying engine hands exactly those events to the UI and to the CLI's JSON
@@ -22,6 +23,7 @@ from tiny_models import random_ids
 
 from specchat.app.chat.history.store import ChatStore
 from specchat.app.cli.generate import _one, _Stdout
+from specchat.app.serve import wire
 from specchat.app.tui.widgets.details_panel import DetailsPanel
 from specchat.app.tui.widgets.stats_bar import StatsLine, reply_totals
 from specchat.backend.api import JSON_STATS_FIELDS, GenerationRequest, RequestStats, SamplingParams, StepEvent
@@ -97,6 +99,32 @@ async def test_ui_json_and_history_show_the_same_numbers(tmp_path) -> None:
         ("tokens", final.new_tokens),
         ("drafted", final.drafted),
         ("accepted", final.accepted),
+        ("rejected", final.rejected),
+        ("discarded", final.discarded),
         ("steps", final.steps),
     ):
         assert any(part.split() == [label, str(value)] for part in details.splitlines()), (label, details)
+
+
+def test_serve_streams_the_same_counts_and_step_counts_on_the_last_chunk_only() -> None:
+    """Issue 32: one set of counts (drafted = accepted + rejected + discarded, one τ) in every view; the raw
+    step_counts (kilobytes) ride on the chunk that finishes the reply, not on every chunk."""
+    events = recorded_reply()
+    final: RequestStats = events[-1].stats
+    assert final.drafted == final.accepted + final.rejected + final.discarded
+    chunks = [wire.chunk("id", "m", 0, e, token_ids=True, first=i == 0) for i, e in enumerate(events)]
+    *streaming, last = chunks
+    assert last["choices"][0]["finish_reason"] is not None
+    assert RequestStats.from_dict(last["specchat"]["stats"]) == final
+    with_stats = [c["specchat"]["stats"] for c in streaming if c["specchat"]["stats"] is not None]
+    assert with_stats, "no streamed chunk carried statistics: the test would check nothing"
+    for stats in with_stats:
+        assert "step_counts" not in stats
+        assert stats["drafted"] == stats["accepted"] + stats["rejected"] + stats["discarded"]
+    # A client reading the chunks sees the engine's own figures, τ included, as --json does.
+    out = io.StringIO()
+    with redirect_stdout(out):
+        _one(ReplayEngine(events), GenerationRequest(prompt_ids=[5]), "p", 0, True, _Stdout())
+    as_json = json.loads(out.getvalue())["stats"]
+    for key in ("drafted", "accepted", "rejected", "discarded", "mean_accepted_length", "acceptance_rate"):
+        assert last["specchat"]["stats"][key] == as_json[key] == getattr(final, key), key

@@ -26,7 +26,7 @@ from typing import Any
 from specchat.backend.api import GenerationRequest, PolicyState, StepEvent, TokenSource
 from specchat.backend.errors import ModelLoadError, SpecchatError
 from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
-from specchat.backend.speculative.stats import SpecStats
+from specchat.backend.speculative.request_stats import SpecStats
 
 CANNED_REPLY = """Here is a function that reverses a string:
 

@@ -20,6 +20,9 @@ from specchat.app.tui.widgets.stats_bar import num, pct
 from specchat.backend.api import RequestStats
 
 BAR_WIDTH = 20
+# The counts' definitions (RequestStats) in short for a 38-column panel; the stats bar's tooltip has them in full.
+TAU_NOTE = "τ = (accepted + 1 per step) ÷ speculating steps"
+DISCARDED_NOTE = "discarded: accepted drafts past the end (EOS, stop string, length)"
 
 
 def bar(value: float | None, width: int = BAR_WIDTH) -> Text:
@@ -82,13 +85,16 @@ def render_details(live: LiveView) -> Text:
         ("steps", count(stats.steps)),
         ("drafted", count(stats.drafted)),
         ("accepted", count(stats.accepted)),
+        ("rejected", count(stats.rejected)),
+        ("discarded", count(stats.discarded)),
         ("acceptance", pct(stats.acceptance_rate)),
-        ("τ (tokens/step)", num(stats.mean_accepted_length, 2)),
+        ("τ (spec steps)", num(stats.mean_accepted_length, 2)),
         ("paused steps", count(stats.spec_paused_steps)),
         ("first token", f"{num(stats.ttft_s, 2)} s"),
         ("tok/s (reply)", num(stats.tok_s)),
     ):
         text.append(f"  {label:<16}{value:>8}\n")
+    text.append(f"\n{TAU_NOTE}\n{DISCARDED_NOTE}\n", style="dim")
     return text
 
 

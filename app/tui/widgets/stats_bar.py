@@ -61,6 +61,12 @@ FINISH_NOTES = {
 # the live line's colour for the latest step's policy state (others, and no state yet: dim)
 POLICY_STYLES: dict[PolicyState | None, str] = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}
 BAR_CELLS = 12  # the width of a percentage bar (loading, reading a prompt)
+# What τ is, wherever it is shown (RequestStats.mean_accepted_length: one definition for the UI, JSON and serve).
+TAU_MEANING = (
+    "τ: tokens per speculating step = (accepted drafts + 1 per speculating step) ÷ speculating steps; "
+    "plain steps are not counted (plain decoding has no τ)"
+)
+ACCEPTANCE_MEANING = "acc: accepted ÷ drafted (drafts past the reply's end, at EOS or a stop, are discarded)"
 
 
 def pct(value: float | None) -> str:
@@ -336,6 +342,7 @@ class StatsBar(Horizontal):
             return
         decode = decode_rate(stats)
         rate = (live.window_tok_s or decode or stats.tok_s) if streaming else (decode or stats.tok_s)
+        self.tooltip = f"{ACCEPTANCE_MEANING}\n{TAU_MEANING}"
         text.append(f"  {num(rate)} tok/s", style="bold cyan")
         read = prefill_rate(stats)
         if not streaming and read is not None and (stats.prefill_s or 0.0) >= SLOW_PREFILL_S:

@@ -36,3 +36,30 @@ def test_a_value_out_of_the_engines_range_is_refused_naming_the_option(
     assert main(["bench", option, value]) == 2
     err = capsys.readouterr().err
     assert f"{option} must be {SAMPLING_LIMITS[name][1]}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gammas", "0"], "--gammas '0': use whole numbers"),
+        (["--gammas", "fast"], "--gammas 'fast'"),
+        (["--settings", "99"], "--settings 99: use 0 .. "),
+        (["--seed", str(2**64 - 1), "--samples", "2"], "use --seed 18446744073709551614 or lower"),
+    ],
+)
+def test_replay_options_are_checked_before_anything_loads(isolated_dirs, monkeypatch, capsys, argv, message) -> None:
+    import specchat.backend.engine.engine as engine_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the replay bench loaded a pair for options it refuses")
+
+    monkeypatch.setattr(engine_module, "load_engine", never)
+    assert main(["bench", "--replay", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_replay_lists_its_settings(isolated_dirs, capsys) -> None:
+    assert main(["bench", "--replay", "--settings", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert " 3  T=1 top_p=0.9" in out and "T=1e-06" in out and "top_k=1" in out

@@ -17,7 +17,7 @@ from tiny_models import FAMILIES, VOCAB_SIZE, one_thread, random_ids  # noqa: F4
 
 from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams, TokenSource
 from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
-from specchat.backend.speculative.stats import SpecStats
+from specchat.backend.speculative.request_stats import SpecStats
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=1234, max_new_tokens=40)

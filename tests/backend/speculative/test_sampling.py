@@ -1,7 +1,7 @@
-"""sampling.py: logits -> probs (checked against transformers' own warpers), the per-position repetition penalty
-(checked against transformers' processor on every prefix), the Gumbel-max choice (an exact sample of p', the same
-for a row whatever its batch), and settings at the edge of their ranges (a temperature of 1e-38, a penalty of
-1e-30) that must never give NaN."""
+"""sampling.py: logits -> probs (checked against transformers' own warpers where no tie meets a cut; ties are
+cut by id: test_ties.py), the per-position repetition penalty (checked against transformers' processor on every
+prefix), the Gumbel-max choice (an exact sample of p', the same for a row whatever its batch), and settings at the
+edge of their ranges (a temperature of 1e-38, a penalty of 1e-30) that must never give NaN."""
 
 from __future__ import annotations
 
@@ -81,13 +81,13 @@ def test_top_p_with_a_nucleus_of_hundreds() -> None:
     torch.testing.assert_close(probs, _reference(logits, 1.0, None, 0.9), atol=1e-7, rtol=1e-5)
 
 
-def test_top_k_keeps_ties_and_top_p_keeps_at_least_one() -> None:
+def test_top_k_cuts_ties_by_id_and_top_p_keeps_at_least_one() -> None:
     logits = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.0]])
     probs = logits_to_probs(logits, temperature=1.0, top_k=2, top_p=None)
-    assert (probs[0] > 0).tolist() == [True, True, True, False, False]  # both ties at the 2nd value stay
-    probs = logits_to_probs(logits, temperature=1.0, top_k=2, top_p=0.5)  # token 0 alone holds 0.58 >= 0.5
+    assert (probs[0] > 0).tolist() == [True, True, False, False, False]  # the tie at the 2nd value: lower id
+    probs = logits_to_probs(logits, temperature=1.0, top_k=3, top_p=0.5)  # token 0 alone holds 0.58 >= 0.5
     assert (probs[0] > 0).tolist() == [True, False, False, False, False]
-    torch.testing.assert_close(probs, _reference(logits, 1.0, 2, 0.5))
+    torch.testing.assert_close(probs, _reference(logits, 1.0, 3, 0.5))
     one = logits_to_probs(logits, temperature=1.0, top_k=None, top_p=1e-6)
     assert one[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     vec = logits_to_probs(logits[0], temperature=0.5, top_k=None, top_p=None)  # [V] in, [V] out

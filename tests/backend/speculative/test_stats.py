@@ -10,7 +10,8 @@ import math
 import pytest
 
 from specchat.backend.api import JSON_STATS_FIELDS, GammaSummary, PolicyState
-from specchat.backend.speculative.stats import SpecStats, StepCounts, expected_tokens_table, speedup
+from specchat.backend.speculative.request_stats import SpecStats
+from specchat.backend.speculative.stats import StepCounts, expected_tokens_table, speedup
 
 SPEC, PAUSED, OFF, NO_DRAFT = PolicyState.SPECULATING, PolicyState.PAUSED, PolicyState.OFF, PolicyState.NO_DRAFT
 
@@ -56,7 +57,7 @@ def test_request_stats_fields_and_values() -> None:
     assert out["prefill_s"] == 0.5 and out["prefill_tokens"] == 20
     assert out["tok_s"] == pytest.approx(10.0)
     assert out["steps"] == 5 and out["spec_paused_steps"] == 1
-    assert out["drafted"] == 8 and out["accepted"] == 4
+    assert out["drafted"] == 8 and out["accepted"] == 4 and out["rejected"] == 4 and out["discarded"] == 0
     assert out["acceptance_rate"] == 0.5
     assert out["mean_accepted_length"] == pytest.approx(1 + 4 / 3, abs=1e-4)  # over the 3 speculating steps
     # position 0: reached 3 times, accepted twice; 1: reached 2, accepted 1; 2: reached 1, accepted 1
@@ -177,3 +178,35 @@ def test_the_formula() -> None:
     geometric = (1 - 0.7**4) / (1 - 0.7)
     assert expected_tokens_table([0.7] * 3)[3] == pytest.approx(geometric)
     assert speedup(3.0, 4, t1=0.01, draft_s_per_token=0.001, target_s=0.012) == pytest.approx(3 * 0.01 / 0.016)
+
+
+def test_drafts_past_the_reply_s_end_are_discarded_not_accepted() -> None:
+    """A step whose accepted drafts run past an EOS, a stop string or the length limit: the reply holds only the
+    tokens before that end. Issue 32: new_tokens 5, accepted 7. Now every draft is accepted, rejected or
+    discarded, τ and the per-position figures count only what the reply holds."""
+    clock = Clock()
+    stats = SpecStats(clock=clock)
+    stats.observe_prefill(tokens=10, seconds=0.1)
+    # γ=8, the target accepted 7, but the reply ended at the 4th token of the step (a stop string in it).
+    stats.observe_step(
+        drafter="suffix", gamma=8, accepted=7, emitted=4, policy=SPEC, draft_s=0.0, verify_s=0.1, overhead_s=0.0
+    )
+    out = stats.report()
+    assert out.new_tokens == 5
+    assert (out.drafted, out.accepted, out.rejected, out.discarded) == (8, 4, 1, 3)
+    assert out.drafted == out.accepted + out.rejected + out.discarded
+    assert out.mean_accepted_length == 5.0 and out.acceptance_rate == 0.5
+    assert out.per_position_acceptance == (1.0,) * 4 + (None,) * 4  # positions 4.. lie past the end: not reached
+    assert out.accepted_length_histogram == (0, 0, 0, 0, 1)
+    counts = StepCounts.from_dict(dict(out.step_counts or {}))
+    assert (counts.accepted, counts.rejected, counts.discarded) == (4, 1, 3)
+    with pytest.raises(ValueError, match="emitted <= accepted \\+ 1"):
+        StepCounts().observe(drafter="x", gamma=2, accepted=1, emitted=3, draft_s=0, verify_s=0)
+
+
+def test_an_eos_as_the_recovered_token_discards_nothing() -> None:
+    counts = StepCounts()
+    counts.observe(drafter="x", gamma=4, accepted=2, emitted=3, draft_s=0.0, verify_s=0.1)  # EOS recovered
+    counts.observe(drafter="x", gamma=4, accepted=4, emitted=2, draft_s=0.0, verify_s=0.1)  # EOS was draft 2
+    assert (counts.drafted, counts.accepted, counts.rejected, counts.discarded) == (8, 4, 2, 2)
+    assert counts.rejected_steps == 1 and counts.mean_accepted_length == 3.0
