@@ -153,9 +153,9 @@ def test_prefill_keeps_one_logits_row():
     calls = []
     forward = engine.runner.forward
 
-    def spy(seq, ids, *, logits_to_keep=1, parents=None):
+    def spy(seq, ids, *, logits_to_keep=1, parents=None, **options):
         calls.append((len(ids), logits_to_keep))
-        return forward(seq, ids, logits_to_keep=logits_to_keep, parents=parents)
+        return forward(seq, ids, logits_to_keep=logits_to_keep, parents=parents, **options)
 
     engine.runner.forward = spy
     run(
