@@ -1,0 +1,225 @@
+"""Loading a model for the native pass (``backend/kernels/native_model.py``): a GGUF file's tensors as the file
+stores them, or a transformers checkpoint's safetensors (float32 / bfloat16 / float16) as stored.
+
+Contract:
+- :func:`native_reason(spec, device, attn_implementation)` is None when the native model will run this spec
+  (CPU, the paged attention asked for, a GGUF or packaged source of an architecture in
+  ``native_arch.GGUF_OPTIONS``, or a local / hub safetensors checkpoint without bitsandbytes quantisation) and
+  the library is usable (``kernels.native.ensure``, which builds it on a machine's first use, reporting to
+  ``progress``); else why not, in one line (the caller falls back and says so).
+- :func:`from_gguf(gguf, config)` / :func:`from_safetensors(folder, config)` return a :class:`NativeCausalLM`
+  whose weights are QWeights holding the stored blocks (one copy each: the file's pages are not kept, nor any
+  float copy); llama.cpp's permuted q/k rows of llama-architecture files are put back in transformers' order
+  by moving whole rows of blocks. Types the kernels lack are de-quantised to F16 and named in ``notes``. A
+  file whose tensors do not make a complete model raises :class:`ModelLoadError` naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specchat.backend.errors import ModelLoadError
+from specchat.backend.kernels import native
+from specchat.backend.kernels.native_model import GGML_TYPES, TYPE_NAMES, NativeModel, float_qweight, qweight
+from specchat.backend.models import gguf_file
+from specchat.backend.models.config import ModelSpec
+from specchat.backend.models.gguf_file import GgufFile
+from specchat.backend.models.native_arch import (
+    GGUF_NAMES,
+    GGUF_OPTIONS,
+    HF_NAMES,
+    LAYER_VECTORS,
+    MATRICES,
+    NativeUnsupported,
+    architecture,
+    names_for,
+)
+
+Progress = Callable[[str, "float | None"], None]
+BITSANDBYTES = ("nf4", "int8")
+
+
+class NativeCausalLM:
+    """A model the native pass runs: where a transformers model would sit in ``LoadedModel.model``."""
+
+    def __init__(self, config: Any, native_model: NativeModel, description: str, notes: list[str], nbytes: int):
+        self.config = config
+        self.native = native_model
+        self.description = description  # e.g. "Q4_1 as stored"
+        self.notes = notes
+        self.weight_bytes = nbytes
+        self.generation_config: Any = None
+
+    def eval(self) -> NativeCausalLM:
+        return self
+
+    def set_attn_implementation(self, name: str) -> None:
+        """The native pass attends over the paged cache itself: any name is accepted and ignored."""
+
+
+def native_reason(spec: ModelSpec, device: torch.device, attn_implementation: str, progress: Progress | None = None):
+    """See the module docstring."""
+    from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
+
+    if device.type != "cpu":
+        return f"the native model runs on CPU only (device {device})"
+    if attn_implementation != ATTN_IMPLEMENTATION:
+        return "the native model runs only through the engine's paged cache"
+    if spec.quantization in BITSANDBYTES:
+        return f"quantization: {spec.quantization} asks for bitsandbytes"
+    if spec.trust_remote_code:
+        return "the model's own code (trust_remote_code) runs through transformers"
+    return native.ensure(progress)
+
+
+def _raw(tensor: gguf_file.GgufTensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # a view of the read-only map: QWeight copies it, nothing writes it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(tensor.raw)
+
+
+class _Fill:
+    """Puts tensors into a NativeModel, counting types and bytes for the description."""
+
+    def __init__(self, model: NativeModel, where: Path) -> None:
+        self.model, self.where = model, where
+        self.types: dict[str, int] = {}
+        self.converted: dict[str, int] = {}
+        self.nbytes = 0
+
+    def count(self, name: str, nbytes: int) -> None:
+        self.types[name] = self.types.get(name, 0) + 1
+        self.nbytes += nbytes
+
+    def description(self) -> str:
+        order = sorted(self.types, key=lambda name: -self.types[name])
+        return f"{', '.join(order)} as stored"
+
+    def notes(self) -> list[str]:
+        return [
+            f"{count} {name} tensor(s) have no kernel: de-quantised to F16" for name, count in self.converted.items()
+        ]
+
+
+def _gguf_weight(fill: _Fill, tensor: gguf_file.GgufTensor, order: torch.Tensor | None):
+    rows, cols = tensor.shape[0], tensor.shape[-1]
+    if len(tensor.shape) != 2:
+        raise ModelLoadError(f"{fill.where}: tensor {tensor.name!r} has shape {tensor.shape}, not a matrix")
+    if tensor.type_name not in GGML_TYPES:
+        fill.converted[tensor.type_name] = fill.converted.get(tensor.type_name, 0) + 1
+        weight = gguf_file.dequantize(tensor)
+        weight = (weight[order] if order is not None else weight).half()
+        fill.count("F16", weight.numel() * 2)
+        return float_qweight(weight)
+    raw = _raw(tensor)
+    if order is not None:
+        raw = raw[order]  # whole rows of blocks: the file's values, in transformers' row order
+    fill.count(tensor.type_name, raw.numel())
+    return qweight(raw, tensor.ggml_type, rows, cols)
+
+
+def from_gguf(gguf: GgufFile, config: Any) -> NativeCausalLM:
+    """See the module docstring."""
+    options = GGUF_OPTIONS.get(gguf.architecture)
+    if options is None:
+        raise NativeUnsupported(f"GGUF architecture {gguf.architecture!r} (native: {', '.join(GGUF_OPTIONS)})")
+    arch = architecture(config)
+    _, permuted, plus_one = options
+    if plus_one:
+        from dataclasses import replace
+
+        arch = replace(arch, norm_add_one=False)  # the file's norms already hold 1 + w
+    names = names_for(GGUF_NAMES, arch.family)
+    model = NativeModel(arch)
+    fill = _Fill(model, gguf.path)
+
+    def tensor(name: str) -> gguf_file.GgufTensor | None:
+        return gguf.tensors.get(name)
+
+    def vector(name: str) -> torch.Tensor:
+        return gguf_file.dequantize(gguf.tensors[name]).reshape(-1)
+
+    heads = {"q": arch.heads, "k": arch.kv_heads}
+    for i in range(arch.layers):
+        for native_name in MATRICES:
+            found = tensor(names[native_name].format(i=i)) if native_name in names else None
+            if found is None:
+                continue
+            order = None
+            if permuted and native_name in heads:
+                order = gguf_file.unpermute_rows(found.shape[0], heads[native_name])
+            model.set_layer_weight(i, native_name, _gguf_weight(fill, found, order))
+        for native_name in LAYER_VECTORS:
+            name = names[native_name].format(i=i) if native_name in names else None
+            if name is not None and name in gguf.tensors:
+                value = vector(name)
+                if permuted and native_name in ("q_bias", "k_bias"):
+                    value = value[gguf_file.unpermute_rows(value.numel(), heads[native_name[0]])]
+                model.set_layer_vector(i, native_name, value)
+        if names["o_bias"].format(i=i) in gguf.tensors:
+            raise NativeUnsupported("attention output biases")
+    embed = tensor(names["embed"])
+    if embed is None or names["final_norm"] not in gguf.tensors:
+        raise ModelLoadError(f"{gguf.path}: {names['embed']} or {names['final_norm']} is missing")
+    model.set_weight("embed", _gguf_weight(fill, embed, None))
+    head = tensor(names["head"])
+    if head is not None:
+        model.set_weight("head", _gguf_weight(fill, head, None))
+    model.set_final_norm(vector(names["final_norm"]))
+    return NativeCausalLM(config, model, fill.description(), fill.notes(), fill.nbytes)
+
+
+def from_safetensors(folder: Path, config: Any) -> NativeCausalLM:
+    """See the module docstring."""
+    from safetensors import safe_open
+
+    arch = architecture(config)
+    names = names_for(HF_NAMES, arch.family)
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights")
+    handles = [safe_open(str(path), framework="pt") for path in files]
+    where = {key: handle for handle in handles for key in handle.keys()}  # noqa: SIM118 - not a dict
+    model = NativeModel(arch)
+    fill = _Fill(model, Path(folder))
+
+    def get(name: str) -> torch.Tensor | None:
+        handle = where.get(name)
+        return None if handle is None else handle.get_tensor(name)
+
+    def matrix(name: str):
+        weight = get(name)
+        if weight is None:
+            return None
+        if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ModelLoadError(f"{folder}: {name} is {weight.dtype} (float32, bfloat16 or float16 only)")
+        fill.count(TYPE_NAMES[{torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}[weight.dtype]],
+                   weight.numel() * weight.element_size())  # fmt: skip
+        return float_qweight(weight)
+
+    for i in range(arch.layers):
+        for native_name in MATRICES:
+            if native_name in names and (weight := matrix(names[native_name].format(i=i))) is not None:
+                model.set_layer_weight(i, native_name, weight)
+        for native_name in LAYER_VECTORS:
+            if native_name in names and (value := get(names[native_name].format(i=i))) is not None:
+                model.set_layer_vector(i, native_name, value)
+        if names["o_bias"].format(i=i) in where:
+            raise NativeUnsupported("attention output biases")
+    embed = matrix(names["embed"])
+    final = get(names["final_norm"])
+    if embed is None or final is None:
+        raise ModelLoadError(f"{folder}: {names['embed']} or {names['final_norm']} is missing from the safetensors")
+    model.set_weight("embed", embed)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    head = None if tied else matrix(names["head"])
+    if head is not None:
+        model.set_weight("head", head)
+    model.set_final_norm(final)
+    return NativeCausalLM(config, model, fill.description(), fill.notes(), fill.nbytes)
+
