@@ -79,18 +79,6 @@ def _llamacpp_missing(spec) -> str | None:
     return unavailable(gguf_path(spec))
 
 
-def _native_layers(engine) -> str:
-    """Wait for each model's native decoder layers (backend/kernels/native.py; built on a machine's first run,
-    ~20 s), so every mode is measured on the same path; say which path each model runs."""
-    notes = []
-    for role, model_runner in (("target", engine.runner), ("draft", getattr(engine, "draft_runner", None))):
-        attachment = getattr(model_runner, "native", None)
-        if attachment is not None:
-            ran = attachment.wait()
-            notes.append(f"{role} in C++" if ran else f"{role} through the Python loop ({attachment.reason})")
-    return "; ".join(notes)
-
-
 def _repeats(args) -> int:
     value = getattr(args, "repeats", None)
     return int(value) if value is not None else DEFAULT_REPEATS
@@ -194,10 +182,10 @@ def execute(
                 llamacpp = getattr(runner, "llamacpp", None)
                 bounds = bandwidth_bounds(engine, llamacpp.gguf if llamacpp is not None else None)
                 err.print(describe(bounds), highlight=False)
-                native = _native_layers(engine)
-                if native:
-                    meta.setdefault("native_layers", {})[engine.pair.name] = native
-                    err.print(f"Decoder layers: {native}", highlight=False)
+                path = getattr(engine, "start_line", None)
+                if path:
+                    meta.setdefault("paths", {})[engine.pair.name] = path
+                    err.print(f"Runs on: {path}", highlight=False)
             lengths = sorted(fitting, key=runner.prompt_length)
             err.print(f"Warming up {len(modes)} modes on {engine.pair.name} ...")
             warm = runner.warm_up(lengths[len(lengths) // 2])

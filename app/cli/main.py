@@ -1,4 +1,5 @@
-"""The `specchat` command: the chat UI by default, and the subcommands `generate`, `bench` and `models`.
+"""The `specchat` command: the chat UI by default, and the subcommands `generate`, `bench`, `models`, `serve` and
+`doctor`.
 
 Only argument parsing and dispatch live here; each command's body is in its own module and is imported
 lazily, so `specchat --help` answers without importing torch. User errors (:class:`SpecchatError`) are
@@ -23,6 +24,7 @@ commands:
   bench       measure every decoding mode against transformers in one run
   models      list the model pairs of models.yaml with memory estimates (remote pairs: reachable?)
   serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
+  doctor      the state of this machine's CPU kernels; --rebuild-native builds them again
 
 Run `specchat COMMAND --help` for a command's options.
 """
@@ -285,6 +287,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})",
     )
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine's CPU kernels",
+        description="Show whether this machine's CPU kernels (the native library) are built and check out.",
+    )
+    doctor.add_argument(
+        "--rebuild-native",
+        action="store_true",
+        help="remove the cached CPU kernels (and a noted build failure) and build them again now",
+    )
     return parser
 
 
@@ -325,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import models as command
         elif args.command == "serve":
             from specchat.app.cli import serve as command
+        elif args.command == "doctor":
+            from specchat.app.cli import doctor as command
         else:
             from specchat.app.cli import chat as command
         return command.run(args)

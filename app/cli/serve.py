@@ -52,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         )
     with capture_library_output(progress=_progress):
         engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+    from specchat.app.cli.wiring import start_line
+
+    print(start_line(pair.name, engine), file=sys.stderr, flush=True)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens)
     blocks = getattr(engine, "blocks_in_use", None)
     config = ServeConfig(model=pair.name, limits=limits, queue_size=args.queue, api_key=key, blocks_in_use=blocks)

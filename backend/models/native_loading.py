@@ -6,7 +6,8 @@ Contract:
   (CPU, the paged attention asked for, a GGUF or packaged source of an architecture in
   ``native_arch.GGUF_OPTIONS``, or a local / hub safetensors checkpoint without bitsandbytes quantisation) and
   the library is usable (``kernels.native.ensure``, which builds it on a machine's first use, reporting to
-  ``progress``); else why not, in one line (the caller falls back and says so).
+  ``progress``); "" where it is not in question (CUDA, a model loaded outside the engine); else why not, in
+  one line (the caller falls back and says so).
 - :func:`from_gguf(gguf, config)` / :func:`from_safetensors(folder, config)` return a :class:`NativeCausalLM`
   whose weights are QWeights holding the stored blocks (one copy each: the file's pages are not kept, nor any
   float copy); llama.cpp's permuted q/k rows of llama-architecture files are put back in transformers' order
@@ -62,19 +63,89 @@ class NativeCausalLM:
         """The native pass attends over the paged cache itself: any name is accepted and ignored."""
 
 
-def native_reason(spec: ModelSpec, device: torch.device, attn_implementation: str, progress: Progress | None = None):
-    """See the module docstring."""
+def native_reason(
+    spec: ModelSpec,
+    device: torch.device,
+    attn_implementation: str,
+    progress: Progress | None = None,
+    gguf: Path | None = None,
+) -> str | None:
+    """See the module docstring (``gguf``: the spec's GGUF file, for packaged and gguf sources)."""
     from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
 
-    if device.type != "cpu":
-        return f"the native model runs on CPU only (device {device})"
-    if attn_implementation != ATTN_IMPLEMENTATION:
-        return "the native model runs only through the engine's paged cache"
+    if device.type != "cpu" or attn_implementation != ATTN_IMPLEMENTATION:
+        return ""  # not in question: CUDA keeps PyTorch's kernels; a model loaded outside the engine is transformers'
+
     if spec.quantization in BITSANDBYTES:
         return f"quantization: {spec.quantization} asks for bitsandbytes"
     if spec.trust_remote_code:
         return "the model's own code (trust_remote_code) runs through transformers"
-    return native.ensure(progress)
+    if gguf is not None:
+        try:
+            kind = gguf_file.read_gguf(gguf).architecture
+        except (OSError, ValueError):
+            kind = None  # the loader reports an unreadable file as it always did
+        if kind not in GGUF_OPTIONS:
+            return f"the native model does not read {kind!r} GGUF files yet (it reads {', '.join(GGUF_OPTIONS)})"
+    why = native.ensure(progress)
+    return None if why is None else f"the CPU kernels are unavailable: {why}"
+
+
+def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, progress: Progress | None,
+         gguf: Path | None):  # fmt: skip
+    """The native model of ``spec`` from ``folder`` (its converted metadata, for a GGUF) as ``(model, dtype,
+    generation values, folder, tokenizer)``, or why the native model does not cover it (one line)."""
+    from specchat.backend.models import skeleton
+
+    try:
+        if gguf is not None:
+            config = skeleton.read_config(folder) or _transformers_config(folder, spec)
+            if progress is not None:
+                progress(f"Loading {gguf.name} for the CPU kernels, as stored", None)
+            try:
+                parsed = gguf_file.read_gguf(gguf)
+            except ValueError as error:
+                raise ModelLoadError(
+                    f"{gguf}: cannot read this GGUF file ({error}); if it is truncated or damaged, download it again"
+                ) from error
+            model = from_gguf(parsed, config)
+            del parsed  # the file's map goes: every weight is a QWeight's own copy now
+            dtype = torch.bfloat16
+        else:
+            config = _transformers_config(folder, spec)
+            architecture(config)  # before any weight is read
+            if progress is not None:
+                progress(f"Loading {spec.source} for the CPU kernels, as stored", None)
+            model = from_safetensors(folder, config)
+            dtype = torch.bfloat16 if spec.dtype == "bfloat16" else torch.float32
+    except NativeUnsupported as error:
+        return f"the native model does not cover {error}"
+    _return_freed_memory()
+    try:
+        generation = skeleton.generation_values(folder)
+    except (OSError, ValueError):
+        generation = {}
+    model.generation_config = generation
+    return model, dtype, generation, folder, tokenizer
+
+
+def _transformers_config(folder: Path, spec: ModelSpec) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"{folder}: cannot read config.json of {spec.source} ({error})") from error
+
+
+def _return_freed_memory() -> None:
+    """Give the loader's transient buffers back to the OS (glibc keeps freed heap pages resident otherwise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _raw(tensor: gguf_file.GgufTensor) -> torch.Tensor:
