@@ -234,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=_number, default=0.0, metavar="T", help="0 is greedy (default: 0)")
     bench.add_argument("--seed", type=_whole, default=0, metavar="S", help="(default: 0)")
     bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the modes: where a decoding step's time goes (kernels, attention, norms and other "
+        "elementwise steps, Python, sampling), plain and with the pair's drafter, on one chat and one edit prompt",
+    )
+    bench.add_argument(
         "--synthetic",
         metavar="NAME",
         default=None,

@@ -197,10 +197,20 @@ class Library:
     def _why(self, what: str) -> str:
         return f"{what} (log: {self.folder.log})"
 
+    def _failed(self, failure: str) -> str:
+        return self._why(f"{failure}; `specchat doctor --rebuild-native` tries again")
+
     def ensure(self, progress: Progress | None = None, *, retries: int = 1) -> str | None:
         """None once loaded; else the one-line reason (see the module docstring)."""
         if self.loaded:
             return None
+        try:
+            return self._ensure(progress, retries)
+        except OSError as error:  # a cache folder that cannot be written or read: say where
+            where = f" {error.filename}" if error.filename else ""
+            return self._why(f"the cache folder cannot be used ({error.strerror or error}{where})")
+
+    def _ensure(self, progress: Progress | None, retries: int) -> str | None:
         for attempt in range(retries + 1):
             damaged = self.folder.verified()
             if damaged is not None and damaged != "not built yet":
@@ -209,7 +219,7 @@ class Library:
             if not self.folder.library.exists():
                 failed = self.folder.failure()
                 if failed is not None:
-                    return self._why(f"{failed}; `specchat doctor --rebuild-native` tries again")
+                    return self._failed(failed)
                 failed = self.build(progress)
                 if failed is not None:
                     return failed
@@ -225,7 +235,7 @@ class Library:
                 self.folder.discard()
                 if attempt == retries:
                     self.folder.note_failure(f"the library built but does not load: {reason}")
-                    return self._why(f"the library built but does not load: {reason}")
+                    return self._failed(f"the library built but does not load: {reason}")
                 continue
             self.loaded = True
             return None
@@ -240,7 +250,7 @@ class Library:
             if holder is None:
                 break
             if progress is not None:
-                progress(f"{COMPILING} (another specchat process, {holder}, is at it)", None)
+                progress(f"{COMPILING} (another specchat process, {holder}, is at it)", None)  # one step: no counter
             if time.monotonic() > deadline:
                 return self._why(f"another process ({holder}) has been building it for {self.timeout_s:.0f} s")
             time.sleep(0.5)
@@ -263,10 +273,10 @@ class Library:
             return self.build(progress) if self.folder.verified() is not None else None
         if status != 0 or self.folder.verified() is not None:
             if status is None:
-                return self._why(f"the build took longer than {self.timeout_s:.0f} s and was stopped")
+                return self._failed(f"the build took longer than {self.timeout_s:.0f} s and was stopped")
             if self.folder.failure() is None:  # the builder died before it could say why (a crash, a signal)
                 self.folder.note_failure(f"the build stopped with status {status}: {_last_error(self.folder.log)}")
-            return self._why(self.folder.failure() or f"the build exited with status {status}")
+            return self._failed(self.folder.failure() or f"the build exited with status {status}")
         return None
 
     def _follow(self, child: subprocess.Popen, started: float, deadline: float, progress: Progress | None) -> int | None:
@@ -284,7 +294,7 @@ class Library:
             if progress is not None:
                 step = _last_step(self.folder.log)
                 where = f", step {step[0]} of {step[1]}" if step else ""
-                progress(f"{COMPILING} ({time.monotonic() - started:.0f} s{where})", step[0] / step[1] if step else None)
+                progress(f"{COMPILING}: {time.monotonic() - started:.0f} s{where}", step[0] / step[1] if step else None)
 
     def rebuild(self, progress: Progress | None = None) -> str | None:
         """Forget this key's library and failure note, and build it again (``specchat doctor

@@ -86,8 +86,10 @@ class CacheFolder:
         """None when the installed library is exactly what its build recorded; else why not (it is then not to
         be loaded). Reads the file, never loads it."""
         record = self.recorded()
-        if not self.library.exists():
+        if not self.library.exists() and not self.library.is_symlink():
             return "not built yet"
+        if not self.library.is_file() or self.library.is_symlink():
+            return "it is not a plain file"
         if record is None:
             return f"{self.record.name} is missing or unreadable"
         try:
@@ -101,10 +103,14 @@ class CacheFolder:
         return None
 
     def discard(self) -> None:
-        """Remove the installed library and its record (a damaged or foreign one), so it is built again."""
+        """Remove the installed library and its record (a damaged or foreign one, whatever it is: a file, a link,
+        a folder), so it is built again. OSError when they cannot be removed."""
         for path in (self.library, self.record):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def install(self, built: Path) -> str:
         """Copy ``built`` into place with its record (see the module docstring); returns its sha256."""

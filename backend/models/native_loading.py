@@ -48,13 +48,17 @@ BITSANDBYTES = ("nf4", "int8")
 class NativeCausalLM:
     """A model the native pass runs: where a transformers model would sit in ``LoadedModel.model``."""
 
-    def __init__(self, config: Any, native_model: NativeModel, description: str, notes: list[str], nbytes: int):
+    def __init__(self, config: Any, native_model: NativeModel, fill: _Fill) -> None:
         self.config = config
         self.native = native_model
-        self.description = description  # e.g. "Q4_1 as stored"
-        self.notes = notes
-        self.weight_bytes = nbytes
+        self.description = fill.description()  # e.g. "Q4_1 as stored"
+        self.notes = fill.notes()
+        self.weight_bytes = fill.nbytes  # every weight, as stored
+        # What one pass reads: every weight but the embedding's rows, unless the head is the embedding.
+        self.bytes_per_token = fill.nbytes - (0 if fill.tied else fill.embed_bytes)
         self.generation_config: Any = None
+        self.spec: ModelSpec | None = None  # set by load(): a transformers twin loads from it (bench baselines)
+        self.spec_device = torch.device("cpu")
 
     def eval(self) -> NativeCausalLM:
         return self
@@ -126,6 +130,7 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
     except (OSError, ValueError):
         generation = {}
     model.generation_config = generation
+    model.spec, model.spec_device = spec, device
     return model, dtype, generation, folder, tokenizer
 
 
@@ -162,6 +167,8 @@ class _Fill:
         self.types: dict[str, int] = {}
         self.converted: dict[str, int] = {}
         self.nbytes = 0
+        self.embed_bytes = 0
+        self.tied = True
 
     def count(self, name: str, nbytes: int) -> None:
         self.types[name] = self.types.get(name, 0) + 1
@@ -237,12 +244,16 @@ def from_gguf(gguf: GgufFile, config: Any) -> NativeCausalLM:
     embed = tensor(names["embed"])
     if embed is None or names["final_norm"] not in gguf.tensors:
         raise ModelLoadError(f"{gguf.path}: {names['embed']} or {names['final_norm']} is missing")
+    before = fill.nbytes
     model.set_weight("embed", _gguf_weight(fill, embed, None))
+    fill.embed_bytes = fill.nbytes - before
     head = tensor(names["head"])
     if head is not None:
         model.set_weight("head", _gguf_weight(fill, head, None))
+        fill.tied = False
     model.set_final_norm(vector(names["final_norm"]))
-    return NativeCausalLM(config, model, fill.description(), fill.notes(), fill.nbytes)
+    _complete(model, gguf.path, arch.family)
+    return NativeCausalLM(config, model, fill)
 
 
 def from_safetensors(folder: Path, config: Any) -> NativeCausalLM:
@@ -287,10 +298,24 @@ def from_safetensors(folder: Path, config: Any) -> NativeCausalLM:
     if embed is None or final is None:
         raise ModelLoadError(f"{folder}: {names['embed']} or {names['final_norm']} is missing from the safetensors")
     model.set_weight("embed", embed)
+    fill.embed_bytes = arch.vocab * arch.hidden * {torch.float32: 4}.get(get(names["embed"]).dtype, 2)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     head = None if tied else matrix(names["head"])
     if head is not None:
         model.set_weight("head", head)
+        fill.tied = False
     model.set_final_norm(final)
-    return NativeCausalLM(config, model, fill.description(), fill.notes(), fill.nbytes)
+    _complete(model, Path(folder), arch.family)
+    return NativeCausalLM(config, model, fill)
+
+
+def _complete(model: NativeModel, where: Path, family: str) -> None:
+    """ModelLoadError naming the file and the first tensor missing or misshapen for a whole ``family`` model."""
+    try:
+        model.check()
+    except RuntimeError as error:
+        detail = str(error).splitlines()[0].removeprefix("NativeModel: ")
+        raise ModelLoadError(
+            f"{where}: {detail}; it does not hold a complete {family} model (a damaged or unfinished file?)"
+        ) from None
 

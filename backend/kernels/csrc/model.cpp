@@ -152,7 +152,7 @@ void NativeModel::bind_cache(const at::Tensor& k, const at::Tensor& v) {
   finished = false;
 }
 
-void NativeModel::finish() {
+void NativeModel::check() {
   auto integer = [&](const char* name, int64_t fallback) -> int64_t {
     auto found = settings.find(name);
     if (found == settings.end()) {
@@ -243,8 +243,17 @@ void NativeModel::finish() {
       l.values[static_cast<size_t>(which)] =
           t.defined() ? norm_values(t, size, at + name, norm && s.norm_add_one) : std::vector<float>();
     }
-    TORCH_CHECK(l.rope >= 0 && l.rope < static_cast<int64_t>(ropes.size()), "NativeModel: ", at, "rope table ", l.rope,
-                " (", ropes.size(), " added)");
+  }
+  shape = s;
+}
+
+void NativeModel::finish() {
+  check();
+  const Shape& s = shape;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Layer& l = layers[i];
+    TORCH_CHECK(l.rope >= 0 && l.rope < static_cast<int64_t>(ropes.size()), "NativeModel: layer ", i, " rope table ",
+                l.rope, " (", ropes.size(), " added)");
     TORCH_CHECK(static_cast<int64_t>(ropes[static_cast<size_t>(l.rope)].cos.size()) ==
                     ropes[static_cast<size_t>(l.rope)].positions * (s.rot_dim / 2),
                 "NativeModel: rope table ", l.rope, " is not [positions, rot_dim / 2 = ", s.rot_dim / 2, "]");
@@ -254,7 +263,6 @@ void NativeModel::finish() {
                   k_pool.size(3) == s.head_dim,
               "NativeModel: the KV cache is ", k_pool.sizes(), ", expected [", layers.size(), ", ", s.kv_heads,
               ", slots, ", s.head_dim, "]");
-  shape = s;
   finished = true;
 }
 
@@ -285,6 +293,7 @@ TORCH_LIBRARY_FRAGMENT(specchat, m) {
       .def("set_layer_tensor", &specchat::NativeModel::set_layer_tensor)
       .def("add_rope", &specchat::NativeModel::add_rope)
       .def("bind_cache", &specchat::NativeModel::bind_cache)
+      .def("check", &specchat::NativeModel::check)
       .def("finish", &specchat::NativeModel::finish)
       .def("forward", &specchat::NativeModel::forward)
       .def("profile", &specchat::NativeModel::profile)

@@ -3,8 +3,8 @@
 //
 // torch.classes.specchat.NativeModel is built from Python by name (backend/kernels/native_model.py): settings
 // with set("hidden", 576), weights with set_weight / set_layer_weight ("q", a QWeight), vectors with set_tensor /
-// set_layer_tensor ("attn_norm", a float32 tensor), rotary tables with add_rope; finish() checks that every
-// layer is complete and consistent, naming what is missing. forward() runs one pass over the engine's paged
+// set_layer_tensor ("attn_norm", a float32 tensor), rotary tables with add_rope; check() / finish() check that
+// every layer is complete and consistent, naming what is missing. forward() runs one pass over the engine's paged
 // KV cache (bind_cache) and returns the float32 logits of the last rows, plus the residual stream after the
 // layers asked for ("taps"). model_forward.cpp holds the pass, model.cpp the setters and the registration.
 //
@@ -76,7 +76,8 @@ struct NativeModel : torch::CustomClassHolder {
   void set_layer_tensor(int64_t layer, const std::string& name, const at::Tensor& value);
   int64_t add_rope(const at::Tensor& cos, const at::Tensor& sin);
   void bind_cache(const at::Tensor& k, const at::Tensor& v);
-  void finish();
+  void check();   // the settings and every weight present and of consistent shapes (no cache needed)
+  void finish();  // check(), plus the rotary tables and the bound cache
   // ids [n] int64; position p of the sequence is in slot slots[p], or read_start + p when slots is None; parents
   // [n] int64 (-1 for row 0, else an earlier row): a tree of drafts; taps: layer indices (num_layers: after the
   // final norm). Returns (logits [keep, vocab] float32, one [n, hidden] float32 tensor per tap).
