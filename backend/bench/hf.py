@@ -61,8 +61,8 @@ def sdpa_twin(model: torch.nn.Module) -> torch.nn.Module:
     as they are. Layers the engine packed for oneDNN on CPU (cpu_linear.py) are stock ``nn.Linear`` again in
     the twin: the baseline runs transformers' own kernels. A light model (``backend/models/skeleton.py``) is
     first put into transformers' model classes (``quantized.transformers_model``); for the CPU native model
-    (``NativeCausalLM``) transformers' model of the same source is loaded as the spec would load without it. The twin gets a neutral
-    generation_config so that generate() applies only what we pass.
+    (``NativeCausalLM``) transformers' model of the same source is loaded as the spec would load without it.
+    The twin gets a neutral generation_config so that generate() applies only what we pass.
     """
     if isinstance(model, NativeCausalLM):  # the C++ model has no transformers forward: load transformers' own
         model = load_model(model.spec, model.spec_device, attn_implementation="sdpa").model

@@ -1,12 +1,12 @@
 """`specchat bench --profile`: where a decoding step's time goes, on a loaded engine.
 
 Contract: :func:`profile_engine(engine, messages, drafter, max_new_tokens)` generates one greedy reply (after a
-warm-up reply) and returns a :class:`StepProfile` of its decoding steps (the prompt's pass left out): per step, the time in the native model's C++ pass split by its
-counters (``csrc/model_forward.cpp``: weight kernels, attention with its K/V writes, norms / rotary / other
-elementwise steps; on for this reply only, two clock reads per part when on, nothing when off), the rest of the
-target's forward calls (Python and argument passing around the pass), and the rest of the step in Python
-(sampling, drafting, verification, detokenising, the engine's bookkeeping). On a path without the native model
-the forward is one part. :func:`table(profile)` formats it.
+warm-up reply) and returns a :class:`StepProfile` of its decoding steps (the prompt's pass left out): per step,
+the time in the native model's C++ pass split by its counters (``csrc/model_forward.cpp``: weight kernels,
+attention with its K/V writes, norms / rotary / other elementwise steps; on for this reply only, two clock reads
+per part when on, nothing when off), the rest of the target's forward calls (Python and argument passing around
+the pass), and the rest of the step in Python (sampling, drafting, verification, detokenising, the engine's
+bookkeeping). On a path without the native model the forward is one part. :func:`table(profile)` formats it.
 """
 
 from __future__ import annotations

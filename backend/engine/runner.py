@@ -85,7 +85,7 @@ def forward_paged(
             f"uses {impl!r}: load it with that name after attention.register(), or call use_paged_attention(model)"
         )
     ids = _checked_ids(seq, input_ids, logits_to_keep, parents)
-    n = ids.numel()
+    n, device = ids.numel(), seq.cache.device
     seq.reserve(n)
     plan = seq.plan(n)
     if parents is None:

@@ -279,7 +279,9 @@ class Library:
             return self._failed(self.folder.failure() or f"the build exited with status {status}")
         return None
 
-    def _follow(self, child: subprocess.Popen, started: float, deadline: float, progress: Progress | None) -> int | None:
+    def _follow(
+        self, child: subprocess.Popen, started: float, deadline: float, progress: Progress | None
+    ) -> int | None:
         """Wait for the builder, reporting ninja's steps; its exit status, or None when stopped at the deadline."""
         while True:
             try:

@@ -205,7 +205,17 @@ GGUF_OPTIONS: dict[str, tuple[str, bool, bool]] = {
     "qwen2": ("qwen2", False, False),
 }
 MATRICES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
-LAYER_VECTORS = ("attn_norm", "ffn_norm", "post_attn_norm", "post_ffn_norm", "q_norm", "k_norm", "q_bias", "k_bias", "v_bias")
+LAYER_VECTORS = (
+    "attn_norm",
+    "ffn_norm",
+    "post_attn_norm",
+    "post_ffn_norm",
+    "q_norm",
+    "k_norm",
+    "q_bias",
+    "k_bias",
+    "v_bias",
+)
 
 
 def names_for(table: dict[str, dict[str, str | None]], family: str) -> dict[str, str]:

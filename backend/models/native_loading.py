@@ -4,7 +4,7 @@ stores them, or a transformers checkpoint's safetensors (float32 / bfloat16 / fl
 Contract:
 - :func:`native_reason(spec, device, attn_implementation)` is None when the native model will run this spec
   (CPU, the paged attention asked for, a GGUF or packaged source of an architecture in
-  ``native_arch.GGUF_OPTIONS``, or a local / hub safetensors checkpoint without bitsandbytes quantisation) and
+  ``native_arch.GGUF_OPTIONS``, or a local / hub safetensors checkpoint with ``quantization: none``) and
   the library is usable (``kernels.native.ensure``, which builds it on a machine's first use, reporting to
   ``progress``); "" where it is not in question (CUDA, a model loaded outside the engine); else why not, in
   one line (the caller falls back and says so).
@@ -28,7 +28,7 @@ from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import native
 from specchat.backend.kernels.native_model import GGML_TYPES, TYPE_NAMES, NativeModel, float_qweight, qweight
 from specchat.backend.models import gguf_file
-from specchat.backend.models.config import ModelSpec
+from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec
 from specchat.backend.models.gguf_file import GgufFile
 from specchat.backend.models.native_arch import (
     GGUF_NAMES,
@@ -84,6 +84,8 @@ def native_reason(
         return f"quantization: {spec.quantization} asks for bitsandbytes"
     if spec.trust_remote_code:
         return "the model's own code (trust_remote_code) runs through transformers"
+    if gguf is None and spec.quantization in TORCH_QUANTIZATIONS:
+        return f"quantization: {spec.quantization} re-quantises its float weights (none runs them natively, as stored)"
     if gguf is not None:
         try:
             kind = gguf_file.read_gguf(gguf).architecture
@@ -318,4 +320,3 @@ def _complete(model: NativeModel, where: Path, family: str) -> None:
         raise ModelLoadError(
             f"{where}: {detail}; it does not hold a complete {family} model (a damaged or unfinished file?)"
         ) from None
-

@@ -49,7 +49,9 @@ def test_default_and_tables_equal_transformers_rotary():
 
 
 def test_partial_rotation():
-    inv_freq, _, dim = rope_frequencies({"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, 32, 0)
+    inv_freq, _, dim = rope_frequencies(
+        {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}, 32, 0
+    )
     assert dim == 16 and inv_freq.numel() == 8
 
 
