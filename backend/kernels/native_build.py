@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from specchat.backend.kernels import switched_off
+from specchat.backend.kernels import native_cache, switched_off
 from specchat.backend.kernels.native_cache import CacheFolder
 from specchat.backend.paths import cache_dir
 
@@ -346,6 +346,8 @@ def unavailable() -> str | None:
     """Why no build can run here (switched off, no compiler, no ninja), before any build key is computed."""
     if switched_off(SWITCH):
         return f"turned off ({SWITCH}=0)"
+    if native_cache.fcntl is None or sys.platform == "win32":
+        return "the CPU kernels are built on Linux and macOS only"
     if compiler() is None:
         return "no C++ compiler found (install g++ or clang++, or set CXX)"
     if ninja() is None:

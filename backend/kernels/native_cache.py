@@ -27,12 +27,16 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: native_build.unavailable() says the library is not built there
+    fcntl = None  # type: ignore[assignment]
 
 LIBRARY = "specchat_native.so"
 _READ = 1 << 20

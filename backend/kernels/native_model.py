@@ -126,9 +126,13 @@ class NativeModel:
 
     def bind(self, cache: PagedKVCache) -> None:
         """Attach ``cache`` (its pools) and the rotary tables for its slots; check everything (see above)."""
+        first = -1
         for rotary in self.arch.rotaries:
             cos, sin = cos_sin_tables(rotary.inv_freq, rotary.scaling, cache.num_slots)
-            self.obj.add_rope(cos, sin)
+            index = int(self.obj.add_rope(cos, sin))
+            first = index if first < 0 else first
+        for layer, rope in enumerate(self.arch.rope_of_layer):  # this cache's tables (a model bound again)
+            self.obj.set_layer(layer, "rope", first + int(rope))
         self.obj.bind_cache(cache.k, cache.v)
         self.obj.finish()
         self.cache = cache
