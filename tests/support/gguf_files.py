@@ -45,11 +45,14 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def random_k_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random codes and sub-block scales, with super-block scales small enough that weights stay ~0.1."""
     kind = gguf.GGMLQuantizationType[name]
     per_block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = rng.integers(0, 256, (rows, cols // per_block, block_bytes), dtype=np.uint8)
+    if name == "Q6_K":  # int8 sub-block scales: keep them to -16..16
+        blocks[..., 192:208] = rng.integers(-16, 17, (rows, cols // per_block, 16)).astype(np.int8).view(np.uint8)
     for at in HALF_FIELDS[name]:
-        scales = (rng.random((rows, cols // per_block)) * 0.004 + 0.001).astype(np.float16)
+        scales = (rng.random((rows, cols // per_block)) * 0.0004 + 0.0001).astype(np.float16)
         blocks[..., at : at + 2] = scales.view(np.uint8).reshape(rows, cols // per_block, 2)
     return blocks.reshape(rows, -1)
 
