@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.limits import DrafterName
 
 PARTS = (
     ("kernels", "weight kernels (projections, head, embedding rows)"),
@@ -41,7 +42,7 @@ class StepProfile:
 
 
 def profile_engine(
-    engine, messages: list[dict[str, str]], drafter: str = "none", max_new_tokens: int = 64
+    engine, messages: list[dict[str, str]], drafter: DrafterName = "none", max_new_tokens: int = 64
 ) -> StepProfile:
     """See the module docstring."""
     runner = engine.runner

@@ -39,12 +39,12 @@ from specchat.backend.kernels.native_model import NativeModel
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+from specchat.backend.limits import KV_BLOCK_SIZE
 from specchat.backend.models.loading import LoadedModel
 from specchat.backend.models.memory import format_bytes, free_memory
 from specchat.backend.models.native_loading import NativeCausalLM
 from specchat.backend.models.skeleton import LightCausalLM
 
-BLOCK_SIZE = 16  # tokens per KV block
 PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class ModelRunner:
         self.native: NativeModel | None = None
         if isinstance(model, NativeCausalLM):  # the whole pass in C++: nothing of transformers is involved
             self.cache = PagedKVCache.for_model(
-                model.config, max_tokens=kv_tokens, block_size=BLOCK_SIZE, dtype=loaded.dtype, device=loaded.device
+                model.config, max_tokens=kv_tokens, block_size=KV_BLOCK_SIZE, dtype=loaded.dtype, device=loaded.device
             )
             model.native.bind(self.cache)
             self.native = model.native
@@ -167,8 +167,8 @@ class ModelRunner:
         # The graph runner keeps one block of its own for the K/V of padded tokens.
         self.cache = PagedKVCache.for_model(
             model.config,
-            max_tokens=kv_tokens + (BLOCK_SIZE if wants_graphs else 0),
-            block_size=BLOCK_SIZE,
+            max_tokens=kv_tokens + (KV_BLOCK_SIZE if wants_graphs else 0),
+            block_size=KV_BLOCK_SIZE,
             dtype=loaded.dtype,
             device=loaded.device,
         )

@@ -20,14 +20,16 @@ _checked = False
 
 
 def load(path: Path) -> None:
-    """Load a checked library into this process and confirm it registers the native model's class."""
+    """Load a checked library into this process and confirm it registers the native model's and the weight
+    kernels' classes."""
     import torch
 
     torch.ops.load_library(str(path))
-    try:
-        torch.classes.specchat.NativeModel  # noqa: B018 - raises unless the library registered it
-    except (RuntimeError, AttributeError) as error:
-        raise RuntimeError(f"{path.name} does not register torch.classes.specchat.NativeModel") from error
+    for name in ("NativeModel", "QWeight"):
+        try:
+            getattr(torch.classes.specchat, name)
+        except (RuntimeError, AttributeError) as error:
+            raise RuntimeError(f"{path.name} does not register torch.classes.specchat.{name}") from error
 
 
 def library() -> native_build.Library | None:
@@ -81,7 +83,7 @@ def rebuild(progress: native_build.Progress | None = None) -> tuple[str | None, 
 
 
 def isa() -> str:
-    """The instruction set the loaded kernels run with ("avx2", "avx512", "scalar")."""
+    """The path the loaded kernels take on this CPU ("avx512-vnni", "avx512", "avx2", "scalar"; qgemm.h)."""
     import torch
 
-    return str(torch.ops.specchat.isa())
+    return str(torch.ops.specchat.kernel_isa())

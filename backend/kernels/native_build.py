@@ -41,7 +41,11 @@ from specchat.backend.paths import cache_dir
 CSRC = Path(__file__).with_name("csrc")
 NAME = "specchat_native"
 SWITCH = "SPECCHAT_NATIVE"
-FLAGS = ("-O3", "-Wall", "-Wextra", "-ffp-contract=off")
+# -fopenmp: at::parallel_for (the kernels' and the model's threads) is an OpenMP region compiled into the caller,
+# serial without it (qweight.cpp refuses to build then). -ffp-contract=off: no fused multiply-add the source did
+# not write, so the kernels' AVX-512, AVX2 and scalar paths agree bit for bit.
+FLAGS = ("-O3", "-Wall", "-Wextra", "-fopenmp", "-ffp-contract=off")
+LDFLAGS = ("-fopenmp",)
 BUILD_TIMEOUT_S = 1200
 BUSY_EXIT = 3  # the builder's exit status when another process holds the build lock
 COMPILING = "compiling the CPU kernels for this machine, once"
@@ -80,7 +84,7 @@ def _ninja_dirs() -> list[str]:
     the builder's PATH: cpp_extension runs ``ninja`` by name and a virtualenv need not be activated."""
     dirs = [str(Path(sys.executable).parent)]
     try:
-        import ninja  # type: ignore[import-not-found]
+        import ninja
 
         dirs.insert(0, str(ninja.BIN_DIR))
     except (ImportError, AttributeError):
@@ -100,7 +104,7 @@ def build_key(cxx: str) -> str:
     for source in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")]):
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     for part in (
-        " ".join(FLAGS),
+        " ".join(FLAGS + LDFLAGS),
         torch.__version__,
         cxx,
         compiler_version(cxx),
@@ -134,6 +138,7 @@ def compile_into(folder: CacheFolder) -> Path:
         name=NAME,
         sources=[str(s) for s in sources()],
         extra_cflags=list(FLAGS),
+        extra_ldflags=list(LDFLAGS),
         extra_include_paths=[str(CSRC)],
         build_directory=str(folder.build),
         verbose=True,
@@ -280,7 +285,7 @@ class Library:
         return None
 
     def _follow(
-        self, child: subprocess.Popen, started: float, deadline: float, progress: Progress | None
+        self, child: subprocess.Popen[bytes], started: float, deadline: float, progress: Progress | None
     ) -> int | None:
         """Wait for the builder, reporting ninja's steps; its exit status, or None when stopped at the deadline."""
         while True:
@@ -346,7 +351,7 @@ def unavailable() -> str | None:
     """Why no build can run here (switched off, no compiler, no ninja), before any build key is computed."""
     if switched_off(SWITCH):
         return f"turned off ({SWITCH}=0)"
-    if native_cache.fcntl is None or sys.platform == "win32":
+    if not native_cache.HAS_FCNTL or sys.platform == "win32":
         return "the CPU kernels are built on Linux and macOS only"
     if compiler() is None:
         return "no C++ compiler found (install g++ or clang++, or set CXX)"

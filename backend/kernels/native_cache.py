@@ -35,8 +35,10 @@ from pathlib import Path
 
 try:
     import fcntl
+
+    HAS_FCNTL = True
 except ImportError:  # not POSIX: native_build.unavailable() says the library is not built there
-    fcntl = None  # type: ignore[assignment]
+    HAS_FCNTL = False
 
 LIBRARY = "specchat_native.so"
 _READ = 1 << 20
@@ -191,7 +193,7 @@ class CacheFolder:
             self.clear_stale()
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-        self._fd = fd
+        self._fd: int | None = fd
         return None
 
     def clear_stale(self) -> None:

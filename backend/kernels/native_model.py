@@ -67,12 +67,15 @@ class Architecture:
     rotaries: tuple[Rotary, ...]
 
 
-def qweight(data: torch.Tensor, ggml_type: int, rows: int, cols: int):
+def qweight(data: torch.Tensor, ggml_type: int, rows: int, cols: int) -> torch.ScriptObject:
     """A ``torch.classes.specchat.QWeight`` holding a copy of ``data`` (uint8 blocks, as stored)."""
-    return torch.classes.specchat.QWeight(data.contiguous().view(torch.uint8).reshape(-1), ggml_type, rows, cols)
+    made: torch.ScriptObject = torch.classes.specchat.QWeight(
+        data.contiguous().view(torch.uint8).reshape(-1), ggml_type, rows, cols
+    )
+    return made
 
 
-def float_qweight(weight: torch.Tensor):
+def float_qweight(weight: torch.Tensor) -> torch.ScriptObject:
     """A float32 / float16 / bfloat16 matrix as a QWeight of its own type (the weights as stored, no rounding)."""
     if weight.dtype not in _FLOAT_TYPES:
         raise ValueError(f"a {weight.dtype} weight (float32, float16 or bfloat16 only)")
@@ -104,14 +107,15 @@ class NativeModel:
             self.obj.set(name, value)
         for layer in range(arch.layers):
             self.obj.add_layer()
-            self.obj.set_layer(layer, "window", -1 if arch.windows[layer] is None else int(arch.windows[layer]))
+            window = arch.windows[layer]
+            self.obj.set_layer(layer, "window", -1 if window is None else int(window))
             self.obj.set_layer(layer, "rope", int(arch.rope_of_layer[layer]))
         self.cache: PagedKVCache | None = None
 
-    def set_weight(self, name: str, weight) -> None:
+    def set_weight(self, name: str, weight: torch.ScriptObject) -> None:
         self.obj.set_weight(name, weight)
 
-    def set_layer_weight(self, layer: int, name: str, weight) -> None:
+    def set_layer_weight(self, layer: int, name: str, weight: torch.ScriptObject) -> None:
         self.obj.set_layer_weight(layer, name, weight)
 
     def set_final_norm(self, weight: torch.Tensor) -> None:

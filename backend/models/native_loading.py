@@ -300,7 +300,9 @@ def from_safetensors(folder: Path, config: Any) -> NativeCausalLM:
     if embed is None or final is None:
         raise ModelLoadError(f"{folder}: {names['embed']} or {names['final_norm']} is missing from the safetensors")
     model.set_weight("embed", embed)
-    fill.embed_bytes = arch.vocab * arch.hidden * {torch.float32: 4}.get(get(names["embed"]).dtype, 2)
+    stored_embed = get(names["embed"])
+    assert stored_embed is not None  # noqa: S101 - matrix() found it
+    fill.embed_bytes = arch.vocab * arch.hidden * {torch.float32: 4}.get(stored_embed.dtype, 2)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     head = None if tied else matrix(names["head"])
     if head is not None:

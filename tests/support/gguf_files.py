@@ -69,7 +69,11 @@ def _encode(values: np.ndarray, type_name: str, rng: np.random.Generator) -> tup
     return data, gguf.quants.dequantize(data, kind).reshape(values.shape).astype(np.float32)
 
 
-def write_tiny_gguf(model: torch.nn.Module, path: Path, types: dict[str, str], *, seed: int = 0) -> None:
+def write_tiny_gguf(
+    model: torch.nn.Module, path: Path, types: dict[str, str], *, seed: int = 0
+) -> dict[str, tuple[np.ndarray, str, int | None]]:
+    """Write the file (see the module docstring); returns each matrix's stored blocks by transformers name:
+    (data, ggml type name, heads whose rows llama.cpp permuted or None), for :func:`through_kernels`."""
     config = model.config
     arch = ARCH[config.model_type]
     permuted = arch == "llama"
@@ -84,6 +88,7 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, types: dict[str, str], *
     writer.add_context_length(config.max_position_embeddings)
     state = {name: tensor.detach().float().numpy() for name, tensor in model.state_dict().items()}
     loaded: dict[str, torch.Tensor] = {}
+    stored: dict[str, tuple[np.ndarray, str, int | None]] = {}
 
     def matrix(hf_name: str, gguf_name: str, native: str, heads: int | None = None) -> None:
         values = state[hf_name]
@@ -93,6 +98,7 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, types: dict[str, str], *
         kind = gguf.GGMLQuantizationType[types.get(native, types["default"])]
         writer.add_tensor(gguf_name, data, raw_dtype=kind if kind != gguf.GGMLQuantizationType.F32 else None)
         loaded[hf_name] = torch.from_numpy(unpermute(back, heads) if heads is not None else back)
+        stored[hf_name] = (data, types.get(native, types["default"]), heads)
 
     def vector(hf_name: str, gguf_name: str) -> None:
         writer.add_tensor(gguf_name, state[hf_name].astype(np.float32))
@@ -122,3 +128,43 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, types: dict[str, str], *
     with torch.no_grad():
         for name, values in loaded.items():
             model.state_dict()[name].copy_(values)
+    return stored
+
+
+class _KernelLinear(torch.nn.Module):
+    """A linear layer computed by the block kernels on the file's blocks (outputs put back in transformers' row
+    order where llama.cpp permuted them), plus transformers' bias."""
+
+    def __init__(self, weight: torch.ScriptObject, heads: int | None, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight_blocks, self.heads, self.bias = weight, heads, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight_blocks.matmul(x.reshape(-1, x.shape[-1]).float().contiguous())
+        if self.heads is not None:
+            y = torch.from_numpy(unpermute(y.T.numpy(), self.heads).T.copy())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def through_kernels(model: torch.nn.Module, stored: dict[str, tuple[np.ndarray, str, int | None]]) -> None:
+    """Route ``model``'s projections and head through the block kernels on the blocks ``write_tiny_gguf``
+    stored: transformers' forward then differs from the native model's only in summation order (attention,
+    norms), the 8-bit activations of the quantised types included."""
+    from specchat.backend.kernels import blocks
+
+    modules = dict(model.named_modules())
+    tied = "lm_head.weight" not in stored
+    for name, (data, type_name, heads) in {
+        **stored,
+        **({"lm_head.weight": stored["model.embed_tokens.weight"]} if tied else {}),
+    }.items():
+        if name == "model.embed_tokens.weight":
+            continue
+        owner, _, _ = name.rpartition(".")
+        module = modules[owner]
+        rows, cols = module.weight.shape
+        kernel = blocks.qweight(data, type_name, rows, cols)
+        parent, _, child = owner.rpartition(".")
+        setattr(modules[parent] if parent else model, child, _KernelLinear(kernel, heads, module.bias))

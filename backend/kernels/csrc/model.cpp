@@ -298,6 +298,4 @@ TORCH_LIBRARY_FRAGMENT(specchat, m) {
       .def("forward", &specchat::NativeModel::forward)
       .def("profile", &specchat::NativeModel::profile)
       .def("reset_profile", &specchat::NativeModel::reset_profile);
-  // The kernels' instruction set on this CPU, for the start line ("CPU native (avx2)").
-  m.def("isa() -> str", [] { return std::string(specchat::isa_name(specchat::active_isa())); });
 }

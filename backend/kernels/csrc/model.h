@@ -25,7 +25,7 @@
 #include <tuple>
 #include <vector>
 
-#include "qgemm.h"
+#include "qweight.h"
 
 namespace specchat {
 

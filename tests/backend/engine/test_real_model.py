@@ -15,8 +15,8 @@ transformers' forward (``SPECCHAT_NATIVE=0``; the CPU native model runs the defa
   matches the target's exact probabilities at temperature 0.7, top-k 2 and penalty 1.3, computed with
   transformers' own forward and processors (chi-square; the sample count is in the test);
 - the int4 default through the compact forward (``smollm2-135m``, the GGUF's own 4-bit weights: the fallback
-  where the CPU native model cannot be built): greedy output is the same for every drafter (none, prompt lookup at fixed and adaptive γ, suffix trees, an int4 draft model) on
-  chat, code and edit prompts.
+  where the CPU native model cannot be built): greedy output is the same for every drafter (none, prompt lookup
+  at fixed and adaptive γ, suffix trees, an int4 draft model) on chat, code and edit prompts.
 """
 
 from __future__ import annotations

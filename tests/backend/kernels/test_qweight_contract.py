@@ -1,7 +1,7 @@
 """The weight kernels' contract as the native model uses it (csrc/qgemm.h: torch.classes.specchat.QWeight): every
 block type de-quantises as the gguf package does, on random blocks written straight into the block layout; a
 matmul over 1..64 rows equals x · Wᵀ to float rounding and gives each row what a one-row matmul gives it, bit for
-bit. Whatever implements qgemm.h (the stand-in or the real kernels) must pass these."""
+bit. Whatever implements qgemm.h (qgemm*.cpp) must pass these."""
 
 from __future__ import annotations
 
@@ -64,14 +64,16 @@ def test_matmul_rows_are_independent(name, native_ready):  # noqa: F811
     together = weight.matmul(x)
     reference = (x.double() @ dense.T).float()
     scale = float(reference.abs().max()) + 1e-6
-    assert float((together - reference).abs().max()) <= 1e-4 * scale
+    # quantised types take 8-bit activations (qgemm.h): within a percent of the float product, not to rounding
+    tolerance = 1e-4 if name in ("F32", "F16", "BF16") else 2e-2
+    assert float((together - reference).abs().max()) <= tolerance * scale
     for m in (1, 4, 16):
         assert torch.equal(weight.matmul(x[:m]), together[:m])
     assert torch.equal(weight.matmul(x[63:64]), together[63:64])
 
 
 def test_a_wrong_size_is_refused(native_ready):  # noqa: F811
-    with pytest.raises(RuntimeError, match="bytes"):
+    with pytest.raises(ValueError, match="bytes"):
         qweight(torch.zeros(17, dtype=torch.uint8), GGML_TYPES["Q4_0"], 1, 32)
-    with pytest.raises(RuntimeError, match="whole blocks"):
+    with pytest.raises(ValueError, match="multiple of the type's block"):
         qweight(torch.zeros(18, dtype=torch.uint8), GGML_TYPES["Q4_0"], 1, 31)
