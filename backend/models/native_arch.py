@@ -7,10 +7,10 @@ Contract:
   :data:`FAMILIES`, or raises :class:`NativeUnsupported` naming the feature it lacks (another family, an MLP or
   output bias, a rope type whose frequencies follow the sequence's length, an activation it does not run).
   Defaults of fields a config leaves out are transformers' own for that family.
-- :data:`HF_NAMES` / :data:`GGUF_NAMES`: the native name of each weight (``q``, ``attn_norm``, ...) -> its
-  name in a transformers state dict / a GGUF file, per layer (``{i}``) or global; family rows override the
-  common ones (gemma's four norms, phi3's fused projections). :data:`GGUF_OPTIONS` holds per-architecture
-  facts of GGUF files (llama.cpp permutes llama's q/k rows; its gemma files store norms as 1 + w).
+- :data:`HF_NAMES`: the native name of each weight (``q``, ``attn_norm``, ...) -> its name in a transformers
+  state dict, per layer (``{i}``) or global; family rows override the common ones (gemma's four norms, phi3's
+  fused projections). GGUF files are read through the models' own tables (``gguf_tensors.tensor_map``, whose
+  roles are these native names, and ``gguf_arch.ARCHS``: llama's permuted q/k rows, gemma's 1 + w norms).
 """
 
 from __future__ import annotations
@@ -161,48 +161,6 @@ HF_NAMES: dict[str, dict[str, str | None]] = {
         "gate": None,
         "up": None,
     },
-}
-# native name -> llama.cpp's GGUF tensor name.
-GGUF_NAMES: dict[str, dict[str, str | None]] = {
-    "common": {
-        "embed": "token_embd.weight",
-        "head": "output.weight",
-        "final_norm": "output_norm.weight",
-        "attn_norm": "blk.{i}.attn_norm.weight",
-        "ffn_norm": "blk.{i}.ffn_norm.weight",
-        "q": "blk.{i}.attn_q.weight",
-        "k": "blk.{i}.attn_k.weight",
-        "v": "blk.{i}.attn_v.weight",
-        "o": "blk.{i}.attn_output.weight",
-        "q_bias": "blk.{i}.attn_q.bias",
-        "k_bias": "blk.{i}.attn_k.bias",
-        "v_bias": "blk.{i}.attn_v.bias",
-        "q_norm": "blk.{i}.attn_q_norm.weight",
-        "k_norm": "blk.{i}.attn_k_norm.weight",
-        "gate": "blk.{i}.ffn_gate.weight",
-        "up": "blk.{i}.ffn_up.weight",
-        "down": "blk.{i}.ffn_down.weight",
-        "o_bias": "blk.{i}.attn_output.bias",
-    },
-    "gemma": {
-        "post_attn_norm": "blk.{i}.post_attention_norm.weight",
-        "post_ffn_norm": "blk.{i}.post_ffw_norm.weight",
-    },
-    "phi3": {
-        "qkv": "blk.{i}.attn_qkv.weight",
-        "gate_up": "blk.{i}.ffn_up.weight",
-        "q": None,
-        "k": None,
-        "v": None,
-        "gate": None,
-        "up": None,
-    },
-}
-# GGUF general.architecture -> (the transformers family, llama.cpp permuted its q/k rows, its norms hold 1 + w).
-GGUF_OPTIONS: dict[str, tuple[str, bool, bool]] = {
-    "llama": ("llama", True, False),
-    "mistral": ("mistral", True, False),
-    "qwen2": ("qwen2", False, False),
 }
 MATRICES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")
 LAYER_VECTORS = (

@@ -4,7 +4,7 @@ stores them, or a transformers checkpoint's safetensors (float32 / bfloat16 / fl
 Contract:
 - :func:`native_reason(spec, device, attn_implementation)` is None when the native model will run this spec
   (CPU, the paged attention asked for, a GGUF or packaged source of an architecture in
-  ``native_arch.GGUF_OPTIONS``, or a local / hub safetensors checkpoint with ``quantization: none``) and
+  ``gguf_arch.ARCHS``, or a local / hub safetensors checkpoint with ``quantization: none``) and
   the library is usable (``kernels.native.ensure``, which builds it on a machine's first use, reporting to
   ``progress``); "" where it is not in question (CUDA, a model loaded outside the engine); else why not, in
   one line (the caller falls back and says so).
@@ -29,10 +29,10 @@ from specchat.backend.kernels import native
 from specchat.backend.kernels.native_model import GGML_TYPES, TYPE_NAMES, NativeModel, float_qweight, qweight
 from specchat.backend.models import gguf_file
 from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec
+from specchat.backend.models.gguf_arch import ARCHS, GgufArchError
 from specchat.backend.models.gguf_file import GgufFile
+from specchat.backend.models.gguf_tensors import CONFIG_ROLES, config_of, roles_of
 from specchat.backend.models.native_arch import (
-    GGUF_NAMES,
-    GGUF_OPTIONS,
     HF_NAMES,
     LAYER_VECTORS,
     MATRICES,
@@ -91,8 +91,8 @@ def native_reason(
             kind = gguf_file.read_gguf(gguf).architecture
         except (OSError, ValueError):
             kind = None  # the loader reports an unreadable file as it always did
-        if kind not in GGUF_OPTIONS:
-            return f"the native model does not read {kind!r} GGUF files yet (it reads {', '.join(GGUF_OPTIONS)})"
+        if kind not in ARCHS:
+            return f"the native model does not read {kind!r} GGUF files yet (it reads {', '.join(ARCHS)})"
     why = native.ensure(progress)
     return None if why is None else f"the CPU kernels are unavailable: {why}"
 
@@ -105,7 +105,6 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
 
     try:
         if gguf is not None:
-            config = skeleton.read_config(folder) or _transformers_config(folder, spec)
             if progress is not None:
                 progress(f"Loading {gguf.name} for the CPU kernels, as stored", None)
             try:
@@ -114,6 +113,12 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
                 raise ModelLoadError(
                     f"{gguf}: cannot read this GGUF file ({error}); if it is truncated or damaged, download it again"
                 ) from error
+            try:  # the file's own configuration (gguf_arch / gguf_tensors), rope factors included
+                from transformers import AutoConfig
+
+                config = AutoConfig.for_model(**config_of(parsed))
+            except GgufArchError as error:
+                raise NativeUnsupported(str(error)) from None
             model = from_gguf(parsed, config)
             del parsed  # the file's map goes: every weight is a QWeight's own copy now
             dtype = torch.bfloat16
@@ -204,56 +209,51 @@ def _gguf_weight(fill: _Fill, tensor: gguf_file.GgufTensor, order: torch.Tensor 
 
 
 def from_gguf(gguf: GgufFile, config: Any) -> NativeCausalLM:
-    """See the module docstring."""
-    options = GGUF_OPTIONS.get(gguf.architecture)
-    if options is None:
-        raise NativeUnsupported(f"GGUF architecture {gguf.architecture!r} (native: {', '.join(GGUF_OPTIONS)})")
+    """See the module docstring. Tensor names, roles, llama's permuted q/k rows and gemma's stored 1 + w norms come
+    from the GGUF tables (``gguf_tensors.roles_of``, ``gguf_arch.ARCHS``): the native model adds no table."""
+    row = ARCHS.get(gguf.architecture)
+    if row is None:
+        raise NativeUnsupported(f"GGUF architecture {gguf.architecture!r} (native: {', '.join(ARCHS)})")
     arch = architecture(config)
-    _, permuted, plus_one = options
-    if plus_one:
+    if row.norm_plus_one:
         from dataclasses import replace
 
-        arch = replace(arch, norm_add_one=False)  # the file's norms already hold 1 + w
-    names = names_for(GGUF_NAMES, arch.family)
+        arch = replace(arch, norm_add_one=False)  # the file's norms already hold 1 + w: x · (stored w), as stored
+    sizes = {"num_hidden_layers": arch.layers, "num_attention_heads": arch.heads, "num_key_value_heads": arch.kv_heads}
+    try:
+        roles = roles_of(gguf, sizes)
+    except GgufArchError as error:
+        raise ModelLoadError(
+            f"{error}; it does not hold a complete {arch.family} model (a damaged or unfinished file?)"
+        ) from None
     model = NativeModel(arch)
     fill = _Fill(model, gguf.path)
-
-    def tensor(name: str) -> gguf_file.GgufTensor | None:
-        return gguf.tensors.get(name)
-
-    def vector(name: str) -> torch.Tensor:
-        return gguf_file.dequantize(gguf.tensors[name]).reshape(-1)
-
-    heads = {"q": arch.heads, "k": arch.kv_heads}
-    for i in range(arch.layers):
-        for native_name in MATRICES:
-            found = tensor(names[native_name].format(i=i)) if native_name in names else None
-            if found is None:
-                continue
-            order = None
-            if permuted and native_name in heads:
-                order = gguf_file.unpermute_rows(found.shape[0], heads[native_name])
-            model.set_layer_weight(i, native_name, _gguf_weight(fill, found, order))
-        for native_name in LAYER_VECTORS:
-            name = names[native_name].format(i=i) if native_name in names else None
-            if name is not None and name in gguf.tensors:
-                value = vector(name)
-                if permuted and native_name in ("q_bias", "k_bias"):
-                    value = value[gguf_file.unpermute_rows(value.numel(), heads[native_name[0]])]
-                model.set_layer_vector(i, native_name, value)
-        if names["o_bias"].format(i=i) in gguf.tensors:
+    found: dict[str, torch.ScriptObject] = {}
+    final: torch.Tensor | None = None
+    for name, role in roles.items():
+        stored = gguf.tensors[name]
+        order = gguf_file.unpermute_rows(stored.shape[0], role.unpermute_heads) if role.unpermute_heads else None
+        if role.role in CONFIG_ROLES:
+            continue  # rotary factors: already in the config (gguf_tensors.config_of)
+        if role.role == "o_bias":
             raise NativeUnsupported("attention output biases")
-    embed = tensor(names["embed"])
-    if embed is None or names["final_norm"] not in gguf.tensors:
-        raise ModelLoadError(f"{gguf.path}: {names['embed']} or {names['final_norm']} is missing")
-    before = fill.nbytes
-    model.set_weight("embed", _gguf_weight(fill, embed, None))
-    fill.embed_bytes = fill.nbytes - before
-    head = tensor(names["head"])
-    if head is not None:
-        model.set_weight("head", _gguf_weight(fill, head, None))
+        if role.role in ("embed", "head"):
+            found[role.role] = _gguf_weight(fill, stored, None)
+            if role.role == "embed":
+                fill.embed_bytes = stored.raw.nbytes
+        elif role.role == "final_norm":
+            final = gguf_file.dequantize(stored).reshape(-1)
+        elif role.role in MATRICES and role.layer is not None:
+            model.set_layer_weight(role.layer, role.role, _gguf_weight(fill, stored, order))
+        elif role.role in LAYER_VECTORS and role.layer is not None:
+            value = gguf_file.dequantize(stored).reshape(-1)
+            model.set_layer_vector(role.layer, role.role, value[order] if order is not None else value)
+    assert final is not None  # noqa: S101 - roles_of requires it
+    model.set_weight("embed", found["embed"])
+    if "head" in found:
+        model.set_weight("head", found["head"])
         fill.tied = False
-    model.set_final_norm(vector(names["final_norm"]))
+    model.set_final_norm(final)
     _complete(model, gguf.path, arch.family)
     return NativeCausalLM(config, model, fill)
 
