@@ -66,7 +66,7 @@ def _ids(engine, messages, **kwargs):
 
 
 def test_the_start_line_names_the_path(engine):
-    assert engine.start_line.startswith("CPU native (") and "Q4_1 as stored" in engine.start_line
+    assert engine.start_line.startswith("CPU native (") and engine.start_line.endswith("Q4_1, Q8_0 as stored")
     assert engine.fallback_reason is None
 
 
