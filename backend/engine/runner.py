@@ -14,7 +14,7 @@ Contract:
   layers when their second copy fits in free memory (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0``
   turns it off); else the plain eager forward. A light model (``backend/models/skeleton.py``, loaded for the
   compact forward) has no other path: without it the runner raises :class:`ModelLoadError`.
-- :attr:`ModelRunner.start_line` names the path in one line ("CPU native (avx2), Q4_1 as stored"; on a fallback,
+- :attr:`ModelRunner.start_line` names the path in one line ("CPU native (avx2), Q4_1, Q8_0 as stored"; on a fallback,
   why the native model does not run, the line the UI, ``generate`` and ``serve`` show).
 - :meth:`ModelRunner.forward` runs one forward over ``input_ids`` appended after ``seq``'s committed tokens and
   returns the float logits of the last ``logits_to_keep`` of them. It reserves their cache slots but does NOT

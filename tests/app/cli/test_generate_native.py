@@ -34,7 +34,7 @@ def test_the_native_path_is_named(capsys):
     if native_build.unavailable() is not None:
         pytest.skip(native_build.unavailable())
     record, err = _generate(capsys)
-    assert "specchat: smollm2-135m runs on CPU native (" in err and "Q4_1 as stored" in err
+    assert "specchat: smollm2-135m runs on CPU native (" in err and "Q4_1, Q8_0 as stored" in err
     assert record["text"]
 
 
