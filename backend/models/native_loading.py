@@ -114,11 +114,14 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
                     f"{gguf}: cannot read this GGUF file ({error}); if it is truncated or damaged, download it again"
                 ) from error
             try:  # the file's own configuration (gguf_arch / gguf_tensors), rope factors included
-                from transformers import AutoConfig
-
-                config = AutoConfig.for_model(**config_of(parsed))
+                values = config_of(parsed)
             except GgufArchError as error:
                 raise NativeUnsupported(str(error)) from None
+            config: Any = skeleton.LightConfig(values, str(gguf)) if skeleton._usable(values) else None
+            if config is None:  # transformers only where the light config does not cover it (the default needs none)
+                from transformers import AutoConfig
+
+                config = AutoConfig.for_model(**values)
             model = from_gguf(parsed, config)
             del parsed  # the file's map goes: every weight is a QWeight's own copy now
             dtype = torch.bfloat16
