@@ -56,6 +56,8 @@ def run(args) -> int:
     pairs = load_pairs(args.models)
     names = list(args.pair or [default_pair_name(pairs)])
     configs = [get_pair(pairs, name) for name in names]  # unknown names fail before anything loads
+    if getattr(args, "profile", False):
+        return _profile(args, configs)
     for config in configs:  # so do modes a pair cannot run (draft-model without a draft, hf-* on a remote, typos)
         remote_kind = config.remote.server_kind if config.remote is not None else None
         parse_modes(
@@ -94,16 +96,29 @@ def _llamacpp_missing(spec) -> str | None:
     return unavailable(gguf_path(spec))
 
 
-def _native_layers(engine) -> str:
-    """Wait for each model's native decoder layers (backend/kernels/native.py; built on a machine's first run,
-    ~20 s), so every mode is measured on the same path; say which path each model runs."""
-    notes = []
-    for role, model_runner in (("target", engine.runner), ("draft", getattr(engine, "draft_runner", None))):
-        attachment = getattr(model_runner, "native", None)
-        if attachment is not None:
-            ran = attachment.wait()
-            notes.append(f"{role} in C++" if ran else f"{role} through the Python loop ({attachment.reason})")
-    return "; ".join(notes)
+def _profile(args, configs) -> int:
+    """``specchat bench --profile``: backend/bench/profile.py's table for each local pair, plain and with its
+    drafter, on the first chat (mt-bench) and code-edit prompts."""
+    from specchat.app.cli.generate import _progress
+    from specchat.backend.bench.profile import profile_engine, table
+    from specchat.backend.bench.suites import load_suite
+    from specchat.backend.engine.engine import load_engine
+    from specchat.backend.errors import RequestError
+
+    _, max_new, _, _ = _check_args(args)
+    prompts = load_suite("mt-bench", 1) + load_suite("code-edit", 1)
+    for config in configs:
+        if config.remote is not None:
+            raise RequestError(f"--profile measures a local engine; pair '{config.name}' runs on a server")
+        engine = load_engine(config, device=args.device, progress=_progress)
+        try:
+            for prompt in prompts:
+                for drafter in dict.fromkeys(("none", config.drafter)):
+                    print(f"[{prompt.family}: {prompt.id}]")
+                    print(table(profile_engine(engine, prompt.message_dicts(), drafter, max_new)), flush=True)
+        finally:
+            engine.close()
+    return 0
 
 
 def _repeats(args) -> int:
@@ -213,10 +228,10 @@ def execute(
                 llamacpp = getattr(runner, "llamacpp", None)
                 bounds = bandwidth_bounds(engine, llamacpp.gguf if llamacpp is not None else None)
                 err.print(describe(bounds), highlight=False)
-                native = _native_layers(engine)
-                if native:
-                    meta.setdefault("native_layers", {})[engine.pair.name] = native
-                    err.print(f"Decoder layers: {native}", highlight=False)
+                path = getattr(engine, "start_line", None)
+                if path:
+                    meta.setdefault("paths", {})[engine.pair.name] = path
+                    err.print(f"Runs on: {path}", highlight=False)
             lengths = sorted(fitting, key=runner.prompt_length)
             err.print(f"Warming up {len(modes)} modes on {engine.pair.name} ...")
             warm = runner.warm_up(lengths[len(lengths) // 2])

@@ -123,10 +123,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"Loading pair {config.name} ...", file=sys.stderr)
     engine = load_engine(config, device=args.device)
     try:
-        from specchat.app.cli.bench import _native_layers
-
-        native = _native_layers(engine)  # the same decoder layers for every run (docs/determinism.md)
-        path = f"{engine.runner.path}{'; ' + native if native else ''}"
+        path = engine.runner.start_line  # one forward path for every run (docs/determinism.md)
         drafters = grid_drafters(engine)
         if args.drafters:
             unknown = [d for d in args.drafters if d not in drafters]

@@ -198,7 +198,9 @@ def run(args: argparse.Namespace) -> int:
 
         with capture_library_output(progress=_progress):
             engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
-        from specchat.app.cli.wiring import seed_reply_memory
+        from specchat.app.cli.wiring import seed_reply_memory, start_line
+
+        print(start_line(pair.name, engine), file=sys.stderr, flush=True)
 
         seed_reply_memory(engine, None if getattr(args, "no_history", False) else _history_replies, _progress)
     failed = False

@@ -1,4 +1,5 @@
-"""The `specchat` command: the chat UI by default, and the subcommands `generate`, `bench` and `models`.
+"""The `specchat` command: the chat UI by default, and the subcommands `generate`, `bench`, `models`, `serve` and
+`doctor`.
 
 Only argument parsing and dispatch live here; each command's body is in its own module and is imported
 lazily, so `specchat --help` answers without importing torch. User errors (:class:`SpecchatError`) are
@@ -33,6 +34,7 @@ commands:
   models      list the model pairs of models.yaml with memory estimates (remote pairs: reachable?)
   add         add a model (a .gguf file, a folder, a hub id or hf:ORG/NAME/FILE.gguf) to your models.yaml
   serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
+  doctor      the state of this machine's CPU kernels; --rebuild-native builds them again
 
 Run `specchat COMMAND --help` for a command's options.
 """
@@ -174,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--seed", type=_whole, default=BENCH_SEED, metavar="S", help=f"(default: {BENCH_SEED})")
     bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the modes: where a decoding step's time goes (kernels, attention, norms and other "
+        "elementwise steps, Python, sampling), plain and with the pair's drafter, on one chat and one edit prompt",
+    )
+    bench.add_argument(
         "--synthetic",
         metavar="NAME",
         default=None,
@@ -213,6 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--name", metavar="NAME", type=_pair_name, default=None, help="the pair's name")
 
     add_serve_parser(sub)
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this machine's CPU kernels",
+        description="Show whether this machine's CPU kernels (the native library) are built and check out.",
+    )
+    doctor.add_argument(
+        "--rebuild-native",
+        action="store_true",
+        help="remove the cached CPU kernels (and a noted build failure) and build them again now",
+    )
     return parser
 
 
@@ -279,6 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import add as command
         elif args.command == "serve":
             from specchat.app.cli import serve as command
+        elif args.command == "doctor":
+            from specchat.app.cli import doctor as command
         else:
             from specchat.app.cli import chat as command
         return command.run(args)

@@ -98,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     _access_log(args.log)
     with capture_library_output(progress=_progress):
         engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+    from specchat.app.cli.wiring import start_line
+
+    print(start_line(pair.name, engine), file=sys.stderr, flush=True)
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_messages=args.max_messages)
     config = ServeConfig(
         model=pair.name,

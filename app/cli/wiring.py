@@ -61,6 +61,12 @@ def default_engine_factory(device: str | None, replies: Callable[[], list[str] |
     return factory
 
 
+def start_line(pair_name: str, engine: Any) -> str:
+    """The line ``generate`` and ``serve`` print after loading, and the UI shows when the pair is ready: how the
+    model runs (``Engine.start_line``: the CPU native path and its kernels, or why it does not run)."""
+    return f"specchat: {pair_name} runs on {getattr(engine, 'start_line', None) or 'its server'}"
+
+
 def seed_reply_memory(engine: Any, replies: Callable[[], list[str] | None] | None, progress: Progress) -> None:
     """Give the engine's suffix drafter the earlier replies (``replies()``), or switch its memory off."""
     texts = replies() if replies is not None else None

@@ -232,7 +232,12 @@ class SpecchatApp(App[int]):
 
     async def on_engine_loaded(self, message: EngineLoaded) -> None:
         self.engine, self.current_pair_name, self.loading_pair = message.engine, message.pair_name, None
-        self.chat.stats_bar.show_ready(message.pair_name, f"ready in {message.seconds:.1f} s")
+        path = getattr(message.engine, "start_line", None)  # how it runs (backend: Engine.start_line)
+        note = f"ready in {message.seconds:.1f} s" + (f" · {path}" if path else "")
+        self.chat.stats_bar.show_ready(message.pair_name, note)
+        fallback = getattr(message.engine, "fallback_reason", None)
+        if fallback:  # the CPU native model does not run it: the same line generate and serve print
+            self.notify(f"{message.pair_name} runs on {path}", title="Slower path", severity="warning", timeout=10)
         self.chat.update_title()
         if self.settings.last_pair != message.pair_name:
             self.update_settings(replace(self.settings, last_pair=message.pair_name))

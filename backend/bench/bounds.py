@@ -17,6 +17,8 @@ PROBE_BYTES = 256 * 2**20
 
 
 def _model_bytes(model) -> int:
+    if hasattr(model, "bytes_per_token"):  # the CPU native model knows what a pass reads
+        return int(model.bytes_per_token)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     skip = {id(t) for t in (list(embed.parameters()) + list(embed.buffers()))} if embed is not None else set()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -25,6 +25,8 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from specchat.backend.kernels import cpu_linear
+from specchat.backend.models.loading import load_model
+from specchat.backend.models.native_loading import NativeCausalLM
 from specchat.backend.models.quantized import transformers_model
 
 if TYPE_CHECKING:
@@ -62,9 +64,14 @@ def sdpa_twin(model: PreTrainedModel | LightCausalLM) -> PreTrainedModel:
     and the config; quantised parameter classes (bitsandbytes Params4bit, with their quant state) are shared
     as they are. Layers the engine packed for oneDNN on CPU (cpu_linear.py) are stock ``nn.Linear`` again in
     the twin: the baseline runs transformers' own kernels. A light model (``backend/models/skeleton.py``) is
-    first put into transformers' model classes (``quantized.transformers_model``). The twin gets a neutral
-    generation_config so that generate() applies only what we pass.
+    first put into transformers' model classes (``quantized.transformers_model``); for the CPU native model
+    (``NativeCausalLM``) transformers' model of the same source is loaded as the spec would load without it.
+    The twin gets a neutral generation_config so that generate() applies only what we pass.
     """
+    if isinstance(model, NativeCausalLM):  # the C++ model has no transformers forward: load transformers' own
+        if model.spec is None:
+            raise ValueError("this native model was not loaded from a spec: there is no transformers model to load")
+        model = load_model(model.spec, model.spec_device, attn_implementation="sdpa").model
     model = transformers_model(model)  # the light int4 model (skeleton.py) has no transformers forward of its own
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     twin = copy.deepcopy(model, memo)

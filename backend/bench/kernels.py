@@ -70,7 +70,8 @@ def _time_type(type_name: str, shapes, xs: dict[int, dict[int, torch.Tensor]], r
     from specchat.backend.kernels import blocks
 
     rng = np.random.default_rng(0)
-    weights, nbytes = [], 0
+    weights: list[tuple[Any, int]] = []  # (a QWeight, its cols): ScriptObject methods are untyped
+    nbytes = 0
     for _, n, k in shapes:
         data = blocks.random_blocks(type_name, n, k, rng)
         nbytes += data.nbytes

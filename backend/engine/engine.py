@@ -96,6 +96,20 @@ class Engine:
         self.trace: Callable[[range | list[int], torch.Tensor], None] | None = None  # parts.Target.trace
 
     @property
+    def start_line(self) -> str:
+        """How the target (and the draft model) run, in one line: the forward path, and why the CPU native model
+        does not run where it does not (what the UI, ``generate`` and ``serve`` show)."""
+        line = self.runner.start_line
+        if self.draft_runner is not None:
+            line += f"; draft: {self.draft_runner.start_line}"
+        return line
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the CPU native model does not run the target (None where it does, or on CUDA)."""
+        return self.target.native_reason
+
+    @property
     def draft_cache(self) -> PagedKVCache | None:
         return self.draft_runner.cache if self.draft_runner is not None else None
 
@@ -217,22 +231,8 @@ class Engine:
                 conv.seq.free()
                 del self._conversations[key]
 
-    def _adopt_native(self) -> None:
-        """At a request's start: the native decoder layers (``backend/kernels/native.py``), once ready, take
-        over here and not inside a reply; cached conversations and the draft model's cache, whose K/V the
-        Python loop computed, are dropped, so every reply comes from one path (they agree only to rounding)."""
-        switched = [runner.adopt_native() for runner in filter(None, (self.runner, self.draft_runner))]
-        if not any(switched):
-            return
-        for conv in self._conversations.values():
-            conv.seq.free()
-        self._conversations.clear()
-        for drafter in self.drafters.values():
-            drafter.reset()
-
     def _generate(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
         t_start = time.perf_counter()
-        self._adopt_native()
         sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
         drafter_name = request.drafter or self.pair.drafter
         if drafter_name == "draft-model" and "draft-model" not in self.drafters:

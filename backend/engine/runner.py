@@ -1,23 +1,29 @@
 """The model runner: the one place that decides how a model's forward over the paged cache runs.
 
 Contract:
-- :class:`ModelRunner` takes a loaded model, switches it to paged attention (``backend/kv/attention.py``),
-  sizes its :class:`~specchat.backend.kv.kv_cache.PagedKVCache` and chooses the path for its device, once:
-  CUDA graphs over static shapes on CUDA (``backend/kernels/cuda_graphs.py``; ``SPECCHAT_CUDA_GRAPHS=0`` turns
-  them off); on CPU, for a model with int4/int8 layers (``quantization: int4-torch | int8-torch``) the
-  compact forward (``backend/kernels/compact.py``; ``SPECCHAT_COMPACT=0`` turns it off, and an architecture it
-  does not cover keeps transformers' forward; its decoder layers move to C++ once built for this machine and
-  adopted between requests (:meth:`ModelRunner.adopt_native`), ``backend/kernels/native.py``,
-  ``SPECCHAT_NATIVE=0`` turns that off), for a float32 model oneDNN-packed linear
+- :class:`ModelRunner` takes a loaded model, sizes its :class:`~specchat.backend.kv.kv_cache.PagedKVCache` and
+  chooses the path for its device, once. On CPU the native model (``backend/kernels/native_model.py``: the whole
+  pass in C++ on the file's own blocks) runs whenever the library is usable here and the architecture is
+  covered; that choice is made when the model loads (``backend/models/native_loading.py``: it decides how the
+  weights are read), and a model loaded for it is a ``NativeCausalLM``, which has no other path. Otherwise the
+  model is switched to paged attention (``backend/kv/attention.py``) and runs: CUDA graphs over static shapes on
+  CUDA (``backend/kernels/cuda_graphs.py``; ``SPECCHAT_CUDA_GRAPHS=0`` turns them off); on CPU, for a model with
+  int4/int8 layers (``quantization: int4-torch | int8-torch``, the fallback for llama-family Q4_0 / Q4_1 files
+  without a compiler) the compact forward (``backend/kernels/compact.py``; ``SPECCHAT_COMPACT=0`` turns it off,
+  and an architecture it does not cover keeps transformers' forward), for a float32 model oneDNN-packed linear
   layers when their second copy fits in free memory (``backend/kernels/cpu_linear.py``; ``SPECCHAT_CPU_PACKED=0``
   turns it off); else the plain eager forward. A light model (``backend/models/skeleton.py``, loaded for the
   compact forward) has no other path: without it the runner raises :class:`ModelLoadError`.
+- :attr:`ModelRunner.start_line` names the path in one line ("CPU native (avx2), Q4_1, Q8_0 as stored"; on a fallback,
+  why the native model does not run, the line the UI, ``generate`` and ``serve`` show).
 - :meth:`ModelRunner.forward` runs one forward over ``input_ids`` appended after ``seq``'s committed tokens and
   returns the float logits of the last ``logits_to_keep`` of them. It reserves their cache slots but does NOT
   commit: the caller keeps what it accepts with ``seq.commit(k)``. A step the graph path declines (too many
   tokens, a key length beyond its buckets) runs eagerly, with the same result.
+- :meth:`ModelRunner.forward_taps` also returns the residual stream after the layers asked for, for every row
+  (the native model only; draft heads read them).
 - :func:`forward_paged` is that forward for a model switched to paged attention by hand (tests), eager unless
-  given a graph runner or a compact forward.
+  given a graph runner, a compact forward or a native model.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ import torch
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, native, quant_linear, switched_off
+from specchat.backend.kernels.native_model import NativeModel
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
 from specchat.backend.limits import KV_BLOCK_SIZE
 from specchat.backend.models.loading import LoadedModel
 from specchat.backend.models.memory import format_bytes, free_memory
+from specchat.backend.models.native_loading import NativeCausalLM
 from specchat.backend.models.skeleton import LightCausalLM
 
 PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
@@ -53,10 +61,11 @@ def forward_paged(
     fast: compact.CompactForward | None = None,
     parents: list[int] | None = None,
     cancel: threading.Event | None = None,
+    native_model: NativeModel | None = None,
 ) -> torch.Tensor:  # [logits_to_keep, vocab] float
-    """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The static
-    forward of ``graphs`` when given and it takes the step, else the compact forward ``fast`` when given,
-    else the model's own.
+    """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The native
+    model when given, else the static forward of ``graphs`` when given and it takes the step, else the compact
+    forward ``fast`` when given, else the model's own.
 
     ``parents`` (a tree of drafts after the pending token ``input_ids[0]``: ``parents[i]`` is the index of draft
     i's parent among the drafts, -1 for the pending token): each draft attends to the committed prefix and its
@@ -67,6 +76,8 @@ def forward_paged(
     ``cancel``: when it is set, the pass stops before its next decoder layer with
     :class:`~specchat.backend.kv.attention.PassCancelled` (the compact forward's and the model's own; a graph
     replay or a native pass runs to its end); a pass that completes is unchanged by it."""
+    if native_model is not None:
+        return forward_taps(native_model, seq, input_ids, logits_to_keep=logits_to_keep, parents=parents)[0]
     if graphs is not None and parents is None and isinstance(logits_to_keep, int):
         n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if 1 <= logits_to_keep <= n:
@@ -79,20 +90,8 @@ def forward_paged(
             f"forward_paged needs a model with attn_implementation={attention.ATTN_IMPLEMENTATION!r}, this one "
             f"uses {impl!r}: load it with that name after attention.register(), or call use_paged_attention(model)"
         )
-    device = seq.cache.device
-    if isinstance(input_ids, torch.Tensor):
-        ids = input_ids.reshape(-1).to(device=device, dtype=torch.long)
-    else:
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-    n = ids.numel()
-    if n < 1:
-        raise KVCacheUsageError("forward_paged: input_ids is empty")
-    if not isinstance(logits_to_keep, int) or not 1 <= logits_to_keep <= n:
-        raise KVCacheUsageError(
-            f"forward_paged: logits_to_keep must be in 1..{n} (the new tokens), got {logits_to_keep!r}"
-        )
-    if parents is not None and len(parents) != n - 1:
-        raise KVCacheUsageError(f"forward_paged: {n} tokens need {n - 1} parents (one per draft), got {len(parents)}")
+    ids = _checked_ids(seq, input_ids, logits_to_keep, parents)
+    n, device = ids.numel(), seq.cache.device
     seq.reserve(n)
     plan = seq.plan(n)
     if parents is None:
@@ -111,6 +110,40 @@ def forward_paged(
     return out.logits[0].float()
 
 
+def _checked_ids(seq: Sequence, input_ids, logits_to_keep, parents: list[int] | None) -> torch.Tensor:
+    """``input_ids`` as a long tensor [n] on the cache's device, after checking the pass's arguments."""
+    device = seq.cache.device
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids.reshape(-1).to(device=device, dtype=torch.long)
+    else:
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+    n = ids.numel()
+    if n < 1:
+        raise KVCacheUsageError("forward_paged: input_ids is empty")
+    if not isinstance(logits_to_keep, int) or not 1 <= logits_to_keep <= n:
+        raise KVCacheUsageError(
+            f"forward_paged: logits_to_keep must be in 1..{n} (the new tokens), got {logits_to_keep!r}"
+        )
+    if parents is not None and len(parents) != n - 1:
+        raise KVCacheUsageError(f"forward_paged: {n} tokens need {n - 1} parents (one per draft), got {len(parents)}")
+    return ids
+
+
+def forward_taps(
+    native_model: NativeModel,
+    seq: Sequence,
+    input_ids: list[int] | torch.Tensor,
+    *,
+    logits_to_keep: int = 1,
+    parents: list[int] | None = None,
+    taps: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, list[torch.Tensor]]:  # ([logits_to_keep, vocab] float32, [[n, hidden] float32] per tap)
+    """The native model's pass (as :func:`forward_paged`), with the residual stream after the layers ``taps``
+    (``num_layers``: the final norm's output) for every row."""
+    ids = _checked_ids(seq, input_ids, logits_to_keep, parents)
+    return native_model.forward(seq, ids, logits_to_keep, parents, taps)
+
+
 class ModelRunner:
     """One model with its paged cache and its chosen forward path (see the module docstring).
 
@@ -119,16 +152,23 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, *, kv_tokens: int) -> None:
         model = loaded.model
+        self.loaded = loaded
+        self.graphs: cuda_graphs.GraphRunner | None = None
+        self.compact: compact.CompactForward | None = None
+        self.packed_layers = 0
+        self.native: NativeModel | None = None
+        if isinstance(model, NativeCausalLM):  # the whole pass in C++: nothing of transformers is involved
+            self.cache = PagedKVCache.for_model(
+                model.config, max_tokens=kv_tokens, block_size=KV_BLOCK_SIZE, dtype=loaded.dtype, device=loaded.device
+            )
+            model.native.bind(self.cache)
+            self.native = model.native
+            return
         attention.check_supported(model.config)
         light = isinstance(model, LightCausalLM)  # its config names the paged attention; registering it with
         # transformers would import transformers' modelling code, which only a transformers forward needs
         model.set_attn_implementation(attention.ATTN_IMPLEMENTATION if light else attention.register())
         model.eval()
-        self.loaded = loaded
-        self.graphs: cuda_graphs.GraphRunner | None = None
-        self.compact: compact.CompactForward | None = None
-        self.packed_layers = 0
-        self.native: native.Attachment | None = None
         wants_graphs = cuda_graphs.graphs_wanted(loaded.device)
         # The graph runner keeps one block of its own for the K/V of padded tokens.
         self.cache = PagedKVCache.for_model(
@@ -142,8 +182,6 @@ class ModelRunner:
             self.graphs = cuda_graphs.GraphRunner(model, self.cache, max_kv=kv_tokens)
         elif loaded.device.type == "cpu" and quant_linear.quantized_layers(model):
             self.compact = _compact_forward(loaded)
-            if self.compact is not None:  # its C++ layers, in the background (built once per machine)
-                self.native = native.attach(self.compact, self.cache, loaded.spec.source)
         elif loaded.device.type == "cpu":
             self.packed_layers = _pack_if_it_fits(loaded)
         if light and self.compact is None:
@@ -163,7 +201,9 @@ class ModelRunner:
 
     @property
     def path(self) -> str:
-        """The forward path in use: "cuda-graphs", "cpu-compact", "cpu-packed" or "eager"."""
+        """The forward path in use: "cpu-native", "cuda-graphs", "cpu-compact", "cpu-packed" or "eager"."""
+        if self.native is not None:
+            return "cpu-native"
         if self.graphs is not None and self.graphs.disabled_reason is None:
             return "cuda-graphs"
         if self.compact is not None:
@@ -190,19 +230,42 @@ class ModelRunner:
             fast=self.compact,
             parents=parents,
             cancel=cancel,
+            native_model=self.native,
         )
 
-    def adopt_native(self) -> bool:
-        """Between requests: switch to the native decoder layers if they became ready since the last call; True
-        when this call switched (K/V cached before then came from the Python loop: the caller drops them)."""
-        return self.native is not None and self.native.adopt()
+    def forward_taps(
+        self,
+        seq: Sequence,
+        input_ids: list[int] | torch.Tensor,
+        *,
+        taps: tuple[int, ...],
+        logits_to_keep: int = 1,
+        parents: list[int] | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`forward` plus the residual stream after the layers ``taps`` for every row (see
+        :func:`forward_taps`); the native model only, else :class:`ModelLoadError` naming the path in use."""
+        if self.native is None:
+            raise ModelLoadError(f"hidden-state taps need the CPU native model; this model runs {self.path}")
+        return forward_taps(
+            self.native, seq, input_ids, logits_to_keep=logits_to_keep, parents=parents, taps=tuple(taps)
+        )
+
+    @property
+    def start_line(self) -> str:
+        """The path in one line (see the module docstring)."""
+        model, reason = self.loaded.model, self.loaded.native_reason
+        if isinstance(model, NativeCausalLM):
+            return f"CPU native ({native.isa()}), {model.description}"
+        if self.path == "cuda-graphs":
+            return f"CUDA graphs on {self.device}"
+        where = {
+            "cpu-compact": "CPU int4 Python loop",
+            "cpu-packed": "CPU transformers forward (oneDNN-packed)",
+        }.get(self.path, f"transformers forward on {self.device}")
+        return f"{where}: {reason}" if reason else where
 
     def close(self) -> None:
-        """Release the CUDA graphs (their memory pool) and their block, and the native layers' hold on the
-        weights and cache."""
-        if self.native is not None:
-            self.native.close()
-            self.native = None
+        """Release the CUDA graphs (their memory pool) and their block."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None

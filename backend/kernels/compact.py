@@ -11,9 +11,8 @@ prefill); a pass of at most :data:`ROWWISE_ROWS` tokens attends one query at a t
 each token's result does not depend on how many tokens its pass verifies — a tree of drafts included: a node
 attends its window of the prefix and its own ancestors, in their order along its path.
 
-Once built for the machine, ``backend/kernels/native.py`` runs the decoder layers of passes of at most
-:data:`ROWWISE_ROWS` tokens in C++, with an attention of its own: the same guarantee (a pass's rows equal
-one-token passes), logits equal to this loop's to rounding.
+This is the fallback of the CPU native model (``backend/kernels/native_model.py``) for llama-family Q4_0 / Q4_1
+files where the native library cannot be built (no compiler, a failed build).
 
 Contract: :func:`build(model)` returns a :class:`CompactForward` or raises :class:`Unsupported` with the
 reason (another architecture, an activation other than SiLU, a layer type it does not know); the model
@@ -31,7 +30,7 @@ every drafter.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,18 +46,6 @@ ROWWISE_ROWS = 64  # passes of at most this many tokens (every decoding and veri
 
 class Unsupported(Exception):
     """The model cannot run the compact forward (the message says why)."""
-
-
-class NativeLayers(Protocol):
-    """The C++ decoder layers (``native.Native``) as the forward holds them."""
-
-    def takes(self, n: int, ctx: attention.PagedContext) -> bool: ...
-
-    def layers(
-        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, ctx: attention.PagedContext
-    ) -> None: ...
-
-    def release(self) -> None: ...  # once they are no longer used (by whoever attached them)
 
 
 def _join(modules: list[nn.Module]) -> Int4Linear | None:
@@ -246,9 +233,6 @@ class CompactForward:
         self.run_head = kernel_call(self.head)
         self.layers = [_Layer(layer, config) for layer in model.model.layers]
         self.hidden = int(config.hidden_size)
-        # The C++ layers (backend/kernels/native.py) once built, bound, checked and adopted between requests;
-        # they take passes of at most ROWWISE_ROWS tokens (the row-by-row attention's).
-        self.native: NativeLayers | None = None
 
     def _attention(
         self,
@@ -296,17 +280,6 @@ class CompactForward:
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: attention.PagedContext, logits_to_keep: int
     ) -> torch.Tensor:
-        return self.run(ids, positions, ctx, logits_to_keep, self.native)
-
-    def run(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        ctx: attention.PagedContext,
-        logits_to_keep: int,
-        native: NativeLayers | None,
-    ) -> torch.Tensor:
-        """The pass, its decoder layers through ``native`` (a ``native.Native``) when given and it takes it."""
         n = ids.numel()
         with torch.inference_mode():
             h = self.embed(ids).float()  # [n, hidden], the residual stream
@@ -315,10 +288,7 @@ class CompactForward:
             half = sin.shape[-1] // 2
             signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             shape = (self.hidden,)
-            if native is not None and isinstance(ctx, attention.PagedContext) and native.takes(n, ctx):
-                native.layers(h, cos, signed_sin, ctx)
-            else:
-                self._layers(h, n, cos, signed_sin, ctx)
+            self._layers(h, n, cos, signed_sin, ctx)
             last = F.rms_norm(h[n - logits_to_keep :], shape, self.final_norm, self.final_eps)
             return self.run_head(last).float()
 

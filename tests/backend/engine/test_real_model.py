@@ -1,7 +1,8 @@
 """The engine on the embedded default model (SmolLM2-135M-Instruct), against transformers itself.
 
 The engine is the ``smollm2-135m-nf4-draft`` pair's: the embedded target, prompt lookup, and a bitsandbytes nf4
-copy of the target as draft model (its own distribution, so drafts are accepted and rejected).
+copy of the target as draft model (its own distribution, so drafts are accepted and rejected), through
+transformers' forward (``SPECCHAT_NATIVE=0``; the CPU native model runs the default in test_native_default.py).
 
 - greedy, without a penalty and with repetition penalty 1.3 and 1.05: plain decoding equals transformers
   ``generate()`` with the same penalty, token for token, on chat and code prompts, and prompt lookup, the draft
@@ -13,9 +14,9 @@ copy of the target as draft model (its own distribution, so drafts are accepted 
   accepted), the sampled joint distribution of the 2nd and 3rd tokens — the first ones verification decides —
   matches the target's exact probabilities at temperature 0.7, top-k 2 and penalty 1.3, computed with
   transformers' own forward and processors (chi-square; the sample count is in the test);
-- the int4 default (``smollm2-135m``, the GGUF's own 4-bit weights, the compact forward): greedy output is the
-  same for every drafter (none, prompt lookup at fixed and adaptive γ, suffix trees, an int4 draft model) on
-  chat, code and edit prompts.
+- the int4 default through the compact forward (``smollm2-135m``, the GGUF's own 4-bit weights: the fallback
+  where the CPU native model cannot be built): greedy output is the same for every drafter (none, prompt lookup
+  at fixed and adaptive γ, suffix trees, an int4 draft model) on chat, code and edit prompts.
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ def pair():
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    engine = load_engine(pair, device="cpu")
+    # These tests hold the engine to transformers' own generate() token for token: the transformers path (the
+    # CPU native model's logits differ from transformers' in the last bits: test_native_default.py tests it).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECCHAT_NATIVE", "0")
+        engine = load_engine(pair, device="cpu")
+    assert engine.runner.path != "cpu-native"
     yield engine
     engine.close()
 

@@ -228,9 +228,16 @@ def test_the_gguf_readers_bars_follow_the_open_capture():
 
 
 @pytest.mark.slow
-def test_the_default_starts_without_transformers_model_code():
-    """The embedded default loads as the light model in a fresh process, and transformers' modelling code
-    (and its GGUF reader, ~1.5-4 s of a start) is never imported."""
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_the_default_starts_without_transformers_model_code(native, monkeypatch):
+    """The embedded default loads in a fresh process as the CPU native model (or, with it off, the light model
+    of the compact forward), and transformers' modelling code (and its GGUF reader, ~1.5-4 s of a start) is
+    never imported."""
+    from specchat.backend.kernels import native_build
+
+    if native == "1" and native_build.unavailable() is not None:
+        pytest.skip(native_build.unavailable())
+    monkeypatch.setenv("SPECCHAT_NATIVE", native)
     script = (
         "import sys; from specchat.backend.engine.engine import load_engine; "
         "from specchat.backend.models.config import load_pairs; "
@@ -240,7 +247,8 @@ def test_the_default_starts_without_transformers_model_code():
         "'torch._dynamo') if m in sys.modules])"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.split("\n")[-2] == "LightCausalLM cpu-compact []", out.stdout + out.stderr
+    expected = "NativeCausalLM cpu-native []" if native == "1" else "LightCausalLM cpu-compact []"
+    assert out.stdout.split("\n")[-2] == expected, out.stdout + out.stderr
 
 
 @pytest.mark.slow

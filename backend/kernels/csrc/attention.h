@@ -1,17 +1,16 @@
-// Attention of one query row over the keys it sees, read straight from the bfloat16 cache pools: the scores,
-// softmax and weighted sum of values in loops of our own, for backend/kernels/native_pass.cpp.
+// Attention of one query row over the keys it sees, read straight from the cache pools (bfloat16 or float32):
+// the scores, softmax and weighted sum of values in loops of our own, for the native model (model_forward.cpp).
 //
 // Each row is computed by the same code from the same inputs whatever the pass around it: its query, and its
-// keys and values in their order (a chain's run of slots, or a tree node's prefix and ancestors by slot). So a
-// verification pass gives every token exactly the one-token pass's result (tests/backend/kernels/test_native.py),
-// which is what lets verification keep a draft only when it equals the target's own token. Replacing ATen's
-// row-by-row baddbmm / softmax / bmm, each row no longer widens the keys and values to float32 copies, and the
-// products run on registers: a row's attention over 300 keys took ~25 µs a layer through ATen.
+// keys and values in their order (a chain's run of positions, or a tree node's prefix and ancestors). So a
+// verification pass gives every token exactly the one-token pass's result (tests/backend/models/
+// test_native_model.py), which is what lets verification keep a draft only when it equals the target's own token.
 //
 // Arithmetic, per query head: score_j = (q · k_j) · scaling, the dot product as 8 lanes of fused multiply-adds in
-// order over the head dimension, then the lanes summed in a fixed tree; m = max score; e_j = exp(score_j − m)
-// (a polynomial exp, ~1 ulp); out = (Σ_j e_j · v_j) / Σ_j e_j, each sum in key order. This differs from ATen's
-// softmax(baddbmm) · v in the last bits only; with AVX2 and FMA missing (or off x86) a scalar version runs.
+// order over the head dimension, then the lanes summed in a fixed tree; with a soft cap c (gemma2), score_j =
+// tanh(score_j / c) · c; m = max score; e_j = exp(score_j − m) (a polynomial exp, ~1 ulp); out = (Σ_j e_j · v_j) /
+// Σ_j e_j, each sum in key order. This differs from ATen's softmax(q·kᵀ)·v in the last bits only; with AVX2 and
+// FMA missing (or off x86) a scalar version runs.
 #pragma once
 
 #include <algorithm>
@@ -55,10 +54,19 @@ inline float widen(uint16_t bits) {  // bfloat16 -> float32 (exact)
 }
 inline float widen(float x) { return x; }
 
+// A score after the scale: soft-capped (tanh(s / c) · c) when cap > 0 (gemma2), else as it is.
+inline float capped(float score, float cap) { return cap > 0.0f ? std::tanh(score / cap) * cap : score; }
+
+// How one query row scores its keys.
+struct Scoring {
+  float scale = 1.0f;  // 1/√head_dim or the model's own
+  float cap = 0.0f;    // logit soft cap; 0: none
+};
+
 // The portable version: the same steps, one lane (scalar sums in key order, std::exp).
 template <class T>
-void row_scalar(const float* q, int64_t rep, const Keys<T>& keys, int64_t head, float scaling, float* scratch,
-                       float* out, int64_t out_stride) {
+void row_scalar(const float* q, int64_t rep, const Keys<T>& keys, int64_t head, Scoring scoring, float* scratch,
+                float* out, int64_t out_stride) {
   const int64_t d = keys.d, n = keys.count;
   for (int64_t r = 0; r < rep; ++r) {
     float* e = scratch + r * n;
@@ -67,7 +75,7 @@ void row_scalar(const float* q, int64_t rep, const Keys<T>& keys, int64_t head, 
       const T* k = keys.k + (head * keys.slots + keys.slot(j)) * d;
       float dot = 0.0f;
       for (int64_t t = 0; t < d; ++t) dot = dot + q[r * d + t] * widen(k[t]);
-      e[j] = dot * scaling;
+      e[j] = capped(dot * scoring.scale, scoring.cap);
       top = std::max(top, e[j]);
     }
     float total = 0.0f;
@@ -123,7 +131,7 @@ SPECCHAT_AVX2 inline __m256 exp8(__m256 x) {
 
 // Scores of R query heads (sharing one KV head) against every key: e[r * n + j].
 template <int R, class T>
-SPECCHAT_AVX2 void scores(const float* q, const Keys<T>& keys, int64_t head, float scaling, float* e) {
+SPECCHAT_AVX2 void scores(const float* q, const Keys<T>& keys, int64_t head, Scoring scoring, float* e) {
   const int64_t d = keys.d, n = keys.count, chunks = d / 8;
   for (int64_t j = 0; j < n; ++j) {
     const T* k = keys.k + (head * keys.slots + keys.slot(j)) * d;
@@ -133,7 +141,7 @@ SPECCHAT_AVX2 void scores(const float* q, const Keys<T>& keys, int64_t head, flo
       const __m256 kc = load8(k + 8 * c);
       for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + 8 * c), kc, acc[r]);
     }
-    for (int r = 0; r < R; ++r) e[r * n + j] = lanes_sum(acc[r]) * scaling;
+    for (int r = 0; r < R; ++r) e[r * n + j] = capped(lanes_sum(acc[r]) * scoring.scale, scoring.cap);
   }
 }
 
@@ -160,41 +168,41 @@ SPECCHAT_AVX2 inline float softmax_numerators(float* e, int64_t n) {
   return lanes_sum(total);
 }
 
-// out[r] = (Σ_j e[r * n + j] · v_j) / totals[r], each output element summed in key order; C chunks of 8 of the
-// head dimension at a time (R · C accumulators on registers).
+// out[r] = (Σ_j e[r * n + j] · v_j) / totals[r] over the C chunks of 8 starting at chunk c0, each output element
+// summed in key order (R · C accumulators on registers).
 template <int R, int C, class T>
-SPECCHAT_AVX2 void weighted_values(const float* e, const float* totals, const Keys<T>& keys, int64_t head, float* out,
-                                   int64_t out_stride) {
+SPECCHAT_AVX2 void weighted_chunks(const float* e, const float* totals, const Keys<T>& keys, int64_t head, int64_t c0,
+                                   float* out, int64_t out_stride) {
   const int64_t d = keys.d, n = keys.count;
-  for (int64_t c0 = 0; c0 < d / 8; c0 += C) {
-    __m256 acc[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const T* v = keys.v + (head * keys.slots + keys.slot(j)) * d + 8 * c0;
-      __m256 vc[C];
-      for (int c = 0; c < C; ++c) vc[c] = load8(v + 8 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m256 w = _mm256_set1_ps(e[r * n + j]);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w, vc[c], acc[r][c]);
-      }
-    }
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = keys.v + (head * keys.slots + keys.slot(j)) * d + 8 * c0;
+    __m256 vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = load8(v + 8 * c);
     for (int r = 0; r < R; ++r) {
-      const __m256 total = _mm256_set1_ps(totals[r]);
-      for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * out_stride + 8 * (c0 + c), _mm256_div_ps(acc[r][c], total));
+      const __m256 w = _mm256_set1_ps(e[r * n + j]);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w, vc[c], acc[r][c]);
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 total = _mm256_set1_ps(totals[r]);
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * out_stride + 8 * (c0 + c), _mm256_div_ps(acc[r][c], total));
   }
 }
 
 template <int R, class T>
-SPECCHAT_AVX2 void row_avx2(const float* q, const Keys<T>& keys, int64_t head, float scaling, float* scratch, float* out,
-                            int64_t out_stride) {
-  const int64_t n = keys.count;
-  scores<R, T>(q, keys, head, scaling, scratch);
+SPECCHAT_AVX2 void row_avx2(const float* q, const Keys<T>& keys, int64_t head, Scoring scoring, float* scratch,
+                            float* out, int64_t out_stride) {
+  const int64_t n = keys.count, chunks = keys.d / 8;
+  scores<R, T>(q, keys, head, scoring, scratch);
   float totals[R];
   for (int r = 0; r < R; ++r) totals[r] = softmax_numerators(scratch + r * n, n);
-  constexpr int C = R <= 3 ? 4 : 2;  // d is a multiple of 32 here (see vector_ok)
-  weighted_values<R, C, T>(scratch, totals, keys, head, out, out_stride);
+  constexpr int C = R <= 3 ? 4 : 2;
+  int64_t c0 = 0;
+  for (; c0 + C <= chunks; c0 += C) weighted_chunks<R, C, T>(scratch, totals, keys, head, c0, out, out_stride);
+  for (; c0 < chunks; ++c0) weighted_chunks<R, 1, T>(scratch, totals, keys, head, c0, out, out_stride);
 }
 
 inline bool cpu_has_avx2_fma() {
@@ -203,39 +211,43 @@ inline bool cpu_has_avx2_fma() {
 }
 #endif
 
-// Whether the vector version runs for these shapes on this CPU (else row_scalar).
-inline bool vector_ok(int64_t rep, int64_t d) {
+// Whether the vector version runs for this head size on this CPU (else row_scalar).
+inline bool vector_ok(int64_t d) {
 #ifdef SPECCHAT_X86
-  return cpu_has_avx2_fma() && d % 32 == 0 && rep >= 1 && rep <= 8;
+  return cpu_has_avx2_fma() && d % 8 == 0;
 #else
-  (void)rep;
   (void)d;
   return false;
 #endif
 }
 
 // One row of attention for the ``rep`` query heads sharing KV head ``head``: q [rep, d] float32 (contiguous),
-// out [rep rows of out_stride] float32; scratch holds rep · keys.count floats.
+// out [rep rows of out_stride] float32; scratch holds min(rep, 8) · keys.count floats. Query heads go through
+// in groups of at most 8, each group's arithmetic independent of the others.
 template <class T>
-void row(bool vector, const float* q, int64_t rep, const Keys<T>& keys, int64_t head, float scaling,
-                float* scratch, float* out, int64_t out_stride) {
+void row(bool vector, const float* q, int64_t rep, const Keys<T>& keys, int64_t head, Scoring scoring,
+         float* scratch, float* out, int64_t out_stride) {
 #ifdef SPECCHAT_X86
   if (vector) {
-    switch (rep) {
-      case 1: return row_avx2<1, T>(q, keys, head, scaling, scratch, out, out_stride);
-      case 2: return row_avx2<2, T>(q, keys, head, scaling, scratch, out, out_stride);
-      case 3: return row_avx2<3, T>(q, keys, head, scaling, scratch, out, out_stride);
-      case 4: return row_avx2<4, T>(q, keys, head, scaling, scratch, out, out_stride);
-      case 5: return row_avx2<5, T>(q, keys, head, scaling, scratch, out, out_stride);
-      case 6: return row_avx2<6, T>(q, keys, head, scaling, scratch, out, out_stride);
-      case 7: return row_avx2<7, T>(q, keys, head, scaling, scratch, out, out_stride);
-      case 8: return row_avx2<8, T>(q, keys, head, scaling, scratch, out, out_stride);
-      default: break;
+    for (int64_t r0 = 0; r0 < rep; r0 += 8) {
+      const float* qr = q + r0 * keys.d;
+      float* o = out + r0 * out_stride;
+      switch (std::min<int64_t>(8, rep - r0)) {
+        case 1: row_avx2<1, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
+        case 2: row_avx2<2, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
+        case 3: row_avx2<3, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
+        case 4: row_avx2<4, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
+        case 5: row_avx2<5, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
+        case 6: row_avx2<6, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
+        case 7: row_avx2<7, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
+        default: row_avx2<8, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
+      }
     }
+    return;
   }
 #endif
   (void)vector;
-  row_scalar(q, rep, keys, head, scaling, scratch, out, out_stride);
+  row_scalar(q, rep, keys, head, scoring, scratch, out, out_stride);
 }
 
 }  // namespace specchat_attention

@@ -1,0 +1,179 @@
+"""The native model from Python: ``torch.classes.specchat.NativeModel`` (``csrc/model.h``) owned by a Python object,
+filled by name, bound to the engine's paged KV cache, and run one pass at a time.
+
+Contract:
+- :class:`Architecture` is everything of a model's configuration the C++ pass needs (``backend/models/
+  native_arch.py`` makes it from a transformers or light config). :class:`NativeModel(arch)` creates the C++
+  object; weights go in with :meth:`NativeModel.set_weight` (``embed``, ``head``; none: the head is the
+  embedding) and :meth:`NativeModel.set_layer_weight` (``q k v qkv o gate up gate_up down``), each a
+  :func:`qweight` (the file's blocks, or float weights, as stored); vectors with :meth:`set_final_norm` and
+  :meth:`set_layer_vector` (``attn_norm ffn_norm post_attn_norm post_ffn_norm q_norm k_norm q_bias k_bias
+  v_bias``). :meth:`bind` attaches a ``PagedKVCache`` (bfloat16 or float32 pools), makes the rotary tables for
+  as many positions as it has slots, and checks the whole model (a clear error names what is missing).
+- :meth:`forward(seq, ids, logits_to_keep, parents=None, taps=())` reserves ``len(ids)`` slots of ``seq`` (no
+  commit), runs one pass and returns ``(logits [logits_to_keep, vocab] float32, [one [n, hidden] float32 tensor
+  per tap])``. ``parents`` (a tree of drafts after the pending token ``ids[0]``, ``parents[i]`` draft i's
+  parent among the drafts, -1 for the pending token) as ``runner.forward_paged`` defines it; a tap ``l`` is the
+  residual stream after layer ``l`` for every row, ``layers`` the final norm's output (what the head reads).
+- A row's logits (and taps) are bit for bit those a one-token pass gives it, whatever the pass around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from specchat.backend.kernels.rope import cos_sin_tables
+from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+
+GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
+              "Q6_K": 14, "BF16": 30}  # fmt: skip
+TYPE_NAMES = {value: name for name, value in GGML_TYPES.items()}
+_FLOAT_TYPES = {torch.float32: GGML_TYPES["F32"], torch.float16: GGML_TYPES["F16"], torch.bfloat16: GGML_TYPES["BF16"]}
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """One rotary table's frequencies: ``inv_freq`` [rot_dim / 2] float32 and the cos/sin scaling."""
+
+    inv_freq: torch.Tensor
+    scaling: float
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the native pass needs of a configuration (``backend/models/native_arch.py`` fills it)."""
+
+    family: str  # transformers' model_type
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rot_dim: int  # values of a head that rotate (partial_rotary_factor)
+    inter: int
+    vocab: int
+    layers: int
+    eps: float
+    act: str  # "silu" | "gelu_tanh"
+    norm_add_one: bool  # gemma's RMSNorm multiplies by (1 + w)
+    embed_scale: float  # gemma: √hidden (as float32), else 1
+    attn_scale: float
+    attn_softcap: float  # 0: none
+    final_softcap: float  # 0: none
+    windows: tuple[int | None, ...]  # per layer: sliding window in keys, None for full attention
+    rope_of_layer: tuple[int, ...]  # per layer: index into rotaries
+    rotaries: tuple[Rotary, ...]
+
+
+def qweight(data: torch.Tensor, ggml_type: int, rows: int, cols: int) -> torch.ScriptObject:
+    """A ``torch.classes.specchat.QWeight`` holding a copy of ``data`` (uint8 blocks, as stored)."""
+    made: torch.ScriptObject = torch.classes.specchat.QWeight(
+        data.contiguous().view(torch.uint8).reshape(-1), ggml_type, rows, cols
+    )
+    return made
+
+
+def float_qweight(weight: torch.Tensor) -> torch.ScriptObject:
+    """A float32 / float16 / bfloat16 matrix as a QWeight of its own type (the weights as stored, no rounding)."""
+    if weight.dtype not in _FLOAT_TYPES:
+        raise ValueError(f"a {weight.dtype} weight (float32, float16 or bfloat16 only)")
+    return qweight(weight.detach().contiguous(), _FLOAT_TYPES[weight.dtype], weight.shape[0], weight.shape[1])
+
+
+class NativeModel:
+    """See the module docstring."""
+
+    def __init__(self, arch: Architecture) -> None:
+        self.arch = arch
+        self.obj = torch.classes.specchat.NativeModel()
+        for name, value in (
+            ("hidden", arch.hidden),
+            ("heads", arch.heads),
+            ("kv_heads", arch.kv_heads),
+            ("head_dim", arch.head_dim),
+            ("rot_dim", arch.rot_dim),
+            ("inter", arch.inter),
+            ("vocab", arch.vocab),
+            ("eps", float(arch.eps)),
+            ("embed_scale", float(arch.embed_scale)),
+            ("attn_scale", float(arch.attn_scale)),
+            ("attn_softcap", float(arch.attn_softcap)),
+            ("final_softcap", float(arch.final_softcap)),
+            ("norm_add_one", int(arch.norm_add_one)),
+            ("act", arch.act),
+        ):
+            self.obj.set(name, value)
+        for layer in range(arch.layers):
+            self.obj.add_layer()
+            window = arch.windows[layer]
+            self.obj.set_layer(layer, "window", -1 if window is None else int(window))
+            self.obj.set_layer(layer, "rope", int(arch.rope_of_layer[layer]))
+        self.cache: PagedKVCache | None = None
+
+    def set_weight(self, name: str, weight: torch.ScriptObject) -> None:
+        self.obj.set_weight(name, weight)
+
+    def set_layer_weight(self, layer: int, name: str, weight: torch.ScriptObject) -> None:
+        self.obj.set_layer_weight(layer, name, weight)
+
+    def set_final_norm(self, weight: torch.Tensor) -> None:
+        self.obj.set_tensor("final_norm", weight.float().reshape(-1))
+
+    def set_layer_vector(self, layer: int, name: str, value: torch.Tensor) -> None:
+        self.obj.set_layer_tensor(layer, name, value.float().reshape(-1))
+
+    def check(self) -> None:
+        """RuntimeError naming the first missing or misshapen weight (no cache needed)."""
+        self.obj.check()
+
+    def bind(self, cache: PagedKVCache) -> None:
+        """Attach ``cache`` (its pools) and the rotary tables for its slots; check everything (see above)."""
+        first = -1
+        for rotary in self.arch.rotaries:
+            cos, sin = cos_sin_tables(rotary.inv_freq, rotary.scaling, cache.num_slots)
+            index = int(self.obj.add_rope(cos, sin))
+            first = index if first < 0 else first
+        for layer, rope in enumerate(self.arch.rope_of_layer):  # this cache's tables (a model bound again)
+            self.obj.set_layer(layer, "rope", first + int(rope))
+        self.obj.bind_cache(cache.k, cache.v)
+        self.obj.finish()
+        self.cache = cache
+
+    def forward(
+        self,
+        seq: Sequence,
+        ids: torch.Tensor,  # [n] long
+        logits_to_keep: int,
+        parents: list[int] | None = None,
+        taps: Seq[int] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:  # ([logits_to_keep, vocab], [[n, hidden]] * len(taps))
+        n = ids.numel()
+        seq.reserve(n)
+        plan = seq.plan(n)
+        rows = None
+        if parents is not None:
+            rows = torch.tensor([-1, *(p + 1 for p in parents)], dtype=torch.long)
+        run = plan.read_start is not None
+        logits, tapped = self.obj.forward(
+            ids,
+            plan.start,
+            plan.read_start if run else -1,
+            None if run else plan.read_slots,
+            rows,
+            logits_to_keep,
+            list(taps),
+        )
+        return logits, list(tapped)
+
+    def profile(self) -> dict[str, float]:
+        """Seconds spent in kernels, attention and elementwise steps since :meth:`reset_profile` (while
+        ``profiling`` is on), with the passes and rows counted."""
+        return dict(self.obj.profile())
+
+    def set_profiling(self, on: bool) -> None:
+        self.obj.set("profile", int(on))
+
+    def reset_profile(self) -> None:
+        self.obj.reset_profile()

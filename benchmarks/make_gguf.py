@@ -1,0 +1,156 @@
+"""Write ~1.07B-parameter llama-architecture GGUF files with random weights and the embedded model's tokenizer,
+for measuring specchat against llama.cpp on the same file (a script, not a test; the files are large: put them
+under /tmp, never in the repository).
+
+Shape (TinyLlama-1.1B's, with SmolLM2's 49,152-token vocabulary and tied embeddings): hidden 2048, intermediate
+5632, 22 layers, 32 heads over 4 KV heads, rope theta 10,000. Weights are random 4-bit (or 6-bit) codes with a
+small fixed scale (and, for Q4_K, a matching minimum so each block is centred), so activations stay finite
+through every layer; norms are 1. Types:
+
+- ``q4_0``: every matrix Q4_0 (the embedding too);
+- ``q4_k_m``: the Q4_K_M mix: Q4_K, with Q6_K for the output (the tied embedding) and half of the ffn_down
+  tensors (every other layer).
+
+    python benchmarks/make_gguf.py --type q4_0 --out /tmp/bench-1b-q4_0.gguf
+    python benchmarks/make_gguf.py --type q4_k_m --out /tmp/bench-1b-q4_k_m.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 2048, 5632, 22, 32, 4, 49152
+HEAD_DIM = HIDDEN // HEADS
+# Block scales that give each weight a standard deviation of ~0.018 (activations of ~unit size after each norm).
+Q4_0_SCALE = 0.004
+Q4_K_SCALE = 1.2e-4  # × sub-block scale 32 × (q - 7.5)
+Q6_K_SCALE = 6e-5  # × sub-block scale 16 × (q - 32)
+
+
+def q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    blocks = np.empty((rows, cols // 32, 18), dtype=np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(Q4_0_SCALE).tobytes(), dtype=np.uint8)
+    blocks[..., 2:] = rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def q4_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    blocks = np.empty((rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.frombuffer(np.float16(Q4_K_SCALE).tobytes(), dtype=np.uint8)
+    blocks[..., 2:4] = np.frombuffer(np.float16(Q4_K_SCALE * 7.5).tobytes(), dtype=np.uint8)
+    # Every sub-block's 6-bit scale and minimum 32 (ggml's packing: bytes 0-7 hold the low six bits and the top
+    # two of the upper sub-blocks', bytes 8-11 the upper sub-blocks' low four bits).
+    blocks[..., 4:12] = 0xA0
+    blocks[..., 12:16] = 0x00
+    blocks[..., 16:] = rng.integers(0, 256, (rows, cols // 256, 128), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def q6_k(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    blocks = np.empty((rows, cols // 256, 210), dtype=np.uint8)
+    blocks[..., :192] = rng.integers(0, 256, (rows, cols // 256, 192), dtype=np.uint8)
+    blocks[..., 192:208] = 16  # int8 sub-block scales
+    blocks[..., 208:210] = np.frombuffer(np.float16(Q6_K_SCALE).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+MAKERS = {"Q4_0": q4_0, "Q4_K": q4_k, "Q6_K": q6_k}
+
+
+def plan(kind: str) -> dict[str, str]:
+    """The type of each tensor (by GGUF name) in the mix ``kind``."""
+    types: dict[str, str] = {}
+    base = "Q4_0" if kind == "q4_0" else "Q4_K"
+    types["token_embd.weight"] = base if kind == "q4_0" else "Q6_K"
+    for i in range(LAYERS):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            types[f"blk.{i}.{name}.weight"] = base
+        if kind == "q4_k_m" and i % 2 == 0:
+            types[f"blk.{i}.ffn_down.weight"] = "Q6_K"
+    return types
+
+
+def shape_of(name: str) -> tuple[int, int]:
+    """(rows, columns) of a matrix, torch order."""
+    if name == "token_embd.weight":
+        return VOCAB, HIDDEN
+    short = name.split(".")[2]
+    return {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (INTER, HIDDEN),
+        "ffn_up": (INTER, HIDDEN),
+        "ffn_down": (HIDDEN, INTER),
+    }[short]
+
+
+def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
+    """Every ``tokenizer.*`` value of ``source`` (the embedded model's GGUF) into ``writer``."""
+    reader = gguf.GGUFReader(str(source))
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, field.contents(), kind, field.types[-1])
+        else:
+            writer.add_key_value(key, field.contents(), kind)
+
+
+def write(kind: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_name(f"specchat bench 1B {kind}")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(VOCAB)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if kind == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    copy_tokenizer(writer, tokenizer_gguf)
+    ones = np.ones(HIDDEN, dtype=np.float32)
+    for name, type_name in plan(kind).items():
+        rows, cols = shape_of(name)
+        writer.add_tensor(name, MAKERS[type_name](rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[type_name])
+        if name.endswith("attn_q.weight"):
+            layer = name.split(".")[1]
+            writer.add_tensor(f"blk.{layer}.attn_norm.weight", ones)
+            writer.add_tensor(f"blk.{layer}.ffn_norm.weight", ones)
+    writer.add_tensor("output_norm.weight", ones)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--type", choices=("q4_0", "q4_k_m"), required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the file to write (under /tmp: ~0.6-0.7 GB)")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a GGUF to copy the tokenizer from "
+                        "(default: the embedded model's)")  # fmt: skip
+    args = parser.parse_args(argv)
+    source = args.tokenizer
+    if source is None:
+        from specchat.backend.models.loading import packaged_gguf_path
+
+        source = packaged_gguf_path()
+    write(args.type, args.out, source)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,143 @@
+"""GGUF files into the native model (backend/models/native_loading.py, native_arch.py): tiny llama / mistral / qwen2
+files in each block type the kernels take, and a Q4_K_M-like mix, give the logits of transformers' forward over
+the file's own blocks (its projections through the same block kernels, so 8-bit activations on both sides) to
+float rounding, and the same greedy tokens; llama.cpp's permuted q/k
+rows are put back; the weights are the file's blocks (no float copy); a file missing a tensor is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf_files import through_kernels, write_tiny_gguf
+from native_fixtures import native_ready  # noqa: F401  (a fixture)
+from tiny_models import build_tiny, random_ids
+
+from specchat.backend.errors import ModelLoadError
+from specchat.backend.kv.kv_cache import PagedKVCache
+from specchat.backend.models.gguf_file import read_gguf
+from specchat.backend.models.native_loading import from_gguf
+
+# K-quants take rows of 256 weights: a wider tiny model for them.
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+CASES = {
+    "F16": ({"default": "F16"}, {}),
+    "BF16": ({"default": "BF16"}, {}),
+    "Q8_0": ({"default": "Q8_0"}, {}),
+    "Q4_0": ({"default": "Q4_0", "embed": "Q8_0"}, {}),
+    "Q4_1": ({"default": "Q4_1"}, {}),
+    "Q5_0": ({"default": "Q5_0"}, {}),
+    "Q5_1": ({"default": "Q5_1"}, {}),
+    "Q4_K": ({"default": "Q4_K"}, WIDE),
+    "Q5_K": ({"default": "Q5_K"}, WIDE),
+    "Q6_K": ({"default": "Q6_K"}, WIDE),
+    "Q4_K_M": ({"default": "Q4_K", "head": "Q6_K", "down": "Q6_K", "embed": "Q4_K"}, WIDE),
+}
+
+
+def _compare(model, loaded, prompt=40):
+    cache = PagedKVCache.for_model(model.config, max_tokens=128, block_size=16, dtype=torch.float32, device="cpu")
+    loaded.native.bind(cache)
+    ids = random_ids(prompt, seed=3)
+    logits, _ = loaded.native.forward(cache.new_sequence(), torch.tensor(ids), prompt)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+    return logits, expected
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_block_type_gives_transformers_logits(case, native_ready, tmp_path):  # noqa: F811
+    types, shape = CASES[case]
+    model = build_tiny("llama", **shape)
+    path = tmp_path / f"tiny-{case}.gguf"
+    stored = write_tiny_gguf(model, path, types)  # model now holds the file's de-quantised weights
+    loaded = from_gguf(read_gguf(path), model.config)
+    through_kernels(model, stored)
+    logits, expected = _compare(model, loaded)
+    # Float types: summation order only. Quantised types: a rounding difference upstream can flip an activation's
+    # 8-bit code (a 1/127 step of its block), so rows after the first agree to a few percent, not to rounding.
+    tolerance = 1e-3 if case in ("F16", "BF16") else 0.2
+    assert float((logits[0] - expected[0]).abs().max()) < 1e-4 * float(expected.std())  # the first row: none
+    error = float((logits - expected).abs().max())
+    assert error < tolerance * float(expected.std())
+    top2 = expected.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * error  # greedy identical wherever the error cannot swap the top two
+    assert clear.sum() >= len(clear) // 2
+    assert torch.equal(logits.argmax(-1)[clear], expected.argmax(-1)[clear])
+    stored = {name for name in (types[k] for k in types)}
+    assert loaded.description.endswith("as stored") and stored <= set(loaded.description.split(" as")[0].split(", "))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_other_llama_family_files(family, native_ready, tmp_path):  # noqa: F811
+    model = build_tiny(family)
+    path = tmp_path / f"{family}.gguf"
+    stored = write_tiny_gguf(model, path, {"default": "Q8_0"})
+    loaded = from_gguf(read_gguf(path), model.config)
+    through_kernels(model, stored)
+    logits, expected = _compare(model, loaded)
+    assert float((logits - expected).abs().max()) < 0.1 * float(expected.std())
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_the_weights_are_the_files_blocks(native_ready, tmp_path):  # noqa: F811
+    model = build_tiny("llama", **WIDE)
+    path = tmp_path / "q4.gguf"
+    write_tiny_gguf(model, path, {"default": "Q4_0"})
+    loaded = from_gguf(read_gguf(path), model.config)
+    matrices = sum(t.raw.nbytes for t in read_gguf(path).tensors.values() if len(t.shape) == 2)
+    assert loaded.weight_bytes == matrices  # 4.5 bits a weight, as the file: no float copy, no re-quantisation
+
+
+def test_a_missing_tensor_is_named(native_ready, tmp_path):  # noqa: F811
+    model = build_tiny("llama")
+    path = tmp_path / "full.gguf"
+    write_tiny_gguf(model, path, {"default": "Q8_0"})
+    source = read_gguf(path)
+    del source.tensors["blk.1.attn_v.weight"]
+    with pytest.raises(ModelLoadError, match=r"full.gguf: no blk.1.attn_v.weight tensor; it does not hold a complete"):
+        from_gguf(source, model.config)
+
+
+@pytest.mark.parametrize("case", ["Q4_0", "Q4_K_M", "Q8_0"])
+def test_a_tokens_logits_alone_equal_those_among_16_rows(case, native_ready, tmp_path):  # noqa: F811
+    """Row independence through the real block kernels (8-bit activations per row): each of 16 tokens verified
+    in one pass gets bit for bit the logits a one-token pass gives it, so every drafter and γ keep the reply."""
+    types, shape = CASES[case]
+    model = build_tiny("llama", **shape)
+    path = tmp_path / f"rows-{case}.gguf"
+    write_tiny_gguf(model, path, types)
+    loaded = from_gguf(read_gguf(path), model.config)
+    cache = PagedKVCache.for_model(model.config, max_tokens=128, block_size=16, dtype=torch.bfloat16, device="cpu")
+    loaded.native.bind(cache)
+    ids = random_ids(36, seed=5)
+    seq = cache.new_sequence()
+    loaded.native.forward(seq, torch.tensor(ids[:20]), 1)
+    seq.commit(20)
+    alone = []
+    for token in ids[20:]:
+        alone.append(loaded.native.forward(seq, torch.tensor([token]), 1)[0])
+        seq.commit(1)
+    seq.truncate(20)
+    together, _ = loaded.native.forward(seq, torch.tensor(ids[20:]), 16)
+    assert torch.equal(together, torch.cat(alone))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
+def test_every_gguf_architecture_runs_natively_from_the_files_config(family, native_ready, tmp_path):  # noqa: F811
+    """Each GGUF architecture of the models' tables (gguf_arch.ARCHS) loads into the native model with the
+    configuration the file states (gguf_tensors.config_of: llama 3 rope from rope_freqs, gemma's windows and
+    soft-caps, phi3's fused qkv / gate_up, gemma's 1 + w norms as stored), and gives the logits of transformers'
+    forward over the file's weights (F16: the only difference is summation order)."""
+    from gguf_fixtures import gguf_pair, reference_model
+    from transformers import AutoConfig
+
+    from specchat.backend.models.gguf_tensors import config_of
+
+    _, path = gguf_pair(family, "F16", tmp_path)
+    parsed = read_gguf(path)
+    config = AutoConfig.for_model(**config_of(parsed))
+    loaded = from_gguf(parsed, config)
+    reference = reference_model(path)
+    logits, expected = _compare(reference, loaded, prompt=24)
+    assert float((logits - expected).abs().max()) < 1e-3 * float(expected.std())
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
