@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 
@@ -51,7 +52,8 @@ def forward_paged(
     graphs: cuda_graphs.GraphRunner | None = None,
     fast: compact.CompactForward | None = None,
     parents: list[int] | None = None,
-) -> torch.Tensor:  # [logits_to_keep, vocab] float
+    taps: tuple[int, ...] | None = None,
+) -> Any:  # [logits_to_keep, vocab] float; with taps: (that, [n, len(taps) * hidden] float32)
     """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The static
     forward of ``graphs`` when given and it takes the step, else the compact forward ``fast`` when given,
     else the model's own.
@@ -60,8 +62,14 @@ def forward_paged(
     i's parent among the drafts, -1 for the pending token): each draft attends to the committed prefix and its
     own ancestors at position ``start + depth``; its K/V are written at slot ``start + 1 + i`` (move the accepted
     path into place with ``PagedKVCache.move`` before committing it). Graph runners decline trees; the compact
-    forward and the model's own take them."""
-    if graphs is not None and parents is None and isinstance(logits_to_keep, int):
+    forward and the model's own take them.
+
+    ``taps`` (hidden-state taps, see :func:`check_taps`): also return the residual stream at those points for
+    every row of the pass, ``[n, len(taps) * hidden]`` float32, side by side in the order given; the logits are
+    the same as without taps. Graph runners and the native layers decline taps (the Python loop runs)."""
+    if taps is not None:
+        check_taps(taps, model.config)
+    if graphs is not None and parents is None and taps is None and isinstance(logits_to_keep, int):
         n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if 1 <= logits_to_keep <= n:
             logits = graphs.try_forward(seq, input_ids, logits_to_keep)
@@ -97,12 +105,35 @@ def forward_paged(
         ctx = attention.PagedContext(seq.cache, plan, tree=(depths, visible))
         positions = plan.start + depths
     if fast is not None:
-        return fast(ids, positions, ctx, logits_to_keep)
+        return (
+            fast(ids, positions, ctx, logits_to_keep)
+            if taps is None
+            else fast.tapped(ids, positions, ctx, logits_to_keep, taps)
+        )
+    extra = {} if taps is None else {"output_hidden_states": True}
     with torch.inference_mode():
         out = model(
-            input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=ctx, logits_to_keep=logits_to_keep
+            input_ids=ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            paged=ctx,
+            logits_to_keep=logits_to_keep,
+            **extra,
         )
-    return out.logits[0].float()
+    if taps is None:
+        return out.logits[0].float()
+    return out.logits[0].float(), torch.cat([out.hidden_states[t][0].float() for t in taps], dim=1)
+
+
+def check_taps(taps: tuple[int, ...], config) -> None:
+    """Refuse tap indices the model does not have. A tap index is transformers' ``output_hidden_states`` index:
+    ``i`` in ``0 .. L-1`` is the residual stream entering decoder layer ``i`` (0: the embeddings), ``L`` (the
+    number of layers) the final normed hidden state, what the LM head reads. EAGLE-3 reads three of them
+    (low, middle, high), EAGLE and Medusa the last."""
+    layers = int(config.num_hidden_layers)
+    bad = [t for t in taps if not (isinstance(t, int) and 0 <= t <= layers)]
+    if bad or not taps:
+        raise KVCacheUsageError(f"forward_paged: taps {list(taps)} must be 1+ indices in 0..{layers} (the layers)")
 
 
 class ModelRunner:
@@ -123,6 +154,7 @@ class ModelRunner:
         self.compact: compact.CompactForward | None = None
         self.packed_layers = 0
         self.native: native.Attachment | None = None
+        self.taps_required = False  # require_taps(): the native layers are not adopted
         wants_graphs = cuda_graphs.graphs_wanted(loaded.device)
         # The graph runner keeps one block of its own for the K/V of padded tokens.
         self.cache = PagedKVCache.for_model(
@@ -171,9 +203,10 @@ class ModelRunner:
         *,
         logits_to_keep: int = 1,
         parents: list[int] | None = None,
-    ) -> torch.Tensor:  # [logits_to_keep, vocab] float
+        taps: tuple[int, ...] | None = None,
+    ) -> Any:  # [logits_to_keep, vocab] float; with taps: (that, [n, len(taps) * hidden] float32)
         """One forward over ``input_ids`` after ``seq``'s committed tokens (reserves, writes, never commits);
-        ``parents``: a tree of drafts (see :func:`forward_paged`)."""
+        ``parents``: a tree of drafts, ``taps``: hidden states to return too (see :func:`forward_paged`)."""
         return forward_paged(
             self.model,
             seq,
@@ -182,12 +215,21 @@ class ModelRunner:
             graphs=self.graphs,
             fast=self.compact,
             parents=parents,
+            taps=taps,
         )
+
+    def require_taps(self) -> None:
+        """Every pass of this runner may ask for taps from now on (a draft head reads them): the native layers,
+        which return none in this branch and round otherwise than the Python loop, are not adopted, so a reply
+        never mixes two paths' rounding (a seed replays the same reply whatever the drafter). CUDA graphs stay
+        for passes without taps: their result is the eager forward's."""
+        self.taps_required = True
 
     def adopt_native(self) -> bool:
         """Between requests: switch to the native decoder layers if they became ready since the last call; True
-        when this call switched (K/V cached before then came from the Python loop: the caller drops them)."""
-        return self.native is not None and self.native.adopt()
+        when this call switched (K/V cached before then came from the Python loop: the caller drops them). Not
+        while taps are required (:meth:`require_taps`)."""
+        return self.native is not None and not self.taps_required and self.native.adopt()
 
     def close(self) -> None:
         """Release the CUDA graphs (their memory pool) and their block, and the native layers' hold on the
