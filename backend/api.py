@@ -36,7 +36,7 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scra
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
 DEFAULT_MAX_NEW_TOKENS = 512  # when neither the request nor the pair says
 
-DRAFTERS = ("none", "prompt-lookup", "suffix", "draft-model", "auto")  # what a request may ask for
+DRAFTERS = ("none", "prompt-lookup", "suffix", "draft-model", "eagle3", "medusa", "auto")  # what a request may ask for
 
 
 class TokenSource(enum.IntEnum):
@@ -57,7 +57,7 @@ class PolicyState(str, enum.Enum):
 
 
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled", "error"]
-DrafterName = Literal["none", "prompt-lookup", "suffix", "draft-model", "auto"]
+DrafterName = Literal["none", "prompt-lookup", "suffix", "draft-model", "eagle3", "medusa", "auto"]
 Gamma = int | Literal["auto"]
 
 
@@ -147,9 +147,7 @@ class GenerationRequest:
 
     def __post_init__(self) -> None:
         if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise RequestError(
-                f"unknown drafter {self.drafter!r}; use none, prompt-lookup, suffix, draft-model or auto"
-            )
+            raise RequestError(f"unknown drafter {self.drafter!r}; use one of " + ", ".join(DRAFTERS))
         if self.gamma is not None:
             check_gamma(self.gamma)
         if not isinstance(self.sampling, SamplingParams):

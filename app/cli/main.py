@@ -23,6 +23,7 @@ commands:
   bench       measure every decoding mode against transformers in one run
   models      list the model pairs of models.yaml with memory estimates (remote pairs: reachable?)
   serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
+  train-head  train an EAGLE-3 draft head for a pair's target from its own replies
 
 Run `specchat COMMAND --help` for a command's options.
 """
@@ -128,14 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_global_options(gen, suppress_defaults=True)
     gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
-    drafters = ["none", "prompt-lookup", "suffix", "draft-model", "auto"]
+    drafters = ["none", "prompt-lookup", "suffix", "draft-model", "eagle3", "medusa", "auto"]
     gen.add_argument(
         "--drafter",
         type=_one_of(drafters),
         choices=drafters,
         default=None,
         help="override the pair's drafter (suffix: trees of continuations seen in the conversation "
-        "and in earlier replies; auto: pick drafter and gamma for you)",
+        "and in earlier replies; eagle3, medusa: the pair's draft head; auto: pick drafter and gamma for you)",
     )
     gen.add_argument(
         "--no-history",
@@ -285,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})",
     )
+    from specchat.app.cli import train_head
+
+    train_head.add_parser(sub, _positive_int, _number, _pair_name)
     return parser
 
 
@@ -325,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import models as command
         elif args.command == "serve":
             from specchat.app.cli import serve as command
+        elif args.command == "train-head":
+            from specchat.app.cli import train_head as command
         else:
             from specchat.app.cli import chat as command
         return command.run(args)

@@ -40,7 +40,7 @@ from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
 from specchat.backend.speculative.stats import StepCounts
 
-SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "suffix", "draft-model", "auto")
+SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "suffix", "draft-model", "eagle3", "medusa", "auto")
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
 LLAMACPP_MODES = ("llamacpp-plain", "llamacpp-prompt-lookup")
 WARMUP_TOKENS = 32
@@ -83,9 +83,10 @@ def parse_modes(
         base, _, gamma_text = name.partition(":")
         gamma: int | str | None = None
         if gamma_text:
-            if base not in ("prompt-lookup", "suffix", "draft-model", "auto"):
+            if base not in ("prompt-lookup", "suffix", "draft-model", "eagle3", "medusa", "auto"):
                 raise RequestError(
-                    f"mode {shown(name)}: only prompt-lookup, suffix, draft-model and auto take a :GAMMA suffix"
+                    f"mode {shown(name)}: only prompt-lookup, suffix, draft-model, eagle3, medusa and auto take a "
+                    ":GAMMA suffix"
                 )
             if gamma_text != "auto" and not (
                 gamma_text.isascii()

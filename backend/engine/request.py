@@ -25,6 +25,7 @@ import torch
 
 from specchat.backend.api import PREFILL_CHUNK, FinishReason, Gamma, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
+from specchat.backend.engine.features import FeatureFeed
 from specchat.backend.engine.resolve import Sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
@@ -125,6 +126,7 @@ class RequestState:
         self.drafter_used = (
             self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates else "auto")
         )
+        self.feed = FeatureFeed.of(spec.drafters, self.candidates)  # draft heads: the taps every pass returns
 
     # -- logits -> tokens -------------------------------------------------------------------------------
 
@@ -142,7 +144,12 @@ class RequestState:
         are penalised by :meth:`_tree_decider`, along the followed path only."""
         runner = self.target.runner
         try:
-            logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents)
+            if self.feed is None:
+                logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents)
+            else:
+                logits, self.feed.hidden = runner.forward(
+                    self.conv.seq, ids, logits_to_keep=keep, parents=parents, taps=self.feed.taps
+                )
         except BaseException as error:
             # Nothing of this pass was committed: give back the blocks it reserved, keep the history intact.
             self.conv.seq.truncate(self.conv.seq.length)
@@ -193,18 +200,16 @@ class RequestState:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
-    def _choose(self) -> tuple[str | None, int]:
-        """The drafter and γ for the next step (None, 0: a plain step)."""
-        best, best_gamma, best_speedup = None, 0, -1.0
-        for name in self.candidates:
+    def _ranked(self) -> list[tuple[str, int]]:
+        """The drafters whose policy speculates this step, with their γ, best expected speed-up first (ties:
+        the candidates' order); empty for a plain step."""
+        ranked = []
+        for order, name in enumerate(self.candidates):
             policy = self.policies[name]
             gamma = policy.choose()
-            if gamma <= 0:
-                continue
-            speedup = policy.expected_speedup(gamma) or 0.0
-            if speedup > best_speedup:
-                best, best_gamma, best_speedup = name, gamma, speedup
-        return best, best_gamma
+            if gamma > 0:
+                ranked.append((-(policy.expected_speedup(gamma) or 0.0), order, name, gamma))
+        return [(name, gamma) for _, _, name, gamma in sorted(ranked)]
 
     def _idle_state(self) -> PolicyState:
         """The state of a pass that verified no draft: OFF without drafters, PAUSED when every candidate's
@@ -300,6 +305,8 @@ class RequestState:
             chunk = todo[start : start + PREFILL_CHUNK]
             logits = self._target_logits(chunk, keep=1)  # only the last chunk's row is used
             conv.seq.commit(len(chunk))
+            if self.feed is not None:
+                self.feed.give(len(conv.cached), chunk)
             conv.cached.extend(chunk)
         prefill_s = time.perf_counter() - t0
         if logits is None:  # the engine always leaves at least the prompt's last token to prefill
@@ -340,18 +347,25 @@ class RequestState:
         yield self._final(event, reason, None)
 
     def _propose(self, cap: int) -> tuple[str | None, int, Draft | None, str | None]:
-        """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step)."""
-        name, gamma = self._choose() if cap > 0 else (None, 0)
-        if name is None or gamma <= 0:
+        """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step). Candidates are
+        asked best expected speed-up first; one that finds nothing (no match, no features) passes the step to
+        the next, so ``auto`` drafts chat with a head while prompt lookup has nothing to copy."""
+        ranked = self._ranked() if cap > 0 else []
+        if not ranked:
             return None, 0, None, None
-        gamma = min(gamma, cap)
-        try:
-            draft = self.spec.drafters[name].propose(self.context, gamma)
-        except Exception as error:  # a failing drafter must not end the reply: continue without it
-            return None, 0, None, self._drop_drafter(name, error)
-        if draft.prefilled or draft.reused:
-            self.stats.observe_draft_context(name, prefilled=draft.prefilled, reused=draft.reused)
-        return name, gamma, draft, None
+        first: tuple[str, int, Draft] | None = None
+        for name, gamma in ranked:
+            gamma = min(gamma, cap)
+            try:
+                draft = self.spec.drafters[name].propose(self.context, gamma)
+            except Exception as error:  # a failing drafter must not end the reply: continue without it
+                return None, 0, None, self._drop_drafter(name, error)
+            if draft.prefilled or draft.reused:
+                self.stats.observe_draft_context(name, prefilled=draft.prefilled, reused=draft.reused)
+            if draft.token_ids:
+                return name, gamma, draft, None
+            first = first or (name, gamma, draft)
+        return (*first, None) if first is not None else (None, 0, None, None)
 
     def _step(self, pending: int) -> tuple[int, StepEvent]:
         conv = self.conv
@@ -383,6 +397,11 @@ class RequestState:
             start = conv.seq.length + 1  # the pending token is at conv.seq.length; node i was written at start + i
             conv.seq.cache.move(conv.seq, [start + i for i in result.path], list(range(start, start + result.accepted)))
         conv.seq.commit(1 + result.accepted)
+        if self.feed is not None:  # the pending token's row, then the accepted drafts' rows (a tree's path)
+            rows = [0] + (
+                [1 + node for node in result.path] if parents is not None else list(range(1, 1 + result.accepted))
+            )
+            self.feed.give(len(conv.cached), [pending] + result.tokens[: result.accepted], rows)
         conv.cached.extend([pending] + result.tokens[: result.accepted])
         tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
         self.produced += len(tokens)

@@ -218,18 +218,25 @@ class ModelRunner:
             taps=taps,
         )
 
-    def require_taps(self) -> None:
+    def require_taps(self) -> bool:
         """Every pass of this runner may ask for taps from now on (a draft head reads them): the native layers,
-        which return none in this branch and round otherwise than the Python loop, are not adopted, so a reply
-        never mixes two paths' rounding (a seed replays the same reply whatever the drafter). CUDA graphs stay
-        for passes without taps: their result is the eager forward's."""
+        which return none in this branch and round otherwise than the Python loop, are not adopted (and dropped
+        if they were: True, the caller drops K/V they computed), so a reply never mixes two paths' rounding (a
+        seed replays the same reply whatever the drafter). CUDA graphs stay for passes without taps: their
+        result is the eager forward's."""
         self.taps_required = True
+        if self.native is None:
+            return False
+        adopted = self.compact is not None and self.compact.native is not None
+        self.native.close()  # releases the adopted layers too
+        self.native = None
+        return adopted
 
     def adopt_native(self) -> bool:
         """Between requests: switch to the native decoder layers if they became ready since the last call; True
         when this call switched (K/V cached before then came from the Python loop: the caller drops them). Not
         while taps are required (:meth:`require_taps`)."""
-        return self.native is not None and not self.taps_required and self.native.adopt()
+        return self.native is not None and self.native.adopt()
 
     def close(self) -> None:
         """Release the CUDA graphs (their memory pool) and their block, and the native layers' hold on the

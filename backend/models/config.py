@@ -27,13 +27,14 @@ from typing import Any
 
 from specchat.backend.api import DEFAULT_PAIR, MAX_CONTEXT, MAX_GAMMA, MIN_CONTEXT, SAMPLING_LIMITS
 from specchat.backend.errors import ConfigError
+from specchat.backend.models.config_head import HEAD_DRAFTERS, HeadSpec, parse_head
 from specchat.backend.models.config_yaml import _Map, read_yaml, shown
 from specchat.backend.paths import config_dir, expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")  # PyTorch's own int4/int8 kernels (backend/models/quantized.py)
 QUANTIZATIONS = ("none", "nf4", "int8", *TORCH_QUANTIZATIONS)
-DRAFTERS = ("prompt-lookup", "suffix", "draft-model", "none")
+DRAFTERS = ("prompt-lookup", "suffix", "draft-model", *HEAD_DRAFTERS, "auto", "none")
 REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
 # what they contain). openai: the plain OpenAI API; specchat: `specchat serve`.
@@ -104,6 +105,7 @@ class PairConfig:
     context_length: int  # 0 for a remote pair (the server's)
     sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, repetition_penalty, max_new_tokens
     source_file: str = ""  # the file this pair came from (for error messages)
+    head: HeadSpec | None = None  # the draft head (drafter eagle3 / medusa, or auto with a head)
 
     @property
     def remote(self) -> RemoteSpec | None:
@@ -271,7 +273,7 @@ _SAMPLING = {  # key -> (types, check, message): the engine's own limits (backen
     key: ((int,) if key in ("top_k", "max_new_tokens") else (int, float), *SAMPLING_LIMITS[key])
     for key in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
 }
-_PAIR_FIELDS = {"name", "description", "target", "drafter", "draft", "gamma", "context_length", "sampling"}
+_PAIR_FIELDS = {"name", "description", "target", "drafter", "draft", "gamma", "context_length", "sampling", "head"}
 _REMOTE_PAIR_FIELDS = {"name", "description", "target", "sampling"}
 _REMOTE_FIELDS = {"server", "model", "kind", "api_key_env"}
 
@@ -354,6 +356,7 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
             "remove the draft: block or set drafter: draft-model",
         )
     draft = _parse_spec(file, name, "draft", draft_node, node) if draft_node is not None else None
+    head = _parse_pair_head(file, where, node, drafter)
     gamma = _take(where, "gamma", (int, str), f"an integer 1..{MAX_GAMMA} or auto", "auto")
     if isinstance(gamma, str) and gamma != "auto" or isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
         raise where.error(
@@ -372,7 +375,21 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
         context_length=context_length,
         sampling=_parse_sampling(file, name, where, node),
         source_file=str(file),
+        head=head,
     )
+
+
+def _parse_pair_head(file: Path, where: _Where, node: Any, drafter: str) -> HeadSpec | None:
+    """The pair's ``head:`` (``config_head.py``): required for drafter eagle3 / medusa, allowed with auto."""
+    if "head" not in node:
+        if drafter in HEAD_DRAFTERS:
+            raise where.error("head", _MISSING, f"drafter is {drafter} but no head is given", "add head: SOURCE")
+        return None
+    if drafter not in (*HEAD_DRAFTERS, "auto"):
+        raise where.error(
+            "head", node["head"], f"a head is given but drafter is {drafter}", "use drafter: eagle3, medusa or auto"
+        )
+    return parse_head(node["head"], file.parent, where.error, resolve_source, _REVISION.fullmatch)
 
 
 def _parse_sampling(file: Path, name: str, where: _Where, node: Any) -> dict:
