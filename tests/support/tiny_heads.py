@@ -90,20 +90,21 @@ def medusa_folder(
 
 
 TAPS = (0, 1, 1)  # the tiny targets' two layers: embeddings, after layer 0 (twice: EAGLE-3 reads three)
-_TRAINED: dict[tuple[str, int], Eagle3Head] = {}
+_TRAINED: dict[tuple, Eagle3Head] = {}
 
 
-def trained_eagle3(family: str = "llama", *, steps: int = 120) -> Eagle3Head:
-    """An EAGLE-3 head trained (a few seconds) on the tiny ``family`` target's own sampled continuations, with
-    the whole vocabulary as its draft vocabulary: it predicts the target well enough that most trees are
-    partly accepted. Cached per process; tests must not change it."""
-    key = (family, steps)
+def trained_eagle3(family: str = "llama", *, steps: int = 120, prompt: tuple[int, ...] | None = None) -> Eagle3Head:
+    """An EAGLE-3 head trained (a few seconds) on the tiny ``family`` target's own sampled continuations of random
+    prompts (or all of ``prompt``: a head that knows what the target says after it), with the whole vocabulary as
+    its draft vocabulary: it predicts the target well enough that trees are often partly accepted. Cached per
+    process; tests must not change it."""
+    key = (family, steps, prompt)
     if key not in _TRAINED:
-        _TRAINED[key] = _train(family, steps)
+        _TRAINED[key] = _train(family, steps, prompt)
     return _TRAINED[key]
 
 
-def _train(family: str, steps: int) -> Eagle3Head:
+def _train(family: str, steps: int, fixed: tuple[int, ...] | None) -> Eagle3Head:
     import tempfile
 
     from engine_fixtures import tiny_loaded, tiny_pair
@@ -118,9 +119,9 @@ def _train(family: str, steps: int) -> Eagle3Head:
     engine = Engine(loaded, None, tiny_pair(drafter="none"))
     config = loaded.model.config
     samples = []
-    for i in range(24):
-        prompt = random_ids(6, seed=100 + i)
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=40, seed=i)
+    for i in range(24 if fixed is None else 96):
+        prompt = list(fixed) if fixed is not None else random_ids(6, seed=100 + i)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=40 if fixed is None else 8, seed=i)
         reply = [
             t for e in engine.generate(GenerationRequest(prompt_ids=prompt, sampling=sampling)) for t in e.token_ids
         ]
