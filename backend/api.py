@@ -200,7 +200,9 @@ class RequestStats:
     - ``seed``: the seed the reply was sampled with (the request's, or one drawn for it): the same request
       with this seed replays the reply, whatever the drafter and γ;
     - ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` τ = 1 + accepted / speculating steps;
-    - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it;
+    - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it; for tree
+      drafts (the suffix drafter, draft heads) position i is depth i+1 along the path the target followed, so
+      this is the per-depth acceptance;
     - ``wall_s`` from the request's start to its last token, ``ttft_s`` to its first; ``tok_s`` = new_tokens /
       wall_s (prefill included); ``spec_tok_s`` / ``plain_tok_s``: tokens per second of step time over
       speculating / plain steps;
@@ -245,8 +247,9 @@ class RequestStats:
     draft_prefill_tokens: int = 0
     draft_reused_tokens: int = 0
     seed: int | None = None
-    # The latest tree draft (the suffix drafter): its nodes, depth, leaves (width), how deep the target's path
-    # went into it and through which child of the pending token (1 = the drafter's most likely); 0 without one.
+    # The latest tree draft (the suffix drafter, a draft head): its nodes, depth, leaves (width), how deep the
+    # target's path went into it and through which child of the pending token (1 = the drafter's most likely); 0
+    # without one.
     tree_nodes: int = 0
     tree_depth: int = 0
     tree_width: int = 0

@@ -83,6 +83,8 @@ def _native_layers(engine) -> str:
     """Wait for each model's native decoder layers (backend/kernels/native.py; built on a machine's first run,
     ~20 s), so every mode is measured on the same path; say which path each model runs."""
     notes = []
+    if getattr(getattr(engine, "runner", None), "taps_required", False):  # a draft head reads the target's taps
+        notes.append("target through the Python loop (the draft head's taps; the native layers return none yet)")
     for role, model_runner in (("target", engine.runner), ("draft", getattr(engine, "draft_runner", None))):
         attachment = getattr(model_runner, "native", None)
         if attachment is not None:

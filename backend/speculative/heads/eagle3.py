@@ -164,6 +164,9 @@ class Eagle3Head(nn.Module):
         self.midlayer = _MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.d2t: torch.Tensor
+        self.t2d: torch.Tensor
+        self.inv_freq: torch.Tensor
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embedding else None

@@ -85,8 +85,12 @@ class MedusaHeads(nn.Module):
             for _ in range(config.num_heads)
         )
 
+    @property
+    def lm_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [hidden] -> [num_heads, vocab] float32
-        x = hidden.to(self.medusa_head[0][-1].weight.dtype)
+        x = hidden.to(self.lm_dtype)
         return torch.stack([head(x) for head in self.medusa_head]).float()
 
 

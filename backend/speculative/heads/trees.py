@@ -127,14 +127,16 @@ def grow(
     return tree
 
 
-def static_paths(heads: int, size: int, *, top_k: int = 10, decay: float = 0.6, rank_decay: float = 0.5) -> list:
+def static_paths(
+    heads: int, size: int, *, top_k: int = 10, decay: float = 0.6, rank_decay: float = 0.5
+) -> list[tuple[int, ...]]:
     """A static tree of ``size`` paths over ``heads`` heads when the config ships none: the most likely paths
     under a simple model of a head's accuracy (head d's rank-r token right with probability
     decay^(d+1) · rank_decay^r; a path's probability is the product), best first (parents always before
     their children, as a product only shrinks)."""
     out: list[tuple[int, ...]] = []
     heap: list[tuple[float, tuple[int, ...]]] = [(-decay, (0,))]
-    seen = {(0,)}
+    seen: set[tuple[int, ...]] = {(0,)}
     while heap and len(out) < size:
         _, path = heapq.heappop(heap)
         out.append(path)
