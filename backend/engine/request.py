@@ -201,15 +201,18 @@ class RequestState:
     # -- the loop ---------------------------------------------------------------------------------------
 
     def _ranked(self) -> list[tuple[str, int]]:
-        """The drafters whose policy speculates this step, with their γ, best expected speed-up first (ties:
-        the candidates' order); empty for a plain step."""
+        """The drafters whose policy speculates this step, with their γ: drafters of ids first (a match of prompt
+        lookup or the suffix drafter costs microseconds and, where there is one, is usually long and right: code
+        edits), then draft heads; each group best expected speed-up first (ties: the candidates' order). Empty
+        for a plain step."""
         ranked = []
         for order, name in enumerate(self.candidates):
             policy = self.policies[name]
             gamma = policy.choose()
             if gamma > 0:
-                ranked.append((-(policy.expected_speedup(gamma) or 0.0), order, name, gamma))
-        return [(name, gamma) for _, _, name, gamma in sorted(ranked)]
+                head = bool(self.spec.drafters[name].taps)
+                ranked.append((head, -(policy.expected_speedup(gamma) or 0.0), order, name, gamma))
+        return [(name, gamma) for *_, name, gamma in sorted(ranked)]
 
     def _idle_state(self) -> PolicyState:
         """The state of a pass that verified no draft: OFF without drafters, PAUSED when every candidate's
@@ -348,8 +351,8 @@ class RequestState:
 
     def _propose(self, cap: int) -> tuple[str | None, int, Draft | None, str | None]:
         """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step). Candidates are
-        asked best expected speed-up first; one that finds nothing (no match, no features) passes the step to
-        the next, so ``auto`` drafts chat with a head while prompt lookup has nothing to copy."""
+        asked in :meth:`_ranked`'s order; one that finds nothing (no match, no features) passes the step to the
+        next, so ``auto`` drafts chat with a head while prompt lookup has nothing to copy."""
         ranked = self._ranked() if cap > 0 else []
         if not ranked:
             return None, 0, None, None

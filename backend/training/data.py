@@ -143,28 +143,36 @@ def extract_features(
     for n, (pid, messages) in enumerate(todo, 1):
         prompt = render(engine.tokenizer, messages)
         ids = prompt + replies[pid]
+        first = max(0, len(ids) - max_len)  # the window kept
+        labelled = first if prompt_weight > 0 else max(first, len(prompt) - 1)  # rows whose next token is learnt
+        label_ids = torch.zeros(len(ids), top_k, dtype=torch.int32)  # rows without labels carry no loss
+        label_probs = torch.zeros(len(ids), top_k, dtype=torch.float16)
         seq = runner.cache.new_sequence()
-        hidden, labels = [], []
+        hidden = []
         try:
             for start in range(0, len(ids), PREFILL_CHUNK):
                 chunk = ids[start : start + PREFILL_CHUNK]
-                logits, h = runner.forward(seq, chunk, logits_to_keep=len(chunk), taps=taps)
+                end = start + len(chunk)
+                keep = max(1, min(len(chunk), end - labelled))  # the head's logits of the rows needing labels
+                logits, h = runner.forward(seq, chunk, logits_to_keep=keep, taps=taps)
                 seq.commit(len(chunk))
-                probs = torch.softmax(logits[:, :vocab].float(), dim=-1)
-                values, index = torch.topk(probs, top_k, dim=-1)
                 hidden.append(h.to(torch.bfloat16).cpu())
-                labels.append((index.to(torch.int32).cpu(), values.to(torch.float16).cpu()))
+                if end > labelled:
+                    probs = torch.softmax(logits[:, :vocab].float(), dim=-1)
+                    values, index = torch.topk(probs, top_k, dim=-1)
+                    label_ids[end - keep : end] = index.to(torch.int32).cpu()
+                    label_probs[end - keep : end] = values.to(torch.float16).cpu()
         finally:
             seq.free()
-        keep = slice(max(0, len(ids) - max_len), len(ids))
+        window = slice(first, len(ids))
         weights = torch.full((len(ids),), prompt_weight)
         weights[len(prompt) :] = 1.0
         sample = {
-            "ids": torch.tensor(ids, dtype=torch.int32)[keep],
-            "taps": torch.cat(hidden)[keep],
-            "label_ids": torch.cat([a for a, _ in labels])[keep],
-            "label_probs": torch.cat([b for _, b in labels])[keep],
-            "weights": weights[keep].to(torch.float16),
+            "ids": torch.tensor(ids, dtype=torch.int32)[window],
+            "taps": torch.cat(hidden)[window],
+            "label_ids": label_ids[window],
+            "label_probs": label_probs[window],
+            "weights": weights[window].to(torch.float16),
         }
         batch.append((pid, sample))
         if len(batch) == SHARD_SAMPLES or n == len(todo):

@@ -131,3 +131,16 @@ def test_a_pair_without_a_head_refuses_the_head_drafters():
     engine = Engine(tiny_loaded("llama"), None, tiny_pair(drafter="none"))
     with pytest.raises(RequestError, match="no eagle3 head"):
         run(engine, drafter="eagle3")
+
+
+def test_auto_prefers_a_prompt_lookup_match_to_the_head():
+    """After the head has drafted (its speed-up measured), a prompt whose continuation copies it (as an edit
+    copies code) is drafted by prompt lookup where it matches: ids-only drafters are asked first."""
+    engine = eagle3_engine()
+    run(engine, drafter="auto", prompt=random_ids(30, seed=5))
+    loop = random_ids(10, seed=8)
+    reference = plain("transformers", prompt=loop * 4)
+    ids, events = run(engine, drafter="auto", prompt=loop * 4)
+    assert ids == reference
+    used = [e.drafter for e in events if e.gamma]
+    assert "prompt-lookup" in used or "suffix" in used, used
