@@ -151,6 +151,8 @@ def extract_features(
         hidden = []
         try:
             for start in range(0, len(ids), PREFILL_CHUNK):
+                if engine.threads is not None:  # fewer threads while other programs are busy (engine/threads.py)
+                    engine.threads.step()
                 chunk = ids[start : start + PREFILL_CHUNK]
                 end = start + len(chunk)
                 keep = max(1, min(len(chunk), end - labelled))  # the head's logits of the rows needing labels

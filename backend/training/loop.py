@@ -92,11 +92,13 @@ def train(
     log_every: int = 10,
     save_every: int = 100,
     stop: Callable[[int], bool] | None = None,
+    between: Callable[[], object] | None = None,
     progress: Progress,
 ) -> int:
     """Train ``head`` in place up to ``steps`` optimizer steps (module docstring); returns the last step, which is
     below ``steps`` when ``stop(step)`` said to stop early (checkpointed: a resumed run goes on from there with
-    the same schedule)."""
+    the same schedule). ``between`` runs before each window (the engine's thread governor: on a CPU shared with
+    other programs, fewer compute threads)."""
     if not samples:
         raise ValueError("train: no samples")
     device = head.fc.weight.device
@@ -117,6 +119,8 @@ def train(
             group["lr"] = _lr(step, steps, lr, warmup)
         optimizer.zero_grad(set_to_none=True)
         for b in range(batch):
+            if between is not None:
+                between()
             index = step * batch + b
             epoch, at = divmod(index, len(samples))
             s = samples[_order(len(samples), seed, epoch)[at]]

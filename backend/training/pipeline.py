@@ -176,6 +176,7 @@ def run(
         seed=options.seed,
         resume=options.resume,
         stop=None if deadline is None else (lambda step: time.monotonic() > deadline),
+        between=engine.threads.step if engine.threads is not None else None,
         progress=progress,
     )
     if reached < options.steps:
