@@ -25,7 +25,7 @@ import json
 import sys
 
 from specchat.app.tui.bridge import step_name
-from specchat.backend.api import RequestStats
+from specchat.backend.api import EngineAPI, RequestStats
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
 
@@ -174,7 +174,8 @@ def _history_replies() -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specchat.backend.api import DEFAULT_PAIR, GenerationRequest, SamplingParams
+    from specchat.backend.api import GenerationRequest, SamplingParams
+    from specchat.backend.limits import DEFAULT_PAIR
     from specchat.backend.models.config import get_pair, load_pairs
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
@@ -184,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
             (pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
             for pid, msgs in prompts
         ]
+    engine: EngineAPI
     if pair.remote is not None:
         from specchat.backend.remote.client import RemoteEngine
 
@@ -245,6 +247,7 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         if not as_json and event.text:
             out.write(event.text)
         last = event
+    assert last is not None  # generate() always ends with the event that carries finish_reason
     stats = last.stats or RequestStats()
     if as_json:
         record = {

@@ -57,8 +57,8 @@ def _progress(message: str, *_: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specchat.app.cli.generate import _confirm_download, read_prompts
-    from specchat.backend.api import DEFAULT_PAIR, check_sampling_value
     from specchat.backend.errors import RequestError
+    from specchat.backend.limits import DEFAULT_PAIR, check_sampling_value
     from specchat.backend.models.config import get_pair, load_pairs
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)

@@ -29,18 +29,28 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from specchat.backend.api import MAX_GAMMA, GenerationRequest, PolicyState, SamplingParams
+from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
 from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
+from specchat.backend.limits import (
+    BENCH_SEED,
+    BENCH_TEMPERATURE,
+    DRAFTERS,
+    HEAD_DRAFTERS,
+    MAX_GAMMA,
+    DrafterName,
+    Gamma,
+    is_gamma,
+)
 from specchat.backend.speculative.stats import StepCounts
 
-SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "suffix", "draft-model", "eagle3", "medusa", "auto")
+SPECCHAT_DRAFTERS = tuple("plain" if name == "none" else name for name in DRAFTERS)  # bench mode names
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
 LLAMACPP_MODES = ("llamacpp-plain", "llamacpp-prompt-lookup")
 WARMUP_TOKENS = 32
@@ -51,11 +61,12 @@ class Mode:
     name: str
     runner: str  # "specchat" | "hf" | "llamacpp"
     drafter: str  # specchat: none | prompt-lookup | suffix | draft-model | auto; hf: plain | prompt-lookup | assisted
-    gamma: int | str | None = None  # specchat only; None: the pair's γ
+    gamma: Gamma | None = None  # specchat only; None: the pair's γ
 
 
 def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
-    names = ["plain", "prompt-lookup", "suffix"] + (["draft-model"] if has_draft else []) + ["auto"]
+    # a draft head runs only where asked (--modes eagle3): a pair without one refuses it at its request
+    names = [name for name in SPECCHAT_DRAFTERS if name not in HEAD_DRAFTERS and (has_draft or name != "draft-model")]
     names += ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
     return names + (list(LLAMACPP_MODES) if llamacpp else [])
 
@@ -81,23 +92,20 @@ def parse_modes(
     modes: list[Mode] = []
     for name in names or default_modes(has_draft, llamacpp_missing is None):
         base, _, gamma_text = name.partition(":")
-        gamma: int | str | None = None
+        gamma: Gamma | None = None
         if gamma_text:
-            if base not in ("prompt-lookup", "suffix", "draft-model", "eagle3", "medusa", "auto"):
+            if base not in SPECCHAT_DRAFTERS or base == "plain":
                 raise RequestError(
                     f"mode {shown(name)}: only prompt-lookup, suffix, draft-model, eagle3, medusa and auto take a "
                     ":GAMMA suffix"
                 )
             if gamma_text != "auto" and not (
-                gamma_text.isascii()
-                and gamma_text.isdigit()
-                and len(gamma_text) < 4
-                and 1 <= int(gamma_text) <= MAX_GAMMA
+                gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4 and is_gamma(int(gamma_text))
             ):
                 raise RequestError(
                     f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got {shown(gamma_text)}"
                 )
-            gamma = gamma_text if gamma_text == "auto" else int(gamma_text)
+            gamma = "auto" if gamma_text == "auto" else int(gamma_text)
         if base in SPECCHAT_DRAFTERS:
             mode = Mode(
                 name,
@@ -208,7 +216,13 @@ class BenchRunner:
     """Runs modes over prompts with one engine (and transformers twins of its models)."""
 
     def __init__(
-        self, engine, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+        self,
+        engine,
+        modes: list[Mode],
+        *,
+        max_new_tokens: int,
+        temperature: float = BENCH_TEMPERATURE,
+        seed: int = BENCH_SEED,
     ) -> None:
         self.engine, self.modes = engine, modes
         # Each prompt is measured alone: with the reply memory on, the suffix drafter would draft a prompt's
@@ -256,12 +270,11 @@ class BenchRunner:
                 max_new_tokens=max_new,
                 seed=seed,
             ),
-            drafter=mode.drafter,
+            drafter=cast(DrafterName, mode.drafter),  # a specchat mode's: parse_modes took it from SPECCHAT_DRAFTERS
             gamma=mode.gamma,
             conversation=conversation,
         )
         tokens: list[int] = []
-        tally = StepCounts()
         ttft = None
         last = None
         start = time.perf_counter()
@@ -269,23 +282,16 @@ class BenchRunner:
             if ttft is None and event.token_ids:
                 ttft = time.perf_counter() - start
             tokens.extend(event.token_ids)
-            if event.token_ids and not event.is_prefill:
-                tally.observe(
-                    drafter=event.drafter,
-                    gamma=event.gamma,
-                    accepted=event.accepted,
-                    emitted=len(event.token_ids),
-                    draft_s=event.draft_s,
-                    verify_s=event.verify_s,
-                    overhead_s=event.overhead_s,
-                    paused=event.policy is PolicyState.PAUSED,
-                )
             last = event
         wall = time.perf_counter() - start
         reason = last.finish_reason if last is not None else None
-        return tokens, wall, ttft, reason, tally, (last.stats if last is not None else None)
+        stats = last.stats if last is not None else None
+        # The engine's own step counts (what its RequestStats are computed from), not a recount of the events.
+        tally = StepCounts.from_dict(stats.step_counts) if stats is not None and stats.step_counts else StepCounts()
+        return tokens, wall, ttft, reason, tally, stats
 
     def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
+        assert self.hf_target is not None  # made in __init__ when a mode runs on transformers
         with quiet_transformers():
             result = hf_generate(
                 self.hf_target,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HEAD_DRAFTERS = ("eagle3", "medusa")
+from specchat.backend.limits import HEAD_DRAFTERS  # noqa: F401 - re-exported: the name importers use
+
 # Heads shipped as package data: name after "packaged:" -> folder inside backend/speculative/heads/data.
 PACKAGED_HEADS = {"smollm2-135m-eagle3": "smollm2-135m-eagle3"}
 _HEAD_FIELDS = {"source", "revision", "allow_pickle"}

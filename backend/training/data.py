@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from specchat.backend.api import PREFILL_CHUNK, GenerationRequest, SamplingParams
+from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.prompting import render
+from specchat.backend.limits import PREFILL_CHUNK
 
 SHARD_SAMPLES = 32
 Progress = Callable[[str], None]
@@ -184,9 +185,9 @@ def extract_features(
             os.replace(tmp, paths.features / f"shard-{shards:05d}.safetensors")
             shards += 1
             done += [pid for pid, _ in batch]
-            index = paths.features / "index.json"
-            index.with_suffix(".tmp").write_text(json.dumps({"ids": done, "shards": shards, "taps": list(taps)}))
-            os.replace(index.with_suffix(".tmp"), index)
+            index_file = paths.features / "index.json"
+            index_file.with_suffix(".tmp").write_text(json.dumps({"ids": done, "shards": shards, "taps": list(taps)}))
+            os.replace(index_file.with_suffix(".tmp"), index_file)
             batch = []
             progress(f"features: {len(done)} samples")
 

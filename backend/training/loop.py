@@ -78,7 +78,7 @@ def load_checkpoint(folder: Path, head: Eagle3Head, optimizer: torch.optim.Optim
 
 def train(
     head: Eagle3Head,
-    embed: torch.nn.Module,
+    embed: Callable[[torch.Tensor], torch.Tensor],
     samples: list[Sample],
     checkpoint: Path,
     *,

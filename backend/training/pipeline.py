@@ -131,9 +131,11 @@ def run(
         eval_prompts, prompts = prompts[-held:], prompts[:-held]
     # Replies and features come from the target alone (no head: the native layers may decode the replies).
     plain = dataclasses.replace(pair, head=None, drafter="auto" if pair.drafter in HEAD_DRAFTERS else pair.drafter)
-    engine = load_engine(
-        plain, device=device, progress=lambda m, f=None: progress(m), confirm_download=confirm_download
-    )
+
+    def say(message: str, fraction: float | None = None) -> None:
+        progress(message)
+
+    engine = load_engine(plain, device=device, progress=say, confirm_download=confirm_download)
     paths = data.Paths(out)
     config = engine.target.model.config
     layers = int((config.get_text_config() if hasattr(config, "get_text_config") else config).num_hidden_layers)

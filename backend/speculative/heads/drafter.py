@@ -15,7 +15,7 @@ cache from them): 8,192 positions of the embedded default's three 576-wide taps 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +98,7 @@ class Eagle3Drafter(_FeatureDrafter):
         embed: Embed,
         taps: tuple[int, ...],
         *,
-        eos_token_ids: Sequence[int] = (),
+        eos_token_ids: Iterable[int] = (),
         top_k: int = 4,
         depth: int = 6,
     ) -> None:
@@ -214,7 +214,7 @@ class MedusaDrafter(_FeatureDrafter):
     name = "medusa"
 
     def __init__(self, heads: MedusaHeads, taps: tuple[int, ...], *, top_k: int = 10) -> None:
-        weight = heads.medusa_head[0][-1].weight
+        weight = next(heads.medusa_head.parameters())  # the heads' device and dtype
         super().__init__(taps, heads.config.hidden_size, weight.device, weight.dtype)
         self.heads = heads
         self.paths = heads.config.choices or tuple(trees.static_paths(heads.config.num_heads, 64, top_k=top_k))
@@ -273,7 +273,7 @@ def _tree_attention(
 
 
 def head_drafter(
-    kind: str, module: torch.nn.Module, taps: tuple[int, ...], embedding: Embed, eos_token_ids: Sequence[int]
+    kind: str, module: torch.nn.Module, taps: tuple[int, ...], embedding: Embed, eos_token_ids: Iterable[int]
 ) -> Eagle3Drafter | MedusaDrafter:
     """The drafter of a loaded head: ``kind`` "eagle3" (``module`` an Eagle3Head; ``embedding`` the target's
     input embedding, used unless the head has its own) or "medusa" (MedusaHeads)."""
