@@ -189,8 +189,22 @@ def export_head(head: Eagle3Head, folder: Path, *, target_layers: int, dtype: to
     return (folder / "model.safetensors").stat().st_size + (folder / "config.json").stat().st_size
 
 
-def fresh_head(config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor, device: torch.device) -> Eagle3Head:
-    """A new head with its draft vocabulary (d2t, t2d), weights initialised for training, float32."""
+def fresh_head(
+    config: Eagle3Config,
+    d2t: torch.Tensor,
+    t2d: torch.Tensor,
+    device: torch.device,
+    *,
+    output_rows: torch.Tensor | None = None,
+    final_norm: torch.Tensor | None = None,
+) -> Eagle3Head:
+    """A new head with its draft vocabulary (d2t, t2d), weights initialised for training, float32.
+
+    ``output_rows`` [draft_vocab, hidden] (the target's output layer at the draft ids, in draft order) start the
+    head's lm_head, which then stays frozen, and ``final_norm`` [hidden] its norm: the head learns to predict the
+    target's next top-layer state, which the target's own output layer already reads (EAGLE-1's frozen head).
+    On a small budget (a CPU, a few hundred replies) that is what makes a head useful at all: learning 4.7M
+    output weights from scratch takes far more data than learning the one decoder layer."""
     from specchat.backend.speculative.heads.training import init_weights
 
     head = Eagle3Head(config)
@@ -198,4 +212,9 @@ def fresh_head(config: Eagle3Config, d2t: torch.Tensor, t2d: torch.Tensor, devic
     with torch.no_grad():
         head.d2t.copy_(d2t)
         head.t2d.copy_(t2d)
+        if output_rows is not None:
+            head.lm_head.weight.copy_(output_rows)
+            head.lm_head.weight.requires_grad_(False)
+        if final_norm is not None:
+            head.norm.weight.copy_(final_norm)
     return head.to(device)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.models.config import PairConfig
 from specchat.backend.models.config_head import HEAD_DRAFTERS
@@ -60,6 +62,27 @@ def _vocab(paths: data.Paths, samples: list[data.Sample], vocab_size: int, size:
     save_file({"d2t": d2t, "t2d": t2d}, str(file))
     progress(f"draft vocabulary: {int(t2d.sum())} ids cover {coverage(counts, t2d):.1%} of the target's next tokens")
     return d2t, t2d
+
+
+def _output_layer(
+    model, embed, d2t: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The target's output rows at the draft ids [draft_vocab, hidden] float32 and its final norm [hidden], each
+    None where it cannot be read as plain numbers (``loop.fresh_head``: what they start). A tied output layer is
+    the embedding, read through the embedding itself (a quantised one de-quantises its rows)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ids = d2t + torch.arange(d2t.numel())
+    rows = None
+    with torch.no_grad():
+        if getattr(text, "tie_word_embeddings", False):
+            rows = embed(ids.to(device)).float().cpu()
+        else:
+            weight = getattr(model.get_output_embeddings(), "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+                rows = weight[ids.to(weight.device)].float().cpu()
+        norm = getattr(getattr(getattr(model, "model", None), "norm", None), "weight", None)
+        norm = norm.detach().float().cpu() if isinstance(norm, torch.Tensor) and norm.is_floating_point() else None
+    return rows, norm
 
 
 def head_config(target_config, taps: tuple[int, ...], draft_vocab: int) -> Eagle3Config:
@@ -163,8 +186,16 @@ def run(
     samples = [s for pid, s in data.load_samples(paths) if pid in wanted]
     progress(f"training on {len(samples)} samples, {sum(int((s.weights > 0).sum()) for s in samples)} positions")
     d2t, t2d = _vocab(paths, samples, int(config.vocab_size), options.draft_vocab, progress)
-    head = loop.fresh_head(head_config(config, taps, int(t2d.sum())), d2t, t2d, engine.runner.device)
     embed = engine.target.model.get_input_embeddings()
+    rows, norm = _output_layer(engine.target.model, embed, d2t, engine.runner.device)
+    progress(
+        "the head's output layer: the target's rows, frozen"
+        if rows is not None
+        else "the head's output layer: trained from scratch (the target's is not readable as plain numbers)"
+    )
+    head = loop.fresh_head(
+        head_config(config, taps, int(t2d.sum())), d2t, t2d, engine.runner.device, output_rows=rows, final_norm=norm
+    )
     deadline = None if options.max_minutes is None else time.monotonic() + 60 * options.max_minutes
     reached = loop.train(
         head,

@@ -125,3 +125,18 @@ def test_training_learns_and_a_resumed_run_ends_where_a_straight_one_does(tmp_pa
     assert "resuming from step 20" in " ".join(lines)
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_head_warm_started_from_the_targets_output_layer_keeps_it_frozen_through_training(tmp_path):
+    config = build_tiny("llama").config
+    head_config = eagle3_config(config, draft_vocab=config.vocab_size)
+    d2t, t2d = torch.zeros(config.vocab_size, dtype=torch.long), torch.ones(config.vocab_size, dtype=torch.bool)
+    rows, norm = torch.randn(config.vocab_size, config.hidden_size), torch.rand(config.hidden_size) + 0.5
+    head = fresh_head(head_config, d2t, t2d, torch.device("cpu"), output_rows=rows, final_norm=norm)
+    assert torch.equal(head.lm_head.weight, rows) and torch.equal(head.norm.weight, norm)
+    assert not head.lm_head.weight.requires_grad
+    fc_before = head.fc.weight.detach().clone()
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    train(head, embed, _samples(2), tmp_path / "c", steps=3, batch=1, lr=1e-2, warmup=1, progress=lambda _: None)
+    assert torch.equal(head.lm_head.weight, rows)  # frozen: the target's rows, as exported
+    assert not torch.equal(head.fc.weight, fc_before)  # the rest learns
