@@ -162,7 +162,8 @@ class RequestStats:
     - ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` τ = accepted + 1 per speculating step,
       over the speculating steps (= 1 + accepted / speculating steps; plain steps are not counted);
     - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it (inside the
-      reply);
+      reply); for tree drafts (the suffix drafter, draft heads) position i is depth i+1 along the path the target
+      followed, so this is the per-depth acceptance;
     - ``step_counts``: the counts every figure above is computed from (``StepCounts.to_dict()``: steps and
       times by drafter and γ; per drafter, the steps that reached and that accepted each draft position; ...):
       figures over many requests (`specchat serve`'s /metrics, the bench) add these up rather than recount;
@@ -213,8 +214,9 @@ class RequestStats:
     draft_prefill_tokens: int = 0
     draft_reused_tokens: int = 0
     seed: int | None = None
-    # The latest tree draft (the suffix drafter): its nodes, depth, leaves (width), how deep the target's path
-    # went into it and through which child of the pending token (1 = the drafter's most likely); 0 without one.
+    # The latest tree draft (the suffix drafter, a draft head): its nodes, depth, leaves (width), how deep the
+    # target's path went into it and through which child of the pending token (1 = the drafter's most likely); 0
+    # without one.
     tree_nodes: int = 0
     tree_depth: int = 0
     tree_width: int = 0

@@ -17,11 +17,15 @@ from specchat.backend.errors import RequestError
 # -- pairs and drafters --------------------------------------------------------------------------------------
 DEFAULT_PAIR = "smollm2-135m"  # the pair opened first: the embedded default model
 
-SpeculativeDrafterName = Literal["prompt-lookup", "suffix", "draft-model"]  # the drafters that propose tokens
-PairDrafterName = Literal[SpeculativeDrafterName, "none"]  # what a pair in models.yaml may name
+HeadDrafterName = Literal["eagle3", "medusa"]  # the drafters that read the target's features through a head
+# the drafters that propose tokens
+SpeculativeDrafterName = Literal["prompt-lookup", "suffix", "draft-model", HeadDrafterName]
+# what a pair in models.yaml may name (auto: with a head: the engine may pick it)
+PairDrafterName = Literal[SpeculativeDrafterName, "auto", "none"]
 DrafterName = Literal["none", SpeculativeDrafterName, "auto"]  # what a request may ask for (auto: the engine picks)
-PAIR_DRAFTERS: tuple[PairDrafterName, ...] = get_args(PairDrafterName)  # prompt-lookup, suffix, draft-model, none
-DRAFTERS: tuple[DrafterName, ...] = get_args(DrafterName)  # none, prompt-lookup, suffix, draft-model, auto
+HEAD_DRAFTERS: tuple[HeadDrafterName, ...] = get_args(HeadDrafterName)  # eagle3, medusa
+PAIR_DRAFTERS: tuple[PairDrafterName, ...] = get_args(PairDrafterName)  # prompt-lookup ... medusa, auto, none
+DRAFTERS: tuple[DrafterName, ...] = get_args(DrafterName)  # none, prompt-lookup ... medusa, auto
 
 # -- speculation and the KV cache ----------------------------------------------------------------------------
 Gamma = int | Literal["auto"]  # drafted tokens per step: 1 .. MAX_GAMMA, or "auto" (the γ policy chooses)

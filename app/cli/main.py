@@ -35,6 +35,7 @@ commands:
   add         add a model (a .gguf file, a folder, a hub id or hf:ORG/NAME/FILE.gguf) to your models.yaml
   serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
   doctor      the state of this machine's CPU kernels; --rebuild-native builds them again
+  train-head  train an EAGLE-3 draft head for a pair's target from its own replies
 
 Run `specchat COMMAND --help` for a command's options.
 """
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=drafters,
         default=None,
         help="override the pair's drafter (suffix: trees of continuations seen in the conversation "
-        "and in earlier replies; auto: pick drafter and gamma for you)",
+        "and in earlier replies; eagle3, medusa: the pair's draft head; auto: pick drafter and gamma for you)",
     )
     gen.add_argument(
         "--no-history",
@@ -231,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="remove the cached CPU kernels (and a noted build failure) and build them again now",
     )
+    from specchat.app.cli import train_head
+
+    train_head.add_parser(sub, _positive_int, _number, _pair_name)
     return parser
 
 
@@ -299,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import serve as command
         elif args.command == "doctor":
             from specchat.app.cli import doctor as command
+        elif args.command == "train-head":
+            from specchat.app.cli import train_head as command
         else:
             from specchat.app.cli import chat as command
         return command.run(args)

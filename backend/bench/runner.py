@@ -38,7 +38,16 @@ from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
-from specchat.backend.limits import BENCH_SEED, BENCH_TEMPERATURE, DRAFTERS, MAX_GAMMA, DrafterName, Gamma, is_gamma
+from specchat.backend.limits import (
+    BENCH_SEED,
+    BENCH_TEMPERATURE,
+    DRAFTERS,
+    HEAD_DRAFTERS,
+    MAX_GAMMA,
+    DrafterName,
+    Gamma,
+    is_gamma,
+)
 from specchat.backend.speculative.stats import StepCounts
 
 SPECCHAT_DRAFTERS = tuple("plain" if name == "none" else name for name in DRAFTERS)  # bench mode names
@@ -56,7 +65,8 @@ class Mode:
 
 
 def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
-    names = [name for name in SPECCHAT_DRAFTERS if has_draft or name != "draft-model"]
+    # a draft head runs only where asked (--modes eagle3): a pair without one refuses it at its request
+    names = [name for name in SPECCHAT_DRAFTERS if name not in HEAD_DRAFTERS and (has_draft or name != "draft-model")]
     names += ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
     return names + (list(LLAMACPP_MODES) if llamacpp else [])
 
@@ -86,7 +96,8 @@ def parse_modes(
         if gamma_text:
             if base not in SPECCHAT_DRAFTERS or base == "plain":
                 raise RequestError(
-                    f"mode {shown(name)}: only prompt-lookup, suffix, draft-model and auto take a :GAMMA suffix"
+                    f"mode {shown(name)}: only prompt-lookup, suffix, draft-model, eagle3, medusa and auto take a "
+                    ":GAMMA suffix"
                 )
             if gamma_text != "auto" and not (
                 gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4 and is_gamma(int(gamma_text))

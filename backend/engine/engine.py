@@ -32,15 +32,17 @@ from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
-from specchat.backend.limits import MAX_GAMMA, check_gamma
+from specchat.backend.limits import HEAD_DRAFTERS, MAX_GAMMA, check_gamma
 from specchat.backend.models.capture import Progress, user_callback
 from specchat.backend.models.chat_format import plain_completion_note, stop_ids
-from specchat.backend.models.config import PairConfig
+from specchat.backend.models.config import ModelSpec, PairConfig
+from specchat.backend.models.head_loading import HeadPlan, LoadedHead
 from specchat.backend.models.loading import ConfirmDownload, LoadedModel
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
 from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
+from specchat.backend.speculative.heads.drafter import head_drafter
 from specchat.backend.speculative.policy import GammaPolicy
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,13 @@ class Engine:
     """
 
     def __init__(
-        self, target: LoadedModel, draft: LoadedModel | None, pair: PairConfig, *, kv_tokens: int | None = None
+        self,
+        target: LoadedModel,
+        draft: LoadedModel | None,
+        pair: PairConfig,
+        *,
+        kv_tokens: int | None = None,
+        head: LoadedHead | None = None,
     ) -> None:
         self.target, self.draft, self.pair = target, draft, pair
         self.tokenizer = target.tokenizer
@@ -91,6 +99,8 @@ class Engine:
         # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
         self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
+        if head is not None:
+            self.attach_head(head)
         # On CPU: the compute threads follow what other programs leave free (backend/engine/threads.py).
         self.threads = ThreadGovernor() if target.device.type == "cpu" else None
         self.trace: Callable[[range | list[int], torch.Tensor], None] | None = None  # parts.Target.trace
@@ -108,6 +118,20 @@ class Engine:
     def fallback_reason(self) -> str | None:
         """Why the CPU native model does not run the target (None where it does, or on CUDA)."""
         return self.target.native_reason
+
+    def attach_head(self, head: LoadedHead) -> None:
+        """Draft with ``head`` from the next request on (drafter ``head.drafter``; ``auto`` may pick it). Its passes
+        return taps from then on (``ModelRunner.require_taps``), so cached conversations, whose K/V another path
+        may have computed, are dropped."""
+        with self._lock:
+            embedding = self.target.model.get_input_embeddings()
+            self.drafters[head.drafter] = head_drafter(head.drafter, head.module, head.taps, embedding, self.eos_ids)
+            self.policies[head.drafter] = GammaPolicy(max_gamma=MAX_GAMMA)
+            self.disabled_drafters.pop(head.drafter, None)
+            if self.runner.require_taps():
+                for conv in self._conversations.values():
+                    conv.seq.free()
+                self._conversations.clear()
 
     @property
     def draft_cache(self) -> PagedKVCache | None:
@@ -240,6 +264,11 @@ class Engine:
                 f"pair {self.pair.name!r} has no draft model; use --drafter prompt-lookup, suffix or "
                 "none, or pick a pair with a draft model"
             )
+        if drafter_name in HEAD_DRAFTERS and drafter_name not in self.drafters:
+            raise RequestError(
+                f"pair {self.pair.name!r} has no {drafter_name} head; use --drafter prompt-lookup, suffix, auto or "
+                "none, or give the pair a head (models.yaml: head:, or `specchat train-head`)"
+            )
         gamma = request.gamma if request.gamma is not None else self.pair.gamma
         gamma = check_gamma(gamma)
         conv = self._conversation(request.conversation)
@@ -250,6 +279,9 @@ class Engine:
             keep = common_prefix_len(conv.cached, prompt)
             if keep < len(prompt) or conv.logits_after(len(prompt)) is None:
                 keep = min(keep, len(prompt) - 1)  # the last prompt token's row is computed by the prefill
+            for name, drafter in self.drafters.items():  # a head needs the features of every token it reads
+                if drafter.taps and drafter_name in (name, "auto"):
+                    keep = min(keep, drafter.features_for(prompt))
             conv.truncate(keep)
             self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + MAX_GAMMA)
             target = Target(
@@ -292,6 +324,7 @@ def load_engine(
         pair = fetch_sources(pair, progress=progress, confirm_download=confirm_download)
         check_fits(pair, dev)
     start_heap()
+    plan = _plan_head(pair, progress, confirm_download)  # found and checked before any weights load
     # Only the name: loading registers the function with transformers where it builds a transformers model
     # (registering imports transformers' modelling code, which the light int4 model on CPU never needs).
     target, draft = load_pair(
@@ -301,13 +334,44 @@ def load_engine(
         progress=progress,
         confirm_download=confirm_download,
     )
-    engine = Engine(target, draft, pair)
+    head = None
+    if plan is not None:
+        from specchat.backend.models.head_loading import load_planned
+
+        head = load_planned(plan, target.model.config, dev, target_name=pair.target.source)
+    engine = Engine(target, draft, pair, head=head)
     note = plain_completion_note(target.tokenizer)
     report = user_callback(progress)  # reaches the terminal through a caller's capture of library output
     if note is not None and report is not None:
         report(note, None)
     settle_heap()
     return engine
+
+
+def _plan_head(
+    pair: PairConfig, progress: Progress | None, confirm_download: ConfirmDownload | None
+) -> HeadPlan | None:
+    """The pair's head found and checked against its target's sizes (models.yaml's), or None: no head, or a
+    packaged head this installation lacks (logged; the pair then runs without it)."""
+    if pair.head is None or not isinstance(pair.target, ModelSpec):
+        return None
+    from specchat.backend.models.head_loading import HeadMissing, plan_head
+
+    target = pair.target
+    try:
+        return plan_head(
+            pair.head,
+            pair.drafter if pair.drafter in HEAD_DRAFTERS else None,
+            (target.hidden_size, target.num_layers, target.vocab_size),
+            target_name=target.source,
+            confirm_download=confirm_download,
+            progress=progress,
+        )
+    except HeadMissing as missing:
+        if pair.drafter in HEAD_DRAFTERS:
+            raise
+        log.info("pair %s runs without its head: %s", pair.name, missing)
+        return None
 
 
 def start_heap() -> None:

@@ -24,6 +24,7 @@ import torch
 
 from specchat.backend.api import FinishReason, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
+from specchat.backend.engine.features import FeatureFeed
 from specchat.backend.engine.parts import Conversation, Speculation, Target, describe_error, is_out_of_memory
 from specchat.backend.engine.resolve import Sampling
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
@@ -81,6 +82,7 @@ class RequestState:
         self.drafter_used = (
             self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates else "auto")
         )
+        self.feed = FeatureFeed.of(spec.drafters, self.candidates)  # draft heads: the taps every pass returns
 
     # -- logits -> tokens -------------------------------------------------------------------------------
 
@@ -118,7 +120,12 @@ class RequestState:
         """[keep, V] float32 logits over the tokenizer's ids, before any penalty."""
         runner = self.target.runner
         try:
-            logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents, cancel=cancel)
+            if self.feed is None:
+                logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents, cancel=cancel)
+            else:
+                logits, self.feed.hidden = runner.forward(
+                    self.conv.seq, ids, logits_to_keep=keep, parents=parents, cancel=cancel, taps=self.feed.taps
+                )
         except BaseException as error:
             # Nothing of this pass was committed: give back the blocks it reserved, keep the history intact.
             self.conv.seq.truncate(self.conv.seq.length)
@@ -163,18 +170,19 @@ class RequestState:
 
     # -- the loop ---------------------------------------------------------------------------------------
 
-    def _choose(self) -> tuple[str | None, int]:
-        """The drafter and γ for the next step (None, 0: a plain step)."""
-        best, best_gamma, best_speedup = None, 0, -1.0
-        for name in self.candidates:
+    def _ranked(self) -> list[tuple[str, int]]:
+        """The drafters whose policy speculates this step, with their γ: drafters of ids first (a match of prompt
+        lookup or the suffix drafter costs microseconds and, where there is one, is usually long and right: code
+        edits), then draft heads; each group best expected speed-up first (ties: the candidates' order). Empty
+        for a plain step."""
+        ranked = []
+        for order, name in enumerate(self.candidates):
             policy = self.policies[name]
             gamma = policy.choose()
-            if gamma <= 0:
-                continue
-            speedup = policy.expected_speedup(gamma) or 0.0
-            if speedup > best_speedup:
-                best, best_gamma, best_speedup = name, gamma, speedup
-        return best, best_gamma
+            if gamma > 0:
+                head = bool(self.spec.drafters[name].taps)
+                ranked.append((head, -(policy.expected_speedup(gamma) or 0.0), order, name, gamma))
+        return [(name, gamma) for *_, name, gamma in sorted(ranked)]
 
     def _idle_state(self) -> PolicyState:
         """The state of a pass that verified no draft: OFF without drafters, PAUSED when every candidate's
@@ -229,6 +237,8 @@ class RequestState:
                 yield self._final(None, "cancelled", None)
                 return
             conv.seq.commit(len(chunk))
+            if self.feed is not None:
+                self.feed.give(len(conv.cached), chunk)
             conv.cached.extend(chunk)
         if logits is not None:  # kept with the cache: a request with this whole prompt starts from the same row
             conv.prompt_logits, conv.prompt_length = logits[0].clone(), len(self.prompt)
@@ -273,18 +283,25 @@ class RequestState:
         yield self._final(event, reason, None)
 
     def _propose(self, cap: int) -> tuple[str | None, int, Draft | None, str | None]:
-        """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step)."""
-        name, gamma = self._choose() if cap > 0 else (None, 0)
-        if name is None or gamma <= 0:
+        """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step). Candidates are
+        asked in :meth:`_ranked`'s order; one that finds nothing (no match, no features) passes the step to the
+        next, so ``auto`` drafts chat with a head while prompt lookup has nothing to copy."""
+        ranked = self._ranked() if cap > 0 else []
+        if not ranked:
             return None, 0, None, None
-        gamma = min(gamma, cap)
-        try:
-            draft = self.spec.drafters[name].propose(self.context, gamma)
-        except Exception as error:  # a failing drafter must not end the reply: continue without it
-            return None, 0, None, self._drop_drafter(name, error)
-        if draft.prefilled or draft.reused:
-            self.stats.observe_draft_context(name, prefilled=draft.prefilled, reused=draft.reused)
-        return name, gamma, draft, None
+        first: tuple[str, int, Draft] | None = None
+        for name, gamma in ranked:
+            gamma = min(gamma, cap)
+            try:
+                draft = self.spec.drafters[name].propose(self.context, gamma)
+            except Exception as error:  # a failing drafter must not end the reply: continue without it
+                return None, 0, None, self._drop_drafter(name, error)
+            if draft.prefilled or draft.reused:
+                self.stats.observe_draft_context(name, prefilled=draft.prefilled, reused=draft.reused)
+            if draft.token_ids:
+                return name, gamma, draft, None
+            first = first or (name, gamma, draft)
+        return (*first, None) if first is not None else (None, 0, None, None)
 
     def _step(self, pending: int) -> tuple[int, StepEvent]:
         conv = self.conv
@@ -320,6 +337,11 @@ class RequestState:
             start = conv.seq.length + 1  # the pending token is at conv.seq.length; node i was written at start + i
             conv.seq.cache.move(conv.seq, [start + i for i in result.path], list(range(start, start + result.accepted)))
         conv.seq.commit(1 + result.accepted)
+        if self.feed is not None:  # the pending token's row, then the accepted drafts' rows (a tree's path)
+            rows = [0] + (
+                [1 + node for node in result.path] if parents is not None else list(range(1, 1 + result.accepted))
+            )
+            self.feed.give(len(conv.cached), [pending] + result.tokens[: result.accepted], rows)
         conv.cached.extend([pending] + result.tokens[: result.accepted])
         tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
         kept = min(result.accepted, len(tokens))  # drafts the reply holds (past its end: discarded)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -62,7 +63,8 @@ def forward_paged(
     parents: list[int] | None = None,
     cancel: threading.Event | None = None,
     native_model: NativeModel | None = None,
-) -> torch.Tensor:  # [logits_to_keep, vocab] float
+    taps: tuple[int, ...] | None = None,
+) -> Any:  # [logits_to_keep, vocab] float; with taps: (that, [n, len(taps) * hidden] float32)
     """One forward over ``input_ids`` appended after ``seq``'s committed tokens; does not commit. The native
     model when given, else the static forward of ``graphs`` when given and it takes the step, else the compact
     forward ``fast`` when given, else the model's own.
@@ -75,15 +77,26 @@ def forward_paged(
 
     ``cancel``: when it is set, the pass stops before its next decoder layer with
     :class:`~specchat.backend.kv.attention.PassCancelled` (the compact forward's and the model's own; a graph
-    replay or a native pass runs to its end); a pass that completes is unchanged by it."""
+    replay or a native pass runs to its end); a pass that completes is unchanged by it.
+
+    ``taps`` (hidden-state taps, see :func:`check_taps`): also return the residual stream at those points for
+    every row of the pass, ``[n, len(taps) * hidden]`` float32, side by side in the order given; the logits are
+    the same as without taps. Graph runners decline taps; the native model takes every tap but the embeddings."""
+    if taps is not None:
+        check_taps(taps, model.config)
     if native_model is not None:
-        return forward_taps(native_model, seq, input_ids, logits_to_keep=logits_to_keep, parents=parents)[0]
-    if graphs is not None and parents is None and isinstance(logits_to_keep, int):
+        if taps is None:
+            return forward_taps(native_model, seq, input_ids, logits_to_keep=logits_to_keep, parents=parents)[0]
+        logits, tapped = forward_taps(
+            native_model, seq, input_ids, logits_to_keep=logits_to_keep, parents=parents, taps=native_taps(taps, model)
+        )
+        return logits, torch.cat(tapped, dim=1)
+    if graphs is not None and parents is None and taps is None and isinstance(logits_to_keep, int):
         n = input_ids.numel() if isinstance(input_ids, torch.Tensor) else len(input_ids)
         if 1 <= logits_to_keep <= n:
-            logits = graphs.try_forward(seq, input_ids, logits_to_keep)
-            if logits is not None:
-                return logits
+            replayed = graphs.try_forward(seq, input_ids, logits_to_keep)
+            if replayed is not None:
+                return replayed
     impl = getattr(model.config, "_attn_implementation", None)
     if impl != attention.ATTN_IMPLEMENTATION:
         raise ModelLoadError(
@@ -102,12 +115,47 @@ def forward_paged(
         ctx = attention.PagedContext(seq.cache, plan, tree=(depths, visible), cancel=cancel)
         positions = plan.start + depths
     if fast is not None:
-        return fast(ids, positions, ctx, logits_to_keep)
+        return (
+            fast(ids, positions, ctx, logits_to_keep)
+            if taps is None
+            else fast.tapped(ids, positions, ctx, logits_to_keep, taps)
+        )
+    extra = {} if taps is None else {"output_hidden_states": True}
     with torch.inference_mode():
         out = model(
-            input_ids=ids[None], position_ids=positions[None], use_cache=False, paged=ctx, logits_to_keep=logits_to_keep
+            input_ids=ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            paged=ctx,
+            logits_to_keep=logits_to_keep,
+            **extra,
         )
-    return out.logits[0].float()
+    if taps is None:
+        return out.logits[0].float()
+    return out.logits[0].float(), torch.cat([out.hidden_states[t][0].float() for t in taps], dim=1)
+
+
+def check_taps(taps: tuple[int, ...], config: Any) -> None:
+    """Refuse tap indices the model does not have. A tap index is transformers' ``output_hidden_states`` index:
+    ``i`` in ``0 .. L-1`` is the residual stream entering decoder layer ``i`` (0: the embeddings), ``L`` (the
+    number of layers) the final normed hidden state, what the LM head reads. EAGLE-3 reads three of them
+    (low, middle, high), EAGLE and Medusa the last."""
+    layers = int(config.num_hidden_layers)
+    bad = [t for t in taps if not (isinstance(t, int) and 0 <= t <= layers)]
+    if bad or not taps:
+        raise KVCacheUsageError(f"forward_paged: taps {list(taps)} must be 1+ indices in 0..{layers} (the layers)")
+
+
+def native_taps(taps: tuple[int, ...], model: Any) -> tuple[int, ...]:
+    """:func:`check_taps`' indices as the native model's: its tap ``l`` is the stream *after* layer ``l`` (the one
+    entering layer ``l + 1``), its tap ``L`` the final norm's output, as here; the embeddings (0) it has not."""
+    layers = int(model.config.num_hidden_layers)
+    if 0 in taps:
+        raise ModelLoadError(
+            "a draft head reading the embeddings (tap 0) needs the transformers forward; the CPU native model "
+            "taps the layers' outputs only"
+        )
+    return tuple(layers if t == layers else t - 1 for t in taps)
 
 
 def _checked_ids(seq: Sequence, input_ids, logits_to_keep, parents: list[int] | None) -> torch.Tensor:
@@ -157,6 +205,7 @@ class ModelRunner:
         self.compact: compact.CompactForward | None = None
         self.packed_layers = 0
         self.native: NativeModel | None = None
+        self.taps_required = False  # require_taps(): a draft head reads hidden states from every pass
         if isinstance(model, NativeCausalLM):  # the whole pass in C++: nothing of transformers is involved
             self.cache = PagedKVCache.for_model(
                 model.config, max_tokens=kv_tokens, block_size=KV_BLOCK_SIZE, dtype=loaded.dtype, device=loaded.device
@@ -218,9 +267,11 @@ class ModelRunner:
         logits_to_keep: int = 1,
         parents: list[int] | None = None,
         cancel: threading.Event | None = None,
-    ) -> torch.Tensor:  # [logits_to_keep, vocab] float
+        taps: tuple[int, ...] | None = None,
+    ) -> Any:  # [logits_to_keep, vocab] float; with taps: (that, [n, len(taps) * hidden] float32)
         """One forward over ``input_ids`` after ``seq``'s committed tokens (reserves, writes, never commits);
-        ``parents``: a tree of drafts; ``cancel``: stop between layers once set (see :func:`forward_paged`)."""
+        ``parents``: a tree of drafts; ``cancel``: stop between layers once set; ``taps``: hidden states to return
+        too (see :func:`forward_paged`)."""
         return forward_paged(
             self.model,
             seq,
@@ -231,7 +282,15 @@ class ModelRunner:
             parents=parents,
             cancel=cancel,
             native_model=self.native,
+            taps=taps,
         )
+
+    def require_taps(self) -> bool:
+        """Every pass of this runner may ask for taps from now on (a draft head reads them). Every path returns
+        them from the pass it would run anyway (the native model, the compact loop, transformers; CUDA graphs
+        stay for passes without taps, whose result is the eager forward's), so nothing cached is dropped: False."""
+        self.taps_required = True
+        return False
 
     def forward_taps(
         self,

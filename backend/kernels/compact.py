@@ -280,13 +280,49 @@ class CompactForward:
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, ctx: attention.PagedContext, logits_to_keep: int
     ) -> torch.Tensor:
+        return self.run(ids, positions, ctx, logits_to_keep)
+
+    def tapped(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: attention.PagedContext,
+        logits_to_keep: int,
+        taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([logits_to_keep, vocab] float, [n, len(taps) * hidden] float32)
+        """The pass with hidden-state taps for every row (``backend/engine/runner.py``: what a tap index means).
+        Always the Python loop (the native layers return no taps in this branch); the logits are this loop's,
+        bit for bit: the taps are copies of the residual stream taken between its layers."""
+        n, last = ids.numel(), len(self.layers)
+        with torch.inference_mode():
+            h, cos, signed_sin = self._start(ids, positions)
+            shape = (self.hidden,)
+            taken: dict[int, torch.Tensor] = {}
+            for index, layer in enumerate(self.layers):
+                if index in taps:
+                    taken[index] = h.clone()
+                h.add_(self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, signed_sin, ctx))
+                h.add_(self._mlp(layer, F.rms_norm(h, shape, layer.norm2, layer.eps2)))
+            if last in taps:  # what the head reads, for every row (the logits' rows are normed as run() does)
+                taken[last] = F.rms_norm(h, shape, self.final_norm, self.final_eps)
+            logits = self.run_head(F.rms_norm(h[n - logits_to_keep :], shape, self.final_norm, self.final_eps))
+            return logits.float(), torch.cat([taken[t] for t in taps], dim=1)
+
+    def _start(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pass's residual stream [n, hidden] float32 (the embeddings) and its rotary cos / signed sin."""
+        h = self.embed(ids).float()
+        cos, sin = self.rotary(h[None], positions[None])  # [1, n, head_dim]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        half = sin.shape[-1] // 2
+        return h, cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    def run(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: attention.PagedContext, logits_to_keep: int
+    ) -> torch.Tensor:
+        """The pass through the Python loop of decoder layers (``__call__``)."""
         n = ids.numel()
         with torch.inference_mode():
-            h = self.embed(ids).float()  # [n, hidden], the residual stream
-            cos, sin = self.rotary(h[None], positions[None])  # [1, n, head_dim]
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            half = sin.shape[-1] // 2
-            signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            h, cos, signed_sin = self._start(ids, positions)
             shape = (self.hidden,)
             self._layers(h, n, cos, signed_sin, ctx)
             last = F.rms_norm(h[n - logits_to_keep :], shape, self.final_norm, self.final_eps)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -111,9 +112,21 @@ class NativeModel:
             self.obj.set_layer(layer, "window", -1 if window is None else int(window))
             self.obj.set_layer(layer, "rope", int(arch.rope_of_layer[layer]))
         self.cache: PagedKVCache | None = None
+        self.embed_weight: Any = None  # a QWeight (torch.classes.specchat)
 
     def set_weight(self, name: str, weight: torch.ScriptObject) -> None:
         self.obj.set_weight(name, weight)
+        if name == "embed":
+            self.embed_weight = weight  # draft heads embed their tokens with it (:meth:`embed`)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``ids`` [n] as the pass starts from them: [n, hidden] float32 (the stored rows,
+        times √hidden for gemma)."""
+        if self.embed_weight is None:
+            raise RuntimeError("NativeModel.embed: the embedding was not set")
+        rows: torch.Tensor = self.embed_weight.rows_of(ids.reshape(-1).to(torch.long))
+        scale = float(self.arch.embed_scale)
+        return rows if scale == 1.0 else rows * scale
 
     def set_layer_weight(self, layer: int, name: str, weight: torch.ScriptObject) -> None:
         self.obj.set_layer_weight(layer, name, weight)

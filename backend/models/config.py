@@ -46,11 +46,13 @@ from specchat.backend.models.config_fields import bounded_int as _bounded_int
 from specchat.backend.models.config_fields import choice as _choice
 from specchat.backend.models.config_fields import reject_unknown as _reject_unknown
 from specchat.backend.models.config_fields import take as _take
+from specchat.backend.models.config_head import HEAD_DRAFTERS, HeadSpec, parse_head
 from specchat.backend.models.config_yaml import read_yaml, shown
 from specchat.backend.models.model_spec import (  # noqa: F401 - re-exported: the names importers use
     DTYPES,
     PACKAGED_MODELS,
     QUANTIZATIONS,
+    REVISION,
     TORCH_QUANTIZATIONS,
     ModelSpec,
     parse_spec,
@@ -98,6 +100,7 @@ class PairConfig:
     context_length: int  # 0 for a remote pair (the server's)
     sampling: dict = field(default_factory=dict)  # temperature, top_k, top_p, repetition_penalty, max_new_tokens
     source_file: str = ""  # the file this pair came from (for error messages)
+    head: HeadSpec | None = None  # the draft head (drafter eagle3 / medusa, or auto with a head)
 
     @property
     def remote(self) -> RemoteSpec | None:
@@ -119,7 +122,7 @@ _SAMPLING = {  # key -> (types, check, message): the engine's own limits (backen
     key: ((int,) if key in ("top_k", "max_new_tokens") else (int, float), *SAMPLING_LIMITS[key])
     for key in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
 }
-_PAIR_FIELDS = {"name", "description", "target", "drafter", "draft", "gamma", "context_length", "sampling"}
+_PAIR_FIELDS = {"name", "description", "target", "drafter", "draft", "gamma", "context_length", "sampling", "head"}
 _REMOTE_PAIR_FIELDS = {"name", "description", "target", "sampling"}
 _REMOTE_FIELDS = {"server", "model", "kind", "api_key_env"}
 
@@ -202,6 +205,7 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
             "remove the draft: block or set drafter: draft-model",
         )
     draft = parse_spec(file, name, "draft", draft_node, node) if draft_node is not None else None
+    head = _parse_pair_head(file, where, node, drafter)
     gamma = _take(where, "gamma", (int, str), f"an integer 1..{MAX_GAMMA} or auto", "auto")
     if not is_gamma(gamma):
         raise where.error(
@@ -233,7 +237,21 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
         context_length=context_length,
         sampling=_parse_sampling(file, name, where, node),
         source_file=str(file),
+        head=head,
     )
+
+
+def _parse_pair_head(file: Path, where: _Where, node: Any, drafter: str) -> HeadSpec | None:
+    """The pair's ``head:`` (``config_head.py``): required for drafter eagle3 / medusa, allowed with auto."""
+    if "head" not in node:
+        if drafter in HEAD_DRAFTERS:
+            raise where.error("head", _MISSING, f"drafter is {drafter} but no head is given", "add head: SOURCE")
+        return None
+    if drafter not in (*HEAD_DRAFTERS, "auto"):
+        raise where.error(
+            "head", node["head"], f"a head is given but drafter is {drafter}", "use drafter: eagle3, medusa or auto"
+        )
+    return parse_head(node["head"], file.parent, where.error, resolve_source, REVISION.fullmatch)
 
 
 def _parse_sampling(file: Path, name: str, where: _Where, node: Any) -> dict:

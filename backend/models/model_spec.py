@@ -41,7 +41,7 @@ HUB_ID = re.compile(f"{_HUB_PART}/{_HUB_PART}")
 # hf:ORG/NAME/FILE.gguf: a file (possibly in a folder) of a hub repository, ending .gguf
 _HUB_FILE = re.compile(rf"hf:({_HUB_PART}/{_HUB_PART})/((?:[A-Za-z0-9_.+-]+/)*[A-Za-z0-9_.+-]+\.gguf)", re.IGNORECASE)
 # A branch, tag or commit (git's ref-name rules): printable ASCII without spaces or ~ ^ : ? * [ \
-_REVISION = re.compile(r"[^\x00-\x20\x7f-\U0010ffff~^:?*\[\\]{1,255}")
+REVISION = re.compile(r"[^\x00-\x20\x7f-\U0010ffff~^:?*\[\\]{1,255}")
 SIZE_FIELDS = ("params", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size")
 
 
@@ -170,7 +170,7 @@ def parse_spec(file: Path, pair: str, role: str, node: Any, parent: dict[str, An
     except ValueError as exc:
         raise where.error("source", source, str(exc), "fix the path or hub id") from None
     revision = take(where, "revision", (str,), "a branch, tag or commit of the hub repository", None)
-    if revision is not None and not _REVISION.fullmatch(revision):
+    if revision is not None and not REVISION.fullmatch(revision):
         raise where.error(
             "revision",
             revision,

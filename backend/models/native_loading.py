@@ -66,6 +66,11 @@ class NativeCausalLM:
     def set_attn_implementation(self, name: str) -> None:
         """The native pass attends over the paged cache itself: any name is accepted and ignored."""
 
+    def get_input_embeddings(self) -> Any:
+        """The input embedding as a function of ids [n] -> [n, hidden] float32 (what a draft head embeds its
+        tokens with), read from the file's own rows."""
+        return self.native.embed
+
 
 def native_reason(
     spec: ModelSpec,

@@ -38,7 +38,8 @@ def count(value: int | None) -> str:
 
 
 def tree_line(stats: RequestStats) -> str:
-    """The latest tree draft (the suffix drafter): its size and shape, and the branch the target followed."""
+    """The latest tree draft (the suffix drafter, a draft head): its size and shape, and the branch the target
+    followed."""
     shape = (
         f"tree {stats.tree_nodes} node{'s' if stats.tree_nodes != 1 else ''} · depth {stats.tree_depth} · "
         f"{stats.tree_width} branch{'es' if stats.tree_width != 1 else ''}"
@@ -60,7 +61,8 @@ def render_details(live: LiveView) -> Text:
         text.append(tree_line(stats) + "\n", style="dim")
     text.append("\n")
     positions = stats.per_position_acceptance
-    text.append("Per-position acceptance\n", style="bold")
+    # A tree's positions are its depths: the acceptance at depth i of the path the target followed.
+    text.append("Per-depth acceptance\n" if stats.tree_nodes else "Per-position acceptance\n", style="bold")
     if not positions:
         text.append("  no drafts verified yet\n", style="dim")
     for i, rate in enumerate(positions):

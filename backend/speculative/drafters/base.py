@@ -16,6 +16,12 @@ requests (the draft model's cache: a conversation's next turn reuses its prefix)
 itself; ``reset()`` forgets it (after a failure), ``release()`` gives back what it holds (cache blocks) for
 good. The whole interface is declared here (as transformers' candidate generators declare theirs), so the
 engine never probes a drafter for optional methods.
+
+Draft heads (``backend/speculative/heads``) read the target's own hidden states too: ``taps`` names them (tap
+indices of ``ModelRunner.forward``; ``()`` for a drafter of ids only), and after each target pass the engine
+gives ``observe_hidden(start, token_ids, hidden)`` the taps of the tokens it committed (context positions
+``start ..``). ``features_for(ids)`` says how many leading ids of a prompt the drafter holds features for: the
+engine re-reads the rest of the prompt rather than reuse cached K/V the drafter has no features of.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
+
+import torch
 
 from specchat.backend.speculative.sampling import SamplingRule
 
@@ -52,9 +60,14 @@ class Draft:
 
 @runtime_checkable
 class Drafter(Protocol):
-    name: str  # "prompt-lookup" | "suffix" | "draft-model"
+    name: str  # "prompt-lookup" | "suffix" | "draft-model" | "eagle3" | "medusa"
+    taps: tuple[int, ...]  # the target's hidden states it reads; () for none
 
     def reset(self) -> None: ...
+
+    def observe_hidden(self, start: int, token_ids: Sequence[int], hidden: torch.Tensor) -> None: ...
+
+    def features_for(self, ids: Sequence[int]) -> int: ...
 
     def configure(self, rule: SamplingRule, reply_start: int) -> None: ...
 
@@ -81,3 +94,12 @@ class StatelessHooks:
 
     def release(self) -> None:
         self.reset()
+
+    taps: tuple[int, ...] = ()
+
+    def observe_hidden(self, start: int, token_ids: Sequence[int], hidden: torch.Tensor) -> None:
+        """Reads no hidden states."""
+
+    def features_for(self, ids: Sequence[int]) -> int:
+        """Needs no features: any cached prefix will do."""
+        return len(ids)

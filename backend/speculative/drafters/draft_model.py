@@ -73,6 +73,14 @@ class DraftModelDrafter:
     def observe(self, num_accepted: int) -> None:
         """Nothing to learn: the next propose() rolls the cache back to the accepted prefix."""
 
+    taps: tuple[int, ...] = ()  # reads ids only
+
+    def observe_hidden(self, start: int, token_ids: Sequence[int], hidden: torch.Tensor) -> None:
+        """Reads no hidden states of the target."""
+
+    def features_for(self, ids: Sequence[int]) -> int:
+        return len(ids)
+
     def _forward(self, ids: list[int]) -> torch.Tensor:  # [1, vocab_limit] the last id's logits
         logits = self.forward(self.seq, ids, logits_to_keep=1)  # [1, V_draft]
         self.seq.commit(len(ids))

@@ -19,3 +19,15 @@ def test_the_latest_tree_and_the_branch_the_target_followed() -> None:
 def test_a_chain_drafter_shows_no_tree() -> None:
     stats = RequestStats(drafter="prompt-lookup", drafted=8, accepted=5)
     assert "tree " not in render_details(LiveView(stats=stats, drafter="prompt-lookup")).plain
+
+
+def test_a_heads_tree_shows_its_size_and_the_acceptance_per_depth() -> None:
+    stats = RequestStats(
+        drafter="eagle3", tree_nodes=7, tree_depth=4, tree_width=3, tree_accepted=2, tree_branch=1,
+        per_position_acceptance=(0.8, 0.6, 0.25, None),
+    )  # fmt: skip
+    text = render_details(LiveView(stats=stats, drafter="eagle3")).plain
+    assert "tree 7 nodes · depth 4 · 3 branches; followed branch 1 for 2 tokens" in text
+    assert "Per-depth acceptance" in text and " 1 " in text and "80%" in text and "25%" in text
+    chain = render_details(LiveView(stats=RequestStats(drafter="prompt-lookup", drafted=3))).plain
+    assert "Per-position acceptance" in chain

@@ -163,3 +163,54 @@ def test_the_draft_models_own_drafts_follow_q():
 
     assert chi2_pvalue(counts, two_drafts(perturbed_twin(0.1).model), SAMPLES) > 1e-3, counts
     assert chi2_pvalue(counts, two_drafts(build_tiny("llama")), SAMPLES) < 1e-6, counts
+
+
+_RIGHT_TREE_DECIDER = RequestState._tree_decider
+
+
+def depth_blind_tree_decider(self: RequestState, logits: torch.Tensor):
+    """Wrong on purpose: every node of a tree is decided with the noise of the step's first reply position."""
+    right = _RIGHT_TREE_DECIDER(self, logits)
+
+    def decide(row: int, path: list[int]) -> int:
+        produced = self.produced
+        self.produced = produced - len(path)  # the position the right decider keys by is produced + depth
+        try:
+            return right(row, path)
+        finally:
+            self.produced = produced
+
+    return decide
+
+
+@pytest.mark.parametrize("variant", ["right", "noise blind to the depth"])
+def test_tree_drafts_of_a_head_follow_the_target(variant, exact, monkeypatch):
+    """The same joint, drafted by an EAGLE-3 head's dynamic trees (up to 3 nodes in the first step: branches at
+    depth 1 when the head is unsure): the target's Gumbel coupling picks the child to follow, so the reply keeps
+    p exactly; the wrong engine still fails."""
+    from tiny_heads import TAPS, trained_eagle3
+
+    from specchat.backend.models.head_loading import LoadedHead
+
+    if variant == "noise blind to the depth":
+        monkeypatch.setattr(RequestState, "_tree_decider", depth_blind_tree_decider)
+    engine = Engine(tiny_loaded("llama"), None, tiny_pair(drafter="eagle3", gamma=4))
+    head = trained_eagle3(prompt=tuple(PROMPT), steps=150)  # it knows what the target says after PROMPT
+    engine.attach_head(LoadedHead("eagle3", head, TAPS, "tiny"))
+    counts: dict[tuple[int, ...], int] = {}
+    accepted = 0
+    for seed in range(SAMPLES):
+        sampling = SamplingParams(
+            temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, repetition_penalty=PENALTY, max_new_tokens=5, seed=seed
+        )  # 5 tokens: the first step's tree may have 3 nodes (γ is capped by the tokens left)
+        events = list(engine.generate(GenerationRequest(prompt_ids=PROMPT, sampling=sampling, conversation="c")))
+        ids = [t for e in events for t in e.token_ids]
+        key = (EOS,) if ids[0] == EOS else (EOS, EOS) if ids[1] == EOS else (ids[1], ids[2])
+        counts[key] = counts.get(key, 0) + 1
+        accepted += len(events) > 1 and events[1].accepted >= 1  # tokens 2 and 3 decided by one tree pass
+    assert accepted > SAMPLES // 4  # trees were accepted often: verification decided those positions
+    p_value = chi2_pvalue(counts, exact, SAMPLES)
+    if variant == "right":
+        assert p_value > 1e-3, (p_value, counts)
+    else:  # only tree steps that went past depth 1 are wrong here: fewer wrong samples than the tests above
+        assert p_value < 1e-4, (variant, p_value, counts)

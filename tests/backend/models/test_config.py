@@ -184,9 +184,14 @@ def test_bool_is_not_a_number(tmp_path):
 
 
 def test_unknown_drafter(tmp_path):
-    path = write(tmp_path, pair_yaml(drafter="medusa"))
+    path = write(tmp_path, pair_yaml(drafter="lookahead"))
     assert_names(
-        error_of(path), str(path), "pair 'p1'", "'drafter'", "'medusa'", "prompt-lookup, suffix, draft-model, none"
+        error_of(path),
+        str(path),
+        "pair 'p1'",
+        "'drafter'",
+        "'lookahead'",
+        "prompt-lookup, suffix, draft-model, eagle3, medusa, auto, none",
     )
 
 
@@ -303,10 +308,10 @@ def test_user_file_overrides_and_adds(tmp_path):
 def test_errors_in_the_user_file_name_it(tmp_path):
     user = tmp_path / "config" / "models.yaml"
     user.parent.mkdir(parents=True)
-    write(user.parent, pair_yaml("mine", drafter="medusa"))
+    write(user.parent, pair_yaml("mine", drafter="lookahead"))
     with pytest.raises(ConfigError) as info:
         load_pairs()
-    assert_names(str(info.value), str(user), "pair 'mine'", "'drafter'", "'medusa'")
+    assert_names(str(info.value), str(user), "pair 'mine'", "'drafter'", "'lookahead'")
 
 
 def test_models_file_replaces_the_packaged_one(tmp_path):
