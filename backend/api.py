@@ -28,6 +28,10 @@ from specchat.backend.errors import RequestError
 # -- limits: each one is defined here and nowhere else --------------------------------------------------------
 DEFAULT_PAIR = "smollm2-135m"  # the pair opened first: the embedded default model
 MAX_GAMMA = 31  # drafted tokens per step: n = γ + 1 <= 32, the largest CUDA-graph bucket
+# A prediction's drafts per step (GenerationRequest.prediction): n = 64 rows, what the CPU paths attend row by row
+# (kernels/compact.ROWWISE_ROWS); a path that does not (CUDA graphs, eager) keeps MAX_GAMMA (runner.exact_rows).
+MAX_PREDICTION_GAMMA = 63
+MAX_PREDICTION_CHARS = 1 << 22  # a prediction's text: more than any context holds
 MAX_TEMPERATURE = 10.0  # 0 is greedy
 MAX_REPETITION_PENALTY = 10.0  # 1 is none; values in (0, 1) favour repeats
 MAX_NEW_TOKENS = 1 << 20  # per reply; the pair's context length is the practical bound
@@ -135,6 +139,8 @@ class GenerationRequest:
     the longest common token prefix already in the paged cache (multi-turn chat); ``None`` uses a scratch
     sequence freed at the end. ``prefill_progress`` asks for progress events while the prompt is read (see
     :class:`StepEvent`); a consumer that does not ask never sees one, and an engine may not send any.
+    ``prediction`` is the reply's expected text (OpenAI's Predicted Outputs, e.g. a file to rewrite): drafted from
+    whatever ``drafter`` says (that drafter serves where it does not match), never changing the reply.
     """
 
     messages: list[dict[str, str]] | None = None
@@ -144,8 +150,13 @@ class GenerationRequest:
     gamma: Gamma | None = None  # None: the pair's gamma
     conversation: str | None = None
     prefill_progress: bool = False  # yield prefill progress events (StepEvent.prefill_done)
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
+        if self.prediction is not None and (
+            not isinstance(self.prediction, str) or len(self.prediction) > MAX_PREDICTION_CHARS
+        ):
+            raise RequestError(f"prediction must be a text of at most {MAX_PREDICTION_CHARS} characters")
         if self.drafter is not None and self.drafter not in DRAFTERS:
             raise RequestError(
                 f"unknown drafter {self.drafter!r}; use none, prompt-lookup, suffix, draft-model or auto"
@@ -184,6 +195,8 @@ JSON_STATS_FIELDS = (
     "no_draft_steps",
     "draft_prefill_tokens",
     "draft_reused_tokens",
+    "accepted_prediction_tokens",
+    "rejected_prediction_tokens",
 )
 
 
@@ -209,7 +222,10 @@ class RequestStats:
     - ``expected_speedup``: S(γ) from the policy's estimates, else from this request's own counts;
     - ``last_gamma``, ``last_policy``: the latest step's drafted length and state (the live view);
     - ``drafter``: the drafter that ran most speculating steps ("none" without any); for a tree draft
-      ``drafted`` counts the nodes verified and ``tree_*`` describe the latest tree.
+      ``drafted`` counts the nodes verified and ``tree_*`` describe the latest tree;
+    - with a prediction (None without): ``prediction_tokens`` its length; ``accepted_prediction_tokens`` its drafted
+      tokens that are in the reply, ``rejected_prediction_tokens`` those the target rejected or a stop cut off
+      (OpenAI's usage counts of the same names; both come from the step counts, not a comparison of texts).
 
     The fields typed ``... | None`` besides the rates are None when the engine cannot know them: a remote
     server (``specchat.backend.remote``) that does not report a figure leaves it None (JSON null), never a guess.
@@ -254,6 +270,9 @@ class RequestStats:
     tree_width: int = 0
     tree_accepted: int = 0
     tree_branch: int = 0
+    prediction_tokens: int | None = None
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     def to_json_stats(self) -> dict[str, Any]:
         """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""
@@ -297,7 +316,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(v is None or _is_number(v) for v in value):
             raise TypeError(name)
         return tuple(value)
-    if name == "seed":  # a whole number (JSON keeps it exact below 2**53; drawn seeds are)
+    if name == "seed" or name.endswith("prediction_tokens"):  # a whole number (JSON: exact below 2**53)
         if value is not None and not _is_int(value):
             raise TypeError(name)
         return value
@@ -318,27 +337,8 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
     return int(value) if isinstance(default, int) and not isinstance(default, bool) else float(value)
 
 
-_OPTIONAL_NUMBERS = {
-    "ttft_s",
-    "tok_s",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "tokens_per_step",
-    "alpha_hat",
-    "expected_speedup",
-    "spec_tok_s",
-    "plain_tok_s",
-    "prefill_s",
-    "prefill_tokens",
-    "steps",
-    "spec_paused_steps",
-    "drafted",
-    "accepted",
-    "draft_s",
-    "verify_s",
-    "overhead_s",
-    "last_gamma",
-}
+# The fields typed "... | None" (the rates, and what a remote server may not report) may be null.
+_OPTIONAL_NUMBERS = {f.name for f in fields(RequestStats) if str(f.type).endswith("| None")}
 
 
 @dataclass(slots=True)

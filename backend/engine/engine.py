@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from specchat.backend.api import MAX_GAMMA, GenerationRequest, StepEvent, check_gamma
+from specchat.backend.api import MAX_GAMMA, MAX_PREDICTION_GAMMA, GenerationRequest, StepEvent, check_gamma
 from specchat.backend.engine.prompting import fit_to_context, validate_messages
 from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target
 from specchat.backend.engine.resolve import resolve_sampling
@@ -33,6 +33,7 @@ from specchat.backend.models.config import PairConfig
 from specchat.backend.models.loading import LoadedModel
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
+from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
 from specchat.backend.speculative.policy import GammaPolicy
@@ -204,6 +205,15 @@ class Engine:
         for drafter in self.drafters.values():
             drafter.reset()
 
+    def _prediction(self, text: str | None) -> PredictionDrafter | None:
+        """The request's prediction drafter (None without a prediction): its text tokenised once, its drafts at
+        most the rows a pass verifies exactly on this path (``ModelRunner.exact_rows``)."""
+        if text is None:
+            return None
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        cap = min(MAX_PREDICTION_GAMMA, self.runner.exact_rows - 1)
+        return PredictionDrafter(ids, eos_token_ids=self.eos_ids, max_tokens=cap)
+
     def _generate(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
         t_start = time.perf_counter()
         self._adopt_native()
@@ -224,14 +234,18 @@ class Engine:
             keep = min(common_prefix_len(conv.cached, prompt), len(prompt) - 1)
             conv.seq.truncate(keep)
             del conv.cached[keep:]
-            self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + MAX_GAMMA)
+            prediction = self._prediction(request.prediction)
+            spare = max(MAX_GAMMA, prediction.max_tokens if prediction is not None else 0)
+            self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + spare)
             target = Target(
                 self.runner, self.tokenizer, self.eos_ids, self.vocab_limit, self.context_length, self.threads
             )
             speculation = Speculation(
                 self.drafters, self.policies, self.disabled_drafters, self.disabled_drafters.__setitem__
             )
-            state = RequestState(target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start)
+            state = RequestState(
+                target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start, prediction
+            )
             yield from state.run(notice, request.prefill_progress)
         finally:
             if request.conversation is None:

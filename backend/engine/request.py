@@ -31,6 +31,7 @@ from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.kv_cache import Sequence
 from specchat.backend.speculative.drafters.base import Draft, Drafter
+from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.policy import GammaPolicy
 from specchat.backend.speculative.sampling import SeenIds, apply_repetition_penalty, pick
 from specchat.backend.speculative.stats import SpecStats
@@ -94,6 +95,7 @@ class RequestState:
         gamma: Gamma,
         cancel: threading.Event,
         t_start: float,
+        prediction: PredictionDrafter | None = None,
     ) -> None:
         self.target, self.spec, self.conv, self.prompt, self.s = target, spec, conv, prompt, sampling
         self.rule = sampling.rule
@@ -125,6 +127,13 @@ class RequestState:
         self.drafter_used = (
             self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates else "auto")
         )
+        # A prediction drafts first wherever it matches the reply, at its own lengths (a policy that never pauses
+        # and only measures); the drafters above serve where it does not (speculative/drafters/prediction.py).
+        self.prediction = prediction
+        if prediction is not None:
+            prediction.configure(self.rule, len(prompt))
+            self.policies[prediction.name] = GammaPolicy(fixed_gamma=prediction.max_tokens)
+            self.stats.prediction = (prediction.name, len(prediction.prediction))
 
     # -- logits -> tokens -------------------------------------------------------------------------------
 
@@ -210,7 +219,7 @@ class RequestState:
         """The state of a pass that verified no draft: OFF without drafters, PAUSED when every candidate's
         policy is paused, else NO_DRAFT."""
         if not self.candidates:
-            return PolicyState.OFF
+            return PolicyState.OFF if self.prediction is None else PolicyState.NO_DRAFT
         if all(self.policies[n].state is PolicyState.PAUSED for n in self.candidates):
             return PolicyState.PAUSED
         return PolicyState.NO_DRAFT
@@ -341,6 +350,14 @@ class RequestState:
 
     def _propose(self, cap: int) -> tuple[str | None, int, Draft | None, str | None]:
         """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step)."""
+        if self.prediction is not None and cap > 0:
+            try:
+                draft = self.prediction.propose(self.context, cap)
+            except Exception as error:  # as any drafter's: the reply goes on without it
+                self.prediction = None
+                return None, 0, None, f"The prediction failed ({_describe(error)}); continuing without it."
+            if draft.token_ids:
+                return self.prediction.name, len(draft), draft, None
         name, gamma = self._choose() if cap > 0 else (None, 0)
         if name is None or gamma <= 0:
             return None, 0, None, None
@@ -397,7 +414,9 @@ class RequestState:
                 verify_s=verify_s,
                 tried=result.tried,
             )
-            if name in self.candidates:
+            if self.prediction is not None and name == self.prediction.name:
+                self.prediction.observe(result.accepted)
+            elif name in self.candidates:
                 self.spec.drafters[name].observe(result.accepted)
         elif self.candidates:  # a plain step measures T_target(1) for every candidate's policy
             for policy in self.policies.values():

@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from specchat.backend.api import MAX_GAMMA
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, native, quant_linear, switched_off
 from specchat.backend.kv import attention
@@ -163,6 +164,13 @@ class ModelRunner:
         if self.compact is not None:
             return "cpu-compact"
         return "cpu-packed" if self.packed_layers else "eager"
+
+    @property
+    def exact_rows(self) -> int:
+        """The most tokens a pass may hold with every row's logits what a one-token pass gives, bit for bit:
+        the compact forward's row-wise attention (and its C++ layers) take ``compact.ROWWISE_ROWS``; the CUDA
+        graphs' largest bucket and the eager paths are held to ``MAX_GAMMA + 1`` (what they are tested at)."""
+        return compact.ROWWISE_ROWS if self.path == "cpu-compact" else MAX_GAMMA + 1
 
     def forward(
         self,

@@ -72,6 +72,7 @@ class StepCounts:
     reached: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position: steps reaching it
     accepted_at: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position: steps accepting it
     accepted_lengths: Counter[int] = field(default_factory=Counter)  # accepted count -> speculating steps
+    kept: Counter[str] = field(default_factory=Counter)  # drafter -> accepted drafts in the reply (a stop cuts some)
     drafted: int = 0
     accepted: int = 0
     rejected_steps: int = 0  # speculating steps that ended in a rejection
@@ -131,6 +132,7 @@ class StepCounts:
             taken[i] += 1
         self.drafted += gamma
         self.accepted += accepted
+        self.kept[drafter] += min(accepted, emitted)
         self.rejected_steps += accepted < judged
         self.accepted_lengths[accepted] += 1
         self.spec_emitted += emitted
@@ -148,6 +150,7 @@ class StepCounts:
             _add_rows(self.reached.setdefault(name, []), counts)
             _add_rows(self.accepted_at.setdefault(name, []), other.accepted_at[name])
         self.accepted_lengths.update(other.accepted_lengths)
+        self.kept.update(other.kept)
         for name in (
             "drafted",
             "accepted",
@@ -210,6 +213,10 @@ class StepCounts:
             _add_rows(reached, self.reached.get(name, []))
             _add_rows(taken, self.accepted_at.get(name, []))
         return [_rate(a, r) for a, r in zip(taken, reached)]
+
+    def drafted_by(self, drafter: str) -> int:
+        """Tokens ``drafter`` proposed and the target verified."""
+        return sum(gamma * n for (name, gamma), n in self.steps.items() if name == drafter)
 
     def mean_pass_s(self, n: int) -> float | None:
         seconds, passes = self.pass_s.get(n, (0.0, 0))
@@ -277,6 +284,7 @@ class SpecStats:
         self.policy_estimate: float | None = None  # the γ policy's S, preferred over the counts' own
         self.policy_estimates: Mapping[str, Any] | None = None
         self.tree = (0, 0, 0, 0, 0)  # the latest tree draft: nodes, depth, leaves, accepted depth, branch
+        self.prediction: tuple[str, int] | None = None  # (its drafter's name, its tokens) with a prediction
 
     def _emit(self, n: int) -> None:
         if n <= 0:
@@ -361,6 +369,7 @@ class SpecStats:
     def report(self, *, prompt_tokens: int = 0, drafter: str = "none") -> RequestStats:
         """The request's statistics now. ``drafter``: reported when no drafter ran a speculating step."""
         c, wall = self.counts, self.wall_s
+        name, predicted = self.prediction or ("", None)
         steps = c.total_steps
         longest = max(c.accepted_lengths, default=-1)
         return RequestStats(
@@ -401,4 +410,7 @@ class SpecStats:
             tree_width=self.tree[2],
             tree_accepted=self.tree[3],
             tree_branch=self.tree[4],
+            prediction_tokens=predicted,
+            accepted_prediction_tokens=c.kept[name] if predicted is not None else None,
+            rejected_prediction_tokens=c.drafted_by(name) - c.kept[name] if predicted is not None else None,
         )
