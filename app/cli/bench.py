@@ -52,6 +52,8 @@ def run(args) -> int:
             pair_name=config.name,
             remote_kind=remote_kind,
             llamacpp_missing=_llamacpp_missing(config.target) if remote_kind is None else None,
+            llama_server_missing=_llama_server_missing(args, config.target) if remote_kind is None else None,
+            rewrite=_rewrite(args),
         )
     err = Console(stderr=True)
 
@@ -77,6 +79,21 @@ def _llamacpp_missing(spec) -> str | None:
     from specchat.backend.models.loading import gguf_path
 
     return unavailable(gguf_path(spec))
+
+
+def _llama_server_missing(args, spec) -> str | None:
+    """Why the llama-server modes cannot run on this target (None: they can)."""
+    from specchat.backend.bench.llama_server import unavailable
+    from specchat.backend.models.loading import gguf_path
+
+    return unavailable(getattr(args, "llama_server", None), gguf_path(spec))
+
+
+def _rewrite(args) -> bool:
+    """The rewrite family (its own default modes: backend/bench/modes.py)."""
+    from specchat.backend.bench.suites import REWRITE_FAMILY
+
+    return args.suite == REWRITE_FAMILY
 
 
 def _native_layers(engine) -> str:
@@ -169,17 +186,33 @@ def execute(
         try:
             remote = engine.pair.remote
             missing = _llamacpp_missing(engine.target.spec) if remote is None else None
+            server_missing = _llama_server_missing(args, engine.target.spec) if remote is None else None
             modes = parse_modes(
                 args.modes,
                 has_draft=engine.draft is not None,
                 pair_name=engine.pair.name,
                 remote_kind=remote.server_kind if remote is not None else None,
                 llamacpp_missing=missing,
+                llama_server_missing=server_missing,
+                rewrite=_rewrite(args),
             )
-            if missing is not None and not args.modes:
+            if missing is not None and not args.modes and not _rewrite(args):
                 err.print(f"[yellow]llama.cpp modes left out: {escape(missing)}[/yellow]", highlight=False)
-            kind = RemoteBenchRunner if remote is not None else BenchRunner
-            runner = kind(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed)
+            if server_missing is not None and not args.modes and _rewrite(args):
+                err.print(f"[yellow]llama-server modes left out: {escape(server_missing)}[/yellow]", highlight=False)
+            if remote is not None:
+                runner = RemoteBenchRunner(
+                    engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed
+                )
+            else:
+                runner = BenchRunner(
+                    engine,
+                    modes,
+                    max_new_tokens=max_new,
+                    temperature=temperature,
+                    seed=args.seed,
+                    llama_server=getattr(args, "llama_server", None),
+                )
             fitting = [p for p in prompts if runner.fits(p)]
             skipped = [p.id for p in prompts if p not in fitting]
             if skipped:
@@ -254,6 +287,8 @@ def execute(
                 }
             )
         finally:
+            if runner is not None and hasattr(runner, "close"):
+                runner.close()  # llama-server processes
             engine.close()
             # Drop this pair's models (and their transformers twins) before the next pair loads.
             engine = runner = None
