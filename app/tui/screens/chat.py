@@ -45,6 +45,7 @@ from textual.widgets import Footer, Header, Static
 from textual.worker import Worker, WorkerCancelled, WorkerError, WorkerFailed
 
 from specchat.app.chat.conversation import Conversation, Turn
+from specchat.app.chat.editing import edit_prediction
 from specchat.app.tui.bridge import LiveView, ReplyBuffer, ReplyOutcome, run_generation
 from specchat.app.tui.messages import PromptSubmitted, ReplyProgress
 from specchat.app.tui.screens.chat_actions import WELCOME, ChatActionsMixin
@@ -259,6 +260,7 @@ class ChatScreen(ChatActionsMixin, Screen):
             gamma=settings.gamma,
             conversation=self.conv.key,
             prefill_progress=True,
+            prediction=edit_prediction(edit[0]) if edit else None,  # a whole-file /edit: drafted from the file
         )
         turn, saver = self.conv.start_reply()
         view = AssistantMessage(header=f"Assistant · {self.app.current_pair_name}", token_view=self.token_view)

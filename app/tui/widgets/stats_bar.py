@@ -95,6 +95,8 @@ def reply_totals(stats: RequestStats, finish_reason: str, error: str | None = No
     if stats.drafted:
         parts.append(f"acceptance {pct(stats.acceptance_rate)}")
         parts.append(f"τ {num(stats.mean_accepted_length, 2)}")
+    if stats.accepted_prediction_tokens is not None:
+        parts.append(prediction_label(stats))
     if stats.drafter:
         parts.append("plain decoding" if stats.drafter == "none" else stats.drafter)
     note = FINISH_NOTES.get(finish_reason, finish_reason)
@@ -105,6 +107,11 @@ def reply_totals(stats: RequestStats, finish_reason: str, error: str | None = No
     if note:
         parts.append(note)
     return " · ".join(parts)
+
+
+def prediction_label(stats: RequestStats) -> str:
+    """How much of a prediction (a whole-file /edit's file) the reply kept: its tokens accepted and rejected."""
+    return f"prediction {stats.accepted_prediction_tokens} ✓ {stats.rejected_prediction_tokens} ✗"
 
 
 def stored_totals(meta: Mapping[str, Any] | None) -> str:
@@ -336,6 +343,8 @@ class StatsBar(Horizontal):
         text.append(f"  {num(rate)} tok/s", style="bold cyan")
         text.append(f"  acc {pct(stats.acceptance_rate)}")
         text.append(f"  τ {num(stats.mean_accepted_length, 2)}")
+        if stats.accepted_prediction_tokens is not None:
+            text.append(f"  {prediction_label(stats)}", style="magenta")
         if streaming:
             text.append(f"  γ {'—' if stats.last_gamma is None else stats.last_gamma}")
             label = policy_label(live)
