@@ -92,7 +92,7 @@ def test_rewrite_modes_by_default_and_by_name():
     for bad, message in [
         ("llama-server-ngram:ngram-fast", "n-gram types are"),
         ("llama-server:4", "takes no suffix"),
-        ("prediction:4", "unknown bench mode"),
+        ("prediction:4", "take a :GAMMA suffix"),
     ]:
         with pytest.raises(RequestError, match=message):
             parse_modes([bad], has_draft=False, pair_name="p")
@@ -177,6 +177,7 @@ def test_llama_server_modes_run_interleaved_against_a_fake_server(tmp_path, fake
         device=None,
         synthetic=None,
         llama_server=str(binary),
+        repeats=1,
     )
     out = Console(file=io.StringIO(), width=220, record=True)
     assert cmd_bench.execute(args, 1, lambda i: engine, err=Console(file=io.StringIO()), out=out) == 0
@@ -193,8 +194,8 @@ def test_llama_server_modes_run_interleaved_against_a_fake_server(tmp_path, fake
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     rows = {r["mode"]: r for r in data["rows"]}
     requests = [r["request"] for r in records if "request" in r]
-    measured = [q for q in requests if q["n_predict"] == 5]
-    assert len(measured) == 2 and all(q["cache_prompt"] is False and q["temperature"] == 0.0 for q in measured)
+    measured = [q for q in requests if q["n_predict"] == 5]  # a warm-up and one measured run per mode
+    assert len(measured) == 4 and all(q["cache_prompt"] is False and q["temperature"] == 0.0 for q in measured)
     rendered = render(engine.tokenizer, load_suite("code-edit", 1)[0].message_dicts())
     assert all(q["prompt"] == rendered for q in measured)  # the ids specchat rendered, as they are
     assert rows["llama-server"]["new_tokens"] == rows["llama-server-ngram"]["new_tokens"] == 5
