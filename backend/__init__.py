@@ -3,7 +3,7 @@
 Folders, each owning one concern; dependencies point one way (bench -> engine -> speculative, kv, kernels, models):
 
 - ``api.py``: what a request asks for and what each decoding step reports (no torch): the seam every
-  consumer and any other engine implementation shares;
+  consumer and any other engine implementation shares; ``limits.py``: every limit and default, and their checks;
 - ``engine/``: the engine (lock, conversations), one request's prefill / propose / verify / commit loop, the
   model runner, prompt rendering and detokenisation;
 - ``kv/``: the paged KV cache (block bookkeeping, storage) and the attention that reads it;

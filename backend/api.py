@@ -1,4 +1,4 @@
-"""The engine API: what a request asks for, what each decoding step reports, and every limit, defined once.
+"""The engine API: what a request asks for and what each decoding step reports (limits: ``backend/limits.py``).
 
 Every consumer (the Textual UI, `specchat generate`, `specchat bench`, and any other engine that implements
 :class:`EngineAPI`, such as a client of a remote server) reads only these types. Pure dataclasses: no torch, no
@@ -17,30 +17,23 @@ pass after prefill. Each emitted token has a :class:`TokenSource`:
 from __future__ import annotations
 
 import enum
-import math
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from specchat.backend.errors import RequestError
-
-# -- limits: each one is defined here and nowhere else --------------------------------------------------------
-DEFAULT_PAIR = "smollm2-135m"  # the pair opened first: the embedded default model
-MAX_GAMMA = 31  # drafted tokens per step: n = γ + 1 <= 32, the largest CUDA-graph bucket
-# A prediction's drafts per step (GenerationRequest.prediction): n = 64 rows, what the CPU paths attend row by row
-# (kernels/compact.ROWWISE_ROWS); a path that does not (CUDA graphs, eager) keeps MAX_GAMMA (runner.exact_rows).
-MAX_PREDICTION_GAMMA = 63
-MAX_PREDICTION_CHARS = 1 << 22  # a prediction's text: more than any context holds
-MAX_TEMPERATURE = 10.0  # 0 is greedy
-MAX_REPETITION_PENALTY = 10.0  # 1 is none; values in (0, 1) favour repeats
-MAX_NEW_TOKENS = 1 << 20  # per reply; the pair's context length is the practical bound
-MAX_SEED = 2**64 - 1  # seeds are 0 .. MAX_SEED
-PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scratch of long prompts
-MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
-DEFAULT_MAX_NEW_TOKENS = 512  # when neither the request nor the pair says
-
-DRAFTERS = ("none", "prompt-lookup", "suffix", "draft-model", "auto")  # what a request may ask for
+from specchat.backend.limits import (
+    DRAFTERS,
+    MAX_PREDICTION_CHARS,
+    SAMPLING_LIMITS,
+    DrafterName,
+    Gamma,
+    check_gamma,
+    check_sampling_value,
+    is_int,
+    is_number,
+)
 
 
 class TokenSource(enum.IntEnum):
@@ -61,50 +54,6 @@ class PolicyState(str, enum.Enum):
 
 
 FinishReason = Literal["eos", "stop", "length", "context", "cancelled", "error"]
-DrafterName = Literal["none", "prompt-lookup", "suffix", "draft-model", "auto"]
-Gamma = int | Literal["auto"]
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# name -> (check, what to use instead); a value None is "unset" and never checked here.
-SAMPLING_LIMITS: dict[str, tuple[Any, str]] = {
-    "temperature": (
-        lambda v: _is_number(v) and 0 <= v <= MAX_TEMPERATURE,
-        f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}",
-    ),
-    "top_k": (lambda v: _is_int(v) and v >= 0, "a whole number >= 0 (0: no top-k)"),
-    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1] (1: no top-p)"),
-    "repetition_penalty": (
-        lambda v: _is_number(v) and 0 < v <= MAX_REPETITION_PENALTY,
-        f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty)",
-    ),
-    "max_new_tokens": (lambda v: _is_int(v) and 1 <= v <= MAX_NEW_TOKENS, f"a whole number from 1 to {MAX_NEW_TOKENS}"),
-    "seed": (lambda v: _is_int(v) and 0 <= v <= MAX_SEED, "a whole number from 0 to 2**64 - 1"),
-}
-
-
-def check_sampling_value(name: str, value: Any) -> None:
-    """Raise :class:`RequestError` naming ``name``, ``value`` and the accepted range unless ``value`` is None or
-    within :data:`SAMPLING_LIMITS`. The one check behind the CLI, the settings, models.yaml and the engine."""
-    if value is None:
-        return
-    ok, what = SAMPLING_LIMITS[name]
-    if not ok(value):
-        raise RequestError(f"sampling setting {name}={value!r} is out of range: use {what}")
-
-
-def check_gamma(value: Any) -> Gamma:
-    """``value`` as a γ ("auto" or 1 .. MAX_GAMMA); RequestError naming it otherwise."""
-    if value == "auto" or (_is_int(value) and 1 <= value <= MAX_GAMMA):
-        return value
-    raise RequestError(f"gamma must be 'auto' or a number from 1 to {MAX_GAMMA}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +107,7 @@ class GenerationRequest:
         ):
             raise RequestError(f"prediction must be a text of at most {MAX_PREDICTION_CHARS} characters")
         if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise RequestError(
-                f"unknown drafter {self.drafter!r}; use none, prompt-lookup, suffix, draft-model or auto"
-            )
+            raise RequestError(f"unknown drafter {self.drafter!r}; use {', '.join(DRAFTERS[:-1])} or {DRAFTERS[-1]}")
         if self.gamma is not None:
             check_gamma(self.gamma)
         if not isinstance(self.sampling, SamplingParams):
@@ -216,6 +163,9 @@ class RequestStats:
       with this seed replays the reply, whatever the drafter and γ;
     - ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` τ = 1 + accepted / speculating steps;
     - ``per_position_acceptance[i]`` = steps that accepted draft position i / steps that reached it;
+    - ``step_counts``: the counts every figure above is computed from (``StepCounts.to_dict()``: steps and
+      times by drafter and γ; per drafter, the steps that reached and that accepted each draft position; ...):
+      figures over many requests (`specchat serve`'s /metrics, the bench) add these up rather than recount;
     - ``wall_s`` from the request's start to its last token, ``ttft_s`` to its first; ``tok_s`` = new_tokens /
       wall_s (prefill included); ``spec_tok_s`` / ``plain_tok_s``: tokens per second of step time over
       speculating / plain steps;
@@ -259,6 +209,7 @@ class RequestStats:
     last_gamma: int | None = 0
     last_policy: PolicyState | None = None
     policy: Mapping[str, Any] | None = None  # the γ policy's estimates (a single drafter), for diagnostics
+    step_counts: Mapping[str, Any] | None = None  # None: the engine cannot know them (a remote server's reply)
     no_draft_steps: int = 0
     draft_prefill_tokens: int = 0
     draft_reused_tokens: int = 0
@@ -286,6 +237,7 @@ class RequestStats:
         out["accepted_length_histogram"] = list(self.accepted_length_histogram)
         out["last_policy"] = self.last_policy.value if self.last_policy is not None else None
         out["policy"] = dict(self.policy) if self.policy is not None else None
+        out["step_counts"] = dict(self.step_counts) if self.step_counts is not None else None
         return out
 
     @classmethod
@@ -309,18 +261,18 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
     if name == "gamma":
         if not isinstance(value, Mapping):
             raise TypeError(name)
-        return GammaSummary(*(value.get(k) if _is_number(value.get(k)) else None for k in ("mode", "mean", "max")))
+        return GammaSummary(*(value.get(k) if is_number(value.get(k)) else None for k in ("mode", "mean", "max")))
     if name == "last_policy":
         return None if value is None else PolicyState(value)
     if name in ("per_position_acceptance", "accepted_length_histogram"):
-        if not isinstance(value, (list, tuple)) or not all(v is None or _is_number(v) for v in value):
+        if not isinstance(value, (list, tuple)) or not all(v is None or is_number(v) for v in value):
             raise TypeError(name)
         return tuple(value)
     if name == "seed" or name.endswith("prediction_tokens"):  # a whole number (JSON: exact below 2**53)
-        if value is not None and not _is_int(value):
+        if value is not None and not is_int(value):
             raise TypeError(name)
         return value
-    if name == "policy":
+    if name in ("policy", "step_counts"):
         if value is not None and not isinstance(value, Mapping):
             raise TypeError(name)
         return value
@@ -332,7 +284,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         if default is not None and name not in _OPTIONAL_NUMBERS:
             raise TypeError(name)
         return None
-    if not _is_number(value):
+    if not is_number(value):
         raise TypeError(name)
     return int(value) if isinstance(default, int) and not isinstance(default, bool) else float(value)
 

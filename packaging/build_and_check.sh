@@ -36,13 +36,13 @@ step "check the wheel's contents"
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 needed = ["specchat/__init__.py", "specchat/app/cli/main.py", "specchat/app/cli/models.py",
-          "specchat/backend/models/config.py", "specchat/backend/models/loading.py", "specchat/backend/models.yaml"]
+          "specchat/backend/models/config.py", "specchat/backend/models/loading.py", "specchat/backend/models/models.yaml"]
 missing = [n for n in needed if n not in names]
 if missing:
     sys.exit(f"wheel lacks: {', '.join(missing)}")
-info = zipfile.ZipFile(sys.argv[1]).getinfo("specchat/backend/models.yaml")
+info = zipfile.ZipFile(sys.argv[1]).getinfo("specchat/backend/models/models.yaml")
 if info.file_size < 1000:  # a symlink stored as a link would be a few bytes
-    sys.exit(f"specchat/backend/models.yaml in the wheel is only {info.file_size} bytes")
+    sys.exit(f"specchat/backend/models/models.yaml in the wheel is only {info.file_size} bytes")
 print(f"ok: {len(names)} files, models.yaml {info.file_size} bytes")
 PY
 

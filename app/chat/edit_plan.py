@@ -341,9 +341,9 @@ def _plan_whole(targets: list[EditTarget], reply: str, request: str) -> EditPlan
             chosen[0] = (target, best.text, best.closed)
     else:
         for block in blocks:
-            target = _target_for(_name_before(lines, block.line) or "", targets) if block.line >= 0 else None
-            if target is not None:
-                chosen[targets.index(target)] = (target, block.text, block.closed)
+            named = _target_for(_name_before(lines, block.line) or "", targets) if block.line >= 0 else None
+            if named is not None:
+                chosen[targets.index(named)] = (named, block.text, block.closed)
     if not chosen:
         attached = ", ".join(t.shown for t in targets)
         if len(targets) > 1 and blocks:

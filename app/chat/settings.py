@@ -25,10 +25,20 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from specchat.backend.api import MAX_GAMMA, SAMPLING_LIMITS, DrafterName, SamplingParams
+from specchat.backend.api import SamplingParams
 from specchat.backend.errors import SpecchatError
 from specchat.backend.files import read_only_reason, remove_stale_temporaries, write_atomic
 from specchat.backend.inputs import InputError, parse_json, shown
+from specchat.backend.limits import (
+    CHAT_MAX_NEW_TOKENS,
+    CHAT_MAX_NEW_TOKENS_LIMIT,
+    MAX_GAMMA,
+    MAX_TEMPERATURE,
+    SAMPLING_LIMITS,
+    DrafterName,
+    Gamma,
+    is_gamma,
+)
 from specchat.backend.paths import config_dir
 
 SETTINGS_FILE = "settings.json"
@@ -39,7 +49,6 @@ DRAFTER_CHOICES: dict[str, str] = {
     "suffix": "Suffix tree",
     "none": "Off",
 }
-MAX_NEW_TOKENS_LIMIT = 32768
 MAX_SETTINGS_BYTES = 1 << 20  # the file; a system prompt of a few pages is ~10 kB
 MAX_SYSTEM_PROMPT_CHARS = 200_000
 MAX_NAME_CHARS = 200  # theme, last_pair
@@ -55,9 +64,9 @@ class Settings:
     temperature: float | None = None  # None: pair default; 0: greedy
     top_p: float | None = None  # None: pair default; (0, 1]
     top_k: int | None = None  # None: pair default; 0: no top-k
-    max_new_tokens: int = 1024
+    max_new_tokens: int = CHAT_MAX_NEW_TOKENS
     drafter: DrafterChoice = "pair"
-    gamma: int | Literal["auto"] | None = None  # None: pair default; "auto": adaptive; int: fixed
+    gamma: Gamma | None = None  # None: pair default; "auto": adaptive; int: fixed
     system_prompt: str = ""
     theme: str | None = None
     last_pair: str | None = None
@@ -107,8 +116,8 @@ def _sampling(name: str, kind: type, expected: str) -> Callable[[Any], Any]:
 
 def _max_new_tokens(value: Any) -> int:
     number = _number("max_new_tokens", value, int)
-    if number is None or not 1 <= number <= MAX_NEW_TOKENS_LIMIT:
-        raise SettingsError(f"setting 'max_new_tokens': {shown(number)} is outside 1 .. {MAX_NEW_TOKENS_LIMIT}")
+    if number is None or not 1 <= number <= CHAT_MAX_NEW_TOKENS_LIMIT:
+        raise SettingsError(f"setting 'max_new_tokens': {shown(number)} is outside 1 .. {CHAT_MAX_NEW_TOKENS_LIMIT}")
     return number
 
 
@@ -122,7 +131,7 @@ def _gamma(value: Any) -> int | str | None:
     if value is None or value == "auto":
         return value
     number = _number("gamma", value, int)
-    if not 1 <= number <= MAX_GAMMA:
+    if not is_gamma(number):
         raise SettingsError(f"setting 'gamma': {shown(number)} is outside 1 .. {MAX_GAMMA} (or use 'auto')")
     return number
 
@@ -154,7 +163,7 @@ def _flag(name: str) -> Callable[[Any], bool]:
 
 # One check per field: the value normalised, or SettingsError naming the field, the value and the accepted form.
 _CHECKS: dict[str, Callable[[Any], Any]] = {
-    "temperature": _sampling("temperature", float, "outside 0 (greedy) .. 10"),
+    "temperature": _sampling("temperature", float, f"outside 0 (greedy) .. {MAX_TEMPERATURE:g}"),
     "top_p": _sampling("top_p", float, "outside (0, 1] (1 turns top-p off)"),
     "top_k": _sampling("top_k", int, "negative (0 turns top-k off)"),
     "max_new_tokens": _max_new_tokens,

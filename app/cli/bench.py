@@ -4,14 +4,16 @@ A remote pair (its target is a server) runs mode ``server`` (and, on `specchat s
 modes) through backend/bench/remote.py; transformers modes are refused for it by name.
 
 Contract: ``run(args) -> int`` with the namespace of app/cli/main.py's bench parser (pair: list | None, suite,
-limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic). Prints an estimate of the
-run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per family on
-stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0.
+limit, max_new_tokens, modes, out, temperature, seed, models, device, synthetic, kernels, threads). Prints an
+estimate of the run's time after the warm-up, a progress bar over prompts × modes on stderr, then one table per
+family on stdout; writes bench.json, bench.txt and speedup.png to ``--out``. Returns 0. ``--kernels`` times the
+GGUF block kernels instead (backend/bench/kernels.py) and loads no pair.
 
-Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``DEFAULT_MAX_NEW_TOKENS``
-128 tokens, each run ``DEFAULT_REPEATS`` 2 times so the tables show how much a figure moves between runs
-(the spread column) instead of one number that noise alone can halve. The estimate printed after the warm-up
-covers the whole run (repeats included); the final line says how long it took against it.
+Defaults: suite all = 7 families × ``DEFAULT_LIMIT`` 2 prompts × the pair's modes × ``BENCH_MAX_NEW_TOKENS``
+128 tokens (backend/limits.py, with the temperature and seed), each run ``DEFAULT_REPEATS`` 2 times so the
+tables show how much a figure moves between runs (the spread column) instead of one number that noise alone
+can halve. The estimate printed after the warm-up covers the whole run (repeats included); the final line says
+how long it took against it.
 """
 
 from __future__ import annotations
@@ -21,18 +23,23 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 DEFAULT_LIMIT = 2
-DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_REPEATS = 2
 
 
 def run(args) -> int:
     _check_args(args)  # the bench arguments' boundary: before anything loads
+    if getattr(args, "kernels", False):
+        # The GGUF block kernels alone, on random weights of every type (issue 31): no pair is loaded.
+        from specchat.backend.bench.kernels import run_kernels
+
+        return run_kernels(args)
     if getattr(args, "synthetic", None):
         # Random-weight models with real shapes on the device (issue 8): a separate measurement, its own table.
         from specchat.backend.bench.synthetic import run_synthetic
@@ -113,19 +120,20 @@ def _repeats(args) -> int:
     return int(value) if value is not None else DEFAULT_REPEATS
 
 
-def _check_args(args) -> tuple[int, int, float]:
-    """(limit, max new tokens, temperature); RequestError naming the option for a value the run cannot use."""
-    from specchat.backend.api import MAX_SEED, MAX_TEMPERATURE
+def _check_args(args) -> tuple[int, int, float, int]:
+    """(limit, max new tokens, temperature, seed); RequestError naming the option for a value the run cannot use.
+    The temperature and seed arrive with their defaults (main.py's parser: backend/limits.py's BENCH_*) and are
+    checked here once, against the engine's own limits, before anything loads."""
     from specchat.backend.errors import RequestError
+    from specchat.backend.limits import BENCH_MAX_NEW_TOKENS, SAMPLING_LIMITS
 
     limit = args.limit if args.limit is not None else DEFAULT_LIMIT
-    max_new = args.max_new_tokens if args.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
-    temperature = float(args.temperature or 0.0)
-    if not 0 <= temperature <= MAX_TEMPERATURE:
-        raise RequestError(f"--temperature must be between 0 (greedy) and {MAX_TEMPERATURE:g}, got {temperature}")
-    seed = getattr(args, "seed", 0)
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise RequestError(f"--seed must be a whole number from 0 to 2**64 - 1, got {seed}")
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else BENCH_MAX_NEW_TOKENS
+    temperature, seed = float(args.temperature), args.seed
+    for name, value in (("max_new_tokens", max_new), ("temperature", temperature), ("seed", seed)):
+        ok, what = SAMPLING_LIMITS[name]
+        if not ok(value):
+            raise RequestError(f"--{name.replace('_', '-')} must be {what}, got {value}")
     out = Path(getattr(args, "out", None) or "bench_out")
     try:
         os.fsencode(out)
@@ -133,7 +141,7 @@ def _check_args(args) -> tuple[int, int, float]:
         raise RequestError(f"--out {str(out)!r}: not a usable folder name; name a folder for bench.json") from None
     if out.exists() and not out.is_dir():
         raise RequestError(f"--out {out} is a file, not a folder; name a folder for bench.json and the chart")
-    return limit, max_new, temperature
+    return limit, max_new, temperature, seed
 
 
 def _server_positions(runner, before) -> dict:
@@ -147,9 +155,10 @@ def _server_positions(runner, before) -> dict:
 
 
 def execute(
-    args, num_pairs: int, load: Callable[[int], object], *, err: Console | None = None, out: Console | None = None
+    args, num_pairs: int, load: Callable[[int], Any], *, err: Console | None = None, out: Console | None = None
 ) -> int:
-    """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run)."""
+    """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run): an
+    in-process ``Engine`` or a remote pair's ``RemoteEngine``, whichever the pair needs."""
     from specchat.backend.bench.bounds import bandwidth_bounds, describe
     from specchat.backend.bench.remote import RemoteBenchRunner
     from specchat.backend.bench.report import aggregate_with_overall, print_report, write_chart, write_json
@@ -162,7 +171,7 @@ def execute(
         out = Console()
         if not out.is_terminal:  # piped to a file: no terminal width to respect, keep the tables whole
             out = Console(width=170)
-    limit, max_new, temperature = _check_args(args)
+    limit, max_new, temperature, seed = _check_args(args)
     prompts = load_suite(args.suite, limit)
     out_dir = Path(args.out or "bench_out")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +181,7 @@ def execute(
         "max_new_tokens": max_new,
         "temperature": temperature,
         "greedy": temperature <= 0,
-        "seed": args.seed,
+        "seed": seed,
         "modes": args.modes,
         "device": args.device,
         **environment(),
@@ -181,8 +190,11 @@ def execute(
     estimated_s = 0.0
     started = time.perf_counter()
     interrupted = False
+    sources: dict[str, str] = {}  # pair -> target source, for the measured speeds the listings show
     for index in range(num_pairs):
-        engine, runner = load(index), None
+        engine = load(index)
+        runner: BenchRunner | RemoteBenchRunner | None = None
+        sources[engine.pair.name] = engine.pair.target.source
         try:
             remote = engine.pair.remote
             missing = _llamacpp_missing(engine.target.spec) if remote is None else None
@@ -201,16 +213,14 @@ def execute(
             if server_missing is not None and not args.modes and _rewrite(args):
                 err.print(f"[yellow]llama-server modes left out: {escape(server_missing)}[/yellow]", highlight=False)
             if remote is not None:
-                runner = RemoteBenchRunner(
-                    engine, modes, max_new_tokens=max_new, temperature=temperature, seed=args.seed
-                )
+                runner = RemoteBenchRunner(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=seed)
             else:
                 runner = BenchRunner(
                     engine,
                     modes,
                     max_new_tokens=max_new,
                     temperature=temperature,
-                    seed=args.seed,
+                    seed=seed,
                     llama_server=getattr(args, "llama_server", None),
                 )
             fitting = [p for p in prompts if runner.fits(p)]
@@ -244,7 +254,7 @@ def execute(
                 f"warm-up decode tok/s: {speeds})",
                 highlight=False,
             )
-            counters = runner.server_counters() if remote is not None else None
+            counters = runner.server_counters() if isinstance(runner, RemoteBenchRunner) else None
             run_start = time.perf_counter()
             pair_rows: list = []
             progress = Progress(
@@ -300,6 +310,10 @@ def execute(
     meta["repeats"] = _repeats(args)
     meta["interrupted"] = interrupted
     aggs = aggregate_with_overall(rows)
+    if not interrupted:
+        from specchat.backend.bench.measured import record
+
+        record(aggs, {**meta, "threads": meta.get("torch_threads")}, sources)
     greedy = temperature <= 0
     print_report(out, aggs, rows, greedy=greedy)
     text = Console(file=io.StringIO(), width=170, record=True)

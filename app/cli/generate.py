@@ -25,7 +25,7 @@ import json
 import sys
 
 from specchat.app.tui.bridge import step_name
-from specchat.backend.api import RequestStats
+from specchat.backend.api import EngineAPI, RequestStats
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
 
@@ -87,7 +87,7 @@ def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
 
 def read_prediction(path: str) -> str:
     """The ``--prediction-file``'s text (UTF-8); RequestError naming the file and what to do otherwise."""
-    from specchat.backend.api import MAX_PREDICTION_CHARS
+    from specchat.backend.limits import MAX_PREDICTION_CHARS
 
     name = path if path.isprintable() and len(path) <= 300 else shown(path)
     try:
@@ -202,7 +202,8 @@ def _history_replies() -> list[str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specchat.backend.api import DEFAULT_PAIR, GenerationRequest, SamplingParams
+    from specchat.backend.api import GenerationRequest, SamplingParams
+    from specchat.backend.limits import DEFAULT_PAIR
     from specchat.backend.models.config import get_pair, load_pairs
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
@@ -219,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             (pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
             for pid, msgs in prompts
         ]
+    engine: EngineAPI
     if pair.remote is not None:
         from specchat.backend.remote.client import RemoteEngine
 
@@ -281,6 +283,7 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         if not as_json and event.text:
             out.write(event.text)
         last = event
+    assert last is not None  # generate() always ends with the event that carries finish_reason
     stats = last.stats or RequestStats()
     if as_json:
         record = {

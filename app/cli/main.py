@@ -11,10 +11,20 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from specchat import __version__
 from specchat.backend.bench.suites import SUITES
 from specchat.backend.inputs import shown
+from specchat.backend.limits import (
+    BENCH_MAX_NEW_TOKENS,
+    BENCH_SEED,
+    BENCH_TEMPERATURE,
+    DRAFTERS,
+    MAX_GAMMA,
+    SERVE_MAX_TOKENS,
+    is_gamma,
+)
 
 EPILOG = """\
 commands:
@@ -22,6 +32,7 @@ commands:
   generate    headless generation; --json prints one JSON object per sample on stdout
   bench       measure every decoding mode against transformers in one run
   models      list the model pairs of models.yaml with memory estimates (remote pairs: reachable?)
+  add         add a model (a .gguf file, a folder, a hub id or hf:ORG/NAME/FILE.gguf) to your models.yaml
   serve       the local engine behind an OpenAI-compatible API (for editors, agents, remote pairs)
 
 Run `specchat COMMAND --help` for a command's options.
@@ -68,7 +79,7 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
 
 
-def _one_of(choices: list[str]):
+def _one_of(choices: Sequence[str]):
     def check(text: str) -> str:
         if text not in choices:
             raise argparse.ArgumentTypeError(f"{shown(text)} is not one of {', '.join(choices)}")
@@ -90,14 +101,12 @@ def _port(text: str) -> int:
 
 
 def _gamma(text: str) -> int | str:
-    from specchat.backend.api import MAX_GAMMA
-
     if text == "auto":
         return text
     if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 18):
         raise argparse.ArgumentTypeError(f"expected a number of draft tokens or 'auto', got {shown(text)}")
     value = int(text)
-    if not 1 <= value <= MAX_GAMMA:
+    if not is_gamma(value):
         raise argparse.ArgumentTypeError(f"gamma must be between 1 and {MAX_GAMMA} (or 'auto'), got {value}")
     return value
 
@@ -128,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_global_options(gen, suppress_defaults=True)
     gen.add_argument("--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS)
-    drafters = ["none", "prompt-lookup", "suffix", "draft-model", "auto"]
+    drafters = list(DRAFTERS)
     gen.add_argument(
         "--drafter",
         type=_one_of(drafters),
@@ -184,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, nothing else")
 
-    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_MAX_NEW_TOKENS, DEFAULT_REPEATS
+    from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_REPEATS
 
     bench = sub.add_parser(
         "bench",
@@ -217,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         metavar="N",
-        help=f"new tokens per reply (default: {DEFAULT_MAX_NEW_TOKENS})",
+        help=f"new tokens per reply (default: {BENCH_MAX_NEW_TOKENS})",
     )
     bench.add_argument(
         "--repeats",
@@ -237,8 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--out", metavar="DIR", default="bench_out", help="where the JSON and PNG go (default: bench_out)"
     )
-    bench.add_argument("--temperature", type=_number, default=0.0, metavar="T", help="0 is greedy (default: 0)")
-    bench.add_argument("--seed", type=_whole, default=0, metavar="S", help="(default: 0)")
+    bench.add_argument(
+        "--temperature",
+        type=_number,
+        default=BENCH_TEMPERATURE,
+        metavar="T",
+        help=f"0 is greedy (default: {BENCH_TEMPERATURE:g})",
+    )
+    bench.add_argument("--seed", type=_whole, default=BENCH_SEED, metavar="S", help=f"(default: {BENCH_SEED})")
     bench.add_argument(
         "--llama-server",
         metavar="PATH",
@@ -251,6 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="random-weight models with real shapes on the device (GPU speed check)",
     )
+    bench.add_argument(
+        "--kernels",
+        action="store_true",
+        help="time the GGUF block kernels per weight type at 1/4/16/64 rows, beside the memory bound",
+    )
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for --kernels (default: torch's current count)",
+    )
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)
@@ -258,7 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--pair", metavar="NAME", type=_pair_name, default=argparse.SUPPRESS, help="show only this pair"
     )
 
-    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_TOKENS, DEFAULT_QUEUE
+    add = sub.add_parser(
+        "add",
+        help="add a model pair to your models.yaml",
+        description="Add a pair to your models.yaml from a model source alone (sizes are read from its files); "
+        "with --draft, the draft's tokenizer must match the target's.",
+    )
+    _add_global_options(add, suppress_defaults=True)
+    add.add_argument("source", help="a .gguf file, a model folder, a hub id org/name, or hf:ORG/NAME/FILE.gguf")
+    add.add_argument("--draft", metavar="SOURCE", default=None, help="a smaller model of the same family")
+    add.add_argument("--name", metavar="NAME", type=_pair_name, default=None, help="the pair's name")
+
+    from specchat.app.serve.boundary import DEFAULT_MAX_BODY_BYTES, DEFAULT_QUEUE
 
     serve = sub.add_parser(
         "serve",
@@ -288,9 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-tokens",
         type=_positive_int,
-        default=DEFAULT_MAX_TOKENS,
+        default=SERVE_MAX_TOKENS,
         metavar="N",
-        help=f"largest max_tokens a request may ask for (default {DEFAULT_MAX_TOKENS})",
+        help=f"largest max_tokens a request may ask for (default {SERVE_MAX_TOKENS})",
     )
     serve.add_argument(
         "--max-body-bytes",
@@ -326,10 +364,34 @@ def one_line(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _single_value_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options of ``parser`` and its subcommands that take exactly one value."""
+    found: list[argparse.Action] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _single_value_actions(sub)
+        elif action.option_strings and action.nargs is None and isinstance(action, argparse._StoreAction):
+            found.append(action)
+    return found
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, refusing an option whose value argparse dropped: ``--models=--`` parses as an empty list (argparse
+    strips a ``--`` value), which no one-value option can use."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for action in _single_value_actions(parser):
+        if getattr(args, action.dest, None) == []:
+            parser.error(f"{action.option_strings[0]} needs a value: '--' is not one")
+    return _normalise(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _normalise(build_parser().parse_args(argv))
+    args = _parse(argv)
     from specchat.backend.errors import SpecchatError
 
+    command: ModuleType  # the subcommand's module: each has run(args) -> int
     try:
         if args.command == "generate":
             from specchat.app.cli import generate as command
@@ -337,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from specchat.app.cli import bench as command
         elif args.command == "models":
             from specchat.app.cli import models as command
+        elif args.command == "add":
+            from specchat.app.cli import add as command
         elif args.command == "serve":
             from specchat.app.cli import serve as command
         else:

@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from specchat.app.cli.generate import _confirm_download, _progress
     from specchat.app.serve.boundary import Limits
     from specchat.app.serve.server import ServeConfig, make_server
-    from specchat.backend.api import DEFAULT_PAIR
     from specchat.backend.engine.engine import load_engine
+    from specchat.backend.limits import DEFAULT_PAIR
     from specchat.backend.models.capture import capture_library_output
     from specchat.backend.models.config import get_pair, load_pairs
 
@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError(
             f"cannot listen on {args.host}:{args.port} ({error.strerror or error}); pick another --port or --host"
         ) from None
-    host, port = server.server_address[:2]
+    address = server.server_address  # the socket's name after the bind: the host is a str (typeshed allows bytes)
+    host, port = str(address[0]), address[1]
     print(
         f"specchat serve: pair {pair.name} on http://{host}:{port}/v1 (model id '{pair.name}'; queue "
         f"{args.queue}; Ctrl+C stops)",

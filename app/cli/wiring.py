@@ -76,6 +76,8 @@ def default_pair_info(device: str | None) -> PairInfo:
             from specchat.backend.remote.client import check_server
 
             return {"remote": True, **check_server(pair.remote, pair.name)}
+        from specchat.backend.bench.measured import expected_speed
+        from specchat.backend.models import hub_gguf
         from specchat.backend.models.hub import is_cached
         from specchat.backend.models.loading import resolve_device
         from specchat.backend.models.memory import estimate_pair, free_memory
@@ -84,10 +86,15 @@ def default_pair_info(device: str | None) -> PairInfo:
         estimate = estimate_pair(pair, dev)
         free = free_memory(dev)
         draft = pair.draft if pair.drafter == "draft-model" else None
-        specs = [s for s in (pair.target, draft) if s is not None]
+        specs = [s for s in (pair.local_target, draft) if s is not None]
         # models.yaml's size for what is not in the local HF cache: no network access from the picker
         download = sum(s.download_bytes for s in specs if s.kind == "hub" and not is_cached(s))
+        download += sum(s.download_bytes for s in specs if s.kind == "hub-gguf" and hub_gguf.cached_path(s) is None)
+        speed = expected_speed(pair.name, pair.local_target.source)
+        if not estimate.known:
+            return {"error": "memory known once its files are downloaded", "speed": speed, "device": str(dev)}
         return {
+            "speed": speed,
             "memory_bytes": estimate.total,
             "free_bytes": free,
             "fits": estimate.total <= free,

@@ -6,7 +6,7 @@ Contract: :func:`parse_chat_request` ``(body, served, limits)`` takes the raw by
 a message that names the field and what to send, ``param`` = the field's path) for: a body that is not UTF-8
 JSON (400), a top level that is not an object (400), a missing or unknown ``model`` (400 / 404 with the served
 list), ``messages`` that are not a non-empty list of ``{"role": system|user|assistant, "content": text or text
-parts}`` (400), sampling values out of the engine's range (``specchat.backend.api.SAMPLING_LIMITS``: 400),
+parts}`` (400), sampling values out of the engine's range (``specchat.backend.limits.SAMPLING_LIMITS``: 400),
 ``max_tokens`` over the server's limit (400), and OpenAI features the server does not offer when asked for
 (``n`` > 1, ``tools``, ``logprobs``, non-text ``response_format``: 400). Other unknown fields are ignored, as
 OpenAI-compatible servers do. The body size limit is checked by the server before reading (413).
@@ -20,11 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from specchat.backend.api import DRAFTERS, GenerationRequest, SamplingParams, check_gamma, check_sampling_value
+from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.errors import RequestError
+from specchat.backend.limits import DRAFTERS, SERVE_MAX_TOKENS, check_gamma, check_sampling_value
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
-DEFAULT_MAX_TOKENS = 4096  # per reply; a request asking for more is refused (400)
 DEFAULT_QUEUE = 8  # requests waiting for the engine; one more is refused (503)
 MAX_STOP_STRINGS = 16
 ROLES = ("system", "user", "assistant")
@@ -45,7 +45,7 @@ class ApiError(Exception):
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int = SERVE_MAX_TOKENS  # per reply; a request asking for more is refused (400)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from specchat.backend.api import EngineAPI, GenerationRequest, RequestStats, StepEvent
+from specchat.backend.api import EngineAPI, GenerationRequest, RequestStats
 
 END = object()  # the last item of a job's event queue
 
@@ -48,6 +48,8 @@ class Metrics:
             self.requests[outcome] += 1
 
     def finished(self, stats: RequestStats | None, outcome: str) -> None:
+        """One request ended: its totals, and its per-position counts (the steps that reached / accepted each
+        draft position, every drafter's added up), all from the engine's own step counts in ``stats``."""
         with self._lock:
             self.requests[outcome] += 1
             if stats is None:
@@ -56,18 +58,10 @@ class Metrics:
             self.tokens["generated"] += stats.new_tokens
             self.tokens["drafted"] += stats.drafted or 0
             self.tokens["accepted"] += stats.accepted or 0
-
-    def observe_step(self, event: StepEvent) -> None:
-        """Per-position acceptance over all requests (position j reached by a step that drafted > j)."""
-        if event.gamma <= 0:
-            return
-        with self._lock:
-            for j in range(event.gamma):
-                if j > event.accepted:
-                    break
-                self.reached_per_position[j] += 1
-                if j < event.accepted:
-                    self.accepted_per_position[j] += 1
+            counts = stats.step_counts or {}
+            for key, total in (("reached", self.reached_per_position), ("accepted_at", self.accepted_per_position)):
+                for row in counts.get(key, {}).values():
+                    total.update({j: n for j, n in enumerate(row) if n})
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -120,7 +114,6 @@ class EngineOwner:
                 self._running, self._current = 1, job
             try:
                 for event in self.engine.generate(job.request, job.cancel):
-                    self.metrics.observe_step(event)
                     job.events.put(event)
             except Exception as error:  # noqa: BLE001 - handed to the request's thread, which answers with it
                 job.events.put(error)

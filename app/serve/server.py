@@ -3,8 +3,9 @@
 
 Routes: ``POST /v1/chat/completions`` (streaming as server-sent events, or one JSON object), ``GET /v1/models``
 (the served pair), ``GET /metrics`` (Prometheus text: requests by outcome, tokens, queue, per-position
-acceptance), ``GET /health``. Anything else is a 404 JSON error; every error is an OpenAI-style JSON object
-naming the problem (app/serve/boundary.py), never a traceback.
+acceptance; a reply's counts are added when it ends, from its RequestStats), ``GET /health``. Anything else is
+a 404 JSON error; every error is an OpenAI-style JSON object naming the problem (app/serve/boundary.py), never
+a traceback.
 
 Contract: :class:`ServeConfig` holds the limits; :func:`make_server` binds (127.0.0.1 by default) and returns a
 :class:`SpecchatServer` whose ``serve_forever()`` runs until ``shutdown()``; ``close()`` then stops the engine's

@@ -40,8 +40,8 @@ from specchat.app.tui.screens.picker import PairPickerScreen, human_bytes
 from specchat.app.tui.screens.settings_screen import SettingsScreen
 from specchat.app.tui.seams import EngineFactory, PairInfo
 from specchat.app.tui.widgets.message_view import warm_highlighting
-from specchat.backend.api import DEFAULT_PAIR
 from specchat.backend.errors import InsufficientMemoryError, SpecchatError
+from specchat.backend.limits import DEFAULT_PAIR
 
 if TYPE_CHECKING:
     from specchat.app.chat.history.store import ChatStore
@@ -89,7 +89,7 @@ class SpecchatApp(App[int]):
         self._download_ok: set[str] = set()  # pairs whose download the user accepted in the picker
         self._load_started = 0.0
         self.initial_pair = self._initial_pair(initial_pair)
-        self.chat = ChatScreen()
+        self.chat = ChatScreen(self)
 
     def _initial_pair(self, requested: str | None) -> str | None:
         if requested and requested not in self.pairs:  # never another pair in its place

@@ -141,7 +141,7 @@ def run_generation(
     request: GenerationRequest,
     cancel: threading.Event,
     buffer: ReplyBuffer,
-    notify: Callable[[], None],
+    notify: Callable[[], object],  # its result is ignored (Textual's post_message says whether it was queued)
     *,
     interval_s: float | Callable[[], float] = 0.1,
     clock: Callable[[], float] = time.monotonic,
@@ -165,7 +165,7 @@ def run_generation(
             if now - last_notify >= interval():
                 notify()
                 last_notify = now
-        if final is not None:
+        if final is not None and final.finish_reason is not None:
             outcome = ReplyOutcome(final.finish_reason, final.stats, final.message)
         elif cancel.is_set():
             outcome = ReplyOutcome("cancelled")
@@ -198,7 +198,7 @@ class ThrottledProgress:
 
     def __init__(
         self,
-        post: Callable[[str, float | None], None],
+        post: Callable[[str, float | None], object],  # its result is ignored
         interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -1,4 +1,5 @@
-"""All Textual messages of the chat app: small dataclasses, posted by worker threads or widgets.
+"""The chat app's Textual messages between its parts: small dataclasses, posted by worker threads or widgets (a
+widget's own request to the screen, like :class:`~specchat.app.tui.widgets.message_view.BranchFrom`, lives beside it).
 
 Workers never touch widgets: they post these messages (``post_message`` is thread safe) and the UI thread
 reacts. Streaming data itself travels in a :class:`~specchat.app.tui.bridge.ReplyBuffer`; a
@@ -68,11 +69,3 @@ class PromptSubmitted(Message):
 @dataclass
 class RecallLastMessage(Message):
     """Up arrow in the empty prompt: put the last message back in the input to edit and resend it."""
-
-
-@dataclass
-class BranchFrom(Message):
-    """A message view asks for a new chat branching from it (its ``index`` among the chat's messages is found
-    by the screen)."""
-
-    view: Any

@@ -18,13 +18,17 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from specchat.backend.kernels import cpu_linear
 from specchat.backend.models.quantized import transformers_model
+
+if TYPE_CHECKING:
+    from specchat.backend.models.skeleton import LightCausalLM
 
 # transformers' own prompt-lookup setting that people use (issue 4 compares against this value).
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -51,7 +55,7 @@ def quiet_transformers() -> Iterator[None]:
         transformers.logging.set_verbosity(previous)
 
 
-def sdpa_twin(model: torch.nn.Module) -> torch.nn.Module:
+def sdpa_twin(model: PreTrainedModel | LightCausalLM) -> PreTrainedModel:
     """A second model object over the same parameter and buffer tensors, using transformers' sdpa attention.
 
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to itself copies only the module tree
@@ -92,7 +96,7 @@ class _FirstTokenClock(BaseStreamer):
 
 
 def hf_generate(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     prompt_ids: list[int],
     *,
     method: str,
@@ -101,7 +105,7 @@ def hf_generate(
     seed: int,
     eos_token_ids: list[int],
     pad_token_id: int,
-    assistant: torch.nn.Module | None = None,
+    assistant: PreTrainedModel | None = None,
 ) -> HFResult:
     """One timed transformers ``generate()`` call.
 
@@ -140,7 +144,8 @@ def hf_generate(
     start = time.perf_counter()
     clock = _FirstTokenClock(start, device)
     with torch.inference_mode():
-        out = model.generate(
+        # sdpa_twin's model is transformers' causal LM, whose class mixes generate() in
+        out = cast(GenerationMixin, model).generate(
             input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock, **extra
         )
     if device.type == "cuda":

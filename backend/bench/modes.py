@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specchat.backend.api import MAX_GAMMA
 from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
+from specchat.backend.limits import DRAFTERS, MAX_GAMMA, Gamma, is_gamma
 
-SPECCHAT_DRAFTERS = ("plain", "prompt-lookup", "suffix", "draft-model", "auto")
+SPECCHAT_DRAFTERS = tuple("plain" if name == "none" else name for name in DRAFTERS)  # bench mode names
 PREDICTION_MODE = "prediction"
 PREDICTION_FALLBACK = "prompt-lookup"  # the drafter of the prediction mode where the prediction does not match
 HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
@@ -46,7 +46,7 @@ class Mode:
     # specchat: none | prompt-lookup | suffix | draft-model | auto; hf: plain | prompt-lookup | assisted;
     # llama-server: none | an n-gram type (NGRAM_TYPES)
     drafter: str
-    gamma: int | str | None = None  # specchat only; None: the pair's γ
+    gamma: Gamma | None = None  # specchat only; None: the pair's γ
     prediction: bool = False  # specchat only: send the prompt's prediction
 
 
@@ -102,18 +102,18 @@ def parse_modes(
 
 
 def _local_mode(name: str, base: str, gamma_text: str, llamacpp_missing: str | None) -> Mode:
-    gamma: int | str | None = None
+    gamma: Gamma | None = None
     if gamma_text:
-        if base not in ("prompt-lookup", "suffix", "draft-model", "auto"):
+        if base not in SPECCHAT_DRAFTERS or base == "plain":
             raise RequestError(
                 f"mode {shown(name)}: only prompt-lookup, suffix, draft-model and auto take a :GAMMA suffix "
                 "(llama-server-ngram takes :TYPE)"
             )
         if gamma_text != "auto" and not (
-            gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4 and 1 <= int(gamma_text) <= MAX_GAMMA
+            gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4 and is_gamma(int(gamma_text))
         ):
             raise RequestError(f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got {shown(gamma_text)}")
-        gamma = gamma_text if gamma_text == "auto" else int(gamma_text)
+        gamma = "auto" if gamma_text == "auto" else int(gamma_text)
     if base in SPECCHAT_DRAFTERS:
         drafter = "none" if base == "plain" else base
         return Mode(name, "specchat", drafter, "auto" if base == "auto" and gamma is None else gamma)

@@ -14,12 +14,13 @@ when nothing else used the server meanwhile).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.runner import BenchRunner, Mode, WarmUp
 from specchat.backend.bench.stats import Row
 from specchat.backend.bench.suites import BenchPrompt
+from specchat.backend.limits import BENCH_SEED, BENCH_TEMPERATURE, DrafterName
 from specchat.backend.remote.stats import vllm_counters
 
 
@@ -27,7 +28,13 @@ class RemoteBenchRunner(BenchRunner):
     """BenchRunner over a remote engine (see the module docstring)."""
 
     def __init__(
-        self, engine: Any, modes: list[Mode], *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+        self,
+        engine: Any,
+        modes: list[Mode],
+        *,
+        max_new_tokens: int,
+        temperature: float = BENCH_TEMPERATURE,
+        seed: int = BENCH_SEED,
     ) -> None:
         self.engine, self.modes = engine, modes
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
@@ -57,7 +64,8 @@ class RemoteBenchRunner(BenchRunner):
                 max_new_tokens=max_new_tokens or self.max_new_tokens,
                 seed=seed,
             ),
-            drafter=None if mode.drafter == "server" else mode.drafter,  # type: ignore[arg-type]
+            # a specchat server's mode names a drafter (runner._remote_modes); "server": the server's own
+            drafter=None if mode.drafter == "server" else cast(DrafterName, mode.drafter),
             gamma=mode.gamma,
         )
         tokens: list[int] = []

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
-from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams
+from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
 from specchat.backend.bench.llama_server import llama_servers
 from specchat.backend.bench.modes import (  # noqa: F401  (re-exported: the bench's callers import them here)
@@ -40,6 +40,7 @@ from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
+from specchat.backend.limits import BENCH_SEED, BENCH_TEMPERATURE, DrafterName
 from specchat.backend.remote.stats import from_llama_server, remote_stats
 from specchat.backend.speculative.stats import StepCounts
 
@@ -108,8 +109,8 @@ class BenchRunner:
         modes: list[Mode],
         *,
         max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int = 0,
+        temperature: float = BENCH_TEMPERATURE,
+        seed: int = BENCH_SEED,
         llama_server: str | None = None,
     ) -> None:
         self.engine, self.modes = engine, modes
@@ -169,13 +170,12 @@ class BenchRunner:
                 seed=seed,
                 stop=prompt.stop if prompt is not None else (),
             ),
-            drafter=mode.drafter,
+            drafter=cast(DrafterName, mode.drafter),  # a specchat mode's: parse_modes took it from SPECCHAT_DRAFTERS
             gamma=mode.gamma,
             conversation=conversation,
             prediction=prompt.prediction if mode.prediction and prompt is not None else None,
         )
         tokens: list[int] = []
-        tally = StepCounts()
         ttft = None
         last = None
         start = time.perf_counter()
@@ -183,23 +183,16 @@ class BenchRunner:
             if ttft is None and event.token_ids:
                 ttft = time.perf_counter() - start
             tokens.extend(event.token_ids)
-            if event.token_ids and not event.is_prefill:
-                tally.observe(
-                    drafter=event.drafter,
-                    gamma=event.gamma,
-                    accepted=event.accepted,
-                    emitted=len(event.token_ids),
-                    draft_s=event.draft_s,
-                    verify_s=event.verify_s,
-                    overhead_s=event.overhead_s,
-                    paused=event.policy is PolicyState.PAUSED,
-                )
             last = event
         wall = time.perf_counter() - start
         reason = last.finish_reason if last is not None else None
-        return tokens, wall, ttft, reason, tally, (last.stats if last is not None else None)
+        stats = last.stats if last is not None else None
+        # The engine's own step counts (what its RequestStats are computed from), not a recount of the events.
+        tally = StepCounts.from_dict(stats.step_counts) if stats is not None and stats.step_counts else StepCounts()
+        return tokens, wall, ttft, reason, tally, stats
 
     def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation=None, prompt=None):
+        assert self.hf_target is not None  # made in __init__ when a mode runs on transformers
         with quiet_transformers():
             result = hf_generate(
                 self.hf_target,

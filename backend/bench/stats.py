@@ -2,7 +2,7 @@
 
 A :class:`Row` is one (prompt, mode) generation, timed by the bench itself around the whole call, prefill
 included, the same way for specchat and transformers. Specchat rows also carry the
-:class:`~specchat.backend.speculative.stats.StepCounts` counted from the StepEvents (drafted/accepted per position,
+:class:`~specchat.backend.speculative.stats.StepCounts` the engine counted (drafted/accepted per position,
 target pass times T(n), draft times), from which the expected speedup is computed with measured inputs:
 
     expected ×plain = T_plain(1) · Σ_steps E[N](γ_s) / Σ_steps (T_draft(γ_s) + T_target(γ_s + 1))
@@ -180,8 +180,9 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
             chosen = [r for r in mode_rows if r.prompt_id in use]
             tokens = sum(r.new_tokens for r in chosen)
             wall = sum(r.wall_s for r in chosen)
-            timed = [r for r in chosen if r.ttft_s is not None and r.new_tokens > 1]
-            decode_wall = sum(r.wall_s - r.ttft_s for r in timed)
+            # (row, its time to first token) for the rows that have one and a decode phase after it
+            timed = [(r, r.ttft_s) for r in chosen if r.ttft_s is not None and r.new_tokens > 1]
+            decode_wall = sum(r.wall_s - ttft for r, ttft in timed)
             agg = Aggregate(
                 pair=pair,
                 family=family,
@@ -191,9 +192,9 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
                 tokens=tokens,
                 wall_s=wall,
                 tok_s=tokens / wall if wall > 0 else 0.0,
-                decode_tok_s=(sum(r.new_tokens - 1 for r in timed) / decode_wall if decode_wall > 0 else None),
+                decode_tok_s=(sum(r.new_tokens - 1 for r, _ in timed) / decode_wall if decode_wall > 0 else None),
                 mismatches=sum(r.mismatch for r in mode_rows),
-                ttft_s=(sum(r.ttft_s for r in timed) / len(timed)) if timed else None,
+                ttft_s=(sum(ttft for _, ttft in timed) / len(timed)) if timed else None,
             )
             agg.tok_s_min, agg.tok_s_max = _spread(chosen)
             if any(r.tally is not None for r in chosen):

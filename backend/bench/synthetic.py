@@ -293,7 +293,7 @@ def run_synthetic(args) -> int:
         SYNTHETIC[name],
         device,
         new_tokens=getattr(args, "max_new_tokens", None),
-        seed=getattr(args, "seed", 0) or 0,
+        seed=args.seed,  # checked by app/cli/bench.py
         progress=lambda m: print(m, flush=True),
     )
     print(format_table(result))

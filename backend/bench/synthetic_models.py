@@ -148,7 +148,8 @@ def quantize_nf4(model, compute_dtype: torch.dtype) -> None:
                 device="meta",
             )
             weight = child.weight.data
-            q.weight = bnb.nn.Params4bit(weight.to("cpu"), requires_grad=False, quant_type="nf4").to(weight.device)
+            # bitsandbytes' Params4bit.to is typed for torch.Tensor's self
+            q.weight = bnb.nn.Params4bit(weight.to("cpu"), requires_grad=False, quant_type="nf4").to(weight.device)  # type: ignore[misc]
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
             setattr(parent, child_name, q)
@@ -184,7 +185,7 @@ def build_loaded(fields: dict, device: torch.device, *, seed: int, quantization:
     pairs = load_pairs()
     base = pairs[default_pair_name(pairs)]
     spec = dataclasses.replace(
-        base.target, source=f"synthetic:{fields['model_type']}-{fields['hidden_size']}", quantization=quant
+        base.local_target, source=f"synthetic:{fields['model_type']}-{fields['hidden_size']}", quantization=quant
     )
     loaded = LoadedModel(
         model=model,

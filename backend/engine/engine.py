@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from specchat.backend.api import MAX_GAMMA, MAX_PREDICTION_GAMMA, GenerationRequest, StepEvent, check_gamma
+from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.prompting import fit_to_context, validate_messages
 from specchat.backend.engine.request import Conversation, RequestState, Speculation, Target
 from specchat.backend.engine.resolve import resolve_sampling
@@ -28,9 +28,12 @@ from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
-from specchat.backend.kv.kv_cache import common_prefix_len
+from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
+from specchat.backend.limits import MAX_GAMMA, MAX_PREDICTION_GAMMA, check_gamma
+from specchat.backend.models.capture import Progress, user_callback
+from specchat.backend.models.chat_format import plain_completion_note, stop_ids
 from specchat.backend.models.config import PairConfig
-from specchat.backend.models.loading import LoadedModel
+from specchat.backend.models.loading import ConfirmDownload, LoadedModel
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
@@ -42,15 +45,8 @@ log = logging.getLogger(__name__)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    ids: set[int] = set()
-    eos = loaded.generation_config.get("eos_token_id")
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(e) for e in eos)
-    if loaded.tokenizer.eos_token_id is not None:
-        ids.add(int(loaded.tokenizer.eos_token_id))
-    return frozenset(ids)
+    """Where a reply stops: eos and the end-of-turn tokens the chat template writes (``chat_format.stop_ids``)."""
+    return stop_ids(loaded.tokenizer, loaded.generation_config)
 
 
 class Engine:
@@ -97,7 +93,7 @@ class Engine:
         self.threads = ThreadGovernor() if target.device.type == "cpu" else None
 
     @property
-    def draft_cache(self):
+    def draft_cache(self) -> PagedKVCache | None:
         return self.draft_runner.cache if self.draft_runner is not None else None
 
     # -- public API -------------------------------------------------------------------------------------
@@ -151,7 +147,9 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------------------
 
-    def _prompt_ids(self, request: GenerationRequest, conv: Conversation | None, budget: int):
+    def _prompt_ids(
+        self, request: GenerationRequest, conv: Conversation | None, budget: int
+    ) -> tuple[list[int], str | None]:  # (ids, a notice of messages left out)
         if request.prompt_ids is not None:
             ids = [int(t) for t in request.prompt_ids]
             if not ids:
@@ -254,13 +252,24 @@ class Engine:
                 self.reply_memory.remember(state.context[len(state.prompt) :])
 
 
-def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, confirm_download=None) -> Engine:
+def load_engine(
+    pair: PairConfig,
+    *,
+    device: str | None = None,
+    progress: Progress | None = None,
+    confirm_download: ConfirmDownload | None = None,
+) -> Engine:
     """Load the pair's models (checking memory and tokenizer compatibility first) and build an engine."""
     from specchat.backend.models.loading import load_pair, resolve_device
     from specchat.backend.models.memory import check_fits
 
     dev = resolve_device(device)
-    check_fits(pair, dev)
+    estimate = check_fits(pair, dev)
+    if not estimate.known:  # a hub model not downloaded yet: fetched (after asking) and its sizes read first
+        from specchat.backend.models.fetch import fetch_sources
+
+        pair = fetch_sources(pair, progress=progress, confirm_download=confirm_download)
+        check_fits(pair, dev)
     start_heap()
     # Only the name: loading registers the function with transformers where it builds a transformers model
     # (registering imports transformers' modelling code, which the light int4 model on CPU never needs).
@@ -272,6 +281,10 @@ def load_engine(pair: PairConfig, *, device: str | None = None, progress=None, c
         confirm_download=confirm_download,
     )
     engine = Engine(target, draft, pair)
+    note = plain_completion_note(target.tokenizer)
+    report = user_callback(progress)  # reaches the terminal through a caller's capture of library output
+    if note is not None and report is not None:
+        report(note, None)
     settle_heap()
     return engine
 

@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
-from specchat.backend.api import PREFILL_CHUNK, FinishReason, Gamma, PolicyState, RequestStats, StepEvent, TokenSource
+from specchat.backend.api import FinishReason, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
 from specchat.backend.engine.resolve import Sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.kv_cache import Sequence
+from specchat.backend.limits import PREFILL_CHUNK, Gamma
 from specchat.backend.speculative.drafters.base import Draft, Drafter
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.policy import GammaPolicy
@@ -381,7 +382,11 @@ class RequestState:
         draft_s = time.perf_counter() - t_step
         draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
         # A tree's first γ nodes are a tree too (a parent comes before its children).
-        parents = list(draft.parents[:gamma]) if draft is not None and draft.is_tree and draft_ids else None
+        parents = (
+            list(draft.parents[:gamma])
+            if draft is not None and draft.parents is not None and draft.is_tree and draft_ids
+            else None
+        )
         t_verify = time.perf_counter()
         try:
             logits = self._target_logits([pending] + draft_ids, keep=1 + len(draft_ids), parents=parents)

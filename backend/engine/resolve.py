@@ -1,5 +1,5 @@
 """A request's sampling settings, resolved: the request's, else the pair's defaults, else the model's
-generation_config, checked against the limits of ``backend/api.py``. A request without a seed gets one drawn
+generation_config, checked against the limits of ``backend/limits.py``. A request without a seed gets one drawn
 from OS entropy; it is reported with the reply's statistics, so any reply can be replayed.
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from specchat.backend.api import DEFAULT_MAX_NEW_TOKENS, SamplingParams, check_sampling_value
+from specchat.backend.api import SamplingParams
+from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS, check_sampling_value
 from specchat.backend.speculative.sampling import SamplingRule
 
 

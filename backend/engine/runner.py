@@ -27,17 +27,16 @@ import os
 
 import torch
 
-from specchat.backend.api import MAX_GAMMA
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, native, quant_linear, switched_off
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+from specchat.backend.limits import KV_BLOCK_SIZE, MAX_GAMMA
 from specchat.backend.models.loading import LoadedModel
 from specchat.backend.models.memory import format_bytes, free_memory
 from specchat.backend.models.skeleton import LightCausalLM
 
-BLOCK_SIZE = 16  # tokens per KV block
 PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
 
 log = logging.getLogger(__name__)
@@ -128,8 +127,8 @@ class ModelRunner:
         # The graph runner keeps one block of its own for the K/V of padded tokens.
         self.cache = PagedKVCache.for_model(
             model.config,
-            max_tokens=kv_tokens + (BLOCK_SIZE if wants_graphs else 0),
-            block_size=BLOCK_SIZE,
+            max_tokens=kv_tokens + (KV_BLOCK_SIZE if wants_graphs else 0),
+            block_size=KV_BLOCK_SIZE,
             dtype=loaded.dtype,
             device=loaded.device,
         )

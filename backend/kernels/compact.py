@@ -30,11 +30,14 @@ every drafter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specchat.backend.kernels import int4_layout
+from specchat.backend.kernels import decoder_layout, int4_layout
 from specchat.backend.kernels.quant_linear import Int4Linear, kernel_call
 from specchat.backend.kv import attention
 
@@ -46,10 +49,23 @@ class Unsupported(Exception):
     """The model cannot run the compact forward (the message says why)."""
 
 
-def _join(layers: list[nn.Module]) -> nn.Module | None:
-    """One Int4Linear computing ``layers`` side by side (their outputs concatenated), the layers re-pointed at
+class NativeLayers(Protocol):
+    """The C++ decoder layers (``native.Native``) as the forward holds them."""
+
+    def takes(self, n: int, ctx: attention.PagedContext) -> bool: ...
+
+    def layers(
+        self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, ctx: attention.PagedContext
+    ) -> None: ...
+
+    def release(self) -> None: ...  # once they are no longer used (by whoever attached them)
+
+
+def _join(modules: list[nn.Module]) -> Int4Linear | None:
+    """One Int4Linear computing ``modules`` side by side (their outputs concatenated), the layers re-pointed at
     views of the joined weights; None when they cannot be joined (not all int4 alike, a layout unknown here)."""
-    if not all(isinstance(m, Int4Linear) for m in layers):
+    layers = [m for m in modules if isinstance(m, Int4Linear)]
+    if len(layers) != len(modules):
         return None
     first = layers[0]
     block = int4_layout.cpu_block_n()
@@ -65,7 +81,7 @@ def _join(layers: list[nn.Module]) -> nn.Module | None:
         return None
     packed = torch.cat([m.packed for m in layers])
     scales = torch.cat([m.scales_zeros for m in layers], dim=1).contiguous()
-    bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
+    bias = torch.cat([m.bias for m in layers if m.bias is not None]) if first.bias is not None else None
     joined = Int4Linear(first.in_features, packed.shape[0], first.group_size, packed, scales, bias)
     start = 0
     for m in layers:  # the separate layers read their rows of the joined copy: no second copy of the weights
@@ -101,7 +117,7 @@ class _Layer:
         "run",
     )
 
-    def __init__(self, layer: nn.Module, config) -> None:
+    def __init__(self, layer: decoder_layout.DecoderLayer, config: decoder_layout.Config) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attn = attn
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
@@ -115,14 +131,14 @@ class _Layer:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads)
         self.q_width, self.kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self.inter = int(self.gate.out_features)
-        window = getattr(attn, "sliding_window", None)
+        self.inter = int(cast(int, self.gate.out_features))  # a linear layer's (int4, int8 or float)
+        window: int | None = getattr(attn, "sliding_window", None)
         if config.model_type == "mistral":
             window = getattr(config, "sliding_window", None)
         self.window = window
         self.scaling = float(attn.scaling)
         # Each projection's matmul, bound once (quant_linear.kernel_call), by name.
-        self.run = {
+        self.run: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             name: kernel_call(module)
             for name, module in (
                 ("qkv", self.qkv),
@@ -139,7 +155,9 @@ class _Layer:
         }
 
 
-def _attend_rows(layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+def _attend_rows(
+    layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: attention.PagedContext
+) -> torch.Tensor:
     """Write the new K/V, then attend each query over exactly the keys it sees, one query at a time.
 
     Query ``i`` (position ``p = start + i``) is computed with the same operations on the same tensors as a
@@ -191,7 +209,9 @@ def _unused(like: torch.Tensor) -> torch.Tensor:
     return found
 
 
-def tree_keys(tree, start: int, first: int, window: int | None, device: torch.device) -> list[torch.Tensor]:
+def tree_keys(
+    tree: tuple[torch.Tensor, torch.Tensor], start: int, first: int, window: int | None, device: torch.device
+) -> list[torch.Tensor]:
     """For each new token of a tree pass (at position ``start + depth``), the indices of the keys it attends
     among those read from position ``first``: the committed ones in its window, then the new tokens it sees (its
     ancestors and itself, inside its window), by slot, which is their order along its path. Plain decoding of
@@ -215,8 +235,8 @@ def tree_keys(tree, start: int, first: int, window: int | None, device: torch.de
 class CompactForward:
     """See the module docstring."""
 
-    def __init__(self, model: nn.Module) -> None:
-        config = model.config
+    def __init__(self, model: decoder_layout.CausalLM) -> None:
+        config: decoder_layout.Config = model.config
         self.config = config
         self.embed = model.model.embed_tokens
         self.rotary = model.model.rotary_emb
@@ -228,9 +248,17 @@ class CompactForward:
         self.hidden = int(config.hidden_size)
         # The C++ layers (backend/kernels/native.py) once built, bound, checked and adopted between requests;
         # they take passes of at most ROWWISE_ROWS tokens (the row-by-row attention's).
-        self.native = None
+        self.native: NativeLayers | None = None
 
-    def _attention(self, layer: _Layer, x: torch.Tensor, n: int, cos, signed_sin, ctx) -> torch.Tensor:
+    def _attention(
+        self,
+        layer: _Layer,
+        x: torch.Tensor,
+        n: int,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        ctx: attention.PagedContext,
+    ) -> torch.Tensor:
         d = layer.head_dim
         if layer.qkv is not None:
             qkv = layer.run["qkv"](x)
@@ -265,10 +293,19 @@ class CompactForward:
         # SiLU in float32, as transformers' layers run it; in place on the float32 copy (the same values).
         return layer.run["down"](F.silu(gate.float(), inplace=True).mul_(up))
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, ctx, logits_to_keep: int) -> torch.Tensor:
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, ctx: attention.PagedContext, logits_to_keep: int
+    ) -> torch.Tensor:
         return self.run(ids, positions, ctx, logits_to_keep, self.native)
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, ctx, logits_to_keep: int, native) -> torch.Tensor:
+    def run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: attention.PagedContext,
+        logits_to_keep: int,
+        native: NativeLayers | None,
+    ) -> torch.Tensor:
         """The pass, its decoder layers through ``native`` (a ``native.Native``) when given and it takes it."""
         n = ids.numel()
         with torch.inference_mode():
@@ -285,7 +322,9 @@ class CompactForward:
             last = F.rms_norm(h[n - logits_to_keep :], shape, self.final_norm, self.final_eps)
             return self.run_head(last).float()
 
-    def _layers(self, h: torch.Tensor, n: int, cos, signed_sin, ctx) -> None:
+    def _layers(
+        self, h: torch.Tensor, n: int, cos: torch.Tensor, signed_sin: torch.Tensor, ctx: attention.PagedContext
+    ) -> None:
         shape = (self.hidden,)
         for layer in self.layers:  # the residual stream is this pass's own tensor: added to in place
             h.add_(self._attention(layer, F.rms_norm(h, shape, layer.norm1, layer.eps1), n, cos, signed_sin, ctx))
@@ -294,7 +333,7 @@ class CompactForward:
 
 def build(model: nn.Module) -> CompactForward:
     """The compact forward of ``model``, or :class:`Unsupported` naming why it cannot have one."""
-    config = model.config
+    config: Any = model.config  # transformers' or the skeleton's; its fields are read with fallbacks here
     if getattr(config, "model_type", None) not in ARCHITECTURES:
         raise Unsupported(f"model type {getattr(config, 'model_type', None)!r} (supported: {', '.join(ARCHITECTURES)})")
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -304,10 +343,10 @@ def build(model: nn.Module) -> CompactForward:
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
         raise Unsupported("not a decoder of the llama family's layout")
-    for layer in inner.layers:
+    for layer in decoder_layout.layout(model).model.layers:
         attn = layer.self_attn
         if any(getattr(attn, name, None) is not None for name in ("q_norm", "k_norm")):
             raise Unsupported("query/key norms")
         if type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
             raise Unsupported(f"activation {type(layer.mlp.act_fn).__name__}")
-    return CompactForward(model)
+    return CompactForward(decoder_layout.layout(model))  # its layout checked above

@@ -48,7 +48,8 @@ class PackedLinear(nn.Linear):
     _packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return out
 
 
 def enabled() -> bool:
@@ -122,6 +123,6 @@ def unpack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, PackedLinear):
             del module._buffers["_packed"]
-            module.__class__ = nn.Linear
+            module.__class__ = nn.Linear  # type: ignore[assignment]  # the class swap back: to the base class
             count += 1
     return count

@@ -36,14 +36,18 @@ verify.py and the draft-model drafter).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from specchat.backend.kv.attention import softcapped
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
+from specchat.backend.limits import MAX_GAMMA
 
-DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32)
+DEFAULT_TOKEN_BUCKETS = (1, 2, 4, 8, 16, MAX_GAMMA + 1)  # the largest: a verification at the largest γ
 DEFAULT_KV_STEP = 256
 
 
@@ -139,7 +143,17 @@ class _Shape:
     def __init__(self, ctx: StaticContext, rows: int) -> None:
         self.ctx = ctx
         self.rows = rows  # 1: the last real token's row only; nb: every row
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class CausalLM(Protocol):
+    """What the graph runner uses of a model: transformers' causal LM interface."""
+
+    config: Any
+
+    def get_output_embeddings(self) -> nn.Module | None: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...  # the forward: an output with .logits
 
 
 class GraphRunner:
@@ -147,10 +161,10 @@ class GraphRunner:
 
     def __init__(
         self,
-        model,
+        model: CausalLM,
         cache: PagedKVCache,
         *,
-        token_buckets=DEFAULT_TOKEN_BUCKETS,
+        token_buckets: Iterable[int] = DEFAULT_TOKEN_BUCKETS,
         kv_step: int = DEFAULT_KV_STEP,
         max_kv: int | None = None,
         capture: bool | None = None,
@@ -166,7 +180,7 @@ class GraphRunner:
         on_cuda = cache.device.type == "cuda" and torch.cuda.is_available()
         self.capture = on_cuda if capture is None else bool(capture) and on_cuda
         (trash_block,) = cache.pool.allocate(1)  # never in any sequence: padded tokens write here
-        self.trash_block = trash_block
+        self.trash_block: int | None = trash_block
         self.trash_slot = trash_block * cache.block_size
         dev = cache.device
         size = 3 * self.max_nb + 1 + self.max_kv
@@ -183,11 +197,14 @@ class GraphRunner:
         self.keep_row = self._dev[3 * nbm : 3 * nbm + 1]  # [1] the last real token's row (one-row shapes)
         self.read_slots = self._dev[3 * nbm + 1 :]  # [max_kv]
         head = model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else model.config.get_text_config().vocab_size
+        # the output rows: the head's (a linear layer: its weight is a tensor), else the config's vocabulary
+        vocab = (
+            cast(torch.Tensor, head.weight).shape[0] if head is not None else model.config.get_text_config().vocab_size
+        )
         self._logits = torch.zeros(nbm, vocab, dtype=torch.float32, device=dev)  # every shape's output
         self._key_positions = torch.arange(self.max_kv, dtype=torch.long, device=dev)
         self._arange = torch.arange(nbm, dtype=torch.long)
-        self._slots_key: tuple | None = None
+        self._slots_key: tuple[int, tuple[int, ...]] | None = None  # (id of the sequence, its block table)
         self._slots_host: torch.Tensor | None = None
         self._shapes: dict[tuple[int, int, int], _Shape] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -225,6 +242,7 @@ class GraphRunner:
             table = torch.tensor(seq.block_table, dtype=torch.long)
             self._slots_host = (table[:, None] * bs + torch.arange(bs)).flatten()
             self._slots_key = key
+        assert self._slots_host is not None  # set with the key above, the first time and every change
         return self._slots_host
 
     def _fill(self, seq: Sequence, ids: torch.Tensor | list[int], n: int, nb: int) -> None:
@@ -233,8 +251,8 @@ class GraphRunner:
             self._copied.synchronize()
         slots = self._slot_table(seq)
         h, m = self._host, self.max_nb
-        device_ids = isinstance(ids, torch.Tensor) and ids.device.type != "cpu"
-        if not device_ids:
+        device_ids = ids if isinstance(ids, torch.Tensor) and ids.device.type != "cpu" else None
+        if device_ids is None:
             h[:n] = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.long)
         h[n:nb] = 0
         h[m : m + nb] = (self._arange[:nb] + start).clamp_(max=kv_len - 1)
@@ -246,8 +264,8 @@ class GraphRunner:
         self._dev[:end].copy_(h[:end], non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record()
-        if device_ids:
-            self.input_ids[:n].copy_(ids)
+        if device_ids is not None:
+            self.input_ids[:n].copy_(device_ids)
 
     def _context(self, nb: int, kvb: int) -> StaticContext:
         return StaticContext(

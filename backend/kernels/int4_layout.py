@@ -29,7 +29,8 @@ INNER_K_TILES_CPU = 2  # the CPU op accepts 2, 4 or 8 and ignores it (its layout
 
 
 def _op_pack(codes: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), INNER_K_TILES_CPU)
+    packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), INNER_K_TILES_CPU)
+    return packed
 
 
 def _pack_blocks(codes: torch.Tensor, block_n: int) -> torch.Tensor:
@@ -94,4 +95,5 @@ def inner_k_tiles(in_features: int) -> int:
 def pack_cuda(codes: torch.Tensor) -> torch.Tensor:
     """4-bit ``codes`` (uint8 [N, K] on a CUDA device) in the layout ``_weight_int4pack_mm`` reads there."""
     pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
-    return torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles(codes.shape[1]))
+    packed: torch.Tensor = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles(codes.shape[1]))
+    return packed

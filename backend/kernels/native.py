@@ -9,7 +9,7 @@ between them (the Python loop's results bit for bit), and attention of its own (
 query row over the keys it sees, read straight from the bfloat16 cache, with AVX2 where the CPU has it. That
 attention sums in another order than ATen's, so the logits equal the Python loop's to rounding only (checked
 within :data:`TOLERANCE`), but a pass's rows equal one-token passes bit for bit, as verification needs
-(``tests/backend/kernels/test_native.py``). Measured on the embedded default (README "Speed on CPU").
+(``tests/backend/kernels/test_native.py``). Measured on the embedded default: ``benchmarks/RESULTS.md``.
 
 How: PyTorch ships its headers and libraries, so the only thing a machine needs is a C++ compiler (``CXX``,
 else ``c++`` / ``g++`` / ``clang++``). The first time a model runs the compact forward, :func:`attach` starts
@@ -42,7 +42,7 @@ import torch
 from specchat.backend.kernels import compact, native_build, switched_off
 from specchat.backend.kernels.quant_linear import Int4Linear
 from specchat.backend.kv import attention
-from specchat.backend.kv.kv_cache import PagedKVCache
+from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,18 @@ def load(path: Path) -> None:
             _loaded = path
 
 
-def bindable(forward) -> str | None:
+def _cpu_int4(layer: compact._Layer) -> list[Int4Linear]:
+    """Of the layer's projections qkv, o, gate_up and down (in that order), those that are int4 layers on CPU."""
+    projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    return [p for p in projections if isinstance(p, Int4Linear) and p.packed.device.type == "cpu"]
+
+
+def bindable(forward: compact.CompactForward) -> str | None:
     """None when every layer of the compact forward ``forward`` can run natively, else why not."""
-    dtypes = set()
+    dtypes: set[torch.dtype] = set()
     for layer in forward.layers:
-        projections = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        if not all(isinstance(p, Int4Linear) and p.packed.device.type == "cpu" for p in projections):
+        projections = _cpu_int4(layer)
+        if len(projections) < 4:
             return "projections other than joined int4 layers on CPU"
         dtypes.update(p.compute_dtype for p in projections)
     if len(dtypes) > 1:
@@ -78,13 +84,17 @@ def bindable(forward) -> str | None:
 class Native:
     """A compact forward's layers bound to the library and to one cache's K/V pools (one handle in C++)."""
 
-    def __init__(self, forward, cache, *, scalar: bool = False) -> None:
+    def __init__(self, forward: compact.CompactForward, cache: PagedKVCache, *, scalar: bool = False) -> None:
+        """``forward``: one :func:`bindable` accepts."""
         tensors: list[torch.Tensor | None] = []
         ints: list[int] = []
         floats: list[float] = []
         for layer in forward.layers:
             tensors += [layer.norm1, layer.norm2]
-            for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            projections = _cpu_int4(layer)
+            if len(projections) < 4:
+                raise ValueError(f"the native layers cannot take this forward: {bindable(forward)}")
+            for p in projections:
                 tensors += [p.packed, p.scales_zeros, p.bias]
                 ints.append(p.group_size)
             index = layer.attn.layer_idx
@@ -102,9 +112,10 @@ class Native:
         self.rows = compact.ROWWISE_ROWS  # the most tokens a pass it takes may have: the row-wise attention's
         self._ops = torch.ops.specchat_native
         # scalar: native_attention.h's portable loops even where its AVX2 version could run (tests compare them).
-        self.handle = int(self._ops.prepare(tensors, ints, floats, forward.layers[0].qkv.compute_dtype, scalar))
+        dtype = _cpu_int4(forward.layers[0])[0].compute_dtype  # the joined qkv's: every projection's (bindable)
+        self.handle = int(self._ops.prepare(tensors, ints, floats, dtype, scalar))
 
-    def takes(self, n: int, ctx) -> bool:
+    def takes(self, n: int, ctx: attention.PagedContext) -> bool:
         """Whether it runs this pass: at most ``rows`` tokens in its cache, and a tree of drafts only where no
         layer's sliding window cuts the keys."""
         plan = ctx.plan
@@ -114,7 +125,7 @@ class Native:
             n <= self.rows and ctx.cache is self.cache and (plan.read_start is not None or plan.read_slots is not None)
         )
 
-    def layers(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, ctx) -> None:
+    def layers(self, h: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, ctx: attention.PagedContext) -> None:
         """Every decoder layer over the residual stream ``h`` [n, hidden] float32, in place."""
         plan = ctx.plan
         tree = [] if ctx.tree is None else compact.tree_keys(ctx.tree, plan.start, 0, None, h.device)
@@ -140,7 +151,7 @@ class Native:
 class Attachment:
     """The background attach of one compact forward (see the module docstring); :meth:`close` on unload."""
 
-    def __init__(self, forward, cache, name: str) -> None:
+    def __init__(self, forward: compact.CompactForward, cache: PagedKVCache, name: str) -> None:
         self.forward, self.cache, self.name = forward, cache, name
         self.reason: str | None = None  # why it is not attached, once known
         self._closed = False
@@ -238,7 +249,7 @@ def _close_all() -> None:
         attachment.close()
 
 
-def _pass(forward, seq, ids: torch.Tensor, native: Native | None) -> torch.Tensor:
+def _pass(forward: compact.CompactForward, seq: Sequence, ids: torch.Tensor, native: Native | None) -> torch.Tensor:
     n = ids.numel()
     seq.reserve(n)
     plan = seq.plan(n)
@@ -253,7 +264,7 @@ def _pass(forward, seq, ids: torch.Tensor, native: Native | None) -> torch.Tenso
 TOLERANCE = 0.2  # of the Python loop's logits' standard deviation
 
 
-def check(forward, cache) -> str | None:
+def check(forward: compact.CompactForward, cache: PagedKVCache) -> str | None:
     """None when the native layers are fit to use on this machine, else why not. On a scratch cache like
     ``cache``, after a 40-token prompt: a 4-token pass's rows must equal four one-token passes' bit for bit (so
     verification keeps exactly the tokens plain decoding picks), and its logits must be within TOLERANCE of the
@@ -263,8 +274,8 @@ def check(forward, cache) -> str | None:
         num_layers=len(cache.k_layers),
         num_kv_heads=first.kv_heads,
         head_dim=first.head_dim,
-        num_blocks=3,
-        block_size=16,
+        num_blocks=-(-44 // cache.block_size),  # the 44 tokens below, in blocks of the engine's size
+        block_size=cache.block_size,
         dtype=cache.dtype,
         device="cpu",
     )
@@ -291,7 +302,7 @@ def check(forward, cache) -> str | None:
         probe.release()
 
 
-def attach(forward, cache, name: str) -> Attachment | None:
+def attach(forward: compact.CompactForward, cache: PagedKVCache, name: str) -> Attachment | None:
     """Start attaching the native layers to ``forward`` (a compact forward over ``cache``), unless switched off
     or not bindable (logged); returns the attachment to wait on or close."""
     if switched_off(SWITCH):
@@ -307,5 +318,5 @@ def attach(forward, cache, name: str) -> Attachment | None:
     return Attachment(forward, cache, name)
 
 
-if __name__ == "__main__":  # the README's command; the build itself lives in native_build
+if __name__ == "__main__":  # the command docs/native.md gives; the build itself lives in native_build
     raise SystemExit(native_build.main(sys.argv[1:]))

@@ -26,7 +26,7 @@ pass over more than :data:`DEQUANT_ROWS` rows (only a long prompt's prefill: a v
 32) de-quantises the weight to float32 (one layer at a time, from the packed bytes) and runs ``F.linear``; the
 result is rounded to ``compute_dtype`` like the kernel's. With AVX-512 the kernel stays the faster one: on the
 embedded default, a 300-token prefill took 270 ms through it and 634 ms de-quantised (512 tokens: 508 and
-799 ms; README "Speed on CPU"). The choice follows the CPU, never a timing, so a prompt's prefill is the same
+799 ms; ``benchmarks/RESULTS.md``). The choice follows the CPU, never a timing, so a prompt's prefill is the same
 computation on every run of a machine.
 """
 
@@ -41,7 +41,7 @@ from torch import nn
 from specchat.backend.kernels import int4_layout
 
 GROUP_SIZES = (32, 64, 128, 256)
-DEQUANT_ROWS = 160  # where de-quantising a layer once starts to beat the kernel with AVX2 (README "Speed on CPU")
+DEQUANT_ROWS = 160  # where de-quantising a layer once starts to beat the kernel with AVX2 (benchmarks/RESULTS.md)
 # Whether long prefills de-quantise at all: not where ATen's CPU kernels run their AVX-512 versions.
 DEQUANTISE_PREFILL = torch.backends.cpu.get_cpu_capability() != "AVX512"
 
@@ -121,6 +121,7 @@ class Int4Linear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] (any float dtype, rounded to compute_dtype) times the weight, plus the bias: [M, N] in
         compute_dtype. What :meth:`forward` computes, without its reshapes and its cast back."""
+        out: torch.Tensor  # (torch.ops are typed as returning Any)
         if _dequantises(x.shape[0]) and self.packed.device.type == "cpu":
             weight = self.dequantized()
             if weight is not None:
@@ -258,7 +259,9 @@ def kernel_call(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return matmul if matmul is not None else layer
 
 
-def _bound(layer: Int4Linear | Int8Linear, kernel: Callable[[torch.Tensor], torch.Tensor]):
+def _bound(
+    layer: Int4Linear | Int8Linear, kernel: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
     dtype, bias, long_input = layer.compute_dtype, layer.bias, layer.matmul
 
     def call(x: torch.Tensor) -> torch.Tensor:

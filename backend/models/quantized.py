@@ -8,12 +8,12 @@ Contract:
   the file's 4-bit codes unchanged (Q4_1's ``w = d·q + m`` is ``(q - 8)·d + (m + 8·d)``); the token embedding
   stays in its GGUF form when Q8_0 (:class:`Q8Embedding`, exact) and is float32 otherwise; the output head
   (the embedding when tied) is :class:`Int8Linear`, re-quantised per row from what the file stores (lossy:
-  ``tests/backend/models/test_quantized.py`` bounds the error; README "Speed on CPU" gives the measured
+  ``tests/backend/models/test_quantized.py`` bounds the error; ``benchmarks/RESULTS.md`` gives the measured
   figure); norms stay float32. Tensors of any other type (Q6_K, Q4_K, F16, ...) are de-quantised once and
   re-quantised: to int4 group 32 when the file stored 4 bits or fewer a weight, else to int8 per row; the
   returned notes say which tensors, for the load message. With ``int8-torch`` every linear layer is int8.
 - Scales: int4 scales and zeros are rounded to bfloat16, the dtype the fast kernels take (relative error of
-  a scale at most 2⁻⁹; measured on the embedded file in README "Speed on CPU"); ``exact_scales=True`` keeps
+  a scale at most 2⁻⁹; measured on the embedded file in ``benchmarks/RESULTS.md``); ``exact_scales=True`` keeps
   them float32, which reproduces the file's weights bit for bit but runs the kernels' scalar loop (tests).
 - With a ``skeleton.LightConfig`` (the compact forward will run the model) the model is
   ``skeleton.LightCausalLM``, no transformers modelling code imported; :func:`transformers_model` gives
@@ -26,17 +26,21 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from specchat.backend.errors import ModelLoadError
+from specchat.backend.kernels.decoder_layout import layout
 from specchat.backend.kernels.quant_linear import Int4Linear, Int8Linear, Q8Embedding, quantize_int4
 from specchat.backend.models import gguf_file
 from specchat.backend.models.config import TORCH_QUANTIZATIONS as QUANTIZATIONS
 from specchat.backend.models.gguf_file import GgufFile, GgufTensor
 from specchat.backend.models.skeleton import LightCausalLM, LightConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 GROUP_SIZE = 32
@@ -76,7 +80,7 @@ def compute_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16
 
 
-def _skeleton(config: Any) -> nn.Module:
+def _skeleton(config: Any) -> PreTrainedModel | LightCausalLM:
     """The model of ``config`` on the meta device: the light model for a ``skeleton.LightConfig`` (the compact
     forward will run it; no transformers modelling code is imported), else transformers' own."""
     if getattr(config, "model_type", None) not in SUPPORTED_TYPES:
@@ -86,10 +90,15 @@ def _skeleton(config: Any) -> nn.Module:
         )
     if isinstance(config, LightConfig):
         return LightCausalLM(config)  # its tensors start on the meta device (computing on it imports torch._dynamo)
+    return _transformers_skeleton(config)
+
+
+def _transformers_skeleton(config: Any) -> PreTrainedModel:
+    """transformers' model of ``config`` on the meta device."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model
 
 
@@ -106,7 +115,13 @@ def _requantized(
     return Int8Linear.from_weight(weight, bias=bias, device=device, compute_dtype=compute_dtype(device))
 
 
-def _set(module: nn.Module, path: str, child: nn.Module) -> None:
+class _Submodules(Protocol):
+    """An ``nn.Module`` (or a model layout's decoder layer, which is one) as :func:`_set` walks it."""
+
+    def get_submodule(self, target: str) -> nn.Module: ...
+
+
+def _set(module: _Submodules, path: str, child: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     setattr(module.get_submodule(parent_path) if parent_path else module, name, child)
 
@@ -179,7 +194,7 @@ def from_gguf(
     *,
     progress: Progress | None = None,
     exact_scales: bool = False,
-) -> tuple[nn.Module, list[str]]:
+) -> tuple[PreTrainedModel | LightCausalLM, list[str]]:
     """The quantised model of ``gguf`` and notes on tensors that were re-quantised (see the module docstring)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}")
@@ -220,25 +235,28 @@ def _fill(model: nn.Module, build: _Builder, config: Any, progress: Progress | N
             model.get_submodule(prefix + path).weight = _parameter(build.vector(f"blk.{i}.{short}.weight"), device)
         if progress is not None:
             progress(f"Loading {gguf.path.name} as {quantization}", (i + 1) / layers)
-    model.model.norm.weight = _parameter(build.vector("output_norm.weight"), device)
+    lm = layout(model)  # built by _skeleton: a supported family's layout
+    lm.model.norm.weight = _parameter(build.vector("output_norm.weight"), device)
     embedding = build.tensor("token_embd.weight")
+    # The embedding as the file stores it: kept in Q8_0 form, else its float weights.
+    table: Q8Embedding | torch.Tensor
     if embedding.ggml_type == gguf_file.Q8_0:
         codes, d = gguf_file.q8_0_blocks(embedding)
-        model.model.embed_tokens = Q8Embedding(codes.to(device), d.to(device))
-        embed_weight = None
+        table = Q8Embedding(codes.to(device), d.to(device))
+        lm.model.embed_tokens = table
     else:
-        embed_weight = gguf_file.dequantize(embedding)
-        model.model.embed_tokens = nn.Embedding.from_pretrained(embed_weight.to(device), freeze=True)
+        table = gguf_file.dequantize(embedding)
+        lm.model.embed_tokens = nn.Embedding.from_pretrained(table.to(device), freeze=True)
     head = gguf.tensors.get("output.weight")
     dtype = compute_dtype(device)
-    if head is None and embed_weight is None:  # tied to the Q8_0 embedding: re-quantised a chunk of rows at a time
-        table = model.model.embed_tokens
-        model.lm_head = Int8Linear.from_rows(
+    if head is not None:
+        lm.lm_head = Int8Linear.from_weight(gguf_file.dequantize(head), device=device, compute_dtype=dtype)
+    elif isinstance(table, torch.Tensor):  # tied to the float embedding
+        lm.lm_head = Int8Linear.from_weight(table, device=device, compute_dtype=dtype)
+    else:  # tied to the Q8_0 embedding: re-quantised a chunk of rows at a time
+        lm.lm_head = Int8Linear.from_rows(
             table.dequantized, (table.num_embeddings, table.embedding_dim), device=device, compute_dtype=dtype
         )
-    else:
-        head_weight = gguf_file.dequantize(head) if head is not None else embed_weight
-        model.lm_head = Int8Linear.from_weight(head_weight, device=device, compute_dtype=dtype)
     _finish(model, config, device)
     notes = [
         f"{count} {name} tensor(s) de-quantised and re-quantised to "
@@ -251,12 +269,14 @@ def _fill(model: nn.Module, build: _Builder, config: Any, progress: Progress | N
 
 def _finish(model: nn.Module, config: Any, device: torch.device) -> None:
     """Real rotary buffers, no tying back to the float embedding, no tensor left on the meta device."""
-    rotary = model.model.rotary_emb
+    lm = layout(model)  # from _skeleton, filled by _fill or transformers_model
+    rotary = lm.model.rotary_emb
     with torch.device(device):
-        model.model.rotary_emb = type(rotary)(config=config)
-    model.config.tie_word_embeddings = False  # the head is its own int8 copy now
+        lm.model.rotary_emb = type(rotary)(config=config)
+    lm.config.tie_word_embeddings = False  # the head is its own int8 copy now
     if hasattr(model, "_tied_weights_keys"):
-        model._tied_weights_keys = {} if isinstance(model._tied_weights_keys, dict) else []
+        # nn.Module.__setattr__'s stub takes tensors and modules only; any value is set at run time
+        model._tied_weights_keys = {} if isinstance(model._tied_weights_keys, dict) else []  # type: ignore[assignment]
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.device.type == "meta":
             raise ModelLoadError(
@@ -267,22 +287,23 @@ def _finish(model: nn.Module, config: Any, device: torch.device) -> None:
     model.requires_grad_(False)
 
 
-def transformers_model(model: nn.Module) -> nn.Module:
+def transformers_model(model: PreTrainedModel | LightCausalLM) -> PreTrainedModel:
     """``model`` itself, or for a ``skeleton.LightCausalLM`` that :func:`from_gguf` filled, transformers' model of
     the same config holding its modules: the same tensors, none copied, run by transformers' forward (the
     light model has none)."""
     if not isinstance(model, LightCausalLM):
         return model
     light, config = model, model.config.to_transformers()
-    model = _skeleton(config)
-    for mine, theirs in zip(model.model.layers, light.model.layers, strict=True):
+    model = _transformers_skeleton(config)
+    lm, src = layout(model), layout(light)  # src: filled by from_gguf (its placeholders replaced)
+    for mine, theirs in zip(lm.model.layers, src.model.layers, strict=True):
         for path in _LINEARS.values():
             _set(mine, path, theirs.get_submodule(path))
         for path in _NORMS.values():
             mine.get_submodule(path).weight = theirs.get_submodule(path).weight
-    model.model.embed_tokens = light.model.embed_tokens
-    model.model.norm.weight = light.model.norm.weight
-    model.lm_head = light.lm_head
+    lm.model.embed_tokens = src.model.embed_tokens
+    lm.model.norm.weight = src.model.norm.weight
+    lm.lm_head = src.lm_head
     _finish(model, config, light.model.norm.weight.device)
     if light.generation_config is not None:  # the light loader's plain values (skeleton.generation_values)
         from transformers import GenerationConfig
@@ -291,7 +312,7 @@ def transformers_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def quantize_model(model: nn.Module, quantization: str, device: torch.device) -> list[str]:
+def quantize_model(model: PreTrainedModel, quantization: str, device: torch.device) -> list[str]:
     """Replace a float model's decoder linears (int4 group 32 or int8) and its head (int8) in place."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}")
@@ -301,8 +322,8 @@ def quantize_model(model: nn.Module, quantization: str, device: torch.device) ->
     for name, module in list(decoder.named_modules()):
         if type(module) is not nn.Linear:
             continue
-        weight, bias = module.weight.detach().float(), module.bias
-        bias = None if bias is None else bias.detach().float()
+        weight = module.weight.detach().float()
+        bias = None if module.bias is None else module.bias.detach().float()
         _set(
             decoder,
             name,

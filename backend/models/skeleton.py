@@ -63,6 +63,22 @@ _FAMILY_FIELDS = {"mistral": ("sliding_window",), "qwen2": ("sliding_window", "l
 class LightConfig:
     """``config.json``'s values as attributes (see the module docstring)."""
 
+    # The fields the light model reads, set from config.json by __init__ (read_config checks they are there;
+    # sliding_window and layer_types only for the families of _FAMILY_FIELDS, which alone read them).
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any]
+    hidden_act: str
+    sliding_window: int | None
+    layer_types: list[str]
+
     def __init__(self, values: dict[str, Any], name_or_path: str = "") -> None:
         self._values = dict(values)
         self.__dict__.update(values)

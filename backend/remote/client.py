@@ -49,7 +49,7 @@ CANCEL_POLL_S = 0.05
 MAX_ERROR_BODY = 4096  # characters of an error response shown
 
 
-def _finish(reason: Any, stop_reason: Any) -> str:
+def _finish(reason: Any, stop_reason: Any) -> FinishReason:
     if reason == "length":
         return "length"
     if reason == "stop" and isinstance(stop_reason, str):
@@ -348,14 +348,14 @@ class _Reply:
         self.counted += len(ids)
         sources, texts = self._tokens(own, ids, text)
         message, self.notice = self.notice, None
-        policy = own.get("policy")
+        policy, gamma, accepted = own.get("policy"), own.get("gamma"), own.get("accepted")
         return StepEvent(
             token_ids=ids,
             sources=sources,
             token_texts=texts,
             text=text,
-            gamma=own.get("gamma") if isinstance(own.get("gamma"), int) else 0,
-            accepted=own.get("accepted") if isinstance(own.get("accepted"), int) else 0,
+            gamma=gamma if isinstance(gamma, int) else 0,
+            accepted=accepted if isinstance(accepted, int) else 0,
             draft_s=0.0,
             verify_s=0.0,
             overhead_s=0.0,

@@ -2,8 +2,8 @@
 
 Contract (pure functions over tensors; no model, no state):
 
-- Settings arrive checked (``specchat.backend.api.SamplingParams`` validates itself against the limits defined
-  there) and travel as a :class:`SamplingRule`. Temperature 0 means greedy (the argmax).
+- Settings arrive checked (``specchat.backend.api.SamplingParams`` validates itself against the limits of
+  ``backend/limits.py``) and travel as a :class:`SamplingRule`. Temperature 0 means greedy (the argmax).
 - :func:`pick` is THE function that turns one position's processed logits row and (seed, reply position) into
   the token: argmax over the ids top-k/top-p keep of ``logits + T · g``, g the Gumbel noise of
   ``backend/speculative/gumbel.py`` keyed by (seed, position, id). That is exactly a sample from

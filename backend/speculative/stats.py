@@ -7,7 +7,8 @@ Pure Python (no torch). Three layers:
   S = E[N] · T_t(1) / (γ · T_d + T_t(γ+1)) (:func:`speedup`), with measured pass times.
 - :class:`StepCounts`: mergeable counts over decoding steps (prefill excluded), per drafter: steps by γ, per
   draft position how many steps reached and accepted it, target pass times by tokens per pass, drafting times,
-  emitted tokens and step time of speculating and of plain steps. The bench merges them across prompts.
+  emitted tokens and step time of speculating and of plain steps. A request's travel in its RequestStats
+  (``step_counts``); the bench and `specchat serve` add them up across requests instead of recounting steps.
 - :class:`SpecStats`: one request: a :class:`StepCounts` plus the request's clock (first token, last token,
   prefill). :meth:`SpecStats.report` builds the :class:`~specchat.backend.api.RequestStats` every consumer
   reads (the UI live, `specchat generate --json`, the history); the engine attaches one to every StepEvent.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from specchat.backend.api import GammaSummary, PolicyState, RequestStats
@@ -54,6 +55,12 @@ def speedup(expected: float, gamma: int, *, t1: float, draft_s_per_token: float,
 
 def _rate(num: float, den: float, digits: int = 4) -> float | None:
     return round(num / den, digits) if den else None
+
+
+def _step_key(text: str) -> tuple[str, int]:
+    """(drafter, γ) from StepCounts.to_dict's "drafter/γ"."""
+    drafter, _, gamma = text.rpartition("/")
+    return drafter, int(gamma)
 
 
 def _add_rows(mine: list[int], theirs: Sequence[int]) -> None:
@@ -151,34 +158,38 @@ class StepCounts:
             _add_rows(self.accepted_at.setdefault(name, []), other.accepted_at[name])
         self.accepted_lengths.update(other.accepted_lengths)
         self.kept.update(other.kept)
-        for name in (
-            "drafted",
-            "accepted",
-            "rejected_steps",
-            "paused_steps",
-            "no_draft_steps",
-            "spec_emitted",
-            "plain_emitted",
-            "spec_time_s",
-            "plain_time_s",
-            "verify_s",
-            "overhead_s",
-        ):
+        for name in _TOTALS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready counts (keys "drafter/γ" and str(n))."""
+        """JSON-ready counts (keys "drafter/γ" and str(n)), all of them (:meth:`from_dict` reads them back), and
+        the acceptance rate and τ they give."""
         return {
             "steps": {f"{d}/{g}": n for (d, g), n in self.steps.items()},
             "draft_s": {f"{d}/{g}": s for (d, g), s in self.draft_s.items()},
             "pass_s": {str(n): list(v) for n, v in self.pass_s.items()},
             "reached": {d: list(v) for d, v in self.reached.items()},
             "accepted_at": {d: list(v) for d, v in self.accepted_at.items()},
-            "drafted": self.drafted,
-            "accepted": self.accepted,
+            "accepted_lengths": {str(k): n for k, n in self.accepted_lengths.items()},
+            "kept": dict(self.kept),
+            **{name: getattr(self, name) for name in _TOTALS},
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepCounts:
+        """The counts :meth:`to_dict` wrote (a RequestStats' ``step_counts``); KeyError / ValueError for others."""
+        return cls(
+            steps=Counter({_step_key(k): n for k, n in data["steps"].items()}),
+            draft_s={_step_key(k): s for k, s in data["draft_s"].items()},
+            pass_s={int(n): list(v) for n, v in data["pass_s"].items()},
+            reached={d: list(v) for d, v in data["reached"].items()},
+            accepted_at={d: list(v) for d, v in data["accepted_at"].items()},
+            accepted_lengths=Counter({int(k): n for k, n in data["accepted_lengths"].items()}),
+            kept=Counter(data.get("kept", {})),  # absent from counts stored before predictions
+            **{name: data[name] for name in _TOTALS},
+        )
 
     # -- derived ------------------------------------------------------------------------------------------
     @property
@@ -257,6 +268,10 @@ class StepCounts:
             tokens += count * table[min(gamma, len(table) - 1)]
             seconds += count * target + self.draft_s[(name, gamma)]
         return tokens / seconds * t1 if seconds > 0 else None
+
+
+# The plain totals (the number fields): added by merge, written and read as they are by to_dict / from_dict.
+_TOTALS = tuple(f.name for f in fields(StepCounts) if isinstance(f.default, (int, float)))
 
 
 class SpecStats:
@@ -401,6 +416,7 @@ class SpecStats:
             last_gamma=self.last_gamma,
             last_policy=self.last_policy,
             policy=self.policy_estimates,
+            step_counts=c.to_dict(),
             no_draft_steps=c.no_draft_steps,
             draft_prefill_tokens=self.draft_context[0] if self.draft_context else 0,
             draft_reused_tokens=self.draft_context[1] if self.draft_context else 0,

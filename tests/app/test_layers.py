@@ -1,5 +1,5 @@
 """The app's layers point one way: cli -> tui -> chat -> the backend's API. Read from the source (every import,
-including those inside functions): app/tui and app/chat import from the backend only ``api``, ``errors``,
+including those inside functions): app/tui and app/chat import from the backend only ``api``, ``limits``, ``errors``,
 ``paths``, ``files`` and ``inputs`` (and ``models.config`` for annotations, under TYPE_CHECKING); everything else of the
 backend (loading, memory, hub, the engine) reaches the UI through the callables app/cli passes in
 (app/tui/seams.py). No package __init__ imports its submodules."""
@@ -14,6 +14,7 @@ import pytest
 APP = Path(__file__).resolve().parents[2] / "app"
 BACKEND_FOR_THE_UI = {
     "specchat.backend.api",
+    "specchat.backend.limits",
     "specchat.backend.errors",
     "specchat.backend.paths",
     "specchat.backend.files",

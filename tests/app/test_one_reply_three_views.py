@@ -73,7 +73,7 @@ async def test_ui_json_and_history_show_the_same_numbers(tmp_path) -> None:
         await ready(pilot)
         await send(pilot, "hello")
         await reply_done(pilot)
-        totals = app.chat._last_reply().totals
+        totals = app.chat.conversation.last_reply().totals
         line = app.chat.stats_bar.query_one("#stats-text", StatsLine).text.plain
         await pilot.press("ctrl+g")
         await pilot.pause()

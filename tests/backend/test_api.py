@@ -1,4 +1,4 @@
-"""api.py: every limit is defined once and checked when a request is built; RequestStats round-trips through the
+"""api.py: every limit (limits.py) is checked when a request is built; RequestStats round-trips through the
 dict the history stores and reads back damaged rows without raising."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from specchat.backend import api
+from specchat.backend import limits
 from specchat.backend.api import (
     JSON_STATS_FIELDS,
     GammaSummary,
@@ -15,9 +15,9 @@ from specchat.backend.api import (
     PolicyState,
     RequestStats,
     SamplingParams,
-    check_gamma,
 )
 from specchat.backend.errors import RequestError
+from specchat.backend.limits import check_gamma
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ from specchat.backend.errors import RequestError
         ("temperature", float("nan")),
         ("temperature", float("inf")),
         ("temperature", "hot"),
-        ("temperature", api.MAX_TEMPERATURE + 0.1),
+        ("temperature", limits.MAX_TEMPERATURE + 0.1),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -1),
@@ -35,12 +35,12 @@ from specchat.backend.errors import RequestError
         ("top_k", True),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
-        ("repetition_penalty", api.MAX_REPETITION_PENALTY * 2),
+        ("repetition_penalty", limits.MAX_REPETITION_PENALTY * 2),
         ("max_new_tokens", 0),
         ("max_new_tokens", 2.0),
-        ("max_new_tokens", api.MAX_NEW_TOKENS + 1),
+        ("max_new_tokens", limits.MAX_NEW_TOKENS + 1),
         ("seed", -1),
-        ("seed", api.MAX_SEED + 1),
+        ("seed", limits.MAX_SEED + 1),
         ("seed", "abc"),
     ],
 )
@@ -53,22 +53,22 @@ def test_sampling_params_refuse_out_of_range_values_by_name(field, value) -> Non
 def test_sampling_params_accept_the_limits_themselves() -> None:
     SamplingParams(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=0)
     SamplingParams(
-        temperature=api.MAX_TEMPERATURE,
+        temperature=limits.MAX_TEMPERATURE,
         top_p=1e-9,
-        repetition_penalty=api.MAX_REPETITION_PENALTY,
-        max_new_tokens=api.MAX_NEW_TOKENS,
-        seed=api.MAX_SEED,
+        repetition_penalty=limits.MAX_REPETITION_PENALTY,
+        max_new_tokens=limits.MAX_NEW_TOKENS,
+        seed=limits.MAX_SEED,
     )
     SamplingParams()  # every field unset: the pair's defaults
 
 
-@pytest.mark.parametrize("gamma", [0, -1, api.MAX_GAMMA + 1, 2.5, "fast", True])
+@pytest.mark.parametrize("gamma", [0, -1, limits.MAX_GAMMA + 1, 2.5, "fast", True])
 def test_gamma_limit(gamma) -> None:
-    with pytest.raises(RequestError, match=f"from 1 to {api.MAX_GAMMA}"):
+    with pytest.raises(RequestError, match=f"from 1 to {limits.MAX_GAMMA}"):
         check_gamma(gamma)
     with pytest.raises(RequestError, match="gamma"):
         GenerationRequest(prompt_ids=[1], gamma=gamma)
-    assert check_gamma(api.MAX_GAMMA) == api.MAX_GAMMA and check_gamma("auto") == "auto"
+    assert check_gamma(limits.MAX_GAMMA) == limits.MAX_GAMMA and check_gamma("auto") == "auto"
 
 
 def test_unknown_drafter_is_refused_when_the_request_is_built() -> None:

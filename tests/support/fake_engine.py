@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from specchat.backend.api import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, PolicyState, StepEvent, TokenSource
+from specchat.backend.api import GenerationRequest, PolicyState, StepEvent, TokenSource
 from specchat.backend.errors import ModelLoadError, SpecchatError
+from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
 from specchat.backend.speculative.stats import SpecStats
 
 CANNED_REPLY = """Here is a function that reverses a string:

@@ -139,7 +139,7 @@ def quantised_paged(family: str, quantization: str = "int4-torch", **overrides) 
 
 
 def tiny_paged_cache(model):
-    """A 256-token bfloat16 paged cache on CPU for ``model``."""
+    """A 256-token bfloat16 paged cache on CPU for ``model``, in the engine's blocks (the default size)."""
     from specchat.backend.kv.kv_cache import PagedKVCache
 
-    return PagedKVCache.for_model(model.config, max_tokens=256, block_size=16, dtype=torch.bfloat16, device="cpu")
+    return PagedKVCache.for_model(model.config, max_tokens=256, dtype=torch.bfloat16, device="cpu")

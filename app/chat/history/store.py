@@ -83,6 +83,12 @@ class _Corrupt(Exception):
     pass
 
 
+def _inserted_id(cur: sqlite3.Cursor) -> int:
+    """The rowid of the row ``cur``'s INSERT added (sqlite3 sets ``lastrowid`` after every INSERT)."""
+    assert cur.lastrowid is not None
+    return int(cur.lastrowid)
+
+
 class ChatStore:
     """The chat history. Safe to share between threads; several processes may open the same file."""
 
@@ -242,7 +248,7 @@ class ChatStore:
                 "INSERT INTO chats (title, pair, created_at, updated_at) VALUES (?, ?, ?, ?)",
                 (title.strip() or "New chat", pair, now, now),
             )
-            return int(cur.lastrowid)
+            return _inserted_id(cur)
 
     def list_chats(self) -> list[ChatSummary]:
         """All chats, the most recently active first."""
@@ -328,7 +334,7 @@ class ChatStore:
                 (chat_id, role, content, dump_stats(stats), now, int(complete)),
             )
             self._touch(conn, chat_id, now)
-            return int(cur.lastrowid)
+            return _inserted_id(cur)
 
     def update_message(
         self, message_id: int, content: str, stats: dict | None = None, complete: bool | None = None

@@ -18,6 +18,7 @@ from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.coordinate import Coordinate
 from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Label, Static
 
@@ -27,6 +28,8 @@ from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from specchat.backend.errors import SpecchatError
 
 if TYPE_CHECKING:
+    from textual.widgets.data_table import RowKey
+
     from specchat.app.chat.history.store import ChatStore
 
 
@@ -34,6 +37,12 @@ if TYPE_CHECKING:
 class HistoryResult:
     open_chat: int | None = None
     deleted: set[int] = field(default_factory=set)
+
+
+def chat_id_of(key: RowKey) -> int:
+    """The chat a table row stands for: each row is keyed by ``str(chat id)``."""
+    assert key.value is not None, "history rows are keyed by their chat id"
+    return int(key.value)
 
 
 def when(ts: float) -> str:
@@ -124,11 +133,10 @@ class HistoryScreen(ModalScreen[HistoryResult]):
         table = self.query_one(DataTable)
         if not table.row_count:
             return None
-        key = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key
-        return int(key.value)
+        return chat_id_of(table.coordinate_to_cell_key(Coordinate(table.cursor_row, 0)).row_key)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        self.result.open_chat = int(event.row_key.value)
+        self.result.open_chat = chat_id_of(event.row_key)
         self.dismiss(self.result)
 
     def action_close(self) -> None:

@@ -7,7 +7,8 @@ under the table names the target and says when a pair is gated). Sizes are binar
 models` prints them (1.11 GiB). The estimates come from the app's ``pair_info(pair) ->
 dict`` callable, run in a thread worker (the real one imports torch), one pair at a time, filling the table in
 as they arrive. Keys of that dict, all optional: ``memory_bytes`` (int), ``free_bytes`` (int), ``fits``
-(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str); a
+(bool | None), ``download_bytes`` (int: still to download; 0 = nothing), ``gated`` (bool), ``error`` (str),
+``speed`` (str: the expected speed from the bench's measurements, or "not measured ..."); a
 remote pair's (a server runs it: no memory estimate) has ``remote`` True, ``reachable`` (bool) and
 ``model_listed`` (bool | None) instead, shown as "server" and "up" / "DOWN" / "404" (model not listed).
 Choosing a pair that needs a download asks first, saying how much; one that does not fit asks too, and so does
@@ -66,7 +67,7 @@ def column_widths(width: int, names: list[str], drafters: list[str], targets: li
 
 
 def drafter_label(pair: PairConfig, *, long: bool = False) -> str:
-    if long and pair.drafter == "draft-model" and getattr(pair, "draft", None) is not None:
+    if long and pair.drafter == "draft-model" and pair.draft is not None:
         return f"draft model {pair.draft.source}"
     return str(pair.drafter)
 
@@ -107,7 +108,7 @@ class PairPickerScreen(ModalScreen[str | None]):
                 "target": Text(pair.target.source),
             }
             table.add_row(*(cells.get(column, "…") for column in self.widths), key=name)
-        if self.current in self.pairs:
+        if self.current is not None and self.current in self.pairs:
             table.move_cursor(row=list(self.pairs).index(self.current))
         table.focus()
         if self.pair_info is not None:
@@ -115,9 +116,12 @@ class PairPickerScreen(ModalScreen[str | None]):
 
     @work(thread=True, exclusive=True, group="pair-info", exit_on_error=False)
     def _estimate(self) -> None:
+        pair_info = self.pair_info
+        if pair_info is None:
+            return
         for name, pair in self.pairs.items():
             try:
-                info = dict(self.pair_info(pair))
+                info = dict(pair_info(pair))
             except Exception as error:  # noqa: BLE001 - an estimate failure is shown in the table, not fatal
                 info = {"error": str(error) or type(error).__name__}
             self.post_message(PairInfoReady(name, info))
@@ -172,6 +176,8 @@ class PairPickerScreen(ModalScreen[str | None]):
                 f"\nneeds about {human_bytes(info.get('memory_bytes'))}, "
                 f"{human_bytes(info['free_bytes'])} free on {info.get('device', 'the device')}"
             )
+        if info.get("speed"):
+            text.append(f"\nexpected speed: {info['speed']}")
         self.query_one("#pair-description", Static).update(text)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:

@@ -8,8 +8,9 @@ models.yaml value, else "the model's default": the model's generation_config, wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypeVar, cast
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -18,7 +19,13 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Select, Static, TextArea
 
 from specchat.app.chat.settings import DRAFTER_CHOICES, Settings, SettingsError, validate_settings
-from specchat.backend.api import MAX_GAMMA
+from specchat.backend.limits import CHAT_MAX_NEW_TOKENS_LIMIT, MAX_GAMMA
+
+if TYPE_CHECKING:
+    from specchat.app.chat.settings import DrafterChoice
+    from specchat.backend.models.config import PairConfig
+
+T = TypeVar("T", int, float)  # what a number field parses to
 
 GAMMA_MODES = {"pair": "Pair default", "auto": "Auto (adaptive)", "fixed": "Fixed"}
 
@@ -30,7 +37,7 @@ def _text(value: object) -> str:
 class SettingsScreen(ModalScreen[Settings | None]):
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, settings: Settings, pair: Any = None) -> None:
+    def __init__(self, settings: Settings, pair: PairConfig | None = None) -> None:
         super().__init__(classes="dialog-screen")
         self.settings, self.pair = settings, pair
 
@@ -108,7 +115,7 @@ class SettingsScreen(ModalScreen[Settings | None]):
     def _sync_gamma(self) -> None:
         self.query_one("#gamma", Input).display = self.query_one("#gamma_mode", Select).value == "fixed"
 
-    def _parse(self, field: str, kind: type) -> object:
+    def _parse(self, field: str, kind: Callable[[str], T]) -> T | None:
         raw = self.query_one(f"#{field}", Input).value.strip()
         if not raw:
             return None
@@ -120,12 +127,14 @@ class SettingsScreen(ModalScreen[Settings | None]):
 
     def _collect(self) -> Settings:
         gamma_mode = self.query_one("#gamma_mode", Select).value
-        gamma = None if gamma_mode == "pair" else "auto" if gamma_mode == "auto" else self._parse("gamma", int)
+        gamma: int | Literal["auto"] | None = (
+            None if gamma_mode == "pair" else "auto" if gamma_mode == "auto" else self._parse("gamma", int)
+        )
         if gamma_mode == "fixed" and gamma is None:
             raise SettingsError(f"gamma: a fixed γ needs a number (1 .. {MAX_GAMMA})")
         max_new = self._parse("max_new_tokens", int)
         if max_new is None:
-            raise SettingsError("max new tokens: a number is required (1 .. 32768)")
+            raise SettingsError(f"max new tokens: a number is required (1 .. {CHAT_MAX_NEW_TOKENS_LIMIT})")
         return validate_settings(
             replace(
                 self.settings,
@@ -133,7 +142,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
                 top_p=self._parse("top_p", float),
                 top_k=self._parse("top_k", int),
                 max_new_tokens=max_new,
-                drafter=self.query_one("#drafter", Select).value,
+                # one of DRAFTER_CHOICES (the select has no blank); validate_settings checks it all the same
+                drafter=cast("DrafterChoice", self.query_one("#drafter", Select).value),
                 gamma=gamma,
                 system_prompt=self.query_one("#system_prompt", TextArea).text,
                 draft_from_history=self.query_one("#draft_from_history", Select).value == "on",

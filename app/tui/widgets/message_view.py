@@ -14,16 +14,17 @@ reply waits for its first token its totals line says what is happening (``show_s
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.content import Content
+from textual.message import Message
 from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets._markdown import MarkdownFence
 
-from specchat.app.tui.messages import BranchFrom
 from specchat.app.tui.widgets.stream_tail import StreamTail, split_finished
 from specchat.backend.api import TokenSource
 
@@ -77,7 +78,7 @@ class CopyableFence(MarkdownFence):
     """
 
     @classmethod
-    def highlight(cls, code: str, language: str, ansi: bool = False, dark: bool = False) -> Any:
+    def highlight(cls, code: str, language: str, ansi: bool = False, dark: bool = False) -> Content:
         return super().highlight(code, language or "text", ansi=ansi, dark=dark)
 
     def on_click(self) -> None:
@@ -87,6 +88,14 @@ class CopyableFence(MarkdownFence):
 
 class ChatMarkdown(Markdown):
     BLOCKS = {**Markdown.BLOCKS, "fence": CopyableFence, "code_block": CopyableFence}
+
+
+@dataclass
+class BranchFrom(Message):
+    """A message view asks for a new chat branching from it (its ``index`` among the chat's messages is found
+    by the screen)."""
+
+    view: MessageView
 
 
 class MessageView(Vertical, can_focus=True):
@@ -139,7 +148,8 @@ class UserMessage(MessageView):
         body = Static(Text(self.display_text), classes="user-text", markup=False)
         if len(lines) > LONG_USER_LINES:
             title = f"{lines[0][:70]} … ({len(lines)} lines)"
-            with Collapsible(title=Text(title), collapsed=True):
+            # Text, not str: user text is never parsed as markup (Textual takes any ContentText, annotates str)
+            with Collapsible(title=Text(title), collapsed=True):  # type: ignore[arg-type]
                 yield body
         else:
             yield body

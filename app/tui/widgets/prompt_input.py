@@ -17,13 +17,13 @@ NEWLINE_KEYS = frozenset({"shift+enter", "alt+enter", "ctrl+j"})
 
 
 class PromptInput(TextArea):
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, *, id: str | None = None) -> None:
         super().__init__(
             soft_wrap=True,
             show_line_numbers=False,
             tab_behavior="focus",
             placeholder="Message (Enter sends · Ctrl+J new line · ↑ edits the last · /edit PATH · F1)",
-            **kwargs,
+            id=id,
         )
 
     async def _on_key(self, event: events.Key) -> None:

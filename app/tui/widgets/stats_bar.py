@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.segment import Segment
 from rich.text import Text
@@ -33,6 +33,9 @@ from textual.widget import Widget
 
 from specchat.app.tui.bridge import LiveView, step_name
 from specchat.backend.api import PolicyState, RequestStats
+
+if TYPE_CHECKING:
+    from textual.timer import Timer
 
 SPARK_SAMPLES = 60
 SPARK_WIDTH = 30  # columns; each shows the highest of SPARK_SAMPLES // SPARK_WIDTH samples
@@ -45,6 +48,8 @@ FINISH_NOTES = {
     "stop": "stop string",
     "eos": "",
 }
+# the live line's colour for the latest step's policy state (others, and no state yet: dim)
+POLICY_STYLES: dict[PolicyState | None, str] = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}
 BAR_CELLS = 12  # the width of a percentage bar (loading, reading a prompt)
 
 
@@ -253,7 +258,7 @@ class StatsBar(Horizontal):
         self._samples: deque[float] = deque([0.0] * SPARK_SAMPLES, maxlen=SPARK_SAMPLES)
         self.pair_name = ""
         self.load: LoadSteps | None = None
-        self._ticker: Any = None
+        self._ticker: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield StatsLine(id="stats-text")
@@ -349,7 +354,7 @@ class StatsBar(Horizontal):
             text.append(f"  γ {'—' if stats.last_gamma is None else stats.last_gamma}")
             label = policy_label(live)
             if label:
-                style = {PolicyState.PAUSED: "yellow", PolicyState.SPECULATING: "green"}.get(stats.last_policy, "dim")
+                style = POLICY_STYLES.get(stats.last_policy, "dim")
                 text.append(f"  {label}", style=style)
             text.append("  esc stop", style="dim")
         elif stats.steps or stats.new_tokens:

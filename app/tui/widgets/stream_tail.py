@@ -32,10 +32,10 @@ def parser() -> MarkdownIt:
 def top_level_blocks(markdown: str, md: MarkdownIt) -> list[tuple[Token, int, int]]:
     """Each top-level block of ``markdown``: its opening token and the character span of its source (the blank
     lines after a block go with it; lines counted as Textual's Markdown.append counts them)."""
-    tokens = [token for token in md.parse(markdown) if token.level == 0 and token.map is not None]
+    blocks = [(token, token.map[0]) for token in md.parse(markdown) if token.level == 0 and token.map is not None]
     offsets = list(accumulate((len(line) for line in markdown.splitlines(keepends=True)), initial=0))
-    starts = [offsets[token.map[0]] for token in tokens] + [len(markdown)]
-    return [(token, starts[index], starts[index + 1]) for index, token in enumerate(tokens)]
+    starts = [offsets[first_line] for _, first_line in blocks] + [len(markdown)]
+    return [(token, starts[index], starts[index + 1]) for index, (token, _) in enumerate(blocks)]
 
 
 def split_finished(markdown: str, md: MarkdownIt | None = None) -> int:
@@ -65,8 +65,8 @@ class StreamTail(Widget):
     """
     COMPONENT_CLASSES = {"stream-tail--code"}
 
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
         self.markdown = ""
         self.after_blocks = False  # the Markdown widget above already shows blocks (their margin separates)
         self.md = parser()  # the message's block splitting uses it too
@@ -128,7 +128,7 @@ class StreamTail(Widget):
         self._blocks = blocks
         return out
 
-    def _render_block(self, token, source: str, width: int, first: bool) -> list[Strip]:
+    def _render_block(self, token: Token, source: str, width: int, first: bool) -> list[Strip]:
         base = self.rich_style
         if token.type == "fence":
             # as Textual's MarkdownFence lays it out: margin 1 (only the first block's shows here), padding 1 2,

@@ -11,19 +11,19 @@ rejection sampling and Σ q·p for an independent draft. Drafting stops at EOS.
 
 Cache: kept across requests (a conversation's next turn reuses it) and synced to each context by common
 prefix: truncated to the longest common prefix of what it holds and the new context (a pointer move, no copy),
-then only the missing ids are fed, in chunks of :data:`~specchat.backend.api.PREFILL_CHUNK` with one logits row
+then only the missing ids are fed, in chunks of :data:`~specchat.backend.limits.PREFILL_CHUNK` with one logits row
 kept. Each :class:`~specchat.backend.speculative.drafters.base.Draft` says how many context ids were fed and reused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from specchat.backend.api import PREFILL_CHUNK
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
 from specchat.backend.kv.kv_cache import Sequence as CacheSequence
+from specchat.backend.limits import PREFILL_CHUNK
 from specchat.backend.speculative.drafters.base import Draft
 from specchat.backend.speculative.sampling import GREEDY, SamplingRule, SeenIds, apply_repetition_penalty, pick
 
@@ -41,7 +41,7 @@ class DraftModelDrafter:
         cache: PagedKVCache,
         *,
         vocab_limit: int,
-        eos_token_ids: Sequence[int],
+        eos_token_ids: Iterable[int],
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.forward = forward

@@ -45,7 +45,7 @@ BASE_PAIR = {
     "name": "fuzzed",
     "description": "a pair",
     "target": {
-        "source": "packaged:smollm2-135m-instruct",
+        "source": "org/fuzz-model",  # a hub id not in the cache: the numbers are overrides, unchecked
         "params": 1000,
         "num_layers": 2,
         "num_kv_heads": 1,
@@ -556,3 +556,24 @@ def test_a_file_error_on_a_huge_path_is_one_short_line(capsys):
     assert code == 2 and "Traceback" not in err
     assert len(lines) == 1 and len(lines[0]) < 2000 and lines[0].endswith("free disk space")
     assert "File name too long" in lines[0] and "characters)" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["models", "--models=--"],
+        ["--models=--", "models"],
+        ["generate", "--prompt=--"],
+        ["bench", "--out=--"],
+        ["serve", "--host=--"],
+    ],
+)
+def test_an_option_whose_value_is_a_double_dash_is_named(argv, capsys):
+    """argparse drops a ``--`` value and hands the option an empty list; that is a usage error naming the option,
+    not a traceback deeper down (the CLI fuzzer found ``models --models=--``)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    option = next(a for a in argv if a.endswith("=--")).split("=")[0]
+    assert f"{option} needs a value" in err and "Traceback" not in err

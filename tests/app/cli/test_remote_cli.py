@@ -131,12 +131,12 @@ def test_models_lists_remote_pairs_with_a_reachability_check(tmp_path, capsys) -
         models = _models_file(tmp_path, url)
         assert main(["models", "--models", str(models), "--device", "cpu"]) == 0
         up = capsys.readouterr().out
-    line = next(row for row in up.splitlines() if " far " in row)
-    assert "tiny @ http://127.0.0.1" in line and "remote specchat" in line and " up " in line
+    head = next(row for row in up.splitlines() if row[2:].startswith("far "))
+    assert head.endswith("server up") and "tiny @ http://127.0.0.1" in up and "(specchat)" in up
     down = _models_file(tmp_path, f"http://127.0.0.1:{closed_port()}/v1")
     assert main(["models", "--models", str(down), "--device", "cpu", "--pair", "far"]) == 0
     text = capsys.readouterr().out
-    assert " DOWN " in text and "! far: ConnectError" in text
+    assert "server DOWN" in text and "problem   ConnectError" in text
 
 
 def test_bench_on_a_remote_pair(tmp_path, capsys) -> None:

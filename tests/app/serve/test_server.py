@@ -1,6 +1,7 @@
 """`specchat serve` over real HTTP on 127.0.0.1 (app/serve/): the routes, the input boundary's errors, the API
 key, the queue under 20 concurrent clients (every request answered or refused with 503, none lost, the engine's
-blocks back to zero), and the speculation fields other servers' clients read."""
+blocks back to zero), the speculation fields other servers' clients read, and /metrics' per-position counts
+(each reply's own step counts)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from engine_fixtures import tiny_engine
 from serve_fixtures import SlowEngine, running_server
 
 from specchat.app.serve.boundary import Limits
+from specchat.app.serve.owner import Metrics
+from specchat.backend.api import RequestStats
 from specchat.backend.remote.stats import from_llama_server, from_vllm
 
 BODY = {
@@ -168,3 +171,41 @@ def test_http_servers_own_refusals_are_json_too(served) -> None:
     assert answer.startswith("HTTP/1.1 400") and '"error"' in answer and "<html" not in answer.lower()
     no_length = httpx.post(url + "/chat/completions", content=iter([b"{}"]))  # streamed: chunked, no length
     assert no_length.status_code == 411 and no_length.json()["error"]["param"] == "Content-Length"
+
+
+def test_metrics_add_up_each_replys_own_step_counts_when_it_ends() -> None:
+    """/metrics' per-position counters are the replies' RequestStats step counts added up (every drafter's rows),
+    the counts their own per_position_acceptance comes from: a tree step counts the positions it judged."""
+    metrics = Metrics()
+    tree_and_chain = {
+        "reached": {"suffix": [3, 2, 1, 0], "prompt-lookup": [1]},
+        "accepted_at": {"suffix": [2, 1, 0, 0], "prompt-lookup": [0]},
+    }
+    metrics.finished(RequestStats(step_counts=tree_and_chain), "ok")
+    metrics.finished(RequestStats(), "ok")  # an engine that cannot know them (a remote server's reply)
+    metrics.finished(None, "error")
+    snap = metrics.snapshot()
+    assert snap["reached_per_position"] == {0: 4, 1: 2, 2: 1} and snap["accepted_per_position"] == {0: 2, 1: 1}
+    assert snap["requests"] == {"ok": 2, "error": 1}
+
+
+def test_metrics_show_the_served_replys_step_counts() -> None:
+    engine = tiny_engine(drafter="suffix")
+    with running_server(engine) as (server, url):
+        body = _post(url, {**BODY, "max_tokens": 40, "specchat": {"drafter": "suffix", "gamma": 4}}).json()
+        deadline = time.monotonic() + 10  # a reply is counted once its last byte is written
+        while server.metrics.snapshot()["requests"].get("ok", 0) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    counts = body["specchat"]["stats"]["step_counts"]
+    assert counts["reached"]["suffix"], "the reply drafted nothing: the test would compare nothing"
+    for metric, key in (("num_reached_per_pos", "reached"), ("num_accepted_tokens_per_pos", "accepted_at")):
+        shown = {
+            int(line.split('"')[1]): int(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith(f"specchat_spec_decode_{metric}_total{{")
+        }
+        rows = list(counts[key].values())
+        expected = {j: sum(row[j] for row in rows if j < len(row)) for j in range(max(map(len, rows), default=0))}
+        assert shown == {j: n for j, n in expected.items() if n}, (metric, text)

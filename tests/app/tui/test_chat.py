@@ -10,7 +10,7 @@ from fake_engine import CANNED_REPLY, FakeEngineFactory
 from textual.widgets import Static
 
 from specchat.app.tui.messages import ReplyProgress
-from specchat.app.tui.screens import chat as chat_module
+from specchat.app.tui.screens import reply_controller as chat_module
 from specchat.app.tui.widgets.details_panel import DetailsPanel
 from specchat.app.tui.widgets.message_view import AssistantMessage, UserMessage
 from specchat.app.tui.widgets.stats_bar import StatsBar

@@ -12,7 +12,7 @@ from app_harness import make_app, notifications, ready, reply_done, screen_text,
 from fake_engine import FakeEngineFactory
 from textual.widgets import Static
 
-from specchat.app.tui.screens.chat_actions import split_path_argument
+from specchat.app.tui.screens.commands import split_path_argument
 from specchat.app.tui.screens.dialogs import DiffScreen
 from specchat.app.tui.widgets.edit_note import EditNote
 from specchat.app.tui.widgets.message_view import UserMessage
@@ -248,7 +248,7 @@ async def test_up_on_an_edit_request_attaches_the_file_again(tmp_path, monkeypat
         prompt = app.chat.query_one("#prompt")
         prompt.focus()
         await pilot.press("up")
-        assert prompt.text == "type hints pls" and [t.path.name for t in app.chat.pending_edits] == ["calc.py"]
+        assert prompt.text == "type hints pls" and [t.path.name for t in app.chat.attachments.edits] == ["calc.py"]
         prompt.text = "add type hints to every function"
         await pilot.press("enter")
         await reply_done(pilot)

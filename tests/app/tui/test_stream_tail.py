@@ -6,7 +6,7 @@ from __future__ import annotations
 from app_harness import make_app, ready, reply_done, send, wait_for
 from fake_engine import FakeEngineFactory
 
-from specchat.app.tui.screens import chat as chat_module
+from specchat.app.tui.screens import reply_controller as chat_module
 from specchat.app.tui.widgets.message_view import AssistantMessage, ChatMarkdown, CopyableFence
 from specchat.app.tui.widgets.stream_tail import RESERVE_LINES, StreamTail, reserved_height, split_finished
 

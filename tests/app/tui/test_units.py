@@ -11,7 +11,7 @@ from fake_engine import CANNED_REPLY, FakeEngine, fake_pairs
 from specchat.app.chat.conversation import Conversation, Turn, title_for
 from specchat.app.chat.settings import Settings, SettingsError, load_settings, save_settings, validate_settings
 from specchat.app.tui.bridge import ReplyBuffer, ThrottledProgress, run_generation
-from specchat.app.tui.screens.chat import STATS_INTERVAL_S, TEXT_INTERVAL_S, UI_CPU_BUDGET, adapt_intervals
+from specchat.app.tui.screens.reply_controller import STATS_INTERVAL_S, TEXT_INTERVAL_S, UI_CPU_BUDGET, adapt_intervals
 from specchat.app.tui.widgets.details_panel import measured_speedup
 from specchat.app.tui.widgets.message_view import CopyableFence, warm_highlighting
 from specchat.app.tui.widgets.stats_bar import SPARK_BARS, reply_totals, sparkline, stored_totals

@@ -244,13 +244,14 @@ def test_chart_shows_absolute_speeds_and_a_hatching_entry_only_when_drawn(tmp_pa
 def test_bench_help_shows_the_defaults():
     from specchat.app.cli import bench as cmd_bench
     from specchat.app.cli.main import build_parser
+    from specchat.backend.limits import BENCH_MAX_NEW_TOKENS
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     text = " ".join(sub.choices["bench"].format_help().split())
     for option, default in (
         ("--limit", cmd_bench.DEFAULT_LIMIT),
-        ("--max-new-tokens", cmd_bench.DEFAULT_MAX_NEW_TOKENS),
+        ("--max-new-tokens", BENCH_MAX_NEW_TOKENS),
         ("--repeats", cmd_bench.DEFAULT_REPEATS),
         ("--suite", "all"),
         ("--out", "bench_out"),

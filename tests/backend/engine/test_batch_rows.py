@@ -4,8 +4,8 @@ A seed replays the same reply whatever the drafter and γ only if a position's l
 rows its pass held: kernels may round differently by batch shape, and a token flips when two candidates'
 perturbed logits are closer than that difference. This measures, through the engine's runner, the largest
 |difference| between rows computed one pass per token and the same rows in one pass of γ+1 = 5 and 17 tokens,
-on every tiny family and the embedded default, and bounds it relative to the logits' size (README states the
-measured values).
+on every tiny family and the embedded default, and bounds it relative to the logits' size (benchmarks/RESULTS.md
+states the measured values).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tiny_models import FAMILIES, one_thread, random_ids  # noqa: F401  (one_thr
 
 from specchat.backend.engine.runner import ModelRunner
 
-RELATIVE_BOUND = 1e-5  # 5x above the largest measured (README, "A seed replays the reply")
+RELATIVE_BOUND = 1e-5  # 5x above the largest measured (benchmarks/RESULTS.md, "Determinism measurements")
 
 
 def batch_vs_alone(runner: ModelRunner, ids: list[int], context: int, gamma: int) -> tuple[float, float]:

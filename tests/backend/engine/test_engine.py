@@ -283,7 +283,7 @@ def test_the_first_load_freezes_the_imports_and_a_later_load_unfreezes_the_last_
 def test_prefill_progress_events_come_only_when_asked_and_change_nothing_else():
     """A request with ``prefill_progress`` gets one event before each prefill pass (tokens read so far of the
     total, no tokens, no statistics); the reply is the same, and a request that does not ask gets none."""
-    from specchat.backend.api import PREFILL_CHUNK
+    from specchat.backend.limits import PREFILL_CHUNK
 
     prompt = random_ids(2 * PREFILL_CHUNK + 40, seed=3)
     sampling = SamplingParams(temperature=0.0, max_new_tokens=5)
@@ -304,7 +304,7 @@ def test_prefill_progress_events_come_only_when_asked_and_change_nothing_else():
 
 
 def test_cancel_while_the_prompt_is_read_stops_before_the_next_pass():
-    from specchat.backend.api import PREFILL_CHUNK
+    from specchat.backend.limits import PREFILL_CHUNK
 
     engine = tiny_engine("llama", context_length=2048)
     cancel = threading.Event()

@@ -17,8 +17,9 @@ import pytest
 from engine_fixtures import tiny_engine, tiny_tokenizer
 from tiny_models import one_thread, random_ids  # noqa: F401  (one_thread: autouse)
 
-from specchat.backend.api import MAX_GAMMA, MAX_PREDICTION_GAMMA, GenerationRequest, PolicyState, SamplingParams
+from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams
 from specchat.backend.errors import RequestError
+from specchat.backend.limits import MAX_GAMMA, MAX_PREDICTION_GAMMA
 from specchat.backend.speculative.drafters import prediction as prediction_module
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from specchat.backend.errors import ConfigError
+from specchat.backend.limits import DEFAULT_PAIR
 from specchat.backend.models.config import (
-    DEFAULT_PAIR,
     ModelSpec,
     default_pair_name,
     get_pair,
@@ -114,9 +114,19 @@ def test_shipped_pairs_are_valid_and_true_to_their_models():
     assert pairs["qwen2.5-14b-nf4"].target.quantization == "nf4"
     llama = pairs["llama3.1-8b"]
     assert llama.target.gated and llama.draft.gated and "huggingface-cli login" in llama.description
+    assert "too weak for code edits" in default.description  # the embedded model is a demo, and says so
+    cpu = {name: pair for name, pair in pairs.items() if pair.target.kind == "hub-gguf"}
+    assert {"qwen2.5-coder-7b-q4", "qwen2.5-coder-1.5b-q4", "llama3.1-8b-q4", "llama3.2-3b-q4", "qwen3-8b-q4"} <= set(
+        cpu
+    )
+    assert any("gemma-3" in pair.target.source for pair in cpu.values())
+    for name, pair in cpu.items():  # sizes come from the files once downloaded; drafts are GGUF files too
+        assert pair.target.hub_repo and (pair.target.hub_filename or "").endswith(".gguf"), name
+        assert not pair.target.sizes_known and pair.context_length == 8192, name
+        assert pair.draft is None or pair.draft.kind == "hub-gguf", name
     for pair in pairs.values():
         for spec in (pair.target, pair.draft):
-            if spec is None:
+            if spec is None or spec.kind == "hub-gguf":
                 continue
             assert spec.params == param_count(spec, *ARCH_EXTRA[spec.source]), spec.source
             if spec.kind == "hub":  # bf16 safetensors plus tokenizer files
@@ -149,8 +159,18 @@ def test_draft_model_pair_and_sampling(tmp_path):
 
 
 def test_missing_field(tmp_path):
-    path = write(tmp_path, pair_yaml(target=TARGET.replace("      params: 1000\n", "")))
-    assert_names(error_of(path), str(path), "pair 'p1'", "'target.params'", "(missing)", "add it")
+    path = write(tmp_path, pair_yaml(target=TARGET.replace("      source: org/target-model\n", "")))
+    assert_names(error_of(path), str(path), "pair 'p1'", "'target.source'", "(missing)", "add it")
+
+
+def test_sizes_are_optional_and_unknown_until_the_hub_files_are_here(tmp_path):
+    path = write(tmp_path, "  - name: p1\n    target: {source: org/target-model}\n")
+    pair = load_pairs_file(path)["p1"]
+    assert pair.target.params == 0 and not pair.target.sizes_known
+    assert dict(pair.target.origins) == dict.fromkeys(
+        ("params", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size"), "unknown"
+    )
+    assert pair.drafter == "prompt-lookup" and pair.context_length == 8192  # the defaults of a minimal pair
 
 
 def test_wrong_type(tmp_path):
@@ -270,8 +290,7 @@ def test_user_file_overrides_and_adds(tmp_path):
     shipped = load_pairs()[DEFAULT_PAIR]
     override = (
         f"  - name: {DEFAULT_PAIR}\n    target:\n      source: packaged:smollm2-135m-instruct\n"
-        "      params: 1\n      num_layers: 1\n      num_kv_heads: 1\n      head_dim: 1\n"
-        "      hidden_size: 1\n      vocab_size: 1\n    drafter: none\n    context_length: 1024\n"
+        "    drafter: none\n    context_length: 1024\n"
     )
     write(user.parent, override + pair_yaml("mine"))
     pairs = load_pairs()

@@ -21,9 +21,10 @@ import torch
 from foundation_fixtures import SPECIALS, local_spec, save_tiny_llama, word_tokenizer, write_tiny_gguf
 
 from specchat.backend.errors import ConfigError, IncompatiblePairError, ModelLoadError
+from specchat.backend.limits import DEFAULT_PAIR
 from specchat.backend.models import cache_keys, convert, hub, loading
 from specchat.backend.models.capture import capture_library_output, progress_tqdm_class, user_callback
-from specchat.backend.models.config import DEFAULT_PAIR, PairConfig, load_pairs
+from specchat.backend.models.config import PairConfig, load_pairs
 from specchat.backend.models.loading import (
     check_tokenizers_compatible,
     load_model,

@@ -117,7 +117,7 @@ def test_an_unsupported_architecture_is_refused(tmp_path):
 def test_the_embedded_files_q4_1_blocks_are_kept_exactly(capsys):
     """Every Q4_1 tensor of the embedded GGUF: (q - 8)·d + (m + 8·d) equals the file's d·q + m bit for bit with
     float32 scale and zero; with the bfloat16 ones the kernels take, each weight stays within 2^-8 of its
-    block's |(q - 8)·d| + |m + 8·d| (the error is printed, for README "Speed on CPU"). The tied Q8_0
+    block's |(q - 8)·d| + |m + 8·d| (the error is printed, for benchmarks/RESULTS.md). The tied Q8_0
     embedding re-quantised to an int8 head per row: within half a row step plus the scale's rounding."""
     from specchat.backend.models.loading import packaged_gguf_path
 

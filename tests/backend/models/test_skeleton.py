@@ -94,7 +94,7 @@ def _light_copy(model, light_config) -> skeleton.LightCausalLM:
 
 
 def _cache(config) -> PagedKVCache:
-    return PagedKVCache.for_model(config, max_tokens=256, block_size=16, dtype=torch.bfloat16, device="cpu")
+    return PagedKVCache.for_model(config, max_tokens=256, dtype=torch.bfloat16, device="cpu")
 
 
 def _same_compact_logits(reference, light) -> None:

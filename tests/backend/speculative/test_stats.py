@@ -148,6 +148,29 @@ def test_step_counts_per_position_merge_and_expected_speedup() -> None:
     json.dumps(merged.to_dict(), allow_nan=False)
 
 
+def test_the_step_counts_travel_in_the_request_stats_and_read_back_whole() -> None:
+    """Figures over many requests (`specchat serve`'s /metrics, the bench) are built from these, not recounted:
+    every count survives JSON, a tree step's judged positions included."""
+    stats, _ = scripted()
+    stats.observe_step(  # a tree of 5 nodes, 2 accepted along a path that tried 3 positions
+        drafter="suffix",
+        gamma=5,
+        accepted=2,
+        emitted=3,
+        policy=SPEC,
+        draft_s=0.0,
+        verify_s=0.1,
+        overhead_s=0.0,
+        tried=3,
+    )
+    report = stats.report()
+    assert report.step_counts == stats.counts.to_dict()
+    back = StepCounts.from_dict(json.loads(json.dumps(report.to_dict()))["step_counts"])
+    assert back == stats.counts and back.to_dict() == report.step_counts
+    assert back.reached["suffix"] == [1, 1, 1, 0, 0] and back.accepted_at["suffix"] == [1, 1, 0, 0, 0]
+    assert back.per_position_acceptance() == list(report.per_position_acceptance)
+
+
 def test_the_formula() -> None:
     assert expected_tokens_table([0.5]) == [1.0, 1.5]
     assert expected_tokens_table([1.0] * 4)[4] == 5.0

@@ -6,7 +6,7 @@ each run an empty temporary ``SPECCHAT_CACHE_DIR``, as on a new machine (the one
 tokenizer and configuration included); otherwise the user's cache is used, as on every later start. Prints one
 line per run and the median; measure on a quiet machine.
 
-    python packaging/start_time.py --runs 3 [--first] [--pair smollm2-135m]
+    python benchmarks/start_time.py --runs 3 [--first] [--pair smollm2-135m]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """How fast the one-token pass of the int4 default runs when compiled ahead of time (AOTInductor), against the
-compact forward (``backend/kernels/compact.py``) it would replace; not used by specchat itself (see the README,
-"Speed on CPU").
+compact forward (``backend/kernels/compact.py``) it would replace; not used by specchat itself (its figures:
+``benchmarks/RESULTS.md``, "Time of one pass").
 
 ``--build`` exports the pass (the compact forward's operations for one token whose sequence's blocks are one
 run, the 30 layers unrolled, the int4 kernels called inside) with ``torch.export`` and compiles it with
@@ -10,8 +10,8 @@ context length is a dynamic size. ``--run`` loads the package in a new process, 
 which its logits equal the compact forward's, and times it against the compact forward, interleaved, after a
 prompt of ``--context`` random tokens:
 
-    python packaging/compiled_pass.py --build [--package /tmp/specchat_pass.pt2]
-    python packaging/compiled_pass.py --run [--package /tmp/specchat_pass.pt2] [--context 300] [--passes 60]
+    python benchmarks/compiled_pass.py --build [--package /tmp/specchat_pass.pt2]
+    python benchmarks/compiled_pass.py --run [--package /tmp/specchat_pass.pt2] [--context 300] [--passes 60]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ PER_LAYER = 12  # tensors a layer passes in: 2 norms, 4 (packed, scales) pairs, 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.rms_norm`` as an opaque op, so the compiled graph calls the eager kernel. Inductor's own RMSNorm
     rounds differently: with it, the logits equalled the compact forward's for 4-9 tokens of 10. With this, for
-    more of them but not all (README, "Speed on CPU"): some other compiled operation still differs."""
+    more of them but not all (benchmarks/RESULTS.md): some other compiled operation still differs."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 

@@ -11,7 +11,7 @@ The order alternates per round so drift in machine speed hits both. Both use a t
 (``SPECCHAT_CONFIG_DIR`` / ``SPECCHAT_DATA_DIR``) and the user's model cache. Prints one line per run and the
 medians; exits 1 when the UI's median is more than ``--tolerance`` below generate's.
 
-    python packaging/ui_vs_generate.py --rounds 5 --max-new-tokens 128
+    python benchmarks/ui_vs_generate.py --rounds 5 --max-new-tokens 128
 """
 
 from __future__ import annotations

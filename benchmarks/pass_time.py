@@ -9,7 +9,7 @@ them, the floor the compact forward's own operations sit on. With the native dec
 (``backend/kernels/native.py``) the passes above are theirs, and the same passes through the Python loop are
 timed too for the ratio; the stubbed passes are always the Python loop's.
 
-    python packaging/pass_time.py [--context 300] [--rows 1 8] [--pair smollm2-135m]
+    python benchmarks/pass_time.py [--context 300] [--rows 1 8] [--pair smollm2-135m]
 """
 
 from __future__ import annotations

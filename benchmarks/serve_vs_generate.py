@@ -12,7 +12,7 @@ Both greedy, the same prompt and ``--max-new-tokens``; the token ids must be equ
 ``--drafter`` is passed to both (default: the pair's own). Prints one line per run, then the median of the per-round
 ratios served/local and the ratio of the medians; exits 1 when the median ratio is below ``--goal``.
 
-    python packaging/serve_vs_generate.py --rounds 6 --max-new-tokens 128 [--drafter none]
+    python benchmarks/serve_vs_generate.py --rounds 6 --max-new-tokens 128 [--drafter none]
 
 On a loaded CPU (more runnable threads than cores), torch's two OpenMP threads make a reply decoded in a process's
 main thread (`specchat generate`) many times slower than one decoded in a worker thread (the server's engine

@@ -1,0 +1,1 @@
+../../specchat/__init__.py

@@ -1,0 +1,109 @@
+"""Every limit and default of specchat, defined once: each layer (engine, models.yaml, the CLI, the chat
+settings, `specchat serve`, `specchat bench`) imports them from here, and their checks with them.
+
+Pure constants and checks: no torch, no Textual (it is a leaf, like ``errors.py``). Units: tokens unless a name
+says otherwise. Where a layer needs another value of the same quantity (a chat reply's default length, the
+server's ceiling), it is a named constant here with the reason it differs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal, get_args
+
+from specchat.backend.errors import RequestError
+
+# -- pairs and drafters --------------------------------------------------------------------------------------
+DEFAULT_PAIR = "smollm2-135m"  # the pair opened first: the embedded default model
+
+SpeculativeDrafterName = Literal["prompt-lookup", "suffix", "draft-model"]  # the drafters that propose tokens
+PairDrafterName = Literal[SpeculativeDrafterName, "none"]  # what a pair in models.yaml may name
+DrafterName = Literal["none", SpeculativeDrafterName, "auto"]  # what a request may ask for (auto: the engine picks)
+PAIR_DRAFTERS: tuple[PairDrafterName, ...] = get_args(PairDrafterName)  # prompt-lookup, suffix, draft-model, none
+DRAFTERS: tuple[DrafterName, ...] = get_args(DrafterName)  # none, prompt-lookup, suffix, draft-model, auto
+
+# -- speculation and the KV cache ----------------------------------------------------------------------------
+Gamma = int | Literal["auto"]  # drafted tokens per step: 1 .. MAX_GAMMA, or "auto" (the γ policy chooses)
+MAX_GAMMA = 31  # drafted tokens per step: n = γ + 1 <= 32, the largest CUDA-graph bucket
+# A prediction's drafts per step (GenerationRequest.prediction): n = 64 rows, what the CPU paths attend row by row
+# (kernels/compact.ROWWISE_ROWS); a path that does not (CUDA graphs, eager) keeps MAX_GAMMA (runner.exact_rows).
+MAX_PREDICTION_GAMMA = 63
+MAX_PREDICTION_CHARS = 1 << 22  # a prediction's text: more than any context holds
+KV_BLOCK_SIZE = 16  # tokens per KV cache block (the paged cache's unit of allocation and of rollback)
+PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scratch of long prompts
+MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
+# A pair's context_length when models.yaml gives none: this, or less where the target model states a shorter one.
+DEFAULT_CONTEXT = 8192
+
+# -- sampling ------------------------------------------------------------------------------------------------
+MAX_TEMPERATURE = 10.0  # 0 is greedy
+MAX_REPETITION_PENALTY = 10.0  # 1 is none; values in (0, 1) favour repeats
+MAX_SEED = 2**64 - 1  # seeds are 0 .. MAX_SEED
+
+# -- new tokens per reply ------------------------------------------------------------------------------------
+MAX_NEW_TOKENS = 1 << 20  # what a request may ask for; the pair's context length is the practical bound
+DEFAULT_MAX_NEW_TOKENS = 512  # when neither the request nor the pair says
+# The chat UI always sends its setting (so it overrides a pair's default): longer than the engine's fallback
+# because a chat reply may be code or a whole edited file, and bounded lower than MAX_NEW_TOKENS so that a slip
+# in the settings dialog (an extra digit or two) is refused there rather than run until the context is full.
+CHAT_MAX_NEW_TOKENS = 1024
+CHAT_MAX_NEW_TOKENS_LIMIT = 32768
+# `specchat serve` answers other programs with one engine: a request asking for MAX_NEW_TOKENS would hold it for
+# every other client, so the server's ceiling is lower (its --max-tokens raises it).
+SERVE_MAX_TOKENS = 4096
+# `specchat bench` runs every prompt in every mode, twice: 128 tokens a reply keeps a whole run to minutes while
+# each reply still takes enough steps for its acceptance figures.
+BENCH_MAX_NEW_TOKENS = 128
+# The bench compares modes token for token: greedy, and one seed, unless --temperature / --seed say otherwise.
+BENCH_TEMPERATURE = 0.0
+BENCH_SEED = 0
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float (never a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def is_int(value: Any) -> bool:
+    """An int (never a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# name -> (check, what to use instead); a value None is "unset" and never checked here.
+SAMPLING_LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (
+        lambda v: is_number(v) and 0 <= v <= MAX_TEMPERATURE,
+        f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}",
+    ),
+    "top_k": (lambda v: is_int(v) and v >= 0, "a whole number >= 0 (0: no top-k)"),
+    "top_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1] (1: no top-p)"),
+    "repetition_penalty": (
+        lambda v: is_number(v) and 0 < v <= MAX_REPETITION_PENALTY,
+        f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty)",
+    ),
+    "max_new_tokens": (lambda v: is_int(v) and 1 <= v <= MAX_NEW_TOKENS, f"a whole number from 1 to {MAX_NEW_TOKENS}"),
+    "seed": (lambda v: is_int(v) and 0 <= v <= MAX_SEED, "a whole number from 0 to 2**64 - 1"),
+}
+
+
+def check_sampling_value(name: str, value: Any) -> None:
+    """Raise :class:`RequestError` naming ``name``, ``value`` and the accepted range unless ``value`` is None or
+    within :data:`SAMPLING_LIMITS`. The one check behind the CLI, the settings, models.yaml and the engine."""
+    if value is None:
+        return
+    ok, what = SAMPLING_LIMITS[name]
+    if not ok(value):
+        raise RequestError(f"sampling setting {name}={value!r} is out of range: use {what}")
+
+
+def is_gamma(value: Any) -> bool:
+    """Whether ``value`` is a γ: "auto" or a whole number 1 .. MAX_GAMMA (never a bool)."""
+    return value == "auto" or (is_int(value) and 1 <= value <= MAX_GAMMA)
+
+
+def check_gamma(value: Any) -> Gamma:
+    """``value`` as a γ ("auto" or 1 .. MAX_GAMMA); RequestError naming it otherwise."""
+    if is_gamma(value):
+        return value
+    raise RequestError(f"gamma must be 'auto' or a number from 1 to {MAX_GAMMA}, got {value!r}")
