@@ -297,7 +297,7 @@ def execute(
                 }
             )
         finally:
-            if runner is not None and hasattr(runner, "close"):
+            if runner is not None:
                 runner.close()  # llama-server processes
             engine.close()
             # Drop this pair's models (and their transformers twins) before the next pair loads.

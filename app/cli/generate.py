@@ -204,16 +204,16 @@ def _history_replies() -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import GenerationRequest, SamplingParams
     from specchat.backend.limits import DEFAULT_PAIR
-    from specchat.backend.models.config import get_pair, load_pairs
+    from specchat.backend.models.config import PREDICTION_KINDS, get_pair, load_pairs
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
     given = getattr(args, "prediction_file", None)
     prediction = read_prediction(given) if given is not None else None
-    if prediction is not None and pair.remote is not None:
+    if prediction is not None and pair.remote is not None and pair.remote.server_kind not in PREDICTION_KINDS:
         raise RequestError(
-            f"--prediction-file: pair {pair.name!r} runs on a server, and predictions are drafted by the local "
-            "engine only for now; leave --prediction-file out or pick a local pair"
+            f"--prediction-file: pair {pair.name!r} runs on a {pair.remote.server_kind} server, which takes no "
+            f"prediction (kinds {' and '.join(PREDICTION_KINDS)} do); leave --prediction-file out or pick another pair"
         )
     if args.system is not None:
         prompts = [

@@ -10,7 +10,8 @@ Contract:
   token measured here, from the request's start, as the local engine measures them.
 - The server is not asked to do what it cannot: a pair's ``kind`` only adds the request fields that ask that
   server for its statistics (vLLM and specchat ``return_token_ids``, SGLang ``return_spec_tokens_details``,
-  llama-server ``timings_per_token``; specchat also the request's drafter and γ). The answer is read by what it
+  llama-server ``timings_per_token``; specchat also the request's drafter and γ), and a request's ``prediction``
+  goes to the kinds that take one (:data:`PREDICTION_KINDS`; others get a notice). The answer is read by what it
   contains, whatever the kind.
 - Errors before the reply starts (host unreachable, wrong API key, unknown model, server busy, a bad request)
   raise :class:`RemoteError` naming the server and what to do. A reply that breaks off (the server died, the
@@ -38,8 +39,8 @@ import httpx
 from specchat.backend.api import FinishReason, GenerationRequest, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.engine.prompting import validate_messages
 from specchat.backend.errors import RemoteError, RequestError
-from specchat.backend.models.config import PairConfig, RemoteSpec
-from specchat.backend.remote.stats import remote_stats, server_figures
+from specchat.backend.models.config import PREDICTION_KINDS, PairConfig, RemoteSpec
+from specchat.backend.remote.stats import PREDICTION_FIELDS, remote_stats, server_figures
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # between two chunks: a 70B model's prefill of a long prompt may take minutes
@@ -232,6 +233,8 @@ class RemoteEngine:
             body["return_spec_tokens_details"] = True
         if kind == "llama-server":
             body["timings_per_token"] = True
+        if request.prediction is not None and kind in PREDICTION_KINDS:
+            body["prediction"] = {"type": "content", "content": request.prediction}
         if kind == "specchat" and (request.drafter is not None or request.gamma is not None):
             body["specchat"] = {
                 k: v for k, v in (("drafter", request.drafter), ("gamma", request.gamma)) if v is not None
@@ -239,6 +242,11 @@ class RemoteEngine:
         return body
 
     def _notice(self, request: GenerationRequest) -> str | None:
+        if request.prediction is not None and self.spec.server_kind not in PREDICTION_KINDS:
+            return (
+                f"pair '{self.pair.name}' runs on a {self.spec.server_kind} server, which takes no prediction: the "
+                "reply is decoded without it"
+            )
         if self.spec.server_kind != "specchat" and (
             request.drafter not in (None, "auto") or request.gamma not in (None, "auto")
         ):
@@ -250,7 +258,7 @@ class RemoteEngine:
 
     def _stream(self, body: dict[str, Any], request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
         t0 = time.perf_counter()
-        state = _Reply(self.pair.name, t0, self._notice(request))
+        state = _Reply(self.pair.name, t0, self._notice(request), predicted="prediction" in body)
         try:
             with self._client.stream("POST", "chat/completions", json=body) as response:
                 if response.status_code != 200:
@@ -291,8 +299,8 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 class _Reply:
     """One streaming reply's state: the chunks read so far, turned into StepEvents."""
 
-    def __init__(self, pair_name: str, t0: float, notice: str | None) -> None:
-        self.pair_name, self.t0, self.notice = pair_name, t0, notice
+    def __init__(self, pair_name: str, t0: float, notice: str | None, *, predicted: bool = False) -> None:
+        self.pair_name, self.t0, self.notice, self.predicted = pair_name, t0, notice, predicted
         self.figures: dict[str, Any] = {}
         self.counted = 0
         self.t_first: float | None = None
@@ -305,7 +313,7 @@ class _Reply:
         wall = (self.t_last or time.perf_counter()) - self.t0
         ttft = None if self.t_first is None else self.t_first - self.t0
         return remote_stats(
-            self.figures,
+            self.figures if self.predicted else {k: v for k, v in self.figures.items() if k not in PREDICTION_FIELDS},
             wall_s=wall,
             ttft_s=ttft,
             counted_tokens=self.counted,

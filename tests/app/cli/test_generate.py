@@ -94,3 +94,17 @@ def test_a_bad_prediction_file_is_named_before_anything_loads(monkeypatch, capsy
     code = main(["generate", "--prompt", "hi", "--prediction-file", str(path)])
     _, err = capsys.readouterr()
     assert code != 0 and f"--prediction-file {path}" in err and message in err
+
+
+def test_a_prediction_file_for_a_server_that_takes_none_is_refused_by_name(monkeypatch, capsys, tmp_path):
+    """A remote pair of kind vllm (no Predicted Outputs) is refused before any request; kinds openai and specchat
+    send it (backend/remote/client.py)."""
+    from serve_fixtures import remote_pair
+
+    remote_pair(tmp_path, "http://127.0.0.1:9/v1", kind="vllm", name="far")
+    predicted = tmp_path / "p.txt"
+    predicted.write_text("hello", encoding="utf-8")
+    code = main(["generate", "--models", str(tmp_path / "far.yaml"), "--pair", "far", "--prompt", "hi",
+                 "--prediction-file", str(predicted)])  # fmt: skip
+    _, err = capsys.readouterr()
+    assert code != 0 and "pair 'far' runs on a vllm server, which takes no prediction" in err

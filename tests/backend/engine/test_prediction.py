@@ -56,11 +56,23 @@ def variants(reply: list[int]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(SAMPLED, seed=2024)], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("drafter", ["none", "prompt-lookup"])
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "auto"])
 def test_a_prediction_never_changes_the_reply(sampling, drafter):
     engine = tiny_engine("llama", drafter="none")
     params = SamplingParams(**sampling, max_new_tokens=60)
     prompt, plain = long_reply(engine, 3, params)
+    # Where the prediction has no match the request's own drafter serves: with an empty one, a fixed drafter
+    # drafts the same steps as without a prediction; auto picks among its candidates per step from measured
+    # times (so its picks may differ between runs), and they still draft. Fresh engines: the γ policies and the
+    # reply memory learn across requests.
+    drafted = []
+    for prediction in (None, ""):
+        fresh = tiny_engine("llama", drafter="none")
+        _, events = run(fresh, prompt_ids=prompt, sampling=params, drafter=drafter, prediction=prediction)
+        drafted.append([(e.drafter, e.gamma) for e in events if e.gamma])
+    assert (drafter == "none") == (not drafted[0]) == (not drafted[1])
+    assert "prediction" not in {name for name, _ in drafted[1]}
+    assert drafter == "auto" or drafted[0] == drafted[1]
     accepted = 0
     for name, text in variants(plain).items():
         ids, events = run(engine, prompt_ids=prompt, sampling=params, drafter=drafter, prediction=text)
