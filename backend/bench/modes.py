@@ -142,8 +142,9 @@ def _remote_modes(names: list[str] | None, pair_name: str, kind: str) -> list[Mo
     for name in names or [REMOTE_MODE]:
         base = name.partition(":")[0]
         if base in HF_MODES or base in LLAMA_SERVER_MODES:
+            where = "transformers in" if base in HF_MODES else "llama-server beside"
             raise RequestError(
-                f"mode {name!r} runs a model in or beside this process, and pair {pair_name!r} is remote "
+                f"mode {name!r} runs {where} this process, and pair {pair_name!r} is remote "
                 f"(its model is on its server); leave {name} out"
             )
         if name == REMOTE_MODE:
