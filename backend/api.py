@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol
 from specchat.backend.errors import RequestError
 from specchat.backend.limits import (
     DRAFTERS,
+    MAX_PREDICTION_CHARS,
     SAMPLING_LIMITS,
     DrafterName,
     Gamma,
@@ -87,6 +88,8 @@ class GenerationRequest:
     the longest common token prefix already in the paged cache (multi-turn chat); ``None`` uses a scratch
     sequence freed at the end. ``prefill_progress`` asks for progress events while the prompt is read (see
     :class:`StepEvent`); a consumer that does not ask never sees one, and an engine may not send any.
+    ``prediction`` is the reply's expected text (OpenAI's Predicted Outputs, e.g. a file to rewrite): drafted from
+    whatever ``drafter`` says (that drafter serves where it does not match), never changing the reply.
     """
 
     messages: list[dict[str, str]] | None = None
@@ -99,8 +102,13 @@ class GenerationRequest:
     # Messages that do not fit the context: False drops the oldest (a chat), True refuses the request with a
     # RequestError naming the token counts (an API client's history is never cut behind its back).
     keep_all_messages: bool = False
+    prediction: str | None = None
 
     def __post_init__(self) -> None:
+        if self.prediction is not None and (
+            not isinstance(self.prediction, str) or len(self.prediction) > MAX_PREDICTION_CHARS
+        ):
+            raise RequestError(f"prediction must be a text of at most {MAX_PREDICTION_CHARS} characters")
         if self.drafter is not None and self.drafter not in DRAFTERS:
             raise RequestError(f"unknown drafter {self.drafter!r}; use {', '.join(DRAFTERS[:-1])} or {DRAFTERS[-1]}")
         if self.gamma is not None:
@@ -139,6 +147,8 @@ JSON_STATS_FIELDS = (
     "no_draft_steps",
     "draft_prefill_tokens",
     "draft_reused_tokens",
+    "accepted_prediction_tokens",
+    "rejected_prediction_tokens",
 )
 
 
@@ -173,7 +183,10 @@ class RequestStats:
     - ``expected_speedup``: S(γ) from the policy's estimates, else from this request's own counts;
     - ``last_gamma``, ``last_policy``: the latest step's drafted length and state (the live view);
     - ``drafter``: the drafter that ran most speculating steps ("none" without any); for a tree draft
-      ``drafted`` counts the nodes verified and ``tree_*`` describe the latest tree.
+      ``drafted`` counts the nodes verified and ``tree_*`` describe the latest tree;
+    - with a prediction (None without): ``prediction_tokens`` its length; ``accepted_prediction_tokens`` its drafted
+      tokens that are in the reply, ``rejected_prediction_tokens`` those the target rejected or a stop cut off
+      (OpenAI's usage counts of the same names; both come from the step counts, not a comparison of texts).
 
     The fields typed ``... | None`` besides the rates are None when the engine cannot know them: a remote
     server (``specchat.backend.remote``) that does not report a figure leaves it None (JSON null), never a guess.
@@ -222,6 +235,9 @@ class RequestStats:
     tree_width: int = 0
     tree_accepted: int = 0
     tree_branch: int = 0
+    prediction_tokens: int | None = None
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     def to_json_stats(self) -> dict[str, Any]:
         """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""
@@ -266,7 +282,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(v is None or is_number(v) for v in value):
             raise TypeError(name)
         return tuple(value)
-    if name == "seed":  # a whole number (JSON keeps it exact below 2**53; drawn seeds are)
+    if name == "seed" or name.endswith("prediction_tokens"):  # a whole number (JSON: exact below 2**53)
         if value is not None and not is_int(value):
             raise TypeError(name)
         return value
@@ -309,6 +325,8 @@ _OPTIONAL_NUMBERS = {
     "verify_s",
     "overhead_s",
     "last_gamma",
+    "accepted_prediction_tokens",
+    "rejected_prediction_tokens",
 }
 
 

@@ -30,6 +30,10 @@ DRAFTERS: tuple[DrafterName, ...] = get_args(DrafterName)  # none, prompt-lookup
 # -- speculation and the KV cache ----------------------------------------------------------------------------
 Gamma = int | Literal["auto"]  # drafted tokens per step: 1 .. MAX_GAMMA, or "auto" (the γ policy chooses)
 MAX_GAMMA = 31  # drafted tokens per step: n = γ + 1 <= 32, the largest CUDA-graph bucket
+# A prediction's drafts per step (GenerationRequest.prediction): n = 64 rows, what the CPU paths attend row by row
+# (kernels/compact.ROWWISE_ROWS); a path that does not (CUDA graphs, eager) keeps MAX_GAMMA (runner.exact_rows).
+MAX_PREDICTION_GAMMA = 63
+MAX_PREDICTION_CHARS = 1 << 22  # a prediction's text: more than any context holds
 KV_BLOCK_SIZE = 16  # tokens per KV cache block (the paged cache's unit of allocation and of rollback)
 PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scratch of long prompts
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length

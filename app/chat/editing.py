@@ -10,9 +10,12 @@ Contract:
   ``EditTarget.link`` the path as given when it differs, so every dialog can name both.
 - Text is handled with ``\\n`` line ends (``EditTarget.text``); the file's own line ends, mixed ones included,
   stay in ``EditTarget.original`` and are put back line by line when writing (``edit_files.py``).
-- :func:`build_edit_prompt` asks for SEARCH/REPLACE blocks (the format of aider's "diff" edit format): each
-  block copies the lines it changes, so the reply is mostly copied text, which prompt lookup drafts well.
-  ``edit_plan.py`` parses and applies them exactly; ``edit_files.py`` writes the result.
+- :func:`build_edit_prompt` asks for the whole changed file for one file of at most ``REWRITE_MAX_BYTES``
+  (:func:`rewrites_whole`), and the reply is drafted from the file itself (:func:`edit_prediction`, the
+  request's ``prediction``: the reply is mostly the file copied, at many tokens per pass); else for
+  SEARCH/REPLACE blocks (the format of aider's "diff" edit format): each block copies the lines it changes,
+  which prompt lookup drafts well. ``edit_plan.py`` parses either reply (a whole file is checked to keep every
+  definition) and applies it exactly; ``edit_files.py`` writes the result.
 - :func:`extract_code_block` takes the reply's largest fenced block (``` or ~~~, any info string, an unclosed
   block at the end of a partial reply included); it never raises on any text.
 """
@@ -29,6 +32,11 @@ from pathlib import Path
 from specchat.backend.errors import SpecchatError
 
 MAX_FILE_BYTES = 256 * 1024
+# The largest file /edit asks to rewrite whole (its text as prediction), else SEARCH/REPLACE blocks: ~3,300 tokens
+# of code, so the prompt (the file) and the reply (the file again) fit the embedded default's 8,192-token context.
+# A bound from the context, not yet from a timing: whole rewrite vs SEARCH/REPLACE time to the finished file per
+# file size is still to be measured (issue 35); the rewrite family's files (1.2-9.8 KB) all fall under it.
+REWRITE_MAX_BYTES = 10 * 1024
 
 _LANGUAGES = {
     ".py": "python",
@@ -235,9 +243,25 @@ def _fence_for(text: str) -> str:
 SEARCH, DIVIDER, REPLACE = "<<<<<<< SEARCH", "=======", ">>>>>>> REPLACE"
 
 
+def rewrites_whole(targets: list[EditTarget]) -> bool:
+    """Whether /edit asks for the whole changed file (one file of at most REWRITE_MAX_BYTES) rather than blocks."""
+    return len(targets) == 1 and len(targets[0].text.encode("utf-8")) <= REWRITE_MAX_BYTES
+
+
+def edit_prediction(targets: list[EditTarget]) -> str | None:
+    """The reply a whole-file /edit is predicted to be (the file in its fence, as the prompt shows it), drafted
+    from by the engine; None when /edit asks for blocks."""
+    if not rewrites_whole(targets):
+        return None
+    target = targets[0]
+    fence = _fence_for(target.text)
+    body = target.text if target.text.endswith("\n") or not target.text else target.text + "\n"
+    return f"{fence}{target.language}\n{body}{fence}"
+
+
 def build_edit_prompt(targets: EditTarget | list[EditTarget], request: str) -> str:
-    """The user message for ``/edit PATH... request``: how to answer (SEARCH/REPLACE blocks), the request, then
-    each whole file in a fenced block."""
+    """The user message for ``/edit PATH... request``: how to answer (the whole file, or SEARCH/REPLACE blocks:
+    :func:`rewrites_whole`), the request, then each whole file in a fenced block."""
     targets = [targets] if isinstance(targets, EditTarget) else list(targets)
     if not targets:
         raise EditError("/edit: attach a file first, e.g. /edit src/main.py add type hints")
@@ -245,6 +269,16 @@ def build_edit_prompt(targets: EditTarget | list[EditTarget], request: str) -> s
         shown = targets[0].shown
         raise EditError(f"/edit {shown}: say what to change after the path, e.g. /edit {shown} add type hints")
     labels = edit_labels(targets)
+    first = targets[0]
+    if rewrites_whole(targets):
+        fence, lang = _fence_for(first.text), first.language
+        body = first.text if first.text.endswith("\n") or not first.text else first.text + "\n"
+        return (
+            f"Edit `{first.path.name}` as requested. Answer with the whole new file in one {lang} code block: "
+            "every line of it, changed or not, copied character for character where nothing changes. Change "
+            f"nothing the request does not ask for. Explain after the block.\n\nRequest: {request.strip()}\n"
+            f"\nCurrent `{first.path.name}`:\n{fence}{lang}\n{body}{fence}\n"
+        )
     which = f"`{labels[0]}`" if len(targets) == 1 else "the files below"
     parts = [
         f"Edit {which} as requested. Answer with SEARCH/REPLACE blocks, one per change, each like this:\n\n"

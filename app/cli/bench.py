@@ -66,6 +66,8 @@ def run(args) -> int:
             pair_name=config.name,
             remote_kind=remote_kind,
             llamacpp_missing=_llamacpp_missing(config.target) if remote_kind is None else None,
+            llama_server_missing=_llama_server_missing(args, config.target) if remote_kind is None else None,
+            rewrite=_rewrite(args),
         )
     err = Console(stderr=True)
 
@@ -119,6 +121,21 @@ def _profile(args, configs) -> int:
         finally:
             engine.close()
     return 0
+
+
+def _llama_server_missing(args, spec) -> str | None:
+    """Why the llama-server modes cannot run on this target (None: they can)."""
+    from specchat.backend.bench.llama_server import unavailable
+    from specchat.backend.models.loading import gguf_path
+
+    return unavailable(getattr(args, "llama_server", None), gguf_path(spec))
+
+
+def _rewrite(args) -> bool:
+    """The rewrite family (its own default modes: backend/bench/modes.py)."""
+    from specchat.backend.bench.suites import REWRITE_FAMILY
+
+    return args.suite == REWRITE_FAMILY
 
 
 def _repeats(args) -> int:
@@ -198,22 +215,37 @@ def execute(
     interrupted = False
     sources: dict[str, str] = {}  # pair -> target source, for the measured speeds the listings show
     for index in range(num_pairs):
-        engine, runner = load(index), None
+        engine = load(index)
+        runner: BenchRunner | RemoteBenchRunner | None = None
         sources[engine.pair.name] = engine.pair.target.source
         try:
             remote = engine.pair.remote
             missing = _llamacpp_missing(engine.target.spec) if remote is None else None
+            server_missing = _llama_server_missing(args, engine.target.spec) if remote is None else None
             modes = parse_modes(
                 args.modes,
                 has_draft=engine.draft is not None,
                 pair_name=engine.pair.name,
                 remote_kind=remote.server_kind if remote is not None else None,
                 llamacpp_missing=missing,
+                llama_server_missing=server_missing,
+                rewrite=_rewrite(args),
             )
-            if missing is not None and not args.modes:
+            if missing is not None and not args.modes and not _rewrite(args):
                 err.print(f"[yellow]llama.cpp modes left out: {escape(missing)}[/yellow]", highlight=False)
-            kind = RemoteBenchRunner if remote is not None else BenchRunner
-            runner = kind(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=seed)
+            if server_missing is not None and not args.modes and _rewrite(args):
+                err.print(f"[yellow]llama-server modes left out: {escape(server_missing)}[/yellow]", highlight=False)
+            if remote is not None:
+                runner = RemoteBenchRunner(engine, modes, max_new_tokens=max_new, temperature=temperature, seed=seed)
+            else:
+                runner = BenchRunner(
+                    engine,
+                    modes,
+                    max_new_tokens=max_new,
+                    temperature=temperature,
+                    seed=seed,
+                    llama_server=getattr(args, "llama_server", None),
+                )
             fitting = [p for p in prompts if runner.fits(p)]
             skipped = [p.id for p in prompts if p not in fitting]
             if skipped:
@@ -288,6 +320,8 @@ def execute(
                 }
             )
         finally:
+            if runner is not None:
+                runner.close()  # llama-server processes
             engine.close()
             # Drop this pair's models (and their transformers twins) before the next pair loads.
             engine = runner = None

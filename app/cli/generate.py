@@ -85,6 +85,34 @@ def read_prompts(path: str) -> list[tuple[str, list[dict]]]:
     return prompts
 
 
+def read_prediction(path: str) -> str:
+    """The ``--prediction-file``'s text (UTF-8); RequestError naming the file and what to do otherwise."""
+    from specchat.backend.limits import MAX_PREDICTION_CHARS
+
+    name = path if path.isprintable() and len(path) <= 300 else shown(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(4 * MAX_PREDICTION_CHARS + 1)
+    except FileNotFoundError:
+        raise RequestError(f"--prediction-file {name} does not exist") from None
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or error
+        raise RequestError(f"cannot read --prediction-file {name}: {reason}; check the path") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise RequestError(
+            f"--prediction-file {name} is not UTF-8 text (byte {data[error.start]:#04x} at offset {error.start}); "
+            "save it as UTF-8"
+        ) from None
+    if len(text) > MAX_PREDICTION_CHARS:
+        raise RequestError(
+            f"--prediction-file {name} has {len(text)} characters, more than {MAX_PREDICTION_CHARS}; a prediction "
+            "longer than any context cannot be drafted from"
+        )
+    return text
+
+
 class _Stdout:
     """Writes to ``sys.stdout`` what its encoding can take (see the module docstring); ``replaced`` says whether
     a character had to become ``?``."""
@@ -176,12 +204,19 @@ def _history_replies() -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import GenerationRequest, SamplingParams
     from specchat.backend.limits import DEFAULT_PAIR, check_seed_range
-    from specchat.backend.models.config import get_pair, load_pairs
+    from specchat.backend.models.config import PREDICTION_KINDS, get_pair, load_pairs
 
     check_seed_range(args.seed, args.samples)  # sample i uses seed + i: refused before anything loads
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
+    given = getattr(args, "prediction_file", None)
+    prediction = read_prediction(given) if given is not None else None
+    if prediction is not None and pair.remote is not None and pair.remote.server_kind not in PREDICTION_KINDS:
+        raise RequestError(
+            f"--prediction-file: pair {pair.name!r} runs on a {pair.remote.server_kind} server, which takes no "
+            f"prediction (kinds {' and '.join(PREDICTION_KINDS)} do); leave --prediction-file out or pick another pair"
+        )
     if args.system is not None:
         prompts = [
             (pid, [{"role": "system", "content": args.system}] + [m for m in msgs if m.get("role") != "system"])
@@ -224,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
                     drafter=args.drafter,
                     gamma=args.gamma,
                     conversation=f"generate:{pid}",
+                    prediction=prediction,
                 )
                 try:
                     failed = _one(engine, request, pid, sample, args.json, out) or failed
@@ -274,7 +310,13 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
             f"drafter {stats.drafter}, acceptance "
             f"{'n/a' if rate is None else f'{rate:.0%}'}, "
             f"τ {stats.mean_accepted_length or 0:.2f} per speculating step, "
-            f"seed {stats.seed}",
+            f"seed {stats.seed}"
+            + (
+                f", prediction tokens accepted {stats.accepted_prediction_tokens}, rejected "
+                f"{stats.rejected_prediction_tokens}"
+                if stats.accepted_prediction_tokens is not None
+                else ""
+            ),
             file=sys.stderr,
         )
     return last.finish_reason == "error"

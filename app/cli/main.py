@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N|auto",
         help="draft tokens per step; a number fixes it and keeps speculation on",
     )
+    gen.add_argument(
+        "--prediction-file",
+        metavar="PATH",
+        default=None,
+        help="the expected reply (e.g. a file to rewrite): drafted from, the reply is still the model's own; "
+        "--json reports accepted/rejected prediction tokens",
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, nothing else")
 
     from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_REPEATS
@@ -138,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_one_of(list(SUITES)),
         choices=list(SUITES),
         default="all",
-        help="prompt set: spec-bench, edit (code edits), all, or one family such as mt-bench (default: all)",
+        help="prompt set: spec-bench, edit (code edits), all, rewrite (whole files with a small change, each with "
+        "its file as prediction), or one family such as mt-bench (default: all)",
     )
     bench.add_argument(
         "--limit", type=_positive_int, default=None, metavar="N", help=f"prompts per family (default: {DEFAULT_LIMIT})"
@@ -162,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="MODE",
-        help="subset of modes (e.g. plain prompt-lookup auto hf-plain hf-prompt-lookup "
-        "llamacpp-plain; default: every mode the pair allows)",
+        help="subset of modes (e.g. plain prompt-lookup auto prediction hf-plain hf-prompt-lookup "
+        "llamacpp-plain llama-server llama-server-ngram; default: every mode the pair allows)",
     )
     bench.add_argument(
         "--out", metavar="DIR", default="bench_out", help="where the JSON and PNG go (default: bench_out)"
@@ -181,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of the modes: where a decoding step's time goes (kernels, attention, norms and other "
         "elementwise steps, Python, sampling), plain and with the pair's drafter, on one chat and one edit prompt",
+    )
+    bench.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        default=None,
+        help="the llama-server binary of the llama-server modes (default: llama-server on PATH)",
     )
     bench.add_argument(
         "--synthetic",

@@ -41,6 +41,9 @@ class RemoteBenchRunner(BenchRunner):
         self.pair_name = engine.pair.name
         self._prompt_tokens: dict[str, int] = {}
 
+    def close(self) -> None:
+        """Nothing to stop: the remote server is not the bench's."""
+
     def prompt_ids(self, prompt: BenchPrompt) -> list[int]:
         raise TypeError("a remote pair's prompts are sent as messages; the server tokenizes them")
 

@@ -1,14 +1,7 @@
 """`specchat bench`'s runner: every mode on every prompt, interleaved, in one process.
 
-Modes (names used in tables, JSON and ``--modes``):
-
-- specchat: ``plain`` (no drafter), ``prompt-lookup``, ``suffix`` (trees from the conversation; the reply
-  memory is off in the bench, so each prompt is measured alone), ``draft-model`` (pairs with a draft), ``auto``
-  (the engine picks drafter and γ); a drafter mode may fix γ with a suffix: ``prompt-lookup:4``;
-- transformers ``generate()``: ``hf-plain``, ``hf-prompt-lookup`` (``prompt_lookup_num_tokens=10``),
-  ``hf-assisted`` (``assistant_model=`` the pair's draft);
-- llama.cpp on the pair's GGUF (``llamacpp.py``, the optional extra ``bench``): ``llamacpp-plain``,
-  ``llamacpp-prompt-lookup``; in the default modes when llama-cpp-python is installed and the target is a GGUF.
+Modes: ``modes.py`` (names, defaults, ``--modes``); here each runs: specchat's through the engine,
+transformers' (``hf.py``), llama-cpp-python's (``llamacpp.py``) and llama-server's (``llama_server.py``).
 
 Protocol: one warm-up generation per mode (which also measures each mode's speed, for the time estimate),
 then for each prompt every mode in an order rotated by one per prompt, so drift in machine speed spreads
@@ -33,130 +26,25 @@ from typing import Any, cast
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.hf import hf_generate, quiet_transformers, sdpa_twin
+from specchat.backend.bench.llama_server import llama_servers
+from specchat.backend.bench.modes import (  # noqa: F401  (re-exported: the bench's callers import them here)
+    HF_MODES,
+    LLAMACPP_MODES,
+    REMOTE_MODE,
+    SPECCHAT_DRAFTERS,
+    Mode,
+    default_modes,
+    parse_modes,
+)
 from specchat.backend.bench.stats import Row, mark_equality
 from specchat.backend.bench.suites import BenchPrompt
 from specchat.backend.engine.prompting import render
 from specchat.backend.errors import RequestError
-from specchat.backend.inputs import shown
-from specchat.backend.limits import (
-    BENCH_SEED,
-    BENCH_TEMPERATURE,
-    DRAFTERS,
-    HEAD_DRAFTERS,
-    MAX_GAMMA,
-    DrafterName,
-    Gamma,
-    is_gamma,
-)
+from specchat.backend.limits import BENCH_SEED, BENCH_TEMPERATURE, DrafterName
+from specchat.backend.remote.stats import from_llama_server, remote_stats
 from specchat.backend.speculative.stats import StepCounts
 
-SPECCHAT_DRAFTERS = tuple("plain" if name == "none" else name for name in DRAFTERS)  # bench mode names
-HF_MODES = ("hf-plain", "hf-prompt-lookup", "hf-assisted")
-LLAMACPP_MODES = ("llamacpp-plain", "llamacpp-prompt-lookup")
 WARMUP_TOKENS = 32
-
-
-@dataclass(frozen=True, slots=True)
-class Mode:
-    name: str
-    runner: str  # "specchat" | "hf" | "llamacpp"
-    drafter: str  # specchat: none | prompt-lookup | suffix | draft-model | auto; hf: plain | prompt-lookup | assisted
-    gamma: Gamma | None = None  # specchat only; None: the pair's γ
-
-
-def default_modes(has_draft: bool, llamacpp: bool = False) -> list[str]:
-    # a draft head runs only where asked (--modes eagle3): a pair without one refuses it at its request
-    names = [name for name in SPECCHAT_DRAFTERS if name not in HEAD_DRAFTERS and (has_draft or name != "draft-model")]
-    names += ["hf-plain", "hf-prompt-lookup"] + (["hf-assisted"] if has_draft else [])
-    return names + (list(LLAMACPP_MODES) if llamacpp else [])
-
-
-REMOTE_MODE = "server"  # a remote pair: whatever speculation its server runs
-
-
-def parse_modes(
-    names: list[str] | None,
-    *,
-    has_draft: bool,
-    pair_name: str,
-    remote_kind: str | None = None,
-    llamacpp_missing: str | None = "not checked",
-) -> list[Mode]:
-    """Modes from ``--modes`` names (None: every mode the pair allows, llama.cpp's when ``llamacpp_missing``
-    is None). RequestError names a bad one, and why a llama.cpp mode cannot run.
-
-    A remote pair (``remote_kind``: its server's kind) runs mode ``server``; `specchat serve` also takes the
-    specchat drafter modes (sent with the request); transformers modes run in this process and are refused."""
-    if remote_kind is not None:
-        return _remote_modes(names, pair_name, remote_kind)
-    modes: list[Mode] = []
-    for name in names or default_modes(has_draft, llamacpp_missing is None):
-        base, _, gamma_text = name.partition(":")
-        gamma: Gamma | None = None
-        if gamma_text:
-            if base not in SPECCHAT_DRAFTERS or base == "plain":
-                raise RequestError(
-                    f"mode {shown(name)}: only prompt-lookup, suffix, draft-model, eagle3, medusa and auto take a "
-                    ":GAMMA suffix"
-                )
-            if gamma_text != "auto" and not (
-                gamma_text.isascii() and gamma_text.isdigit() and len(gamma_text) < 4 and is_gamma(int(gamma_text))
-            ):
-                raise RequestError(
-                    f"mode {shown(name)}: gamma must be 1..{MAX_GAMMA} or 'auto', got {shown(gamma_text)}"
-                )
-            gamma = "auto" if gamma_text == "auto" else int(gamma_text)
-        if base in SPECCHAT_DRAFTERS:
-            mode = Mode(
-                name,
-                "specchat",
-                "none" if base == "plain" else base,
-                "auto" if base == "auto" and gamma is None else gamma,
-            )
-        elif base in HF_MODES and not gamma_text:
-            mode = Mode(name, "hf", base.removeprefix("hf-"))
-        elif base in LLAMACPP_MODES and not gamma_text:
-            if llamacpp_missing is not None and llamacpp_missing != "not checked":
-                raise RequestError(f"mode {shown(name)}: {llamacpp_missing}")
-            mode = Mode(name, "llamacpp", base.removeprefix("llamacpp-"))
-        else:
-            known = ", ".join(SPECCHAT_DRAFTERS + HF_MODES + LLAMACPP_MODES)
-            raise RequestError(f"unknown bench mode {shown(name)}; use {known} (a drafter mode may add :GAMMA)")
-        if base in ("draft-model", "hf-assisted") and not has_draft:
-            raise RequestError(
-                f"mode {shown(name)} needs a draft model, and pair {pair_name!r} has none; leave it "
-                "out or pick a pair with a draft (see `specchat models`)"
-            )
-        if any(m.name == name for m in modes):
-            raise RequestError(f"mode {shown(name)} is listed twice in --modes")
-        modes.append(mode)
-    return modes
-
-
-def _remote_modes(names: list[str] | None, pair_name: str, kind: str) -> list[Mode]:
-    modes = []
-    for name in names or [REMOTE_MODE]:
-        base = name.partition(":")[0]
-        if base in HF_MODES:
-            raise RequestError(
-                f"mode {name!r} runs transformers in this process, and pair {pair_name!r} is remote "
-                f"(its model is on its server); leave {name} out"
-            )
-        if name == REMOTE_MODE:
-            modes.append(Mode(name, "remote", REMOTE_MODE))
-        elif base in SPECCHAT_DRAFTERS and kind == "specchat":
-            local = parse_modes([name], has_draft=True, pair_name=pair_name)[0]
-            modes.append(Mode(name, "remote", local.drafter, local.gamma))
-        elif base in SPECCHAT_DRAFTERS:
-            raise RequestError(
-                f"mode {name!r}: pair {pair_name!r} runs on a {kind} server, which speculates as it "
-                f"was started; use --modes {REMOTE_MODE} (or kind: specchat for `specchat serve`)"
-            )
-        else:
-            raise RequestError(f"unknown bench mode {name!r} for remote pair {pair_name!r}; use {REMOTE_MODE}")
-        if sum(m.name == name for m in modes) > 1:
-            raise RequestError(f"mode {name!r} is listed twice in --modes")
-    return modes
 
 
 @dataclass(slots=True)
@@ -223,6 +111,7 @@ class BenchRunner:
         max_new_tokens: int,
         temperature: float = BENCH_TEMPERATURE,
         seed: int = BENCH_SEED,
+        llama_server: str | None = None,
     ) -> None:
         self.engine, self.modes = engine, modes
         # Each prompt is measured alone: with the reply memory on, the suffix drafter would draft a prompt's
@@ -240,10 +129,20 @@ class BenchRunner:
         self.hf_draft = sdpa_twin(engine.draft.model) if needs_assistant else None
         self.llamacpp = _llamacpp(engine, modes)
         self._ids: dict[str, list[int]] = {}
+        self.llama_servers = llama_servers(engine, modes, llama_server)  # started now, stopped by close()
+
+    def close(self) -> None:
+        """Stop what the runner started (llama-server processes)."""
+        for server in self.llama_servers.values():
+            server.close()
 
     def prompt_ids(self, prompt: BenchPrompt) -> list[int]:
+        """The chat template rendered once, then the prompt's start of the reply (``assistant_prefix``)."""
         if prompt.id not in self._ids:
-            self._ids[prompt.id] = render(self.engine.tokenizer, prompt.message_dicts())
+            ids = render(self.engine.tokenizer, prompt.message_dicts())
+            if prompt.assistant_prefix:
+                ids += self.engine.tokenizer.encode(prompt.assistant_prefix, add_special_tokens=False)
+            self._ids[prompt.id] = ids
         return self._ids[prompt.id]
 
     def prompt_length(self, prompt: BenchPrompt) -> int:
@@ -254,12 +153,12 @@ class BenchRunner:
         """Whether the prompt plus max_new_tokens (and a verification step) fits the pair's context; for a
         multi-turn prompt, every turn's reply and message (~4 characters a token, plus the template's)."""
         later = sum(len(turn) // 3 + 16 for turn in prompt.turns)
-        replies = (1 + len(prompt.turns)) * self.max_new_tokens
+        replies = (1 + len(prompt.turns)) * (prompt.max_new_tokens or self.max_new_tokens)
         return len(self.prompt_ids(prompt)) + later + replies + 12 <= self.engine.context_length
 
     # -- one generation ---------------------------------------------------------------------------------
 
-    def _specchat(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
+    def _specchat(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation=None, prompt=None):
         request = GenerationRequest(
             prompt_ids=list(ids),
             sampling=SamplingParams(
@@ -269,10 +168,12 @@ class BenchRunner:
                 repetition_penalty=1.0,
                 max_new_tokens=max_new,
                 seed=seed,
+                stop=prompt.stop if prompt is not None else (),
             ),
             drafter=cast(DrafterName, mode.drafter),  # a specchat mode's: parse_modes took it from SPECCHAT_DRAFTERS
             gamma=mode.gamma,
             conversation=conversation,
+            prediction=prompt.prediction if mode.prediction and prompt is not None else None,
         )
         tokens: list[int] = []
         ttft = None
@@ -290,7 +191,7 @@ class BenchRunner:
         tally = StepCounts.from_dict(stats.step_counts) if stats is not None and stats.step_counts else StepCounts()
         return tokens, wall, ttft, reason, tally, stats
 
-    def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
+    def _hf(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation=None, prompt=None):
         assert self.hf_target is not None  # made in __init__ when a mode runs on transformers
         with quiet_transformers():
             result = hf_generate(
@@ -306,12 +207,27 @@ class BenchRunner:
             )
         return self._outside(result)
 
-    def _llamacpp(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation: str | None = None):
+    def _llamacpp(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation=None, prompt=None):
         assert self.llamacpp is not None  # noqa: S101 - built for every llamacpp mode in __init__
         result = self.llamacpp.generate(
             mode.drafter, ids, max_new_tokens=max_new, temperature=self.temperature, seed=seed, eos_ids=self.eos_ids
         )
         return self._outside(result)
+
+    def _llama_server(self, mode: Mode, ids: list[int], max_new: int, seed: int, conversation=None, prompt=None):
+        result = self.llama_servers[mode.drafter].generate(
+            ids,
+            max_new_tokens=max_new,
+            temperature=self.temperature,
+            seed=seed,
+            stop=prompt.stop if prompt is not None else (),
+            eos_ids=frozenset(self.eos_ids),
+        )
+        figures = from_llama_server({"timings": result.timings})
+        stats = remote_stats(
+            figures, wall_s=result.wall_s, ttft_s=result.ttft_s, counted_tokens=len(result.token_ids), drafter=mode.name
+        )
+        return result.token_ids, result.wall_s, result.ttft_s, result.finish_reason, None, stats
 
     def _outside(self, result):
         """The run tuple of another engine's generation (transformers, llama.cpp): tokens, wall, ttft and why it
@@ -324,10 +240,11 @@ class BenchRunner:
         self, mode: Mode, prompt: BenchPrompt, *, order: int, seed: int, max_new_tokens: int | None = None
     ) -> Row:
         ids = self.prompt_ids(prompt)
-        run = {"specchat": self._specchat, "hf": self._hf, "llamacpp": self._llamacpp}[mode.runner]
-        max_new = max_new_tokens or self.max_new_tokens
+        runners = {"specchat": self._specchat, "hf": self._hf, "llamacpp": self._llamacpp}
+        run = self._llama_server if mode.runner == "llama-server" else runners[mode.runner]
+        max_new = max_new_tokens or prompt.max_new_tokens or self.max_new_tokens
         if not prompt.turns:
-            tokens, wall, ttft, reason, tally, stats = run(mode, ids, max_new, seed)
+            tokens, wall, ttft, reason, tally, stats = run(mode, ids, max_new, seed, prompt=prompt)
             return Row(
                 pair=self.pair_name,
                 family=prompt.family,
@@ -355,7 +272,7 @@ class BenchRunner:
                     reply = self.engine.tokenizer.decode(tokens, skip_special_tokens=True)
                     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": turn}]
                     ids = render(self.engine.tokenizer, messages)
-                tokens, wall, ttft, reason, turn_tally, stats = run(mode, ids, max_new, seed, key)
+                tokens, wall, ttft, reason, turn_tally, stats = run(mode, ids, max_new, seed, key, prompt=prompt)
                 all_tokens += tokens
                 total_wall += wall
                 first_ttft = ttft if first_ttft is None else first_ttft
@@ -399,9 +316,8 @@ class BenchRunner:
         """Seconds each mode should take on ``prompts``: every prompt prefilled at the mode's warm-up prefill
         rate plus max_new_tokens at its warm-up decode rate (an upper bound: replies may stop earlier)."""
         prompt_tokens = sum(len(self.prompt_ids(p)) for p in prompts)
-        return {
-            w.mode: prompt_tokens / w.prefill_tok_s + len(prompts) * self.max_new_tokens / w.decode_tok_s for w in warm
-        }
+        new_tokens = sum(p.max_new_tokens or self.max_new_tokens for p in prompts)
+        return {w.mode: prompt_tokens / w.prefill_tok_s + new_tokens / w.decode_tok_s for w in warm}
 
     def run(
         self,

@@ -99,8 +99,9 @@ def mark_equality(rows: list[Row], *, greedy: bool) -> None:
             row.comparable = len(lengths_llamacpp if llamacpp else lengths) == 1 or not greedy
             if not greedy:
                 continue
+            own_plain = "llama-server" if row.mode.startswith("llama-server") else "llamacpp-plain"
             refs = (
-                (("vs_plain", by_mode.get("llamacpp-plain")),)
+                (("vs_plain", by_mode.get(own_plain)),)
                 if llamacpp
                 else (("vs_plain", by_mode.get("plain")), ("vs_hf_plain", by_mode.get("hf-plain")))
             )
@@ -110,7 +111,8 @@ def mark_equality(rows: list[Row], *, greedy: bool) -> None:
 
 
 def _is_llamacpp(mode: str) -> bool:
-    return mode.startswith("llamacpp-")
+    """llama.cpp's modes (in-process or its server): checked against their own plain decoding."""
+    return mode.startswith(("llamacpp-", "llama-server"))
 
 
 @dataclass(slots=True)
@@ -204,6 +206,10 @@ def aggregate(rows: list[Row]) -> list[Aggregate]:
                 agg.acceptance_rate = tally.acceptance_rate
                 agg.mean_accepted_length = tally.mean_accepted_length
                 agg.per_position_acceptance = {d: tally.per_position_acceptance(d) for d in tally.reached} or None
+            else:  # another engine's own counts (llama-server's timings), where it reports them
+                drafted = sum(r.engine_stats.drafted or 0 for r in chosen if r.engine_stats is not None)
+                accepted = sum(r.engine_stats.accepted or 0 for r in chosen if r.engine_stats is not None)
+                agg.acceptance_rate = accepted / drafted if drafted else None
             aggs[mode] = agg
         hf = {m: a for m, a in aggs.items() if m.startswith("hf-")}
         best_hf = max(hf, key=lambda m: hf[m].tok_s, default=None)

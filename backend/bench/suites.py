@@ -10,7 +10,13 @@ Suites:
   set ``data/code_edit_multiturn.jsonl`` (family ``code-edit-multiturn``): the same function edited three
   times in one conversation (rename, then type hints, then a docstring), each turn after the reply to the
   last, as an editor agent works;
-- ``all``: both;
+- ``rewrite``: ``data/rewrite.jsonl`` (family ``rewrite``; categories rename, type-hints, add-parameter, fix-bug,
+  translate-comments): whole files of 50-320 lines (Python, JavaScript, Go) with a small requested change, the
+  file in the prompt and, as each prompt's ``prediction``, the file itself; the reply starts inside the code
+  block (``assistant_prefix``, appended to the rendered prompt) and ends at its closing fence (``stop``), so a
+  row's time is the time to the finished file; each prompt has its own ``max_new_tokens`` (the file's tokens
+  and a quarter more); not in ``all`` (a run of it takes long: replies of up to 4,000 tokens);
+- ``all``: spec-bench and edit;
 - a family name (``mt-bench``, ``code-edit``, ...): that family alone.
 
 ``limit`` is per family and spread over the family's categories: categories are taken round-robin (in file
@@ -44,7 +50,9 @@ SPEC_BENCH_FAMILIES = ("mt-bench", "translation", "summarization", "qa", "math-r
 CODE_EDIT_FAMILY = "code-edit"
 MULTI_EDIT_FAMILY = "code-edit-multiturn"
 EDIT_FAMILIES = (CODE_EDIT_FAMILY, MULTI_EDIT_FAMILY)
-SUITES = ("spec-bench", "edit", "all") + SPEC_BENCH_FAMILIES + EDIT_FAMILIES
+REWRITE_FAMILY = "rewrite"
+REWRITE_FILE = DATA_DIR / "rewrite.jsonl"
+SUITES = ("spec-bench", "edit", "all") + SPEC_BENCH_FAMILIES + EDIT_FAMILIES + (REWRITE_FAMILY,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +64,10 @@ class BenchPrompt:
     category: str
     messages: tuple[tuple[str, str], ...]  # (role, content) pairs; hashable so prompts can key dicts
     turns: tuple[str, ...] = ()  # later user messages of a multi-turn prompt
+    prediction: str | None = None  # the expected reply (the prediction mode sends it)
+    assistant_prefix: str = ""  # the reply's start, appended to the rendered prompt
+    stop: tuple[str, ...] = ()
+    max_new_tokens: int | None = None  # None: the run's --max-new-tokens
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
@@ -127,9 +139,26 @@ def load_code_edit(path: Path = CODE_EDIT_FILE, family: str = CODE_EDIT_FAMILY) 
                 category=str(row.get("category", "edit")),
                 messages=tuple((m["role"], m["content"]) for m in messages),
                 turns=tuple(turns),
+                **_rewrite_fields(row, f"{path}:{number}"),
             )
         )
     return prompts
+
+
+def _rewrite_fields(row: dict, where: str) -> dict:
+    """The optional fields of a rewrite prompt, checked: prediction, assistant_prefix, stop, max_new_tokens."""
+    out: dict = {}
+    for name, ok, what in (
+        ("prediction", lambda v: isinstance(v, str), "a string"),
+        ("assistant_prefix", lambda v: isinstance(v, str), "a string"),
+        ("stop", lambda v: isinstance(v, list) and all(isinstance(t, str) and t for t in v), "a list of strings"),
+        ("max_new_tokens", lambda v: type(v) is int and v >= 1, "a whole number >= 1"),
+    ):
+        if name in row:
+            if not ok(row[name]):
+                raise ConfigError(f"{where}: {name!r} must be {what}, got {row[name]!r:.60}")
+            out[name] = tuple(row[name]) if name == "stop" else row[name]
+    return out
 
 
 def _spread(items: list[BenchPrompt], count: int) -> list[BenchPrompt]:
@@ -179,6 +208,8 @@ def load_suite(suite: str, limit: int | None) -> list[BenchPrompt]:
         prompts += load_code_edit()
     if suite in ("edit", "all", MULTI_EDIT_FAMILY):
         prompts += load_code_edit(MULTI_EDIT_FILE, MULTI_EDIT_FAMILY)
+    if suite == REWRITE_FAMILY:
+        prompts += load_code_edit(REWRITE_FILE, REWRITE_FAMILY)
     if suite in SPEC_BENCH_FAMILIES or suite in EDIT_FAMILIES:
         prompts = [p for p in prompts if p.family == suite]
     return select(prompts, limit)

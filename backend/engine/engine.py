@@ -32,7 +32,7 @@ from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
-from specchat.backend.limits import HEAD_DRAFTERS, MAX_GAMMA, check_gamma
+from specchat.backend.limits import HEAD_DRAFTERS, MAX_GAMMA, MAX_PREDICTION_GAMMA, check_gamma
 from specchat.backend.models.capture import Progress, user_callback
 from specchat.backend.models.chat_format import plain_completion_note, stop_ids
 from specchat.backend.models.config import ModelSpec, PairConfig
@@ -40,6 +40,7 @@ from specchat.backend.models.head_loading import HeadPlan, LoadedHead
 from specchat.backend.models.loading import ConfirmDownload, LoadedModel
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
+from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDrafter
 from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
 from specchat.backend.speculative.heads.drafter import head_drafter
@@ -255,6 +256,15 @@ class Engine:
                 conv.seq.free()
                 del self._conversations[key]
 
+    def _prediction(self, text: str | None) -> PredictionDrafter | None:
+        """The request's prediction drafter (None without a prediction): its text tokenised once, its drafts at
+        most the rows a pass verifies exactly on this path (``ModelRunner.exact_rows``)."""
+        if text is None:
+            return None
+        ids = self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        cap = min(MAX_PREDICTION_GAMMA, self.runner.exact_rows - 1)
+        return PredictionDrafter(ids, eos_token_ids=self.eos_ids, max_tokens=cap)
+
     def _generate(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
         t_start = time.perf_counter()
         sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
@@ -283,7 +293,9 @@ class Engine:
                 if drafter.taps and drafter_name in (name, "auto"):
                     keep = min(keep, drafter.features_for(prompt))
             conv.truncate(keep)
-            self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + MAX_GAMMA)
+            prediction = self._prediction(request.prediction)
+            spare = max(MAX_GAMMA, prediction.max_tokens if prediction is not None else 0)
+            self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + spare)
             target = Target(
                 self.runner,
                 self.tokenizer,
@@ -296,7 +308,9 @@ class Engine:
             speculation = Speculation(
                 self.drafters, self.policies, self.disabled_drafters, self.disabled_drafters.__setitem__
             )
-            state = RequestState(target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start)
+            state = RequestState(
+                target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start, prediction
+            )
             yield from state.run(notice, request.prefill_progress)
         finally:
             if request.conversation is None:

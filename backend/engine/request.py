@@ -31,6 +31,7 @@ from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.limits import PREFILL_CHUNK, Gamma
 from specchat.backend.speculative.drafters.base import Draft
+from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.policy import GammaPolicy
 from specchat.backend.speculative.request_stats import SpecStats
 from specchat.backend.speculative.sampling import SeenIds, apply_repetition_penalty, pick
@@ -51,6 +52,7 @@ class RequestState:
         gamma: Gamma,
         cancel: threading.Event,
         t_start: float,
+        prediction: PredictionDrafter | None = None,
     ) -> None:
         self.target, self.spec, self.conv, self.prompt, self.s = target, spec, conv, prompt, sampling
         self.rule = sampling.rule
@@ -83,6 +85,13 @@ class RequestState:
             self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates else "auto")
         )
         self.feed = FeatureFeed.of(spec.drafters, self.candidates)  # draft heads: the taps every pass returns
+        # A prediction drafts first wherever it matches the reply, at its own lengths (a policy that never pauses
+        # and only measures); the drafters above serve where it does not (speculative/drafters/prediction.py).
+        self.prediction = prediction
+        if prediction is not None:
+            prediction.configure(self.rule, len(prompt))
+            self.policies[prediction.name] = GammaPolicy(fixed_gamma=prediction.max_tokens)
+            self.stats.prediction = (prediction.name, len(prediction.prediction))
 
     # -- logits -> tokens -------------------------------------------------------------------------------
 
@@ -188,7 +197,7 @@ class RequestState:
         """The state of a pass that verified no draft: OFF without drafters, PAUSED when every candidate's
         policy is paused, else NO_DRAFT."""
         if not self.candidates:
-            return PolicyState.OFF
+            return PolicyState.OFF if self.prediction is None else PolicyState.NO_DRAFT
         if all(self.policies[n].state is PolicyState.PAUSED for n in self.candidates):
             return PolicyState.PAUSED
         return PolicyState.NO_DRAFT
@@ -286,6 +295,14 @@ class RequestState:
         """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step). Candidates are
         asked in :meth:`_ranked`'s order; one that finds nothing (no match, no features) passes the step to the
         next, so ``auto`` drafts chat with a head while prompt lookup has nothing to copy."""
+        if self.prediction is not None and cap > 0:
+            try:
+                draft = self.prediction.propose(self.context, cap)
+            except Exception as error:  # as any drafter's: the reply goes on without it
+                self.prediction = None
+                return None, 0, None, f"The prediction failed ({describe_error(error)}); continuing without it."
+            if draft.token_ids:
+                return self.prediction.name, len(draft), draft, None
         ranked = self._ranked() if cap > 0 else []
         if not ranked:
             return None, 0, None, None
@@ -357,7 +374,9 @@ class RequestState:
                 verify_s=verify_s,
                 tried=result.tried,
             )
-            if name in self.candidates:
+            if self.prediction is not None and name == self.prediction.name:
+                self.prediction.observe(result.accepted)
+            elif name in self.candidates:
                 self.spec.drafters[name].observe(result.accepted)
         elif self.candidates:  # a plain step measures T_target(1) for every candidate's policy
             for policy in self.policies.values():

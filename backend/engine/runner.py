@@ -41,7 +41,7 @@ from specchat.backend.kernels.native_model import NativeModel
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
-from specchat.backend.limits import KV_BLOCK_SIZE
+from specchat.backend.limits import KV_BLOCK_SIZE, MAX_GAMMA
 from specchat.backend.models.loading import LoadedModel
 from specchat.backend.models.memory import format_bytes, free_memory
 from specchat.backend.models.native_loading import NativeCausalLM
@@ -258,6 +258,13 @@ class ModelRunner:
         if self.compact is not None:
             return "cpu-compact"
         return "cpu-packed" if self.packed_layers else "eager"
+
+    @property
+    def exact_rows(self) -> int:
+        """The most tokens a pass may hold with every row's logits what a one-token pass gives, bit for bit:
+        the compact forward's row-wise attention (and its C++ layers) take ``compact.ROWWISE_ROWS``; the CUDA
+        graphs' largest bucket and the eager paths are held to ``MAX_GAMMA + 1`` (what they are tested at)."""
+        return compact.ROWWISE_ROWS if self.path == "cpu-compact" else MAX_GAMMA + 1
 
     def forward(
         self,

@@ -65,6 +65,9 @@ REMOTE_DRAFTER = "server"  # a remote pair's drafter: whatever speculation its s
 # What a remote pair's server is: decides only which optional request fields are sent (the answers are read by
 # what they contain). openai: the plain OpenAI API; specchat: `specchat serve`.
 REMOTE_KINDS = ("openai", "vllm", "sglang", "llama-server", "specchat")
+# The kinds whose servers take a request's prediction (OpenAI's Predicted Outputs; `specchat serve`): vLLM,
+# SGLang and llama-server have none.
+PREDICTION_KINDS = ("openai", "specchat")
 _PAIR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # Optional user:password@ (sent as HTTP basic auth; masked in every message: backend/redact.py).
 _SERVER_URL = re.compile(r"^https?://([!-~]+@)?[A-Za-z0-9.\-_\[\]:%]+(:\d{1,5})?(/[!-~]*)?\Z")

@@ -10,7 +10,8 @@ Contract:
   token measured here, from the request's start, as the local engine measures them.
 - The server is not asked to do what it cannot: a pair's ``kind`` only adds the request fields that ask that
   server for its statistics (vLLM and specchat ``return_token_ids``, SGLang ``return_spec_tokens_details``,
-  llama-server ``timings_per_token``; specchat also the request's drafter and γ). The answer is read by what it
+  llama-server ``timings_per_token``; specchat also the request's drafter and γ), and a request's ``prediction``
+  goes to the kinds that take one (:data:`PREDICTION_KINDS`; others get a notice). The answer is read by what it
   contains, whatever the kind.
 - Errors before the reply starts (host unreachable, TLS or DNS failure, wrong API key, unknown model, server
   busy, a bad request, an HTML page or anything but an event stream) raise :class:`RemoteError`: one line naming
@@ -45,7 +46,7 @@ from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.prompting import validate_messages
 from specchat.backend.errors import RemoteError, RequestError
 from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
-from specchat.backend.models.config import PairConfig, RemoteSpec
+from specchat.backend.models.config import PREDICTION_KINDS, PairConfig, RemoteSpec
 from specchat.backend.remote.faults import describe, error_text, http_error, network_error, one_line, shown_url
 from specchat.backend.remote.reply import MAX_LINE_BYTES, ReplyState, TooLarge, capped_lines, sse_data
 
@@ -187,6 +188,8 @@ class RemoteEngine:
             body["return_spec_tokens_details"] = True
         if kind == "llama-server":
             body["timings_per_token"] = True
+        if request.prediction is not None and kind in PREDICTION_KINDS:
+            body["prediction"] = {"type": "content", "content": request.prediction}
         if kind == "specchat" and (request.drafter is not None or request.gamma is not None):
             body["specchat"] = {
                 k: v for k, v in (("drafter", request.drafter), ("gamma", request.gamma)) if v is not None
@@ -194,6 +197,11 @@ class RemoteEngine:
         return body
 
     def _notice(self, request: GenerationRequest) -> str | None:
+        if request.prediction is not None and self.spec.server_kind not in PREDICTION_KINDS:
+            return (
+                f"pair '{self.pair.name}' runs on a {self.spec.server_kind} server, which takes no prediction: the "
+                "reply is decoded without it"
+            )
         if self.spec.server_kind != "specchat" and (
             request.drafter not in (None, "auto") or request.gamma not in (None, "auto")
         ):
@@ -210,7 +218,14 @@ class RemoteEngine:
     def _stream(self, body: dict[str, Any], request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
         t0 = time.perf_counter()
         server = shown_url(self.spec.server)
-        state = ReplyState(self.pair.name, server, t0, self._notice(request), self._max_new_tokens(request))
+        state = ReplyState(
+            self.pair.name,
+            server,
+            t0,
+            self._notice(request),
+            self._max_new_tokens(request),
+            predicted="prediction" in body,
+        )
         try:
             with self._client.stream("POST", "chat/completions", json=body) as response:
                 chunks = self._answer(response)

@@ -27,7 +27,7 @@ from typing import Any
 
 from specchat.backend.api import FinishReason, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.remote.faults import one_line, terminal_safe
-from specchat.backend.remote.stats import remote_stats, server_figures
+from specchat.backend.remote.stats import PREDICTION_FIELDS, remote_stats, server_figures
 
 MAX_LINE_BYTES = 1 << 20  # one server-sent event line
 MAX_BYTES_WITHOUT_TOKEN = 1 << 20  # of a stream between two tokens (keep-alive comments, empty chunks)
@@ -93,8 +93,18 @@ OWN_FINISH = ("eos", "stop", "length", "context", "cancelled", "error")
 class ReplyState:
     """One streaming reply's state: the chunks read so far, turned into StepEvents."""
 
-    def __init__(self, pair_name: str, server: str, t0: float, notice: str | None, max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        pair_name: str,
+        server: str,
+        t0: float,
+        notice: str | None,
+        max_new_tokens: int,
+        *,
+        predicted: bool = False,
+    ) -> None:
         self.pair_name, self.server, self.t0, self.notice = pair_name, server, t0, notice
+        self.predicted = predicted  # a prediction was sent: its usage counts are kept (OpenAI reports 0s always)
         self.max_new_tokens = max_new_tokens
         self.figures: dict[str, Any] = {}
         self.counted = 0  # token ids seen
@@ -121,6 +131,8 @@ class ReplyState:
         figures = self.figures
         if self.over:  # the server's own count includes what was cut
             figures = {k: v for k, v in figures.items() if k != "new_tokens"}
+        if not self.predicted:
+            figures = {k: v for k, v in figures.items() if k not in PREDICTION_FIELDS}
         return remote_stats(
             figures,
             wall_s=wall,

@@ -27,7 +27,8 @@ Sources of the field names (read in the servers' own code):
   ``spec_num_correct_drafts``, ``spec_accept_rate`` (drafts only), ``spec_accept_length`` (completion tokens /
   verify_ct), ``spec_correct_drafts_histogram``.
 - `specchat serve` (app/serve/): a ``specchat`` block on every chunk with the engine's own RequestStats.
-- Every OpenAI-compatible server: ``usage.prompt_tokens`` / ``usage.completion_tokens``.
+- Every OpenAI-compatible server: ``usage.prompt_tokens`` / ``usage.completion_tokens``, and with a prediction
+  ``usage.completion_tokens_details.accepted_prediction_tokens`` / ``rejected_prediction_tokens``.
 
 vLLM's Prometheus ``/metrics`` (:func:`vllm_counters`) counts over the whole server; `specchat bench` reads it
 before and after a run for the run's per-position acceptance (:func:`vllm_per_position_between`), never a reply's.
@@ -110,6 +111,11 @@ def _gamma(drafted: list[int]) -> GammaSummary:
     return GammaSummary(mode=mode, mean=round(sum(spec) / len(spec), 4), max=max(spec))
 
 
+# A prediction's usage counts (OpenAI's names); read only for a request that sent one (the client drops them
+# otherwise: OpenAI reports zeros for every request).
+PREDICTION_FIELDS = ("accepted_prediction_tokens", "rejected_prediction_tokens")
+
+
 def from_usage(chunk: Mapping[str, Any]) -> dict[str, Any]:
     """``usage``: prompt and completion token counts (any OpenAI-compatible server)."""
     usage = chunk.get("usage")
@@ -117,6 +123,10 @@ def from_usage(chunk: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(usage, Mapping):
         _put(out, "prompt_tokens", _count(usage.get("prompt_tokens")))
         _put(out, "new_tokens", _count(usage.get("completion_tokens")))
+        details = usage.get("completion_tokens_details")  # OpenAI's Predicted Outputs counts
+        if isinstance(details, Mapping):
+            for name in PREDICTION_FIELDS:
+                _put(out, name, _count(details.get(name)))
     return out
 
 

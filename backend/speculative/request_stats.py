@@ -41,6 +41,7 @@ class SpecStats:
         self.policy_estimate: float | None = None  # the γ policy's S, preferred over the counts' own
         self.policy_estimates: Mapping[str, Any] | None = None
         self.tree = (0, 0, 0, 0, 0)  # the latest tree draft: nodes, depth, leaves, accepted depth, branch
+        self.prediction: tuple[str, int] | None = None  # (its drafter's name, its tokens) with a prediction
 
     def _emit(self, n: int) -> None:
         if n <= 0:
@@ -125,6 +126,7 @@ class SpecStats:
     def report(self, *, prompt_tokens: int = 0, drafter: str = "none") -> RequestStats:
         """The request's statistics now. ``drafter``: reported when no drafter ran a speculating step."""
         c, wall = self.counts, self.wall_s
+        name, predicted = self.prediction or ("", None)
         steps = c.total_steps
         longest = max(c.accepted_lengths, default=-1)
         return RequestStats(
@@ -168,4 +170,7 @@ class SpecStats:
             tree_width=self.tree[2],
             tree_accepted=self.tree[3],
             tree_branch=self.tree[4],
+            prediction_tokens=predicted,
+            accepted_prediction_tokens=c.kept[name] if predicted is not None else None,
+            rejected_prediction_tokens=c.drafted_by(name) - c.kept[name] if predicted is not None else None,
         )

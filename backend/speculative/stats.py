@@ -88,6 +88,7 @@ class StepCounts:
     reached: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position: steps reaching it
     accepted_at: dict[str, list[int]] = field(default_factory=dict)  # drafter -> per position: steps accepting it
     accepted_lengths: Counter[int] = field(default_factory=Counter)  # accepted count -> speculating steps
+    kept: Counter[str] = field(default_factory=Counter)  # drafter -> accepted drafts in the reply (a stop cuts some)
     drafted: int = 0
     accepted: int = 0  # drafted tokens the reply holds
     rejected: int = 0  # drafted tokens the target did not accept
@@ -154,6 +155,7 @@ class StepCounts:
             taken[i] += 1
         self.drafted += gamma
         self.accepted += kept
+        self.kept[drafter] += kept
         self.rejected += gamma - accepted
         self.discarded += accepted - kept
         self.rejected_steps += kept < judged
@@ -173,6 +175,7 @@ class StepCounts:
             _add_rows(self.reached.setdefault(name, []), counts)
             _add_rows(self.accepted_at.setdefault(name, []), other.accepted_at[name])
         self.accepted_lengths.update(other.accepted_lengths)
+        self.kept.update(other.kept)
         for name in _TOTALS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
@@ -186,6 +189,7 @@ class StepCounts:
             "reached": {d: list(v) for d, v in self.reached.items()},
             "accepted_at": {d: list(v) for d, v in self.accepted_at.items()},
             "accepted_lengths": {str(k): n for k, n in self.accepted_lengths.items()},
+            "kept": dict(self.kept),
             **{name: getattr(self, name) for name in _TOTALS},
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
@@ -201,6 +205,7 @@ class StepCounts:
             reached={d: list(v) for d, v in data["reached"].items()},
             accepted_at={d: list(v) for d, v in data["accepted_at"].items()},
             accepted_lengths=Counter({int(k): n for k, n in data["accepted_lengths"].items()}),
+            kept=Counter(data.get("kept", {})),  # absent from counts stored before predictions
             **{name: data[name] for name in _TOTALS},
         )
 
@@ -237,6 +242,10 @@ class StepCounts:
             _add_rows(reached, self.reached.get(name, []))
             _add_rows(taken, self.accepted_at.get(name, []))
         return [rate(a, r) for a, r in zip(taken, reached)]
+
+    def drafted_by(self, drafter: str) -> int:
+        """Tokens ``drafter`` proposed and the target verified."""
+        return sum(gamma * n for (name, gamma), n in self.steps.items() if name == drafter)
 
     def mean_pass_s(self, n: int) -> float | None:
         seconds, passes = self.pass_s.get(n, (0.0, 0))

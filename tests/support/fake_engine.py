@@ -216,6 +216,9 @@ class FakeEngine:
         clock = (lambda: now[0]) if self.wall_s else time.monotonic
         seed = request.sampling.seed if request.sampling.seed is not None else FAKE_SEED
         stats = SpecStats(clock=clock, seed=seed)
+        if request.prediction is not None:  # counted as the engine does: the steps of the drafter "prediction"
+            stats.prediction = ("prediction", len(split_tokens(request.prediction)))
+            drafter = "prediction"
         steps = 0
         first_policy = PolicyState.OFF if drafter == "none" else PolicyState.NO_DRAFT  # the prefill drafts nothing
         now[0] = 0.01

@@ -45,6 +45,7 @@ from textual import work
 from textual.widget import Widget
 from textual.worker import Worker, WorkerCancelled, WorkerError, WorkerFailed
 
+from specchat.app.chat.editing import edit_prediction
 from specchat.app.tui.bridge import LiveView, ReplyBuffer, ReplyOutcome, run_generation
 from specchat.app.tui.messages import ReplyProgress
 from specchat.app.tui.widgets.stats_bar import prefill_line, reply_totals
@@ -170,6 +171,7 @@ class ReplyController(Widget):
             gamma=settings.gamma,
             conversation=self._conv.key,
             prefill_progress=True,
+            prediction=edit_prediction(edit[0]) if edit else None,  # a whole-file /edit: drafted from the file
         )
         turn, saver = self._conv.start_reply()
         view = await self._views.conversation.add_reply(f"Assistant · {self._host.current_pair_name}")

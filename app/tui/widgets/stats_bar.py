@@ -130,6 +130,8 @@ def reply_totals(
     gain = speedup_text(stats)
     if gain:
         parts.append(gain)
+    if stats.accepted_prediction_tokens is not None:
+        parts.append(prediction_label(stats))
     if stats.drafter:
         parts.append("plain decoding" if stats.drafter == "none" else stats.drafter)
     note = FINISH_NOTES.get(finish_reason, finish_reason)
@@ -138,6 +140,11 @@ def reply_totals(
     if note:
         parts.append(note)
     return " · ".join(parts)
+
+
+def prediction_label(stats: RequestStats) -> str:
+    """How much of a prediction (a whole-file /edit's file) the reply kept: its tokens accepted and rejected."""
+    return f"prediction {stats.accepted_prediction_tokens} ✓ {stats.rejected_prediction_tokens} ✗"
 
 
 def stored_totals(meta: Mapping[str, Any] | None) -> str:
@@ -354,6 +361,8 @@ class StatsBar(Horizontal):
             value, measured = found
             label = f"  ×{value:.2f}{'' if measured else '?'} vs plain"
             text.append(label, style="green" if value >= 1.0 else "yellow")
+        if stats.accepted_prediction_tokens is not None:
+            text.append(f"  {prediction_label(stats)}", style="magenta")
         if streaming:
             text.append(f"  γ {'—' if stats.last_gamma is None else stats.last_gamma}")
             label = policy_label(live)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specchat.app.chat import edit_journal
+from specchat.app.chat import edit_journal, editing
 from specchat.app.chat.edit_files import apply_edit
 from specchat.app.chat.edit_plan import unified_diff
 from specchat.app.chat.editing import (
@@ -25,6 +25,7 @@ from specchat.app.chat.editing import (
     build_file_context,
     check_writable,
     code_blocks,
+    edit_prediction,
     extract_code_block,
     load_edit_target,
 )
@@ -188,12 +189,26 @@ def test_writable_file_passes(py_file: Path) -> None:
 
 
 # -- prompts --------------------------------------------------------------------------------------------------
-def test_edit_prompt_asks_for_search_replace_blocks_and_carries_the_whole_file(py_file: Path) -> None:
+def test_edit_prompt_asks_for_search_replace_blocks_and_carries_the_whole_file(py_file: Path, monkeypatch) -> None:
+    monkeypatch.setattr(editing, "REWRITE_MAX_BYTES", len(PY.encode()) - 1)  # a file above the whole-rewrite size
+    assert edit_prediction([load_edit_target(py_file)]) is None
     prompt = build_edit_prompt(load_edit_target(py_file), "add type hints")
     assert "Request: add type hints" in prompt
     assert f"```python\n{PY}```\n" in prompt
     assert "calc.py\n<<<<<<< SEARCH\n" in prompt and "\n=======\n" in prompt and "\n>>>>>>> REPLACE\n" in prompt
     assert "Copy the SEARCH lines character for character" in prompt
+
+
+def test_a_small_file_is_asked_for_whole_and_predicted_to_be_itself(py_file: Path, monkeypatch) -> None:
+    """Up to REWRITE_MAX_BYTES (here exactly the file's size) the whole changed file is asked for, and the reply is
+    predicted to be the file in the prompt's fence (the engine drafts from it); several files get blocks."""
+    monkeypatch.setattr(editing, "REWRITE_MAX_BYTES", len(PY.encode()))
+    target = load_edit_target(py_file)
+    prompt = build_edit_prompt(target, "add type hints")
+    assert "Answer with the whole new file in one python code block" in prompt and "SEARCH" not in prompt
+    assert f"```python\n{PY}```\n" in prompt and "Request: add type hints" in prompt
+    assert edit_prediction([target]) == f"```python\n{PY}```"
+    assert edit_prediction([target, target]) is None
 
 
 def test_edit_prompt_for_several_files(tmp_path: Path, py_file: Path) -> None:

@@ -66,3 +66,45 @@ def test_a_stop_string_inside_a_speculative_step_reports_plain_decodings_tokens(
         assert plain["token_ids"] == drafted["token_ids"] and len(plain["token_ids"]) < len(full["token_ids"])
         assert plain["stats"]["new_tokens"] == drafted["stats"]["new_tokens"] == len(plain["token_ids"])
         assert drafted["stats"]["accepted"] > 0
+
+
+def test_a_prediction_file_keeps_the_reply_and_json_reports_its_usage_counts(monkeypatch, capsys, tmp_path):
+    """Issue 35: --prediction-file drafts from the file; the reply is plain decoding's; --json carries OpenAI's
+    accepted/rejected prediction counts (null without a prediction)."""
+    plain = generate(monkeypatch, capsys, "--drafter", "none")
+    assert plain["stats"]["accepted_prediction_tokens"] is None and plain["stats"]["rejected_prediction_tokens"] is None
+    predicted = tmp_path / "predicted.txt"
+    predicted.write_text(plain["text"].strip(), encoding="utf-8")
+    got = generate(monkeypatch, capsys, "--drafter", "none", "--prediction-file", str(predicted))
+    assert got["token_ids"] == plain["token_ids"] and got["text"] == plain["text"]
+    stats = got["stats"]
+    assert stats["accepted_prediction_tokens"] > 0 and stats["rejected_prediction_tokens"] == 0
+    assert stats["drafted"] == stats["accepted_prediction_tokens"] and got["drafter"] == "prediction"
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "does not exist"), (b"\xff\xfe bad", "is not UTF-8 text")],
+)
+def test_a_bad_prediction_file_is_named_before_anything_loads(monkeypatch, capsys, tmp_path, content, message):
+    path = tmp_path / "p.txt"
+    if content is not None:
+        path.write_bytes(content)
+    monkeypatch.setattr(engine_module, "load_engine", lambda pair, **kw: pytest.fail("loaded a model"))
+    code = main(["generate", "--prompt", "hi", "--prediction-file", str(path)])
+    _, err = capsys.readouterr()
+    assert code != 0 and f"--prediction-file {path}" in err and message in err
+
+
+def test_a_prediction_file_for_a_server_that_takes_none_is_refused_by_name(monkeypatch, capsys, tmp_path):
+    """A remote pair of kind vllm (no Predicted Outputs) is refused before any request; kinds openai and specchat
+    send it (backend/remote/client.py)."""
+    from serve_fixtures import remote_pair
+
+    remote_pair(tmp_path, "http://127.0.0.1:9/v1", kind="vllm", name="far")
+    predicted = tmp_path / "p.txt"
+    predicted.write_text("hello", encoding="utf-8")
+    code = main(["generate", "--models", str(tmp_path / "far.yaml"), "--pair", "far", "--prompt", "hi",
+                 "--prediction-file", str(predicted)])  # fmt: skip
+    _, err = capsys.readouterr()
+    assert code != 0 and "pair 'far' runs on a vllm server, which takes no prediction" in err

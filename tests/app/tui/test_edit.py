@@ -4,6 +4,7 @@ files, symlinks) and /file."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,29 @@ async def test_edit_shows_a_diff_and_applies_after_confirmation(tmp_path, monkey
 def _left_beside(folder) -> list:
     """Backup, staging or temporary files an edit left in the user's folder."""
     return [p.name for p in folder.iterdir() if "specchat-bak" in p.name or p.name.endswith(".tmp")]
+
+
+async def test_a_small_file_is_rewritten_whole_with_itself_as_prediction(tmp_path, monkeypatch):
+    """Issue 35: the prompt asks for the whole file, the request predicts the reply to be the file (the engine drafts
+    from it), the live and final stats lines show the prediction's accepted and rejected tokens, the whole-file
+    reply is still checked and shown as a diff, applied on confirmation and taken back by /undo."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "answer.py").write_text(ORIGINAL)
+    app = edit_app(tmp_path)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await ready(pilot)
+        await send(pilot, "/edit answer.py return 42 instead")
+        await wait_for(pilot, lambda: isinstance(app.screen, DiffScreen), what="the diff")
+        request = app.engine.requests[0]
+        assert request.prediction == f"```python\n{ORIGINAL}```"
+        assert "Answer with the whole new file" in request.messages[-1]["content"]
+        assert "+    return 42" in app.screen.diff
+        assert any("whole new answer.py" in note for note in app.screen.notes)
+        await pilot.press("a")
+        await wait_for(pilot, lambda: (tmp_path / "answer.py").read_text() != ORIGINAL)
+        assert re.search(r"prediction \d+ ✓ \d+ ✗", screen_text(app)), screen_text(app)
+        await send(pilot, "/undo")
+        assert (tmp_path / "answer.py").read_text() == ORIGINAL
 
 
 async def test_edit_cancelled_leaves_the_file_and_can_be_reviewed_again(tmp_path, monkeypatch):
@@ -145,6 +169,7 @@ async def test_search_replace_blocks_apply_exactly_and_undo_restores_byte_for_by
         }
         for args in (["init", "-q"], ["add", "calc.py"], ["commit", "-qm", "start"]):
             subprocess.run([git, "-C", str(tmp_path), *args], check=True, env=env, capture_output=True)
+    monkeypatch.setattr("specchat.app.chat.editing.REWRITE_MAX_BYTES", 0)  # blocks for any file
     app = make_app(tmp_path, factory=FakeEngineFactory(reply=BLOCK_REPLY))
     async with app.run_test(size=(120, 40)) as pilot:
         await ready(pilot)

@@ -34,13 +34,15 @@ def test_compact_forward_matches_transformers(family, quantization):
             seq.commit(len(chunk))
 
 
+@pytest.mark.parametrize("rows", [7, compact.ROWWISE_ROWS])
 @pytest.mark.parametrize("family", compact.ARCHITECTURES)
-def test_a_passs_rows_equal_one_token_passes(family):
+def test_a_passs_rows_equal_one_token_passes(family, rows):
     """What keeps greedy speculation equal to plain decoding: verifying k tokens at once gives each the logits
-    that k one-token passes give (mistral and qwen2 also cross their sliding window here)."""
+    that k one-token passes give (mistral and qwen2 also cross their sliding window here), up to the row-wise
+    limit (a prediction's 63 drafts and the pending token: backend/limits.py MAX_PREDICTION_GAMMA)."""
     model = _quantised(family, **SMOLLM_ATTENTION)
     fast = compact.build(model)
-    prompt, draft = random_ids(85, seed=4), random_ids(7, seed=5)
+    prompt, draft = random_ids(85, seed=4), random_ids(rows, seed=5)
     together, alone = _cache(model).new_sequence(), _cache(model).new_sequence()
     for seq in (together, alone):
         forward_paged(model, seq, prompt, fast=fast)

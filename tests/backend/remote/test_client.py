@@ -4,6 +4,7 @@ first token. Only loopback is addressed."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -171,3 +172,32 @@ def test_request_body_per_kind(tmp_path: Path) -> None:
     sampled = remote_pair(tmp_path, url, name="defaults", extra="    sampling: {temperature: 0.3, max_new_tokens: 7}\n")
     body = RemoteEngine(sampled).request_body(GenerationRequest(messages=PROMPT))
     assert body["temperature"] == 0.3 and body["max_tokens"] == 7  # the pair's defaults
+
+
+def test_a_prediction_goes_to_the_kinds_that_take_one_and_its_usage_counts_come_back(tmp_path: Path) -> None:
+    """Issue 35: OpenAI's ``prediction`` field for kinds openai and specchat; the others get a notice instead. The
+    counts in ``usage.completion_tokens_details`` are read for a request that sent one (OpenAI reports zeros for
+    every request: without a prediction they stay None)."""
+    from specchat.backend.remote.reply import ReplyState
+
+    url = "http://127.0.0.1:9/v1"
+    request = GenerationRequest(messages=PROMPT, prediction="def f():\n    return 1\n")
+    for kind in ("openai", "vllm", "sglang", "llama-server", "specchat"):
+        engine = RemoteEngine(remote_pair(tmp_path, url, kind=kind, name=kind))
+        body, notice = engine.request_body(request), engine._notice(request)
+        if kind in ("openai", "specchat"):
+            assert body["prediction"] == {"type": "content", "content": request.prediction} and notice is None
+        else:
+            assert "prediction" not in body and f"a {kind} server, which takes no prediction" in notice
+    assert "prediction" not in RemoteEngine(remote_pair(tmp_path, url, kind="openai")).request_body(_request())
+    usage = {
+        "prompt_tokens": 9,
+        "completion_tokens": 12,
+        "completion_tokens_details": {"accepted_prediction_tokens": 10, "rejected_prediction_tokens": 3},
+    }
+    final = json.dumps({"choices": [{"delta": {"content": "x"}, "finish_reason": "stop"}], "usage": usage})
+    for predicted, expected in ((True, (10, 3)), (False, (None, None))):
+        reply = ReplyState("p", url, time.perf_counter(), None, 100, predicted=predicted)
+        stats = reply.chunk(final).stats
+        assert (stats.accepted_prediction_tokens, stats.rejected_prediction_tokens) == expected
+        assert stats.new_tokens == 12
