@@ -13,7 +13,9 @@ messages (413, before any message is read). Other unknown fields are ignored, as
 The spellings common clients send for "off" or "default" are accepted (:func:`_normalise`): ``top_k`` -1
 (vLLM, SGLang), ``seed`` -1 and ``max_tokens`` -1 (llama.cpp's "none"), the role ``developer`` (OpenAI's newer
 name for ``system``), an empty ``stop``, ``logit_bias`` {}, ``min_p`` 0, ``top_logprobs`` 0, ``tool_choice``
-"none" or "auto" without tools. The body size limit is checked by the server before reading (413).
+"none" or "auto" without tools. ``prediction`` (OpenAI's Predicted Outputs: ``{"type": "content", "content":
+text or text parts}``) drafts the reply from that text (issue 35); anything else there is a 400 naming it. The
+body size limit is checked by the server before reading (413).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from typing import Any
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.errors import RequestError
-from specchat.backend.limits import DRAFTERS, SERVE_MAX_TOKENS, check_gamma, check_sampling_value
+from specchat.backend.limits import (
+    DRAFTERS,
+    MAX_PREDICTION_CHARS,
+    SERVE_MAX_TOKENS,
+    check_gamma,
+    check_sampling_value,
+)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
 DEFAULT_QUEUE = 8  # requests waiting for the engine; one more is refused (429)
@@ -228,6 +236,25 @@ def _specchat(value: Any) -> tuple[Any, Any]:
     return drafter, gamma
 
 
+def _prediction(value: Any) -> str | None:
+    """OpenAI's ``prediction``: ``{"type": "content", "content": "..."}`` or content as a list of text parts."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or value.get("type") != "content" or set(value) - {"type", "content"}:
+        raise _bad("prediction", value, 'must be {"type": "content", "content": TEXT}')
+    content = value.get("content")
+    if isinstance(content, list) and all(
+        isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise _bad("prediction.content", content, 'must be a text or a list of {"type": "text", "text": ...} parts')
+    if len(content) > MAX_PREDICTION_CHARS:
+        raise _bad("prediction.content", content[:40], f"is longer than {MAX_PREDICTION_CHARS:,} characters")
+    return content
+
+
 def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limits()) -> ChatCall:
     """Check one chat completions body (see the module docstring)."""
     data = decode_json(body)
@@ -281,7 +308,12 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
             stop=_stop(data.get("stop")),
         )
         request = GenerationRequest(
-            messages=messages, sampling=sampling, drafter=drafter, gamma=gamma, keep_all_messages=True
+            messages=messages,
+            sampling=sampling,
+            drafter=drafter,
+            gamma=gamma,
+            keep_all_messages=True,
+            prediction=_prediction(data.get("prediction")),
         )
     except RequestError as error:  # the checks above cover every field; this keeps the contract if they drift
         raise ApiError(400, str(error), None) from None

@@ -91,6 +91,11 @@ def speculation_fields(stats: RequestStats) -> dict[str, Any]:
     """usage, llama-server's timings and vLLM's metrics.speculative_decoding for a finished reply."""
     prompt, new = stats.prompt_tokens, stats.new_tokens
     out: dict[str, Any] = {"usage": {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}}
+    if stats.accepted_prediction_tokens is not None:  # a prediction was sent: OpenAI's two counts
+        out["usage"]["completion_tokens_details"] = {
+            "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+            "rejected_prediction_tokens": stats.rejected_prediction_tokens or 0,
+        }
     prefill_s = stats.prefill_s or 0.0
     timings: dict[str, Any] = {
         "prompt_n": stats.prefill_tokens,
