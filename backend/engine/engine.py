@@ -13,7 +13,6 @@ moving the sequence's length pointer (whole blocks past it go back to the pool, 
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -23,6 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from specchat.backend.api import GenerationRequest, StepEvent
+from specchat.backend.engine.heap import settle_heap as settle_heap
+from specchat.backend.engine.heap import start_heap as start_heap
 from specchat.backend.engine.parts import Conversation, Speculation, Target
 from specchat.backend.engine.prompting import fit_to_context, render, validate_messages
 from specchat.backend.engine.request import RequestState
@@ -386,30 +387,3 @@ def _plan_head(
             raise
         log.info("pair %s runs without its head: %s", pair.name, missing)
         return None
-
-
-def start_heap() -> None:
-    """Before a load. After an earlier load (which froze the heap, its engine among it): unfreeze, so that the
-    old engine can be collected. At the first load: freeze what is there instead (the imports' ~190,000
-    objects on the embedded default, once the young garbage is collected), so that the collections while
-    loading and :func:`settle_heap`'s walk only the objects loading makes: settle_heap 0.20 → 0.01 s and
-    load_engine 1.34-1.64 → 0.88-1.25 s (3 runs each, alternated). Garbage already old at that moment
-    (import-time cycles: small) is kept until the next load unfreezes it."""
-    if gc.get_freeze_count():
-        gc.unfreeze()
-    else:
-        gc.collect(1)
-        gc.freeze()
-
-
-def settle_heap() -> None:
-    """Collect the loading's garbage, then freeze what is left out of the cyclic garbage collector.
-
-    torch, transformers and a loaded model leave ~370,000 long-lived Python objects (the embedded default);
-    a full collection walks them all with the GIL held (0.42-0.44 s on a 2-core CPU), and one starts whenever
-    enough new objects have survived (a chat UI makes them quickly), so it lands inside a reply as a stall of
-    decoding. Frozen objects are still freed by reference counting; only cycles among them wait for the next
-    load's unfreeze.
-    """
-    gc.collect()
-    gc.freeze()
