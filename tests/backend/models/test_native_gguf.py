@@ -141,3 +141,32 @@ def test_every_gguf_architecture_runs_natively_from_the_files_config(family, nat
     logits, expected = _compare(reference, loaded, prompt=24)
     assert float((logits - expected).abs().max()) < 1e-3 * float(expected.std())
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_native_taps_are_transformers_hidden_states_by_the_runners_indices(native_ready, tmp_path):  # noqa: F811
+    """Draft heads ask for taps by transformers' ``output_hidden_states`` index (runner.check_taps); the native
+    model taps the stream after a layer: runner.native_taps maps one onto the other, the final norm's output
+    included, and refuses the embeddings (tap 0)."""
+    from specchat.backend.engine.runner import native_taps
+
+    model = build_tiny("llama")
+    path = tmp_path / "tiny-F16.gguf"
+    write_tiny_gguf(model, path, {"default": "F16"})
+    loaded = from_gguf(read_gguf(path), model.config)
+    layers = model.config.num_hidden_layers
+    taps = (1, layers - 1, layers)
+    cache = PagedKVCache.for_model(model.config, max_tokens=64, block_size=16, dtype=torch.float32, device="cpu")
+    loaded.native.bind(cache)
+    ids = random_ids(12, seed=5)
+
+    class Holder:
+        config = model.config
+
+    _, tapped = loaded.native.forward(cache.new_sequence(), torch.tensor(ids), 1, None, native_taps(taps, Holder))
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for tap, got in zip(taps, tapped, strict=True):
+        want = hidden[tap][0].float()
+        assert float((got - want).abs().max()) < 1e-3 * float(want.std()) + 1e-5, tap
+    with pytest.raises(ModelLoadError, match="tap 0"):
+        native_taps((0, layers), Holder)
