@@ -33,7 +33,7 @@ def _create_temporary(path: Path, mode: int) -> tuple[int, Path]:
     raise FileExistsError(f"could not find a free temporary file name beside {path}")
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: Path) -> None:
     """Make a rename in ``folder`` durable where the platform allows it (not on Windows, nor some file systems)."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -84,7 +84,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int |
         except OSError:
             pass
         raise
-    _fsync_folder(path.parent)
+    fsync_folder(path.parent)
 
 
 def _alive(pid: int) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specchat.backend.files import remove_stale_temporaries, write_atomic
+from specchat.backend.files import fsync_folder, remove_stale_temporaries, write_atomic
 from specchat.backend.paths import data_dir
 
 KEEP = 20  # applied journals kept for /undo across sessions
@@ -71,19 +71,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fsync_folder(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_journal(folder: Path, state: str, files: list[JournalFile]) -> None:
     record = {"version": VERSION, "state": state, "pid": os.getpid(), "files": [asdict(f) for f in files]}
     write_atomic(folder / "journal.json", json.dumps(record, indent=1).encode(), mode=0o600)
@@ -107,7 +94,7 @@ def begin(files: list[tuple[JournalFile, bytes, bytes]]) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_folder(root)
+    fsync_folder(root)
     return folder
 
 
