@@ -135,7 +135,7 @@ def _rewrite(args) -> bool:
     """The rewrite family (its own default modes: backend/bench/modes.py)."""
     from specchat.backend.bench.suites import REWRITE_FAMILY
 
-    return args.suite == REWRITE_FAMILY
+    return args.suite == REWRITE_FAMILY and getattr(args, "prompts", None) is None
 
 
 def _repeats(args) -> int:
@@ -182,12 +182,12 @@ def execute(
 ) -> int:
     """The bench over ``num_pairs`` engines made by ``load(i)`` (one at a time, closed after its run): an
     in-process ``Engine`` or a remote pair's ``RemoteEngine``, whichever the pair needs."""
+    from specchat.app.cli.bench_prompts import load_prompts
     from specchat.backend.bench.bounds import bandwidth_bounds, describe
     from specchat.backend.bench.remote import RemoteBenchRunner
     from specchat.backend.bench.report import aggregate_with_overall, print_report, write_chart, write_json
     from specchat.backend.bench.runner import BenchRunner, environment, parse_modes, release_memory
     from specchat.backend.bench.stats import mark_equality
-    from specchat.backend.bench.suites import load_suite
 
     err = err or Console(stderr=True)
     if out is None:
@@ -195,11 +195,11 @@ def execute(
         if not out.is_terminal:  # piped to a file: no terminal width to respect, keep the tables whole
             out = Console(width=170)
     limit, max_new, temperature, seed = _check_args(args)
-    prompts = load_suite(args.suite, limit)
+    prompts = load_prompts(args, limit)
     out_dir = Path(args.out or "bench_out")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
-        "suite": args.suite,
+        "suite": args.suite if getattr(args, "prompts", None) is None else f"prompts:{args.prompts}",
         "limit_per_family": limit,
         "max_new_tokens": max_new,
         "temperature": temperature,

@@ -93,11 +93,15 @@ def _settings(indices: list[int] | None) -> tuple[Any, ...] | None:
     return tuple(SETTINGS[i] for i in indices)
 
 
+def _source(args: argparse.Namespace) -> str:
+    return f"--prompts {args.prompts}" if getattr(args, "prompts", None) else f"--suite {args.suite}"
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from specchat.app.cli.bench_prompts import load_prompts
     from specchat.backend.bench.replay import ReplayPrompt, combinations, count_runs, grid_drafters, replay
-    from specchat.backend.bench.suites import load_suite
     from specchat.backend.engine.engine import load_engine
     from specchat.backend.engine.prompting import render
     from specchat.backend.errors import RequestError
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     config = get_pair(pairs, names[0])
     if config.remote is not None:
         raise RequestError(f"--replay needs a local pair; {config.name} runs on {config.remote.server}")
-    prompts = load_suite(args.suite, args.limit or DEFAULT_REPLAY_LIMIT)
+    prompts = load_prompts(args, args.limit or DEFAULT_REPLAY_LIMIT)
     print(f"Loading pair {config.name} ...", file=sys.stderr)
     engine = load_engine(config, device=args.device)
     try:
@@ -135,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         chosen = [p for p in chosen if len(p.ids) <= budget]
         if not chosen:
             raise RequestError(
-                f"no prompt of --suite {args.suite} fits {config.name}'s context ({engine.context_length} tokens) "
+                f"no prompt of {_source(args)} fits {config.name}'s context ({engine.context_length} tokens) "
                 f"with {max_new} new tokens; lower --max-new-tokens or choose a pair with a longer context"
             )
         combos = combinations(drafters, gammas)

@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit", type=_positive_int, default=None, metavar="N", help=f"prompts per family (default: {DEFAULT_LIMIT})"
     )
     bench.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        default=None,
+        help="your own prompts instead of --suite, in generate's --prompts format (family 'custom'; --limit "
+        "defaults to every prompt in the file)",
+    )
+    bench.add_argument(
         "--max-new-tokens",
         type=_positive_int,
         default=None,

@@ -63,3 +63,46 @@ def test_replay_lists_its_settings(isolated_dirs, capsys) -> None:
     assert main(["bench", "--replay", "--settings", "-1"]) == 0
     out = capsys.readouterr().out
     assert " 3  T=1 top_p=0.9" in out and "T=1e-06" in out and "top_k=1" in out
+
+
+def test_bench_prompts_file_gives_the_users_own_prompts(tmp_path) -> None:
+    from specchat.app.cli.bench_prompts import CUSTOM_FAMILY, load_prompts
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text(
+        '{"id": "long-1", "messages": [{"role": "user", "content": "Summarise this."}]}\n'
+        '{"id": "long-2", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}\n',
+        encoding="utf-8",
+    )
+    args = build_parser().parse_args(["bench", "--prompts", str(path)])
+    prompts = load_prompts(args, 2)
+    assert [p.id for p in prompts] == ["long-1", "long-2"]  # every prompt of the file, not --limit's default
+    assert {p.family for p in prompts} == {CUSTOM_FAMILY}
+    assert prompts[1].message_dicts() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    args = build_parser().parse_args(["bench", "--prompts", str(path), "--limit", "1"])
+    assert len(load_prompts(args, 1)) == 1
+    args = build_parser().parse_args(["bench", "--suite", "mt-bench", "--limit", "1"])
+    assert [p.family for p in load_prompts(args, 1)] == ["mt-bench"]
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_bad_prompts_file_is_refused_naming_the_file_and_line(
+    isolated_dirs, monkeypatch, capsys, tmp_path, replay
+) -> None:
+    import specchat.backend.engine.engine as engine_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the bench loaded a pair for a prompts file it cannot read")
+
+    monkeypatch.setattr(engine_module, "load_engine", never)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "messages": [{"role": "user", "content": "ok"}]}\n{"id": "b", "messages": 3}\n')
+    argv = ["bench", "--prompts", str(bad), *(["--replay"] if replay else ["--modes", "plain"])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err and ":2" in err and "Traceback" not in err
+    assert main(["bench", "--prompts", str(tmp_path / "missing.jsonl"), *argv[3:]]) == 2
+    assert "missing.jsonl does not exist" in capsys.readouterr().err
