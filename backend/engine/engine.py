@@ -80,7 +80,7 @@ class Engine:
         tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
         per_block = kv_bytes_per_token(target.model.config, target.dtype) * KV_BLOCK_SIZE
         prefix_blocks = max(prefix_cache_bytes, 0) // per_block
-        self.runner = ModelRunner(target, kv_tokens=tokens + prefix_blocks * KV_BLOCK_SIZE)
+        self.runner = ModelRunner(target, kv_tokens=tokens, kept_tokens=prefix_blocks * KV_BLOCK_SIZE)
         self.cache = self.runner.cache
         self.prefix = PrefixCache(self.cache, prefix_blocks)
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()
