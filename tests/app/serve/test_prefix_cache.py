@@ -100,3 +100,21 @@ def test_a_bad_prompt_cache_key_is_refused_naming_the_field() -> None:
         for bad in (12, "k" * 257, ["a"]):
             response = httpx.post(url + "/chat/completions", json=_body(CONVERSATION[:2], prompt_cache_key=bad))
             assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_cache_key"
+
+
+def test_the_scope_is_the_clients_address_with_its_key() -> None:
+    from starlette.requests import Request
+
+    from specchat.app.serve.boundary import parse_chat_request
+    from specchat.app.serve.routes import cache_scope
+
+    def scope(host: str, body: dict, shared: bool = False) -> str:
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": [], "client": (host, 40000)})
+        call = parse_chat_request(json.dumps(_body(CONVERSATION[:2], **body)).encode(), ["tiny"])
+        return cache_scope(request, call, shared)
+
+    assert scope("10.0.0.1", {}) != scope("10.0.0.2", {})  # two machines, no key: two clients
+    assert scope("10.0.0.1", {"prompt_cache_key": "k"}) != scope("10.0.0.2", {"prompt_cache_key": "k"})
+    assert scope("10.0.0.1", {"prompt_cache_key": "k"}) != scope("10.0.0.1", {"prompt_cache_key": "j"})
+    assert scope("10.0.0.1", {"user": "k"}) == scope("10.0.0.1", {"prompt_cache_key": "k"})
+    assert scope("10.0.0.1", {"user": "a"}, shared=True) == scope("10.0.0.2", {}, shared=True)
