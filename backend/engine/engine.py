@@ -210,11 +210,6 @@ class Engine:
         """Blocks held in the target pool (conversations and prefix-cache entries kept for reuse included)."""
         return self.cache.pool.num_used
 
-    def forget_prefixes(self) -> None:
-        """Drop every prompt the prefix cache keeps (every scope's)."""
-        with self._lock:
-            self.prefix.clear()
-
     # -- internals --------------------------------------------------------------------------------------
 
     def _prompt_ids(
