@@ -90,6 +90,8 @@ class GenerationRequest:
     :class:`StepEvent`); a consumer that does not ask never sees one, and an engine may not send any.
     ``prediction`` is the reply's expected text (OpenAI's Predicted Outputs, e.g. a file to rewrite): drafted from
     whatever ``drafter`` says (that drafter serves where it does not match), never changing the reply.
+    ``prefix_cache`` names a scope (`specchat serve`: a client) whose recently kept prompts this request may start
+    from and adds its own to (backend/engine/prefix_cache.py); not with ``conversation``.
     """
 
     messages: list[dict[str, str]] | None = None
@@ -103,8 +105,11 @@ class GenerationRequest:
     # RequestError naming the token counts (an API client's history is never cut behind its back).
     keep_all_messages: bool = False
     prediction: str | None = None
+    prefix_cache: str | None = None
 
     def __post_init__(self) -> None:
+        if self.prefix_cache is not None and (not isinstance(self.prefix_cache, str) or self.conversation is not None):
+            raise RequestError("prefix_cache must be a scope name (text), and a request with a conversation has none")
         if self.prediction is not None and (
             not isinstance(self.prediction, str) or len(self.prediction) > MAX_PREDICTION_CHARS
         ):

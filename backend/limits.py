@@ -39,6 +39,14 @@ PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scra
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
 # A pair's context_length when models.yaml gives none: this, or less where the target model states a shorter one.
 DEFAULT_CONTEXT = 8192
+# `specchat serve` keeps each client's recent prompts' K/V (backend/engine/prefix_cache.py), so a request resending
+# them (an agent sends its whole conversation every turn) prefills only what is new: at most this much K/V memory,
+# on top of one context's (`serve --prefix-cache-mb`; 0 turns it off). 512 MiB holds ~23k tokens of the embedded
+# default (23 KB a token) or ~4k of a 7B model with 8 K/V heads; on CPU the pages are taken as they are written.
+SERVE_PREFIX_CACHE_BYTES = 512 * 2**20
+# A kept prompt a new request shares only in part is forked (kept for its own next turn) when its unshared tail is at
+# least this long; a shorter tail (a reply the client re-encoded differently, a retried turn) is given up.
+PREFIX_FORK_TOKENS = 64
 
 # -- sampling ------------------------------------------------------------------------------------------------
 MAX_TEMPERATURE = 10.0  # 0 is greedy

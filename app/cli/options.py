@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from specchat.backend.inputs import shown
-from specchat.backend.limits import MAX_GAMMA, SERVE_MAX_TOKENS, is_gamma
+from specchat.backend.limits import MAX_GAMMA, SERVE_MAX_TOKENS, SERVE_PREFIX_CACHE_BYTES, is_gamma
 
 
 def add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: bool) -> None:
@@ -40,6 +40,15 @@ def whole(text: str) -> int:
     stripped = text.strip().removeprefix("-")
     if not (stripped.isascii() and stripped.isdigit() and len(stripped) <= 40):
         raise argparse.ArgumentTypeError(f"expected a whole number written in digits 0-9, got {shown(text)}")
+    return int(text)
+
+
+def megabytes(text: str) -> int:
+    """A size in MiB, 0 or more (0: off)."""
+    if not (text.isascii() and text.strip().isdigit() and len(text.strip()) <= 9):
+        raise argparse.ArgumentTypeError(
+            f"expected a number of MiB (0 or more) written in digits 0-9, got {shown(text)}"
+        )
     return int(text)
 
 
@@ -156,6 +165,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--log-prompts",
         action="store_true",
         help="add each request's last user message to its access-log line (off: no prompt text is logged)",
+    )
+    serve.add_argument(
+        "--prefix-cache-mb",
+        type=megabytes,
+        default=SERVE_PREFIX_CACHE_BYTES >> 20,
+        metavar="MB",
+        help="K/V memory for each client's recent prompts, so a request resending a conversation reads only what "
+        f"is new (default {SERVE_PREFIX_CACHE_BYTES >> 20}; 0: off)",
     )
     serve.add_argument(
         "--share-state",

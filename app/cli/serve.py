@@ -2,9 +2,10 @@
 
 Contract: ``run(args)`` (``args.pair``, ``models``, ``device``, ``host``, ``port``, ``api_key_env``, ``queue``,
 ``max_tokens``, ``max_body_bytes``, ``max_messages``, ``max_connections``, ``log``, ``log_prompts``,
-``share_state``) loads the pair's engine, binds ``host:port`` (127.0.0.1 by default: only this machine can
-connect) and serves until Ctrl+C (then returns 0) or SIGTERM, closing the engine. A remote pair cannot be served
-(RequestError: it already is, by its server). The API key is read from the environment variable
+``share_state``, ``prefix_cache_mb``) loads the pair's engine (its target's pool holding that much more K/V for
+the prompts kept per client: backend/engine/prefix_cache.py), binds ``host:port`` (127.0.0.1 by default: only this
+machine can connect) and serves until Ctrl+C (then returns 0) or SIGTERM, closing the engine. A remote pair cannot
+be served (RequestError: it already is, by its server). The API key is read from the environment variable
 ``--api-key-env`` names, else from ``SPECCHAT_API_KEY``, never from the command line (which other users of the
 machine can read); binding an address other than loopback without a key is refused before the model loads.
 The access log (one line per request, app/serve/access.py) goes to stderr, to the file ``--log`` names, or
@@ -97,7 +98,13 @@ def run(args: argparse.Namespace) -> int:
         )
     _access_log(args.log)
     with capture_library_output(progress=_progress):
-        engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+        engine = load_engine(
+            pair,
+            device=args.device,
+            progress=_progress,
+            confirm_download=_confirm_download,
+            prefix_cache_bytes=args.prefix_cache_mb << 20,
+        )
     from specchat.app.cli.wiring import start_line
 
     print(start_line(pair.name, engine), file=sys.stderr, flush=True)

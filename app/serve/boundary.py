@@ -14,8 +14,10 @@ The spellings common clients send for "off" or "default" are accepted (:func:`_n
 (vLLM, SGLang), ``seed`` -1 and ``max_tokens`` -1 (llama.cpp's "none"), the role ``developer`` (OpenAI's newer
 name for ``system``), an empty ``stop``, ``logit_bias`` {}, ``min_p`` 0, ``top_logprobs`` 0, ``tool_choice``
 "none" or "auto" without tools. ``prediction`` (OpenAI's Predicted Outputs: ``{"type": "content", "content":
-text or text parts}``) drafts the reply from that text (issue 35); anything else there is a 400 naming it. The
-body size limit is checked by the server before reading (413).
+text or text parts}``) drafts the reply from that text (issue 35); anything else there is a 400 naming it.
+``prompt_cache_key`` (OpenAI's; a text of at most 256 characters, else 400), or else a text ``user``, is
+:attr:`ChatCall.cache_key`: together with the client's address it names the prefix-cache scope the request reads
+and adds to (app/serve/routes.py). The body size limit is checked by the server before reading (413).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class ChatCall:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    cache_key: str = ""  # prompt_cache_key, else user, else "" (see the module docstring)
 
 
 def _shown(value: Any) -> str:
@@ -255,6 +258,21 @@ def _prediction(value: Any) -> str | None:
     return content
 
 
+MAX_CACHE_KEY_CHARS = 256
+
+
+def _cache_key(data: Mapping[str, Any]) -> str:
+    """``prompt_cache_key`` (checked: a text), else ``user`` when it is a text (as other servers, nothing else is
+    refused for it), else ""."""
+    key = data.get("prompt_cache_key")
+    if key is not None:
+        if not isinstance(key, str) or len(key) > MAX_CACHE_KEY_CHARS:
+            raise _bad("prompt_cache_key", key, f"must be a text of at most {MAX_CACHE_KEY_CHARS} characters")
+        return key
+    user = data.get("user")
+    return user[:MAX_CACHE_KEY_CHARS] if isinstance(user, str) else ""
+
+
 def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limits()) -> ChatCall:
     """Check one chat completions body (see the module docstring)."""
     data = decode_json(body)
@@ -317,4 +335,4 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
         )
     except RequestError as error:  # the checks above cover every field; this keeps the contract if they drift
         raise ApiError(400, str(error), None) from None
-    return ChatCall(model, request, stream, include_usage, _flag(data, "return_token_ids"))
+    return ChatCall(model, request, stream, include_usage, _flag(data, "return_token_ids"), _cache_key(data))

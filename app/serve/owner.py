@@ -9,8 +9,8 @@ request); an exception raised by the engine ends the job with that exception; th
 while it waits is skipped. ``before_job`` (when given) runs in the worker before each job: `specchat serve` passes
 the engine's ``forget_requests`` there, so that no request learns from another's (the default; an operator may
 opt in to sharing). :meth:`cancel_all` cancels the running and waiting jobs (a server shutting down);
-:meth:`close` also stops the worker. Requests carry no conversation key (app/serve/boundary.py), so each is
-prefilled whole and frees its KV blocks when it ends.
+:meth:`close` also stops the worker. Requests carry no conversation key but a prefix-cache scope (their client:
+app/serve/routes.py), so each prefills what its client's kept prompts do not hold (backend/engine/prefix_cache.py).
 """
 
 from __future__ import annotations

@@ -18,12 +18,13 @@ gone. Each request fills its access-log entry (app/serve/access.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import queue
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -34,15 +35,43 @@ from starlette.routing import Route
 from specchat.app.serve import wire
 from specchat.app.serve.access import ENTRY, AccessLog, Entry
 from specchat.app.serve.boundary import ApiError, ChatCall, parse_chat_request
-from specchat.app.serve.owner import END, Busy, Job
+from specchat.app.serve.config import ServeConfig
+from specchat.app.serve.owner import END, Busy, EngineOwner, Job, Metrics
 from specchat.backend.api import StepEvent
 from specchat.backend.errors import SpecchatError
 
-if TYPE_CHECKING:
-    from specchat.app.serve.server import SpecchatServer
-
 log = logging.getLogger("specchat.serve")
 OUTCOMES = ("ok", "error", "cancelled", "rejected", "invalid", "unauthorised")
+
+
+class SpecchatServer(Protocol):
+    """What the routes read of the server that runs them (app/serve/server.py's; a protocol, so that this module
+    does not import the one that imports it)."""
+
+    @property
+    def config(self) -> ServeConfig: ...
+
+    @property
+    def owner(self) -> EngineOwner: ...
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def started(self) -> int: ...  # when it started serving, in seconds since the epoch
+
+    @property
+    def served(self) -> Sequence[str]: ...  # the model ids
+
+
+def cache_scope(request: Request, call: ChatCall, shared: bool) -> str:
+    """The prefix-cache scope of a request (backend/engine/prefix_cache.py): its client's address with the body's
+    ``prompt_cache_key`` (or ``user``), so no client starts from another's prompts; one scope for all when the
+    operator shares state (``--share-state``)."""
+    if shared:
+        return "shared"
+    host = request.client.host if request.client is not None else "-"
+    return f"{host}\n{call.cache_key}"
 
 
 class _JSON(Response):
@@ -209,6 +238,8 @@ class Routes:
         if self.server.config.log_prompts:
             users = [m["content"] for m in call.request.messages or [] if m["role"] == "user"]
             entry.prompt = users[-1] if users else ""
+        scope = cache_scope(request, call, self.server.config.share_state)
+        call = dataclasses.replace(call, request=dataclasses.replace(call.request, prefix_cache=scope))
         try:
             reply = _Reply(self.server, request, call)
         except Busy:

@@ -24,40 +24,20 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import uvicorn
 
 from specchat.app.serve import access
-from specchat.app.serve.boundary import DEFAULT_QUEUE, Limits
+from specchat.app.serve.config import ServeConfig as ServeConfig
 from specchat.app.serve.owner import EngineOwner, Metrics
 from specchat.app.serve.protocol import Guard, guarded_protocol
 from specchat.app.serve.routes import build_app
 from specchat.backend.api import EngineAPI
 
 log = logging.getLogger("specchat.serve")
-DEFAULT_BODY_TIMEOUT_S = 30.0
-DEFAULT_KEEP_ALIVE_S = 5
-DEFAULT_SHUTDOWN_TIMEOUT_S = 10
 BACKLOG = 128
 # uvicorn's warnings about a client's fault (a malformed request is answered and logged by protocol.py).
 _CLIENT_FAULTS = ("Invalid HTTP request received.", "Unsupported upgrade request.", "No supported WebSocket")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    model: str  # the served pair's name: the only model id
-    limits: Limits = field(default_factory=Limits)
-    queue_size: int = DEFAULT_QUEUE
-    api_key: str | None = None
-    blocks_in_use: Any = None  # () -> int, the engine's KV blocks in use (shown in /metrics) when known
-    guard: Guard = field(default_factory=Guard)
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    keep_alive_s: int = DEFAULT_KEEP_ALIVE_S
-    shutdown_timeout_s: int = DEFAULT_SHUTDOWN_TIMEOUT_S
-    share_state: bool = False  # the operator's opt-in: requests may learn from each other (see the module doc)
-    log_prompts: bool = False  # the access log shows each request's last user message
 
 
 class _ClientFaults(logging.Filter):

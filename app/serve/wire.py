@@ -9,7 +9,9 @@ Contract:
   request's :class:`RequestStats` so far (``RequestStats.to_dict``), and the engine's own finish reason. The
   stats' ``step_counts`` (the raw counts behind every figure, up to ~6 KB) go only on the chunk that finishes the
   reply: the figures a live view reads (drafted, accepted, rejected, discarded, τ, ...) are on every chunk.
-- :func:`speculation_fields` are the totals in the other servers' shapes, always all three: ``usage``;
+- :func:`speculation_fields` are the totals in the other servers' shapes, always all three: ``usage`` (with
+  OpenAI's ``prompt_tokens_details.cached_tokens``: the prompt tokens whose K/V the prefix cache held, so the
+  request did not prefill them);
   llama-server's ``timings`` (``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``, ``draft_n``,
   ``draft_n_accepted``: tools/server/server-common.cpp's names; the draft counts are 0 when the reply drafted
   nothing); vLLM's ``metrics.speculative_decoding`` (``mean_acceptance_length``, ``draft_acceptance_rate``,
@@ -91,6 +93,8 @@ def speculation_fields(stats: RequestStats) -> dict[str, Any]:
     """usage, llama-server's timings and vLLM's metrics.speculative_decoding for a finished reply."""
     prompt, new = stats.prompt_tokens, stats.new_tokens
     out: dict[str, Any] = {"usage": {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}}
+    if stats.prefill_tokens is not None:  # OpenAI's count of prompt tokens read from the cache, not computed
+        out["usage"]["prompt_tokens_details"] = {"cached_tokens": max(prompt - stats.prefill_tokens, 0)}
     if stats.accepted_prediction_tokens is not None:  # a prediction was sent: OpenAI's two counts
         out["usage"]["completion_tokens_details"] = {
             "accepted_prediction_tokens": stats.accepted_prediction_tokens,

@@ -13,7 +13,6 @@ moving the sequence's length pointer (whole blocks past it go back to the pool, 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +24,7 @@ from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.heap import settle_heap as settle_heap
 from specchat.backend.engine.heap import start_heap as start_heap
 from specchat.backend.engine.parts import Conversation, Speculation, Target
+from specchat.backend.engine.prefix_cache import PrefixCache
 from specchat.backend.engine.prompting import fit_to_context, render, validate_messages
 from specchat.backend.engine.request import RequestState
 from specchat.backend.engine.resolve import resolve_sampling
@@ -32,12 +32,12 @@ from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
-from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len
-from specchat.backend.limits import HEAD_DRAFTERS, MAX_GAMMA, MAX_PREDICTION_GAMMA, check_gamma
+from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len, kv_bytes_per_token
+from specchat.backend.limits import HEAD_DRAFTERS, KV_BLOCK_SIZE, MAX_GAMMA, MAX_PREDICTION_GAMMA, check_gamma
 from specchat.backend.models.capture import Progress, user_callback
 from specchat.backend.models.chat_format import plain_completion_note, stop_ids
-from specchat.backend.models.config import ModelSpec, PairConfig
-from specchat.backend.models.head_loading import HeadPlan, LoadedHead
+from specchat.backend.models.config import PairConfig
+from specchat.backend.models.head_loading import LoadedHead, plan_pair_head
 from specchat.backend.models.loading import ConfirmDownload, LoadedModel
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
@@ -46,8 +46,6 @@ from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDraf
 from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
 from specchat.backend.speculative.heads.drafter import head_drafter
 from specchat.backend.speculative.policy import GammaPolicy
-
-log = logging.getLogger(__name__)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -60,7 +58,8 @@ class Engine:
 
     ``target`` and ``draft`` are loaded models; each gets a :class:`ModelRunner` (paged attention, its cache,
     the device's fast path). ``kv_tokens`` sizes each pool (default: the pair's context length plus room for
-    one verification step).
+    one verification step). ``prefix_cache_bytes``: the K/V memory the target's pool holds on top of that for
+    prompts kept across requests (``GenerationRequest.prefix_cache``; `specchat serve`); 0 keeps none.
     """
 
     def __init__(
@@ -71,6 +70,7 @@ class Engine:
         *,
         kv_tokens: int | None = None,
         head: LoadedHead | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.target, self.draft, self.pair = target, draft, pair
         self.tokenizer = target.tokenizer
@@ -78,8 +78,11 @@ class Engine:
         self.vocab_limit = len(self.tokenizer)  # p and q are compared over the tokenizer's ids only
         self.eos_ids = _eos_ids(target)
         tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
-        self.runner = ModelRunner(target, kv_tokens=tokens)
+        per_block = kv_bytes_per_token(target.model.config, target.dtype) * KV_BLOCK_SIZE
+        prefix_blocks = max(prefix_cache_bytes, 0) // per_block
+        self.runner = ModelRunner(target, kv_tokens=tokens, kept_tokens=prefix_blocks * KV_BLOCK_SIZE)
         self.cache = self.runner.cache
+        self.prefix = PrefixCache(self.cache, prefix_blocks)
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()
         self._lock = threading.Lock()
         # Earlier replies the suffix drafter matches against (bounded; empty when history is off).
@@ -134,6 +137,7 @@ class Engine:
                 for conv in self._conversations.values():
                     conv.seq.free()
                 self._conversations.clear()
+                self.prefix.clear()
 
     @property
     def draft_cache(self) -> PagedKVCache | None:
@@ -157,6 +161,7 @@ class Engine:
             for conv in self._conversations.values():
                 conv.seq.free()
             self._conversations.clear()
+            self.prefix.clear()
             for drafter in self.drafters.values():
                 drafter.reset()  # the draft model's cache blocks go back too
             for runner in filter(None, (self.runner, self.draft_runner)):
@@ -167,7 +172,8 @@ class Engine:
         request: the suffix drafter's memory of replies, the γ policies' acceptance estimates (their measured
         pass costs, a property of the machine, are kept), the drafters' state (the draft model's cached
         context) and cached conversations. `specchat serve` calls it before each request unless the operator
-        opts in to sharing (one client's requests must not shape, nor show in, another's reply)."""
+        opts in to sharing (one client's requests must not shape, nor show in, another's reply). The prefix cache
+        stays: its entries are kept per scope (a client) and only the requests of that scope read them."""
         with self._lock:
             self.reply_memory.clear()
             for policy in self.policies.values():
@@ -201,7 +207,7 @@ class Engine:
             return self.reply_memory.num_tokens
 
     def blocks_in_use(self) -> int:
-        """Blocks held in the target pool (conversations kept for reuse included)."""
+        """Blocks held in the target pool (conversations and prefix-cache entries kept for reuse included)."""
         return self.cache.pool.num_used
 
     # -- internals --------------------------------------------------------------------------------------
@@ -247,8 +253,10 @@ class Engine:
         return conv
 
     def _make_room(self, keep: Conversation, tokens: int) -> None:
-        """Evict least recently used conversations until ``tokens`` more fit in the pool."""
+        """Evict prefix-cache entries, then least recently used conversations, until ``tokens`` more fit in the
+        pool."""
         needed = -(-tokens // self.cache.pool.block_size) + 1
+        self.prefix.make_room(needed)
         for key in list(self._conversations):
             if self.cache.pool.num_free >= needed:
                 return
@@ -282,11 +290,17 @@ class Engine:
             )
         gamma = request.gamma if request.gamma is not None else self.pair.gamma
         gamma = check_gamma(gamma)
-        conv = self._conversation(request.conversation)
+        budget = self.context_length - 1
+        scope = request.prefix_cache
+        if scope is not None:  # the prompt first: it picks the entry (a refused prompt touches no entry)
+            prompt, notice = self._prompt_ids(request, None, budget)
+            conv = self.prefix.take(scope, prompt)
+        else:
+            conv = self._conversation(request.conversation)
         state: RequestState | None = None
         try:
-            budget = self.context_length - 1
-            prompt, notice = self._prompt_ids(request, conv if request.conversation else None, budget)
+            if scope is None:
+                prompt, notice = self._prompt_ids(request, conv if request.conversation else None, budget)
             keep = common_prefix_len(conv.cached, prompt)
             if keep < len(prompt) or conv.logits_after(len(prompt)) is None:
                 keep = min(keep, len(prompt) - 1)  # the last prompt token's row is computed by the prefill
@@ -314,7 +328,9 @@ class Engine:
             )
             yield from state.run(notice, request.prefill_progress)
         finally:
-            if request.conversation is None:
+            if scope is not None:
+                self.prefix.put(scope, conv)
+            elif request.conversation is None:
                 conv.seq.free()
             if state is not None and self.remember_replies:
                 self.reply_memory.remember(state.context[len(state.prompt) :])
@@ -326,8 +342,10 @@ def load_engine(
     device: str | None = None,
     progress: Progress | None = None,
     confirm_download: ConfirmDownload | None = None,
+    prefix_cache_bytes: int = 0,
 ) -> Engine:
-    """Load the pair's models (checking memory and tokenizer compatibility first) and build an engine."""
+    """Load the pair's models (checking memory and tokenizer compatibility first) and build an engine
+    (``prefix_cache_bytes``: see :class:`Engine`)."""
     from specchat.backend.models.loading import load_pair, resolve_device
     from specchat.backend.models.memory import check_fits
 
@@ -339,7 +357,7 @@ def load_engine(
         pair = fetch_sources(pair, progress=progress, confirm_download=confirm_download)
         check_fits(pair, dev)
     start_heap()
-    plan = _plan_head(pair, progress, confirm_download)  # found and checked before any weights load
+    plan = plan_pair_head(pair, progress, confirm_download)  # found and checked before any weights load
     # Only the name: loading registers the function with transformers where it builds a transformers model
     # (registering imports transformers' modelling code, which the light int4 model on CPU never needs).
     target, draft = load_pair(
@@ -354,36 +372,10 @@ def load_engine(
         from specchat.backend.models.head_loading import load_planned
 
         head = load_planned(plan, target.model.config, dev, target_name=pair.target.source)
-    engine = Engine(target, draft, pair, head=head)
+    engine = Engine(target, draft, pair, head=head, prefix_cache_bytes=prefix_cache_bytes)
     note = plain_completion_note(target.tokenizer)
     report = user_callback(progress)  # reaches the terminal through a caller's capture of library output
     if note is not None and report is not None:
         report(note, None)
     settle_heap()
     return engine
-
-
-def _plan_head(
-    pair: PairConfig, progress: Progress | None, confirm_download: ConfirmDownload | None
-) -> HeadPlan | None:
-    """The pair's head found and checked against its target's sizes (models.yaml's), or None: no head, or a
-    packaged head this installation lacks (logged; the pair then runs without it)."""
-    if pair.head is None or not isinstance(pair.target, ModelSpec):
-        return None
-    from specchat.backend.models.head_loading import HeadMissing, plan_head
-
-    target = pair.target
-    try:
-        return plan_head(
-            pair.head,
-            pair.drafter if pair.drafter in HEAD_DRAFTERS else None,
-            (target.hidden_size, target.num_layers, target.vocab_size),
-            target_name=target.source,
-            confirm_download=confirm_download,
-            progress=progress,
-        )
-    except HeadMissing as missing:
-        if pair.drafter in HEAD_DRAFTERS:
-            raise
-        log.info("pair %s runs without its head: %s", pair.name, missing)
-        return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,19 +27,21 @@ from specchat.backend.engine.detokenize import IncrementalDetokenizer
 from specchat.backend.engine.features import FeatureFeed
 from specchat.backend.engine.parts import Conversation, Speculation, Target, describe_error, is_out_of_memory
 from specchat.backend.engine.resolve import Sampling
-from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
+from specchat.backend.engine.target_pass import TargetPasses
+from specchat.backend.errors import KVCacheFullError
 from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.limits import PREFILL_CHUNK, Gamma
 from specchat.backend.speculative.drafters.base import Draft
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.policy import GammaPolicy
 from specchat.backend.speculative.request_stats import SpecStats
-from specchat.backend.speculative.sampling import SeenIds, apply_repetition_penalty, pick
+from specchat.backend.speculative.sampling import SeenIds
 from specchat.backend.speculative.verify import VerifyResult, verify_tokens, verify_tree
 
 
-class RequestState:
-    """The mutable state of one request; :meth:`run` is the generator the engine yields from."""
+class RequestState(TargetPasses):
+    """The mutable state of one request; :meth:`run` is the generator the engine yields from (its target passes and
+    the tokens decided from their rows: :class:`~specchat.backend.engine.target_pass.TargetPasses`)."""
 
     def __init__(
         self,
@@ -92,79 +94,6 @@ class RequestState:
             prediction.configure(self.rule, len(prompt))
             self.policies[prediction.name] = GammaPolicy(fixed_gamma=prediction.max_tokens)
             self.stats.prediction = (prediction.name, len(prediction.prediction))
-
-    # -- logits -> tokens -------------------------------------------------------------------------------
-
-    def _penalty_context(self) -> torch.Tensor:
-        """The ids every row of a pass sees as the penalty's context (the pending token included); row j of a
-        verification also sees the drafts before it."""
-        return self.seen.tensor()
-
-    def _positions(self, rows: int) -> range:
-        """The reply positions the next pass's rows decide: the pending token is at ``produced - 1``."""
-        return range(self.produced, self.produced + rows)
-
-    def _target_logits(
-        self, ids: list[int], keep: int, parents: list[int] | None = None, cancel: threading.Event | None = None
-    ) -> torch.Tensor:
-        """[keep, V] logits over the tokenizer's ids, penalised per row for a chain; a tree's (``parents``) rows
-        are penalised by :meth:`_tree_decider`, along the followed path only. ``cancel`` (a prefill pass): raises
-        PassCancelled between layers once set, nothing of the pass kept."""
-        logits = self._raw_logits(ids, keep, parents, cancel)
-        return logits if parents is not None else self._penalised(logits, ids[len(ids) - keep + 1 :])  # drafts
-
-    def _decide(self, rows: torch.Tensor, positions: range | list[int]) -> list[int]:
-        if self.target.trace is not None:
-            self.target.trace(positions, rows)
-        return pick(rows, self.rule, positions)
-
-    def _penalised(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
-        if not self.s.repetition_penalty:
-            return logits
-        return apply_repetition_penalty(logits, self._penalty_context(), self.s.repetition_penalty, draft_ids=drafts)
-
-    def _raw_logits(
-        self, ids: list[int], keep: int, parents: list[int] | None = None, cancel: threading.Event | None = None
-    ) -> torch.Tensor:
-        """[keep, V] float32 logits over the tokenizer's ids, before any penalty."""
-        runner = self.target.runner
-        try:
-            if self.feed is None:
-                logits = runner.forward(self.conv.seq, ids, logits_to_keep=keep, parents=parents, cancel=cancel)
-            else:
-                logits, self.feed.hidden = runner.forward(
-                    self.conv.seq, ids, logits_to_keep=keep, parents=parents, cancel=cancel, taps=self.feed.taps
-                )
-        except BaseException as error:
-            # Nothing of this pass was committed: give back the blocks it reserved, keep the history intact.
-            self.conv.seq.truncate(self.conv.seq.length)
-            if not is_out_of_memory(error):
-                raise
-            if runner.device.type == "cuda":
-                torch.cuda.empty_cache()
-            raise InsufficientMemoryError(
-                f"the target model {runner.loaded.spec.source} ran out of memory on {runner.device} while "
-                f"generating ({describe_error(error)}); the reply was stopped. Retry with a lower max_new_tokens or a "
-                "new conversation, or choose a smaller context_length, a quantized or smaller pair "
-                "(`specchat models`)"
-            ) from error
-        return logits[:, : self.target.vocab_limit].float()  # over the tokenizer's ids only
-
-    def _tree_decider(self, logits: torch.Tensor) -> Callable[[int, list[int]], int]:
-        """The target's token at a row of a tree pass, given the accepted tokens before it: the row's penalty
-        sees the context plus exactly those tokens (its ancestors), its reply position is ``produced`` plus
-        their number (its depth)."""
-
-        def decide(row: int, path: list[int]) -> int:
-            rows = logits[row : row + 1]
-            if self.s.repetition_penalty:
-                context = self._penalty_context()
-                if path:
-                    context = torch.cat([context, torch.tensor(path, dtype=context.dtype, device=context.device)])
-                rows = apply_repetition_penalty(rows, context, self.s.repetition_penalty)
-            return self._decide(rows, [self.produced + len(path)])[0]
-
-        return decide
 
     def _cut(self, tokens: list[int], sources: list[TokenSource]) -> tuple[list[int], list[TokenSource], list[str]]:
         """Detokenise ``tokens`` and drop any after an EOS, the token limit or the end of a stop string: the

@@ -195,10 +195,12 @@ def forward_taps(
 class ModelRunner:
     """One model with its paged cache and its chosen forward path (see the module docstring).
 
-    ``kv_tokens`` sizes the cache (the engine passes the context length plus room for a verification step).
+    ``kv_tokens`` sizes the cache (the engine passes the context length plus room for a verification step), the
+    longest sequence a pass reads; ``kept_tokens`` more slots hold sequences kept between requests (the engine's
+    prefix cache), so the pool grows by them while a pass's key length (the CUDA graphs' buckets) does not.
     """
 
-    def __init__(self, loaded: LoadedModel, *, kv_tokens: int) -> None:
+    def __init__(self, loaded: LoadedModel, *, kv_tokens: int, kept_tokens: int = 0) -> None:
         model = loaded.model
         self.loaded = loaded
         self.graphs: cuda_graphs.GraphRunner | None = None
@@ -208,7 +210,11 @@ class ModelRunner:
         self.taps_required = False  # require_taps(): a draft head reads hidden states from every pass
         if isinstance(model, NativeCausalLM):  # the whole pass in C++: nothing of transformers is involved
             self.cache = PagedKVCache.for_model(
-                model.config, max_tokens=kv_tokens, block_size=KV_BLOCK_SIZE, dtype=loaded.dtype, device=loaded.device
+                model.config,
+                max_tokens=kv_tokens + kept_tokens,
+                block_size=KV_BLOCK_SIZE,
+                dtype=loaded.dtype,
+                device=loaded.device,
             )
             model.native.bind(self.cache)
             self.native = model.native
@@ -222,7 +228,7 @@ class ModelRunner:
         # The graph runner keeps one block of its own for the K/V of padded tokens.
         self.cache = PagedKVCache.for_model(
             model.config,
-            max_tokens=kv_tokens + (KV_BLOCK_SIZE if wants_graphs else 0),
+            max_tokens=kv_tokens + kept_tokens + (KV_BLOCK_SIZE if wants_graphs else 0),
             block_size=KV_BLOCK_SIZE,
             dtype=loaded.dtype,
             device=loaded.device,

@@ -13,6 +13,7 @@ published ones (``eagle3.py``, ``medusa.py``); a missing or unexpected key is an
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +23,15 @@ import torch
 from torch import nn
 
 from specchat.backend.errors import ModelLoadError
+from specchat.backend.limits import HEAD_DRAFTERS
+from specchat.backend.models.config import ModelSpec, PairConfig
 from specchat.backend.models.config_head import HeadSpec
 from specchat.backend.speculative.heads.eagle3 import Eagle3Config, Eagle3Head, default_taps
 from specchat.backend.speculative.heads.medusa import MedusaConfig, MedusaHeads, medusa_state
 
 MAX_CONFIG_BYTES = 1 << 20
 _PICKLES = ("pytorch_model.bin", "medusa_lm_head.pt", "model.pt")
+log = logging.getLogger(__name__)
 
 
 class HeadMissing(ModelLoadError):
@@ -261,3 +265,28 @@ def load_head(
         progress=progress,
     )
     return load_planned(plan, target_config, device, target_name=target_name, dtype=dtype)
+
+
+def plan_pair_head(
+    pair: PairConfig, progress=None, confirm_download: Callable[[int], bool] | None = None
+) -> HeadPlan | None:
+    """The pair's head found and checked against its target's sizes (models.yaml's), or None: no head, or a
+    packaged head this installation lacks (logged; the pair then runs without it, unless its drafter is the
+    head's: then :class:`HeadMissing` is raised)."""
+    if pair.head is None or not isinstance(pair.target, ModelSpec):
+        return None
+    target = pair.target
+    try:
+        return plan_head(
+            pair.head,
+            pair.drafter if pair.drafter in HEAD_DRAFTERS else None,
+            (target.hidden_size, target.num_layers, target.vocab_size),
+            target_name=target.source,
+            confirm_download=confirm_download,
+            progress=progress,
+        )
+    except HeadMissing as missing:
+        if pair.drafter in HEAD_DRAFTERS:
+            raise
+        log.info("pair %s runs without its head: %s", pair.name, missing)
+        return None

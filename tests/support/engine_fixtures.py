@@ -75,6 +75,7 @@ def tiny_engine(
     gamma="auto",
     context_length: int = 256,
     kv_tokens: int | None = None,
+    prefix_cache_bytes: int = 0,
     **overrides,
 ) -> Engine:
     """Target = tiny ``family`` (seed 0). With ``draft_family`` a draft model is attached; a draft with the
@@ -82,7 +83,7 @@ def tiny_engine(
     target = tiny_loaded(family, **overrides)
     draft = tiny_loaded(draft_family, seed=draft_seed) if draft_family else None
     pair = tiny_pair(drafter=drafter, gamma=gamma, context_length=context_length)
-    return Engine(target, draft, pair, kv_tokens=kv_tokens)
+    return Engine(target, draft, pair, kv_tokens=kv_tokens, prefix_cache_bytes=prefix_cache_bytes)
 
 
 def hf_greedy(

@@ -82,7 +82,8 @@ def _second_client(share_state: bool, first: str | None) -> dict:
     with running_server(tiny_engine(context_length=512), share_state=share_state) as (_, url):
         if first is not None:
             for _ in range(2):  # the first client asks twice: its replies would seed any shared memory
-                _seen(url, _body(first))
+                # Another client: its own prefix-cache key (the address alone is shared by every local program).
+                _seen(url, _body(first, prompt_cache_key="first-client"))
         return _seen(url, _body(PROMPT))
 
 
