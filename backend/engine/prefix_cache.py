@@ -20,7 +20,8 @@ Contract:
 
 Reuse changes no number of the reply where a row's logits do not depend on its pass (the CPU native model and
 the compact forward, bit for bit); on other paths a K/V computed by a decoding pass may round differently from a
-prefill's, as for a chat's next turn (docs/determinism.md, "Prefill against decoding").
+prefill's, as for a chat's next turn (docs/determinism.md, "Prefill against decoding, off the native
+model").
 """
 
 from __future__ import annotations

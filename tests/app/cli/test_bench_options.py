@@ -71,7 +71,8 @@ def test_bench_prompts_file_gives_the_users_own_prompts(tmp_path) -> None:
     path = tmp_path / "mine.jsonl"
     path.write_text(
         '{"id": "long-1", "messages": [{"role": "user", "content": "Summarise this."}]}\n'
-        '{"id": "long-2", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}\n',
+        '{"id": "long-2", "messages": [{"role": "system", "content": "Be brief."}, '
+        '{"role": "user", "content": "Hi"}]}\n',
         encoding="utf-8",
     )
     args = build_parser().parse_args(["bench", "--prompts", str(path)])
