@@ -211,6 +211,19 @@ def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
     return int(quantised + embeddings * per)
 
 
+def weights_basis(spec: ModelSpec, device: torch.device) -> str:
+    """How :func:`weight_bytes` counted ``spec``'s weights, in a few words for `specchat models`."""
+    if spec.quantization in ("nf4", "int8"):
+        return f"{spec.quantization} (bitsandbytes)"
+    if spec.weight_bytes and as_stored(spec, device):
+        return "as stored in the file, CPU native"
+    if spec.quantization in TORCH_QUANTIZATIONS:
+        return f"re-quantised {spec.quantization}"
+    if spec.weight_bytes and weight_bytes(spec, device) == spec.weight_bytes:
+        return "as stored in the file"
+    return f"{dtype_bytes(spec, device) * 8}-bit floats"
+
+
 def kv_bytes(spec: ModelSpec, device: torch.device, tokens: int) -> int:
     return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes(spec, device) * tokens
 
