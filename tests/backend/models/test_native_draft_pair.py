@@ -48,7 +48,7 @@ def test_a_smaller_gguf_drafts_a_larger_one_on_the_native_path(tmp_path, native_
         assert engine.runner.path == "cpu-native" and engine.draft_runner.path == "cpu-native", engine.start_line
         plain, _ = _ids(engine, "none")
         drafted, last = _ids(engine, "draft-model")
-        assert drafted == plain and len(plain) == 24
+        assert drafted == plain and plain  # greedy: the draft model changes nothing
         assert last.stats.drafted > 0  # the draft model really proposed tokens
     finally:
         engine.close()
