@@ -38,7 +38,7 @@ def _ids(engine, drafter: str) -> tuple[list[int], object]:
 
 
 def test_a_smaller_gguf_drafts_a_larger_one_on_the_native_path(tmp_path, native_ready):  # noqa: F811
-    _, target = gguf_pair("qwen2", "Q8_0", tmp_path / "target")
+    _, target = gguf_pair("qwen2", "Q8_0", tmp_path)
     small = build_source("qwen2", seed=3, num_hidden_layers=1)  # same family and vocabulary, one layer
     draft = write_gguf(small, tmp_path / "draft-q4_0.gguf", "Q4_0", "qwen2")
     pair = _pair(tmp_path, target, draft)
