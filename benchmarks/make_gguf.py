@@ -1,6 +1,14 @@
-"""Write ~1.07B-parameter llama-architecture GGUF files with random weights and the embedded model's tokenizer,
-for measuring specchat against llama.cpp on the same file (a script, not a test; the files are large: put them
-under /tmp, never in the repository).
+"""Write GGUF files with random weights and the embedded model's tokenizer, for measuring specchat against
+llama.cpp on the same file (a script, not a test; the files are large: put them under /tmp, never in the
+repository).
+
+``--arch llama`` (the default) writes ~1.07B-parameter llama files in the types below. ``--arch qwen2`` writes
+Qwen2.5-0.5B's layer shapes (hidden 896, intermediate 4864, 24 layers, 14 heads over 2 KV heads, q/k/v biases,
+rope theta 1,000,000, tied embeddings; ~0.4B parameters with this 49,152-token vocabulary) in F16 only, normal
+weights of standard deviation 0.02: quantise it with llama.cpp's own ``llama-quantize`` to get the mix a real
+file has (896 columns are not a multiple of 256, so a Q4_K_M falls back to Q5_0 / Q8_0 as Qwen2.5-0.5B's does).
+
+llama files:
 
 Shape (TinyLlama-1.1B's, with SmolLM2's 49,152-token vocabulary and tied embeddings): hidden 2048, intermediate
 5632, 22 layers, 32 heads over 4 KV heads, rope theta 10,000. Weights are random 4-bit (or 6-bit) codes with a
@@ -13,6 +21,8 @@ through every layer; norms are 1. Types:
 
     python benchmarks/make_gguf.py --type q4_0 --out /tmp/bench-1b-q4_0.gguf
     python benchmarks/make_gguf.py --type q4_k_m --out /tmp/bench-1b-q4_k_m.gguf
+    python benchmarks/make_gguf.py --arch qwen2 --type f16 --out /tmp/bench-qwen2-f16.gguf
+    llama-quantize /tmp/bench-qwen2-f16.gguf /tmp/bench-qwen2-q4_k_m.gguf Q4_K_M
 """
 
 from __future__ import annotations
@@ -104,6 +114,52 @@ def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
             writer.add_key_value(key, field.contents(), kind)
 
 
+QWEN2 = {"hidden": 896, "inter": 4864, "layers": 24, "heads": 14, "kv_heads": 2}
+
+
+def write_qwen2(out: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
+    """Qwen2.5-0.5B's shapes in F16 (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    hidden, inter, layers = QWEN2["hidden"], QWEN2["inter"], QWEN2["layers"]
+    heads, kv_heads = QWEN2["heads"], QWEN2["kv_heads"]
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(str(out), "qwen2")
+    writer.add_name("specchat bench qwen2 0.5B-shape f16")
+    writer.add_block_count(layers)
+    writer.add_context_length(32768)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    copy_tokenizer(writer, tokenizer_gguf)
+
+    def normal(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    ones = np.ones(hidden, dtype=np.float32)
+    writer.add_tensor("token_embd.weight", normal(VOCAB, hidden))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        writer.add_tensor(f"blk.{i}.attn_q.weight", normal(heads * head_dim, hidden))
+        writer.add_tensor(f"blk.{i}.attn_q.bias", np.zeros(heads * head_dim, dtype=np.float32))
+        for name in ("attn_k", "attn_v"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", normal(kv_heads * head_dim, hidden))
+            writer.add_tensor(f"blk.{i}.{name}.bias", np.zeros(kv_heads * head_dim, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", normal(hidden, heads * head_dim))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", normal(inter, hidden))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", normal(inter, hidden))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", normal(hidden, inter))
+    writer.add_tensor("output_norm.weight", ones)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=True)
+    writer.close()
+
+
 def write(kind: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(out), "llama")
@@ -137,7 +193,9 @@ def write(kind: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--type", choices=("q4_0", "q4_k_m"), required=True)
+    parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
+    parser.add_argument("--type", choices=("q4_0", "q4_k_m", "f16"), required=True,
+                        help="llama: q4_0 or q4_k_m; qwen2: f16 (quantise it with llama-quantize)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="the file to write (under /tmp: ~0.6-0.7 GB)")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a GGUF to copy the tokenizer from "
                         "(default: the embedded model's)")  # fmt: skip
@@ -147,7 +205,12 @@ def main(argv: list[str]) -> int:
         from specchat.backend.models.loading import packaged_gguf_path
 
         source = packaged_gguf_path()
-    write(args.type, args.out, source)
+    if (args.arch == "qwen2") != (args.type == "f16"):
+        parser.error("--arch qwen2 writes --type f16 only; --arch llama writes q4_0 or q4_k_m")
+    if args.arch == "qwen2":
+        write_qwen2(args.out, source)
+    else:
+        write(args.type, args.out, source)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB)")
     return 0
 

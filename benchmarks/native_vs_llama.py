@@ -42,28 +42,10 @@ def _rss_mb() -> float:
 
 
 def _pair_file(gguf: Path, folder: Path) -> Path:
-    from specchat.backend.models.gguf_file import read_gguf
-
-    meta = read_gguf(gguf)
-    layers, hidden = int(meta.field("block_count")), int(meta.field("embedding_length"))
-    heads, kv = int(meta.field("attention.head_count")), int(meta.field("attention.head_count_kv"))
-    vocab = meta.tensors["token_embd.weight"].shape[0]
-    params = sum(int(torch.tensor(t.shape).prod()) for t in meta.tensors.values())
-    text = f"""pairs:
-  - name: bench
-    target:
-      source: {gguf}
-      params: {params}
-      num_layers: {layers}
-      num_kv_heads: {kv}
-      head_dim: {hidden // heads}
-      hidden_size: {hidden}
-      vocab_size: {vocab}
-    drafter: none
-    context_length: 2048
-"""
+    """A one-pair models.yaml naming the file alone: its sizes come from the GGUF's metadata."""
     path = folder / "models.yaml"
-    path.write_text(text)
+    path.write_text(f"pairs:\n  - name: bench\n    target:\n      source: {gguf}\n    drafter: none\n"
+                    "    context_length: 2048\n")  # fmt: skip
     return path
 
 
@@ -164,6 +146,11 @@ def main(argv: list[str]) -> int:
     kv = engine.cache.k.numel() * engine.cache.k.element_size() * 2 / 2**20
     print(f"file {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB); {engine.start_line}; threads {args.threads}")
     print(f"resident after load: {rss:.0f} MiB (before loading: {before:.0f} MiB); KV cache reserved {kv:.0f} MiB")
+    from specchat.backend.models.memory import estimate_pair
+
+    estimate = estimate_pair(pair, torch.device("cpu"))
+    print(f"estimate ({'known' if estimate.known else 'unknown'}): {estimate.total / 2**20:.0f} MiB "
+          f"({estimate.describe(pair.context_length)})")  # fmt: skip
     server = _server(args.llama_bin, gguf, args.threads, args.port)
     ours, theirs, ours16, theirs16 = [], [], [], []
     try:

@@ -6,8 +6,9 @@ Prints one block per pair, folded to the terminal's width (80 columns and up; ``
 (``*`` marks the default pair) with the estimated memory on the device, whether it fits in the free memory now and
 what is left to download; then the description; the target (and draft) with its source, its sizes and where each
 number came from (``file``: read from the model's files; ``models.yaml``: an override written there; ``unknown``:
-a hub model not downloaded yet), the types its weights are stored in and the context; the drafter; and the
-expected speed from the bench's measurements (``bench.measured``), or "not measured". Works offline: the numbers
+a hub model not downloaded yet), the types its weights are stored in and the context; the memory estimate's terms
+and how the weights were counted (as stored in the file, re-quantised, or as floats); the drafter; and the expected
+speed from the bench's measurements (``bench.measured``), or "not measured". Works offline: the numbers
 come from local files and the download column only looks at the local Hugging Face cache. A remote pair (its
 target is a server) has no memory estimate: its head line says whether the server answers ``GET /models`` now and
 lists the pair's model ("up", "DOWN", "no model"; one short request per remote pair, the only network use).
@@ -124,7 +125,7 @@ def _remote_block(pair: Any, default: str, width: int) -> list[str]:
 
 def _pair_block(pair: Any, default: str, device: Any, free: int, width: int) -> list[str]:
     from specchat.backend.bench.measured import expected_speed
-    from specchat.backend.models.memory import estimate_pair, format_bytes
+    from specchat.backend.models.memory import estimate_pair, format_bytes, weights_basis
 
     estimate = estimate_pair(pair, device)
     target = pair.local_target
@@ -137,8 +138,13 @@ def _pair_block(pair: Any, default: str, device: Any, free: int, width: int) -> 
     if pair.description:
         lines += _fold("", pair.description, width)
     lines += _model_lines("target", target, pair.context_length, width)
-    if pair.drafter == "draft-model" and pair.draft is not None:
-        lines += _model_lines("draft", pair.draft, None, width)
+    draft = pair.draft if pair.drafter == "draft-model" else None
+    if draft is not None:
+        lines += _model_lines("draft", draft, None, width)
+    if estimate.known:
+        basis = f"weights: target {weights_basis(target, device)}"
+        basis += f"; draft {weights_basis(draft, device)}" if draft is not None else ""
+        lines += _fold("memory", f"{estimate.describe(pair.context_length)} ({basis})", width)
     lines += _fold("drafter", f"{pair.drafter}, gamma {pair.gamma}", width)
     lines += _fold("speed", expected_speed(pair.name, target.source), width)
     if any(s is not None and s.gated for s in (target, pair.draft)):

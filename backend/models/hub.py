@@ -17,28 +17,18 @@ under ``original/``), and pickle weights (``*.bin``, ``*.pt``) only when the spe
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.models.capture import Progress, progress_tqdm_class
 from specchat.backend.models.config import ModelSpec
+from specchat.backend.models.spec_facts import offline
 
 _TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 _WEIGHTS = ["*.safetensors"]
 _PICKLE = ["*.bin", "*.pt", "*.pth"]
 _IGNORE = ["*/*"]  # subfolders: never needed by from_pretrained of a causal LM at the repo root
-
-
-def offline() -> bool:
-    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, read now rather than at import."""
-    from huggingface_hub import constants
-
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
-    if value is not None:
-        return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
-    return bool(constants.HF_HUB_OFFLINE)
 
 
 def _patterns(spec: ModelSpec, tokenizer_only: bool) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.models.capture import Progress, progress_tqdm_class
 from specchat.backend.models.model_spec import ModelSpec
-from specchat.backend.models.spec_facts import cached_hub_file
+from specchat.backend.models.spec_facts import cached_hub_file, offline
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -41,8 +41,6 @@ def cached_path(spec: ModelSpec) -> Path | None:
 
 def _translate(spec: ModelSpec, exc: Exception) -> ModelLoadError:
     from huggingface_hub import errors
-
-    from specchat.backend.models.hub import offline
 
     repo, filename = _where(spec)
     if isinstance(exc, errors.GatedRepoError):
@@ -70,8 +68,6 @@ def _translate(spec: ModelSpec, exc: Exception) -> ModelLoadError:
 def download_size(spec: ModelSpec) -> int:
     """See the module docstring."""
     from huggingface_hub import errors, hf_hub_download
-
-    from specchat.backend.models.hub import offline
 
     if cached_path(spec) is not None:
         return 0
@@ -127,8 +123,6 @@ def _check(spec: ModelSpec, path: Path, progress: Progress | None) -> None:
 def fetch(spec: ModelSpec, progress: Progress | None = None) -> Path:
     """See the module docstring."""
     from huggingface_hub import hf_hub_download
-
-    from specchat.backend.models.hub import offline
 
     cached = cached_path(spec)
     if cached is not None:

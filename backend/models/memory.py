@@ -3,13 +3,16 @@
 Estimate (bytes), per model (target, and the draft when the drafter is draft-model):
 
 - weights: ``params x bytes(dtype)`` (``params`` counted from the model's files: ``model_facts``); where the
-  weights stay as the files store them (:func:`as_stored`; and on CUDA with ``dtype: auto`` for a checkpoint stored
-  in 16 bits) the files' own bytes: the sum of the GGUF's tensor bytes, or the safetensors headers' dtypes x shapes;
+  weights stay as the files store them (the CPU native model, :func:`as_stored`; and on CUDA with ``dtype: auto``
+  for a checkpoint stored in 16 bits) the files' own bytes: the sum of the GGUF's tensor bytes per stored type
+  (types without a kernel at F16, as the loader converts them: :func:`native_weight_bytes`), or the safetensors
+  headers' dtypes x shapes;
   with ``nf4`` the linear layers take 0.5 byte per weight plus one float32
   absmax per 64-weight block, with ``int8`` 1 byte plus a float32 scale per output row; embeddings (and an
   untied output head) stay in the compute dtype, as bitsandbytes leaves them unquantised; ``int4-torch`` /
   ``int8-torch`` as :func:`_torch_quantized_bytes` says (activations and KV cache in bfloat16);
-- KV cache: ``layers x 2 x kv_heads x head_dim x bytes(dtype) x context_length``;
+- KV cache: ``layers x 2 x kv_heads x head_dim x bytes x context_length`` (bytes: the compute dtype's; the native
+  model's cache is bfloat16 for a GGUF: :func:`kv_dtype_bytes`);
 - scratch (the larger of the two models, which run one after the other): activations of one forward over
   :data:`specchat.backend.limits.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
   attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
@@ -17,6 +20,8 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   rows a pass keeps: :data:`LOGIT_ROWS` (a verification at the largest γ; a prefill chunk keeps one row, the
   last) x vocab x (``bytes`` for the model's output + :data:`DECISION_BYTES` for the float32 copy, the
   penalised copy and the Gumbel noise of ``backend/speculative/sampling.py``);
+  the native model's pass instead counts its own buffers (:func:`native_scratch_bytes`), which it keeps between
+  passes, so a native target and draft add theirs;
 - CUDA graphs (CUDA only, per model; ``backend/kernels/cuda_graphs.py``): the runner's static buffers
   (its shared float32 logits rows, :func:`~specchat.backend.kernels.cuda_graphs.static_bytes`) and the graphs'
   private memory pool, which eager passes cannot reuse: a forward over the largest token bucket (activations,
@@ -118,10 +123,67 @@ def _torch_quantized_bytes(spec: ModelSpec, device: torch.device) -> int:
 
 
 def as_stored(spec: ModelSpec, device: torch.device) -> bool:
-    """Whether the loader keeps ``spec``'s weights as its files store them (GGUF blocks, safetensors dtypes), so
-    that they take the files' bytes. No loader on this branch does (transformers de-quantises a GGUF to the
-    compute dtype, the int4/int8 kernels re-pack it); the native model's loader answers here where it runs."""
-    return False
+    """Whether the engine will run ``spec`` on the CPU native model (``native_loading.native_reason``'s conditions,
+    read offline: CPU; no bitsandbytes quantization, no remote code; an architecture it covers; a GGUF of any
+    ``quantization``, or a safetensors checkpoint with ``quantization: none``; kernels that can be built here and
+    are not turned off with ``SPECCHAT_NATIVE=0``). Its weights are then the files' own blocks
+    (:func:`native_weight_bytes`), its KV cache :func:`kv_dtype_bytes`, its scratch :func:`native_scratch_bytes`."""
+    from specchat.backend.kernels import native_build
+    from specchat.backend.models.native_arch import FAMILIES
+
+    if torch.device(device).type != "cpu" or spec.quantization in ("nf4", "int8") or spec.trust_remote_code:
+        return False
+    if spec.architecture not in FAMILIES or (spec.kind not in GGUF_KINDS and spec.quantization != "none"):
+        return False
+    return native_build.unavailable() is None
+
+
+def native_weight_bytes(spec: ModelSpec) -> int:
+    """The native model's weight bytes: the files' bytes per stored type (``spec.weight_types``), except types its
+    kernels lack (e.g. Q3_K, IQ4_XS), which the loader de-quantises to F16: 2 bytes per weight of those."""
+    from specchat.backend.kernels.native_model import GGML_TYPES
+
+    total = 0
+    for name, size in spec.weight_types:
+        per_block = _ggml_block(name) if name not in GGML_TYPES else None
+        total += size if per_block is None else size // per_block[1] * per_block[0] * 2
+    return total or spec.weight_bytes
+
+
+def _ggml_block(name: str) -> tuple[int, int] | None:
+    """(weights, bytes) per block of a GGUF type name, or None for a name that is not one (safetensors totals)."""
+    import gguf
+
+    try:
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    except KeyError:
+        return None
+
+
+def kv_dtype_bytes(spec: ModelSpec, device: torch.device) -> int:
+    """Bytes per cached K/V value: the native model keeps a GGUF's cache in bfloat16 and a checkpoint's in its
+    dtype (bfloat16, else float32), as ``native_loading.load`` chooses; other paths the compute dtype."""
+    if as_stored(spec, device):
+        return 2 if spec.kind in GGUF_KINDS or spec.dtype == "bfloat16" else 4
+    return dtype_bytes(spec, device)
+
+
+def native_scratch_bytes(spec: ModelSpec, context_length: int) -> int:
+    """The native pass's buffers over one prefill chunk (``csrc/model_forward.cpp``: float32 residual, normed
+    input, q/k/v, attention output, o, gate/up, activation and down rows; int8 copies of the activations its
+    kernels read), the rotary tables for every slot (cos and sin, float32, two bases at most) and the kept
+    logits rows with the decision's copies. The MLP width comes from the parameter count (per layer: attention
+    ``hidden x (q + 2 kv + o)`` plus ``3 x hidden x intermediate``)."""
+    tokens = min(context_length, PREFILL_CHUNK)
+    hidden, kv_width = spec.hidden_size, spec.num_kv_heads * spec.head_dim
+    q_width = max(hidden // max(spec.head_dim, 1), spec.num_kv_heads) * spec.head_dim
+    embeddings = spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2)
+    per_layer = max(spec.params - embeddings, 0) // max(spec.num_layers, 1)
+    inter = max((per_layer - hidden * (2 * q_width + 2 * kv_width)) // (3 * max(hidden, 1)), hidden)
+    floats = tokens * (4 * hidden + 2 * q_width + 2 * kv_width + 3 * inter)
+    quantised = tokens * (hidden + inter) * 2  # int8 values and their per-block scales, generously
+    rotary = 2 * 2 * context_length * spec.head_dim * 4
+    return floats * 4 + quantised + rotary + LOGIT_ROWS * spec.vocab_size * (4 + DECISION_BYTES)
 
 
 def _stored_16bit(spec: ModelSpec) -> bool:
@@ -133,7 +195,7 @@ def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
     per = dtype_bytes(spec, device)
     if spec.weight_bytes and spec.quantization not in ("nf4", "int8"):
         if as_stored(spec, device):
-            return spec.weight_bytes
+            return native_weight_bytes(spec)
         if spec.quantization == "none" and spec.dtype == "auto" and per == 2 and _stored_16bit(spec):
             return spec.weight_bytes  # CUDA loads a 16-bit checkpoint in its own dtype
     if spec.quantization == "none":
@@ -149,8 +211,21 @@ def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
     return int(quantised + embeddings * per)
 
 
+def weights_basis(spec: ModelSpec, device: torch.device) -> str:
+    """How :func:`weight_bytes` counted ``spec``'s weights, in a few words for `specchat models`."""
+    if spec.quantization in ("nf4", "int8"):
+        return f"{spec.quantization} (bitsandbytes)"
+    if spec.weight_bytes and as_stored(spec, device):
+        return "as stored in the file, CPU native"
+    if spec.quantization in TORCH_QUANTIZATIONS:
+        return f"re-quantised {spec.quantization}"
+    if spec.weight_bytes and weight_bytes(spec, device) == spec.weight_bytes:
+        return "as stored in the file"
+    return f"{dtype_bytes(spec, device) * 8}-bit floats"
+
+
 def kv_bytes(spec: ModelSpec, device: torch.device, tokens: int) -> int:
-    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes(spec, device) * tokens
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes(spec, device) * tokens
 
 
 def _forward_bytes(
@@ -166,6 +241,8 @@ def _forward_bytes(
 
 
 def scratch_bytes(spec: ModelSpec, device: torch.device, context_length: int) -> int:
+    if as_stored(spec, device):
+        return native_scratch_bytes(spec, context_length)
     tokens = min(context_length, PREFILL_CHUNK)
     return _forward_bytes(spec, device, context_length, tokens, LOGIT_ROWS, dtype_bytes(spec, device) + DECISION_BYTES)
 
@@ -189,7 +266,10 @@ def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | 
     target_kv = kv_bytes(target, device, tokens)
     draft_weights = weight_bytes(draft, device) if draft else 0
     draft_kv = kv_bytes(draft, device, tokens) if draft else 0
-    scratch = max(scratch_bytes(target, device, tokens), scratch_bytes(draft, device, tokens) if draft else 0)
+    scratch_each = [scratch_bytes(target, device, tokens), scratch_bytes(draft, device, tokens) if draft else 0]
+    # The native model keeps its pass's buffers between passes: a native target and draft hold theirs together.
+    both_native = draft is not None and as_stored(target, device) and as_stored(draft, device)
+    scratch = sum(scratch_each) if both_native else max(scratch_each)
     graphs = graph_bytes(target, device, tokens) + (graph_bytes(draft, device, tokens) if draft else 0)
     subtotal = target_weights + target_kv + draft_weights + draft_kv + scratch + graphs
     headroom = int(subtotal * HEADROOM)

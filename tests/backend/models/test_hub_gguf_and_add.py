@@ -166,3 +166,27 @@ def test_models_listing_fits_80_columns_and_names_origins(tmp_path, tiny, monkey
     assert "memory known after the download" in text and "unknown until its files are downloaded" in text
     assert "stored as Q8_0" in text and "not measured (specchat bench --pair tiny)" in text
     assert "too weak for code" in text
+
+
+def test_models_listing_says_where_each_number_and_the_weights_bytes_came_from(tmp_path, tiny, monkeypatch):
+    from specchat.backend.models.memory import as_stored, estimate_pair, format_bytes
+
+    spec = load_pairs_file(_write(tmp_path / "probe.yaml", tiny, ""))["p"].target
+    user = _write(user_models_file(), tiny, f"      num_layers: {spec.num_layers}\n")  # an override, checked
+    out = io.StringIO()
+    assert cmd_models.run(SimpleNamespace(models=None, device="cpu", pair="p"), out) == 0
+    text = " ".join(out.getvalue().split())  # unfolded
+    named = "params file; num_layers from models.yaml; num_kv_heads file; head_dim file; hidden_size file"
+    assert named in text and "vocab_size file" in text, text
+    pair = load_pairs_file(user)["p"]
+    estimate = estimate_pair(pair, "cpu")
+    assert f"target weights {format_bytes(estimate.target_weights)}" in text
+    native = as_stored(pair.target, "cpu")
+    assert ("weights: target as stored in the file, CPU native" in text) == native, text
+    assert ("weights: target 32-bit floats" in text) == (not native), text
+
+
+def _write(path: Path, source: Path, extra: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"pairs:\n  - name: p\n    target:\n      source: {source}\n{extra}", encoding="utf-8")
+    return path

@@ -67,7 +67,8 @@ def tensor_bytes(model) -> int:
 # --- arithmetic --------------------------------------------------------------------------------------------
 
 
-def test_estimate_terms():
+def test_estimate_terms(monkeypatch):
+    monkeypatch.setenv("SPECCHAT_NATIVE", "0")  # the float32 path (the native one: test_memory_native.py)
     shipped = load_pairs()
     pair = shipped["smollm2-135m-f32"]
     s = pair.target
@@ -154,7 +155,9 @@ def test_tiny_model_estimate_matches_measured(tmp_path, dtype, quantization):
 @pytest.mark.slow
 def test_embedded_default_estimate_matches_measured(monkeypatch):
     """Loaded weights + a real KV allocation vs the estimate; then the process's RSS growth (a fresh
-    subprocess: load, one 512-token forward, a 512-token KV cache) vs the estimate's total at that context."""
+    subprocess: load, one 512-token forward, a 512-token KV cache) vs the estimate's total at that context. The
+    transformers paths (SPECCHAT_NATIVE=0), as load_pair loads them outside the engine."""
+    monkeypatch.setenv("SPECCHAT_NATIVE", "0")
     if _CALLER_CACHE:
         monkeypatch.setenv("SPECCHAT_CACHE_DIR", _CALLER_CACHE)
     else:
@@ -195,9 +198,10 @@ def test_embedded_default_estimate_matches_measured(monkeypatch):
     assert within(numbers["rss"], numbers["estimate"]), numbers
 
 
-def test_int4_default_counts_its_own_bytes():
+def test_int4_default_counts_its_own_bytes(monkeypatch):
     """int4 linears (half a byte + a bfloat16 scale and zero per 32), the Q8_0 embedding, an int8 head; KV in
-    bfloat16: the default's weights are under a quarter of float32's."""
+    bfloat16: the default's weights are under a quarter of float32's (where the native model does not run it)."""
+    monkeypatch.setenv("SPECCHAT_NATIVE", "0")
     pair = load_pairs()[DEFAULT_PAIR]
     s = pair.target
     assert s.quantization == "int4-torch"

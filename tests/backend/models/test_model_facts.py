@@ -134,6 +134,7 @@ def test_bad_hub_file_sources_say_the_form(tmp_path):
 def test_memory_uses_the_files_numbers_and_waits_for_unknown_sizes(tmp_path, qwen3_q4k, monkeypatch):
     _, gguf = qwen3_q4k
     pair = load_pairs_file(_yaml(tmp_path, f"      source: {gguf}\n"))["p"]
+    monkeypatch.setenv("SPECCHAT_NATIVE", "0")  # transformers' path (the native one: test_memory_native.py)
     estimate = memory.estimate_pair(pair, CPU)
     assert estimate.known and estimate.target_weights == pair.target.params * 4  # de-quantised to float32
     monkeypatch.setattr(memory, "as_stored", lambda spec, device: True)  # a loader that keeps the file's blocks

@@ -170,3 +170,32 @@ def test_native_taps_are_transformers_hidden_states_by_the_runners_indices(nativ
         assert float((got - want).abs().max()) < 1e-3 * float(want.std()) + 1e-5, tap
     with pytest.raises(ModelLoadError, match="tap 0"):
         native_taps((0, layers), Holder)
+
+
+def test_a_qwen2_files_light_config_is_transformers_own(tmp_path):
+    """A qwen2 GGUF states no sliding window; the native loader fills Qwen2Config's defaults (every layer full
+    attention) so the light config covers it and no transformers import is needed: the native architecture made
+    from it equals the one made from transformers' AutoConfig of the same values."""
+    from dataclasses import fields
+
+    from gguf_fixtures import gguf_pair
+    from transformers import AutoConfig
+
+    from specchat.backend.models import skeleton
+    from specchat.backend.models.gguf_tensors import config_of
+    from specchat.backend.models.native_arch import architecture
+    from specchat.backend.models.native_loading import light_defaults
+
+    _, path = gguf_pair("qwen2", "F16", tmp_path)
+    values = config_of(read_gguf(path))
+    filled = light_defaults(values)
+    assert skeleton._usable(filled) and not skeleton._usable(values)
+    light, reference = architecture(skeleton.LightConfig(filled)), architecture(AutoConfig.for_model(**values))
+    for field in fields(light):
+        ours, theirs = getattr(light, field.name), getattr(reference, field.name)
+        if field.name == "rotaries":
+            assert [(r.scaling, r.inv_freq.tolist()) for r in ours] == [
+                (r.scaling, r.inv_freq.tolist()) for r in theirs
+            ]
+        else:
+            assert ours == theirs, field.name
