@@ -124,35 +124,7 @@ float dot_row(const Packed& w, int64_t g, int c, const Row& row) {
 }  // namespace
 
 void quantize_rows_scalar(Acts& a, const float* x, int64_t r0, int64_t r1) {
-  const int64_t K = a.K;
-  for (int64_t row = r0; row < r1; ++row) {
-    const float* xr = x + row * K;
-    int8_t* q = a.qs + row * K;
-    if (a.fmt == ActFormat::Q8_32) {
-      const int64_t nb = K / 32;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t i = row * nb + b;
-        quantize_block(xr + b * 32, 32, q + b * 32, &a.d[i]);
-        int32_t s = 0;
-        for (int j = 0; j < 32; ++j) s += q[b * 32 + j];
-        a.sum[i] = s;
-        a.s[i] = a.d[i] * static_cast<float>(s);
-      }
-      continue;
-    }
-    const int64_t nb = K / 256;
-    for (int64_t b = 0; b < nb; ++b) {
-      quantize_block(xr + b * 256, 256, q + b * 256, &a.d[row * nb + b]);
-      int16_t* b16 = a.bs16 + (row * nb + b) * 16;
-      int16_t* b32 = a.bs32 + (row * nb + b) * 8;
-      for (int j = 0; j < 16; ++j) {
-        int s = 0;
-        for (int e = 0; e < 16; ++e) s += q[b * 256 + 16 * j + e];
-        b16[j] = static_cast<int16_t>(s);
-      }
-      for (int j = 0; j < 8; ++j) b32[j] = static_cast<int16_t>(b16[2 * j] + b16[2 * j + 1]);
-    }
-  }
+  for (int64_t r = r0; r < r1; ++r) quantize_row(a, x + r * a.K, r, quantize_block);
 }
 
 void run_scalar(const Job& job, int64_t t0, int64_t t1) {

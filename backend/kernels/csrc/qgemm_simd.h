@@ -28,7 +28,7 @@ struct Kern {
 
   // ---- legacy blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1): codes of one vector k → slices k and k + 4 ----
   template <int K, int R, bool Five>
-  SC_TARGET static inline void step32(const Tile& t, const uint8_t* qs, const uint8_t* qh, const int8_t* const* ap,
+  SC_FN static void step32(const Tile& t, const uint8_t* qs, const uint8_t* qh, const int8_t* const* ap,
                                       vi* lo, vi* hi) {
     const vi v = V::load(qs + 32 * K, t.gs[0]);
     vi a = V::lo4(v), b = V::hi4(v);
@@ -112,7 +112,7 @@ struct Kern {
   // ---- K-quants: super-blocks of 256 = 8 sub-blocks of 32 ----
   // Q4_K / Q5_K sub-block j of one super-block: isum[r] += scale_j · (codes · activations).
   template <int R, bool Five>
-  SC_TARGET static inline void sub_k45(const Tile& t, const uint8_t* qs, const uint8_t* qh, const uint8_t* scm,
+  SC_FN static void sub_k45(const Tile& t, const uint8_t* qs, const uint8_t* qh, const uint8_t* scm,
                                        int j, const int8_t* const* ap, vi* isum) {
     vi lo[R], hi[R];
     for (int r = 0; r < R; ++r) {
@@ -168,7 +168,7 @@ struct Kern {
 
   // Q6_K: codes = low nibble | bits 4..5; sub-blocks of 16 (slices 0..3 and 4..7 of each 32).
   template <int K, int R>
-  SC_TARGET static inline void step6(const Tile& t, const uint8_t* ql, const vi& h0, const vi& h1,
+  SC_FN static void step6(const Tile& t, const uint8_t* ql, const vi& h0, const vi& h1,
                                      const int8_t* const* ap, vi* lo, vi* hi) {
     const vi v = V::load(ql + 32 * K, t.gs[0]);
     const vi a = V::or_(V::lo4(v), V::template bits45<K>(h0));
@@ -233,14 +233,14 @@ struct Kern {
 
   // ---- float weights: 4 chains per (row, column) over inputs k ≡ 0..3 (mod 4), summed (c0 + c1) + (c2 + c3) ----
   template <GgmlType T>
-  SC_TARGET static inline vf wload(const uint8_t* p, ptrdiff_t gs) {
+  SC_FN static vf wload(const uint8_t* p, ptrdiff_t gs) {
     if constexpr (T == GgmlType::F32) return V::load_f8(p, gs);
     else if constexpr (T == GgmlType::F16) return V::load_h8(p, gs);
     else return V::load_bf8(p, gs);
   }
 
   template <int I, int R, GgmlType T>
-  SC_TARGET static inline void fstep(const Tile& t, int64_t k, const float* const* xr, vf (*acc)[4]) {
+  SC_FN static void fstep(const Tile& t, int64_t k, const float* const* xr, vf (*acc)[4]) {
     constexpr size_t rec = T == GgmlType::F32 ? 32 : 16;
     const vf w = wload<T>(t.pl[0] + (k + I) * rec, t.gs[0]);
     for (int r = 0; r < R; ++r) acc[r][I] = V::fma(w, V::set1f(xr[r][k + I]), acc[r][I]);
