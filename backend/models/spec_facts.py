@@ -14,12 +14,32 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from specchat.backend.models.model_facts import ModelFacts, facts_from_folder, facts_from_gguf
 
-if TYPE_CHECKING:
-    from specchat.backend.models.model_spec import ModelSpec
+
+class ModelSpec(Protocol):
+    """What :func:`facts_for` reads of ``model_spec.ModelSpec`` (a protocol, so that this leaf does not import the
+    module that imports it)."""
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def revision(self) -> str | None: ...
+
+    @property
+    def path(self) -> str | None: ...
+
+    @property
+    def hub_repo(self) -> str | None: ...
+
+    @property
+    def hub_filename(self) -> str | None: ...
 
 
 # Packaged models: name after "packaged:" -> (distribution, pinned version, file inside the distribution). Defined
