@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
+
+from serve_vs_generate import start_server  # this folder's: starts `specchat serve --pair smollm2-135m --port 0`
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.suites import load_suite
@@ -31,19 +32,6 @@ from specchat.backend.engine.engine import load_engine
 from specchat.backend.models.config import get_pair, load_pairs
 
 PAIR = "smollm2-135m"
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        ["specchat", "serve", "--pair", PAIR, "--port", "0"], stderr=subprocess.PIPE, text=True, env=dict(os.environ)
-    )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        line = proc.stderr.readline() if proc.stderr else ""
-        if line.startswith("specchat serve: pair"):
-            return proc, line.split(" on ", 1)[1].split(" ", 1)[0]
-    proc.kill()
-    raise SystemExit("specchat serve did not start")
 
 
 def in_process(engine, messages: list[dict], prediction: str, max_new: int) -> tuple[str, int, float]:
@@ -77,7 +65,7 @@ def main() -> int:
 
     prompts = load_suite("rewrite", None)[: args.limit]
     engine = load_engine(get_pair(load_pairs(None), PAIR))
-    proc, url = start_server()
+    proc, url = start_server(dict(os.environ))
     try:
         client = openai.OpenAI(base_url=url.rstrip("/"), api_key="unused", timeout=600)
         warm = [{"role": "user", "content": "Say hello."}]
