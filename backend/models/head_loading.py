@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from specchat.backend.errors import ModelLoadError
+from specchat.backend.kernels import block_linear, blocks
 from specchat.backend.limits import HEAD_DRAFTERS
 from specchat.backend.models.config import ModelSpec, PairConfig
 from specchat.backend.models.config_head import HeadSpec
@@ -241,7 +242,20 @@ def load_planned(
     module = build_head(plan.drafter, plan.config, state, sizes, plan.spec.source)
     wanted = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     module = module.to(device=device, dtype=wanted).eval()
+    if device.type == "cpu" and wanted == torch.float32:
+        _block_linears(module, plan.spec.source)
     return LoadedHead(drafter=plan.drafter, module=module, taps=plan.taps, source=plan.spec.source)
+
+
+def _block_linears(module: nn.Module, source: str) -> None:
+    """The head's linears as Q8_0 through the block kernels (``backend/kernels/block_linear.py``: drafting costs a
+    fraction of float32's on CPU); where the kernels cannot run here, it stays float32 and the log says why."""
+    try:
+        count = block_linear.quantize_linears(module)
+    except blocks.KernelsUnavailable as err:
+        log.info("head %s drafts in float32: %s", source, err)
+        return
+    log.info("head %s: %d linears as Q8_0 through the block kernels", source, count)
 
 
 def load_head(
