@@ -247,11 +247,14 @@ def load_planned(
     return LoadedHead(drafter=plan.drafter, module=module, taps=plan.taps, source=plan.spec.source)
 
 
+_FLOAT_INPUTS = ("fc",)  # EAGLE-3's fusion reads the target's raw taps: outliers (block_linear's docstring)
+
+
 def _block_linears(module: nn.Module, source: str) -> None:
     """The head's linears as Q8_0 through the block kernels (``backend/kernels/block_linear.py``: drafting costs a
     fraction of float32's on CPU); where the kernels cannot run here, it stays float32 and the log says why."""
     try:
-        count = block_linear.quantize_linears(module)
+        count = block_linear.quantize_linears(module, keep=_FLOAT_INPUTS)
     except blocks.KernelsUnavailable as err:
         log.info("head %s drafts in float32: %s", source, err)
         return

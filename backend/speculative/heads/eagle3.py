@@ -15,7 +15,8 @@ position n-1+d (``n`` committed tokens). Attention: rows of committed positions 
 to their own (a plain causal cache, :class:`HeadCache`); a drafted node sees them all plus its ancestors and
 itself — exactly what the training-time test trains (``backend/speculative/heads/training.py``).
 
-Computation in the dtype the weights were loaded in (float32 on CPU: bfloat16 matrix products are slow there).
+Computation in the dtype the weights were loaded in (float32 on CPU: bfloat16 matrix products are slow there;
+the loader then runs the linears on Q8_0 copies through the block kernels, ``backend/kernels/block_linear.py``).
 """
 
 from __future__ import annotations

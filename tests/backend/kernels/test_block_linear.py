@@ -10,7 +10,7 @@ import torch
 from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from native_fixtures import native_ready  # noqa: F401  (a fixture)
-from tiny_heads import medusa_folder
+from tiny_heads import eagle3_folder, medusa_folder
 from tiny_models import build_tiny, one_thread  # noqa: F401  (one_thread: autouse)
 from torch import nn
 
@@ -60,6 +60,16 @@ def test_a_head_loaded_on_cpu_drafts_through_the_blocks(tmp_path, native_ready):
     assert switched and all(m.in_features % 32 == 0 for m in switched)
 
 
+def test_an_eagle3_head_keeps_its_fusion_of_the_raw_taps_in_float(tmp_path, native_ready):  # noqa: F811
+    target = build_tiny("llama")
+    folder = eagle3_folder(tmp_path / "eagle3", target.config, taps=(0, 1, 1))
+    head = load_head(
+        HeadSpec(str(folder), "local", path=str(folder)), "eagle3", target.config, torch.device("cpu"), target_name="t"
+    )
+    assert type(head.module.fc) is nn.Linear  # its input has the residual stream's outliers
+    assert isinstance(head.module.lm_head, BlockLinear)
+
+
 def test_without_the_kernels_a_head_stays_float(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECCHAT_NATIVE", "0")
     target = build_tiny("llama")
@@ -79,3 +89,11 @@ def test_rows_do_not_change_a_rows_result(rows, native_ready):  # noqa: F811
     x = torch.randn(rows, 128)
     with torch.inference_mode():
         assert torch.equal(layer(x)[-1:], layer(x[-1:]))
+
+
+def test_layers_named_to_keep_stay_float(native_ready):  # noqa: F811
+    model = nn.Sequential()
+    model.add_module("fc", nn.Linear(64, 32))
+    model.add_module("out", nn.Linear(32, 16))
+    assert quantize_linears(model, keep=("fc",)) == 1
+    assert type(model.fc) is nn.Linear and type(model.out) is BlockLinear
