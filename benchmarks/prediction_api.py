@@ -81,13 +81,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=4, help="rewrite prompts (in the family's file order)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each prompt on each side")
+    parser.add_argument("--serve-arg", action="append", default=[], help="one more `specchat serve` argument")
     args = parser.parse_args()
     import openai
 
     prompts = load_suite("rewrite", None)[: args.limit]
     engine = load_engine(get_pair(load_pairs(None), PAIR))
     engine.use_reply_memory(False)  # as `specchat serve` without --share-state
-    proc, url = start_server(dict(os.environ))
+    proc, url = start_server(dict(os.environ), *args.serve_arg)
     try:
         client = openai.OpenAI(base_url=url.rstrip("/"), api_key="unused", timeout=600)
         warm = [{"role": "user", "content": "Say hello."}]

@@ -76,8 +76,15 @@ def run(engine, target: editing.EditTarget, whole: bool, cap: int) -> dict:
     plan = plan_edit([target], reply, REQUEST)
     new = plan.changes[0].text if plan.ok else ""
     renamed = plan.ok and new == re.sub(rf"\b{OLD}\b", NEW, target.text)
-    return {"wall": wall, "stats": last.stats, "finish": last.finish_reason, "ok": plan.ok, "renamed": renamed,
-            "why": "" if plan.ok else plan.message()[:100], "cap": cap}
+    return {
+        "wall": wall,
+        "stats": last.stats,
+        "finish": last.finish_reason,
+        "ok": plan.ok,
+        "renamed": renamed,
+        "why": "" if plan.ok else plan.message()[:100],
+        "cap": cap,
+    }
 
 
 def main() -> int:
@@ -88,8 +95,14 @@ def main() -> int:
     source = Path(inspect.getsourcefile(tracemalloc) or "").read_text(encoding="utf-8")
     engine = load_engine(get_pair(load_pairs(None), PAIR))
     print(f"torch threads {torch.get_num_threads()}; file {inspect.getsourcefile(tracemalloc)}; request: {REQUEST}")
-    list(engine.generate(GenerationRequest(messages=[{"role": "user", "content": "Say hello."}],
-                                           sampling=SamplingParams(temperature=0.0, max_new_tokens=8))))
+    list(
+        engine.generate(
+            GenerationRequest(
+                messages=[{"role": "user", "content": "Say hello."}],
+                sampling=SamplingParams(temperature=0.0, max_new_tokens=8),
+            )
+        )
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for index, kib in enumerate(args.sizes):
@@ -98,17 +111,22 @@ def main() -> int:
             path.write_text(text, encoding="utf-8")
             target = editing.load_edit_target(path)
             uses = len(re.findall(rf"\b{OLD}\b", text))
-            for whole in ((True, False) if index % 2 == 0 else (False, True)):
+            for whole in (True, False) if index % 2 == 0 else (False, True):
                 r = run(engine, target, whole, args.max_new_tokens)
                 s = r["stats"]
                 form = "whole" if whole else "blocks"
-                pred = (f"pred {s.accepted_prediction_tokens}/{s.rejected_prediction_tokens}"
-                        if s.accepted_prediction_tokens is not None else "pred -")
-                line = (f"{kib:5.1f} KiB ({len(text.encode()):6d} B, {uses} uses) {form:6s} prompt {s.prompt_tokens:5d} "
-                        f"reply {s.new_tokens:5d} (cap {r['cap']}, fits {s.new_tokens <= args.max_new_tokens}) "
-                        f"{r['wall']:7.2f} s prefill {s.prefill_s or 0:5.2f} s {s.new_tokens / r['wall']:6.1f} tok/s "
-                        f"{pred} passes {(s.steps or 0) + 1} finish {r['finish']} applies {r['ok']} "
-                        f"renamed {r['renamed']} {r['why']}")
+                pred = (
+                    f"pred {s.accepted_prediction_tokens}/{s.rejected_prediction_tokens}"
+                    if s.accepted_prediction_tokens is not None
+                    else "pred -"
+                )
+                line = (
+                    f"{kib:5.1f} KiB ({len(text.encode()):6d} B, {uses} uses) {form:6s} prompt {s.prompt_tokens:5d} "
+                    f"reply {s.new_tokens:5d} (cap {r['cap']}, fits {s.new_tokens <= args.max_new_tokens}) "
+                    f"{r['wall']:7.2f} s prefill {s.prefill_s or 0:5.2f} s {s.new_tokens / r['wall']:6.1f} tok/s "
+                    f"{pred} passes {(s.steps or 0) + 1} finish {r['finish']} applies {r['ok']} "
+                    f"renamed {r['renamed']} {r['why']}"
+                )
                 print(line, flush=True)
                 rows.append(line)
     engine.close()
