@@ -311,6 +311,8 @@ class Engine:
             prediction = self._prediction(request.prediction)
             spare = max(MAX_GAMMA, prediction.max_tokens if prediction is not None else 0)
             self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + spare)
+            if not conv.seq.block_table:  # placed where it fits in one run: kept prompts do not split it
+                conv.seq.expect(len(prompt) + sampling.max_new_tokens + spare)
             target = Target(
                 self.runner,
                 self.tokenizer,
