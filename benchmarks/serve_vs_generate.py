@@ -34,8 +34,8 @@ from pathlib import Path
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
 
 
-def start_server(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(["specchat", "serve", "--pair", "smollm2-135m", "--port", "0"], env=env,
+def start_server(env: dict[str, str], *extra: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(["specchat", "serve", "--pair", "smollm2-135m", "--port", "0", *extra], env=env,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

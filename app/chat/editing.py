@@ -32,11 +32,13 @@ from pathlib import Path
 from specchat.backend.errors import SpecchatError
 
 MAX_FILE_BYTES = 256 * 1024
-# The largest file /edit asks to rewrite whole (its text as prediction), else SEARCH/REPLACE blocks: ~3,300 tokens
-# of code, so the prompt (the file) and the reply (the file again) fit the embedded default's 8,192-token context.
-# A bound from the context, not yet from a timing: whole rewrite vs SEARCH/REPLACE time to the finished file per
-# file size is still to be measured (issue 35); the rewrite family's files (1.2-9.8 KB) all fall under it.
-REWRITE_MAX_BYTES = 10 * 1024
+# The largest file /edit asks to rewrite whole (its text as prediction), else SEARCH/REPLACE blocks. Rule: the whole
+# file must fit the reply /edit asks for (the chat's max_new_tokens, 1,024 by default) with room for the fences and
+# a changed line or two, and finish in about 10 s on a 2-core CPU. Measured (benchmarks/RESULTS.md, "/edit's whole
+# rewrite against SEARCH/REPLACE blocks by file size"; benchmarks/rewrite_size.py): Python code is 3.6-3.8 bytes a
+# token, so a 3 KiB file is ~810 tokens and a 4 KiB one ~1,080 (past the cap: cut short, refused, whatever its
+# speed); the 2 KiB reply took 8.8 s to 1,024 tokens, the 4 and 8 KiB ones 18.6 s and 46 s (prefill 3.7 and 15 s).
+REWRITE_MAX_BYTES = 3 * 1024
 
 _LANGUAGES = {
     ".py": "python",

@@ -5,7 +5,9 @@ Contract: :meth:`EngineOwner.submit` puts a request in the queue and returns its
 :class:`Busy` when ``queue_size`` requests are already waiting (the server answers 429). The worker iterates
 ``engine.generate(request, job.cancel)`` (the engine API only) and hands each StepEvent to the job's own queue,
 calling ``job.notify()`` after each item (the HTTP side's event loop waits on it instead of a thread per
-request); an exception raised by the engine ends the job with that exception; then :data:`END`. A job cancelled
+request), or, for a job submitted with ``wake_each=False`` (a non-streaming reply, read only when whole), only
+after an exception or :data:`END`, so the event loop does not wake once per step to do nothing while the engine
+computes; an exception raised by the engine ends the job with that exception; then :data:`END`. A job cancelled
 while it waits is skipped. ``before_job`` (when given) runs in the worker before each job: `specchat serve` passes
 the engine's ``forget_requests`` there, so that no request learns from another's (the default; an operator may
 opt in to sharing). :meth:`cancel_all` cancels the running and waiting jobs (a server shutting down);
@@ -37,10 +39,11 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # StepEvent | Exception | END
     notify: Callable[[], None] | None = None  # called (from the worker thread) after each item is queued
+    wake_each: bool = True  # False: notify only after an exception or END (the reader wants the whole reply)
 
     def put(self, item: object) -> None:
         self.events.put(item)
-        if self.notify is not None:
+        if self.notify is not None and (self.wake_each or item is END or isinstance(item, BaseException)):
             self.notify()
 
 
@@ -112,8 +115,10 @@ class EngineOwner:
     def running(self) -> int:
         return self._running
 
-    def submit(self, request: GenerationRequest, notify: Callable[[], None] | None = None) -> Job:
-        job = Job(request, notify=notify)
+    def submit(
+        self, request: GenerationRequest, notify: Callable[[], None] | None = None, *, wake_each: bool = True
+    ) -> Job:
+        job = Job(request, notify=notify, wake_each=wake_each)
         try:
             self._jobs.put_nowait(job)
         except queue.Full:

@@ -10,9 +10,10 @@ Contract of one chat request: the API key (when set) is checked first (401); the
 reading, or counted while reading a chunked body); then checked (boundary.py); then queued (429 when the
 queue is full). Nothing is written until the engine's first event: an error the engine raises for the request
 (a prompt longer than the context) is a JSON 400. The handler waits on the event loop, never in a thread: the
-owner's worker calls ``notify`` after each event. A client that goes away (its connection closed or reset, or
-it stopped reading: app/serve/protocol.py) cancels its job, waiting or running; a half-closed client is not
-gone. Each request fills its access-log entry (app/serve/access.py).
+owner's worker calls ``notify`` after each event of a stream, and only at the end of a non-streaming reply. A
+client that goes away (its connection closed or reset, or it stopped reading: app/serve/protocol.py) cancels its
+job, waiting or running; a half-closed client is not gone. Each request fills its access-log entry
+(app/serve/access.py).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class _Reply:
             except RuntimeError:
                 pass  # the loop is closed: the server stopped
 
-        self.job: Job = server.owner.submit(call.request, notify)  # Busy: the caller answers 429
+        # Busy: the caller answers 429. A whole reply is read once it has ended: no wake per step meanwhile.
+        self.job: Job = server.owner.submit(call.request, notify, wake_each=call.stream)
         self.left = False
         self._watch = asyncio.ensure_future(self._watch_client(request.receive))
 

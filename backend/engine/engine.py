@@ -311,6 +311,10 @@ class Engine:
             prediction = self._prediction(request.prediction)
             spare = max(MAX_GAMMA, prediction.max_tokens if prediction is not None else 0)
             self._make_room(conv, len(prompt) - keep + sampling.max_new_tokens + spare)
+            if not conv.seq.block_table:  # placed where it fits in one run: kept prompts do not split it
+                expected = len(prompt) + sampling.max_new_tokens + spare
+                self.prefix.make_run(-(-expected // self.cache.pool.block_size))
+                conv.seq.expect(expected)
             target = Target(
                 self.runner,
                 self.tokenizer,

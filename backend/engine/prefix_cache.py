@@ -15,7 +15,8 @@ Contract:
   of the scope it extends are dropped), then evicts least recently used entries, of any scope, until the blocks
   the entries hold (each counted once, however many entries share it) fit ``budget_blocks``; the last entry left
   over the budget keeps its first ``budget_blocks`` blocks. A budget of 0 keeps nothing.
-- :meth:`PrefixCache.make_room` evicts entries (least recently used first) until the pool has ``blocks`` free:
+- :meth:`PrefixCache.make_room` evicts entries (least recently used first) until the pool has ``blocks`` free,
+  :meth:`make_run` until it has them in one run (a new request's sequence then never splits around kept blocks):
   the running request always comes first. :meth:`clear` frees every entry.
 
 Reuse changes no number of the reply where a row's logits do not depend on its pass (the CPU native model and
@@ -105,6 +106,13 @@ class PrefixCache:
     def make_room(self, blocks: int) -> None:
         """Evict entries, least recently used first, until ``blocks`` blocks of the pool are free (or none is left)."""
         while self._entries and self.cache.pool.num_free < blocks:
+            key = next(iter(self._entries))
+            self._entries.pop(key).seq.free()
+
+    def make_run(self, blocks: int) -> None:
+        """Evict entries, least recently used first, until the pool has ``blocks`` free blocks in one run (or none
+        is left): a sequence split by kept blocks reads its keys by gather at every pass, not as one slice."""
+        while self._entries and self.cache.pool.first_run(blocks) is None:
             key = next(iter(self._entries))
             self._entries.pop(key).seq.free()
 

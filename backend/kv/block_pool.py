@@ -6,7 +6,9 @@ Contract:
 - :meth:`BlockPool.allocate` is all or nothing: it returns ``n`` fresh blocks with refcount 1, or raises
   :class:`KVCacheFullError` and changes nothing. It hands out the *lowest* free ids, or, given
   ``prefer=b``, the run ``b, b+1, ...`` as far as those are free. Keeping a sequence's blocks a contiguous
-  ascending run is what lets attention read a sequence as a zero-copy slice of the pool (the fast path).
+  ascending run is what lets attention read a sequence as a zero-copy slice of the pool (the fast path);
+  :meth:`first_run` finds where a new sequence's whole expected length fits in one run, so blocks still held
+  by others (kept prompts) do not split it.
 - :meth:`incref` shares a block (a forked sequence); :meth:`free` drops one reference and returns the block
   to the free list when none is left. Freeing a free block, or touching an id outside the pool, raises
   :class:`KVCacheUsageError` (a bug in the caller, reported as an error rather than corrupting the cache).
@@ -83,6 +85,18 @@ class BlockPool:
         if len(self._heap) > 2 * len(self._free) + 64:
             self._heap = sorted(self._free)
         return out
+
+    def first_run(self, n: int) -> int | None:
+        """The lowest id ``b`` with ``b .. b+n-1`` all free, or None when the free blocks hold no such run
+        (a scan of the pool: call it once per sequence, not per block)."""
+        if n < 1 or n > len(self._free):
+            return None
+        run = 0
+        for b in range(self.num_blocks):
+            run = run + 1 if b in self._free else 0
+            if run == n:
+                return b - n + 1
+        return None
 
     def incref(self, block_id: int) -> None:
         """One more holder of ``block_id`` (a forked sequence sharing it)."""

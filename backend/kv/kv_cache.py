@@ -216,7 +216,7 @@ class PagedKVCache:
 class Sequence:
     """One sequence's block table and length in a :class:`PagedKVCache`."""
 
-    __slots__ = ("cache", "block_table", "length", "_freed", "_run")
+    __slots__ = ("cache", "block_table", "length", "_freed", "_run", "_expect")
 
     def __init__(self, cache: PagedKVCache) -> None:
         self.cache = cache
@@ -224,6 +224,13 @@ class Sequence:
         self.length = 0  # committed tokens
         self._freed = False
         self._run = True  # block_table is an ascending run b, b+1, ... (kept up to date on every change)
+        self._expect = 0  # tokens the sequence is expected to reach (expect()): where its first blocks go
+
+    def expect(self, tokens: int) -> None:
+        """The sequence (empty now) will grow to about ``tokens``: its first blocks are taken where that many fit
+        in one free run when the pool has one, so it stays a run (attention's zero-copy slice) as it grows,
+        instead of starting at the lowest free block and breaking on the first block another sequence holds."""
+        self._expect = max(int(tokens), 0)
 
     @property
     def capacity(self) -> int:
@@ -265,10 +272,18 @@ class Sequence:
             self.block_table[i] = new
             pool.free(old)
         if needed > 0:
-            prefer = self.block_table[-1] + 1 if self.block_table else None
+            prefer = self.block_table[-1] + 1 if self.block_table else self._first_block(needed)
             self.block_table.extend(pool.allocate(needed, prefer=prefer))
         if needed > 0 or shared:
             self._table_changed()
+
+    def _first_block(self, needed: int) -> int | None:
+        """Where an empty table's first blocks go: the first run that holds the expected length (else ``needed``
+        blocks), or None (the lowest free blocks)."""
+        pool, expected = self.cache.pool, -(-self._expect // self.cache.block_size)
+        self._expect = 0
+        start = pool.first_run(expected) if expected > needed else None
+        return start if start is not None else pool.first_run(needed)
 
     def commit(self, n: int) -> None:
         """Keep ``n`` more tokens (already written by a forward); frees whole blocks past the new length."""

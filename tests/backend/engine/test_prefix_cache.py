@@ -147,3 +147,27 @@ def test_no_budget_keeps_nothing_and_a_scope_excludes_a_conversation_key() -> No
     assert stats.prefill_tokens == stats.prompt_tokens and engine.blocks_in_use() == 0
     with pytest.raises(RequestError, match="prefix_cache"):
         GenerationRequest(messages=x, prefix_cache="a", conversation="c")
+
+
+def test_a_new_request_is_not_split_by_the_blocks_of_kept_prompts() -> None:
+    """A short kept prompt evicted for a longer one leaves a hole at the lowest blocks, too small for the next
+    request: that request starts after the kept blocks (one run: every pass reads its keys as a slice), not in
+    the hole (split around them: every pass gathers), and replies as a cold request does."""
+    engine = engine_with(budget_tokens=512)
+    short, longer, nxt = conversation(120, seed=5), conversation(400, seed=6), conversation(400, seed=7)
+    run(engine, short, scope="a")
+    run(engine, longer, scope="b")
+    assert "a" not in engine.prefix.scopes() and engine.cache.pool.first_run(1) == 0  # the hole at block 0
+    tables: list[list[int]] = []
+    forward = engine.runner.forward
+
+    def spy(seq, ids, **kw):
+        out = forward(seq, ids, **kw)
+        tables.append(list(seq.block_table))  # as the pass read it (it reserves its own slots)
+        return out
+
+    engine.runner.forward = spy
+    ids, _, _ = run(engine, nxt, scope="c")
+    assert tables and all(t == list(range(t[0], t[0] + len(t))) for t in tables)
+    assert tables[0][0] > 0
+    assert ids == cold(nxt)

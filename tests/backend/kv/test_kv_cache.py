@@ -107,6 +107,34 @@ def test_fragmented_table_gathers_the_same_values() -> None:
     assert torch.equal(k[0, :, :10], values[0]) and torch.equal(v[0, :, :10], -values[0])
 
 
+def test_a_sequence_that_expects_its_length_starts_where_it_fits_in_one_run() -> None:
+    """Blocks held by others (a kept prompt at block 2) split a new sequence that starts at the lowest free block
+    (0, 1, then 3...: every later pass gathers its keys); told its expected length, it starts after them and
+    stays a zero-copy run as it grows, a step at a time as decoding does."""
+    for expect, table in ((None, [0, 1, 3, 4]), (16, [3, 4, 5, 6])):
+        cache = make_cache()
+        early, kept = cache.new_sequence(), cache.new_sequence()
+        write_tokens(cache, early, torch.zeros(LAYERS, HKV, 2 * BS, D))  # blocks 0, 1
+        write_tokens(cache, kept, torch.zeros(LAYERS, HKV, BS, D))  # block 2
+        early.free()  # 0 and 1 free again, 2 still held
+        seq = cache.new_sequence()
+        if expect is not None:
+            seq.expect(expect)
+        write_tokens(cache, seq, torch.randn(LAYERS, HKV, 5, D))
+        for _ in range(11):
+            write_tokens(cache, seq, torch.randn(LAYERS, HKV, 1, D))
+        assert seq.block_table == table
+        seq.reserve(1)
+        assert (seq.plan(1).read_start is not None) == (expect is not None)
+
+
+def test_first_run_finds_the_lowest_run_of_free_blocks() -> None:
+    cache = make_cache(6)
+    held = cache.pool.allocate(1, prefer=2)
+    assert held == [2] and cache.pool.first_run(2) == 0 and cache.pool.first_run(3) == 3
+    assert cache.pool.first_run(4) is None and cache.pool.first_run(0) is None
+
+
 def test_fork_shares_blocks_and_copies_on_write() -> None:
     cache = make_cache()
     parent = cache.new_sequence()
