@@ -9,9 +9,10 @@ pass (a quarter of the bytes to bring back). A head step (seven linears) went fr
 
 What: :func:`quantize_linears` switches every plain ``nn.Linear`` of a module whose float32 weight has a width
 that is a multiple of 32 to :class:`BlockLinear`, whose forward multiplies by a Q8_0 copy of the weight (per 32
-inputs one fp16 scale and 32 int8 codes, rounded to nearest). The float
-weight stays (a trainer or a move to another device still finds it). Drafts are checked by the target, so the
-head's rounding changes which tokens it proposes at most, never the reply.
+inputs one fp16 scale and 32 int8 codes, rounded to nearest). The float weight stays as it was (the module's
+state_dict is unchanged; the copy is made once, so a layer whose weight changes later must be switched again).
+Drafts are checked by the target, so the head's rounding changes which tokens it proposes at most, never the
+reply.
 
 A layer whose input is the target's raw residual stream (EAGLE-3's ``fc`` over the three taps) is better kept in
 float32 (``keep``): that stream has a few channels thousands of times larger than the rest, and an activation
