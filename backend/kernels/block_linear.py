@@ -9,10 +9,10 @@ pass (a quarter of the bytes to bring back). A head step (seven linears) went fr
 
 What: :func:`quantize_linears` switches every plain ``nn.Linear`` of a module whose float32 weight has a width
 that is a multiple of 32 to :class:`BlockLinear`, whose forward multiplies by a Q8_0 copy of the weight (per 32
-inputs one fp16 scale and 32 int8 codes, rounded to nearest). The float weight stays as it was (the module's
-state_dict is unchanged; the copy is made once, so a layer whose weight changes later must be switched again).
-Drafts are checked by the target, so the head's rounding changes which tokens it proposes at most, never the
-reply.
+inputs one fp16 scale and 32 int8 codes, as gguf's ``quants.quantize`` writes them). The float weight stays as it
+was (the module's state_dict is unchanged; the copy is made once, so a layer whose weight changes later must be
+switched again). Drafts are checked by the target, so the head's rounding changes which tokens it proposes at
+most, never the reply.
 
 A layer whose input is the target's raw residual stream (EAGLE-3's ``fc`` over the three taps) is better kept in
 float32 (``keep``): that stream has a few channels thousands of times larger than the rest, and an activation
@@ -26,8 +26,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-import numpy as np
 import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
 from torch import nn
 
 from specchat.backend.kernels import blocks
@@ -51,21 +52,6 @@ class BlockLinear(nn.Linear):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def q8_0_bytes(weight: torch.Tensor) -> np.ndarray:
-    """``weight`` [rows, cols] (cols a multiple of 32) as Q8_0 blocks, uint8 [rows, cols / 32 * 34]: per block the
-    scale d = max|w| / 127 as fp16, then the codes round(w / d) as int8 (0 where the block is all zeros):
-    the bytes gguf's ``quants.quantize`` writes."""
-    rows, cols = weight.shape
-    w = weight.detach().to(torch.float32).reshape(rows, cols // BLOCK, BLOCK).numpy()
-    d = np.abs(w).max(axis=-1, keepdims=True) / 127.0
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-    codes = np.round(w * inv).astype(np.int8)
-    out = np.empty((rows, cols // BLOCK, 2 + BLOCK), dtype=np.uint8)
-    out[..., :2] = d.astype(np.float16).view(np.uint8)
-    out[..., 2:] = codes.view(np.uint8)
-    return out.reshape(rows, -1)
-
-
 def quantize_linears(module: nn.Module, *, keep: Collection[str] = ()) -> int:
     """Switch ``module``'s plain float32 ``nn.Linear`` layers on CPU (input width a multiple of 32) to
     :class:`BlockLinear`, except those named in ``keep`` (``named_modules`` names); returns how many. Raises
@@ -78,7 +64,8 @@ def quantize_linears(module: nn.Module, *, keep: Collection[str] = ()) -> int:
         weight = layer.weight
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or layer.in_features % BLOCK:
             continue
-        made = blocks.qweight(q8_0_bytes(weight), "Q8_0", layer.out_features, layer.in_features)
+        codes = quantize(weight.detach().numpy(), GGMLQuantizationType.Q8_0)  # gguf's own Q8_0 writer
+        made = blocks.qweight(codes, "Q8_0", layer.out_features, layer.in_features)
         object.__setattr__(layer, "_blocks", made)  # a TorchScript object: kept out of the module's tensors
         layer.__class__ = BlockLinear
         switched += 1
