@@ -100,21 +100,21 @@ class PrefixCache:
             if len(self._entries) == 1:
                 conv.truncate(self.budget_tokens)
                 break
-            key = next(iter(self._entries))
-            self._entries.pop(key).seq.free()
+            self._evict_oldest()
 
     def make_room(self, blocks: int) -> None:
         """Evict entries, least recently used first, until ``blocks`` blocks of the pool are free (or none is left)."""
         while self._entries and self.cache.pool.num_free < blocks:
-            key = next(iter(self._entries))
-            self._entries.pop(key).seq.free()
+            self._evict_oldest()
 
     def make_run(self, blocks: int) -> None:
         """Evict entries, least recently used first, until the pool has ``blocks`` free blocks in one run (or none
         is left): a sequence split by kept blocks reads its keys by gather at every pass, not as one slice."""
         while self._entries and self.cache.pool.first_run(blocks) is None:
-            key = next(iter(self._entries))
-            self._entries.pop(key).seq.free()
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        self._entries.popitem(last=False)[1].seq.free()
 
     def clear(self) -> None:
         for conv in self._entries.values():
