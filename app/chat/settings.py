@@ -180,9 +180,10 @@ def _max_new_tokens(value: Any) -> int:
     return number
 
 
-def _drafter(value: Any, name: str = "drafter") -> str:
+def _drafter(value: Any, name: str = "drafter", pair: str | None = None) -> str:
     if not isinstance(value, str) or value not in DRAFTER_CHOICES:
-        raise SettingsError(f"setting {name!r}: {shown(value)} is not one of {', '.join(DRAFTER_CHOICES)}")
+        where = f"setting {name!r}" if pair is None else f"setting {name!r}, pair {shown(pair)}"
+        raise SettingsError(f"{where}: {shown(value)} is not one of {', '.join(DRAFTER_CHOICES)}")
     return value
 
 
@@ -195,7 +196,7 @@ def _drafters(value: Any) -> dict[str, str]:
     out = {}
     for pair, choice in value.items():
         pair = _text("drafters", MAX_NAME_CHARS, optional=False, printable=True)(pair)
-        choice = _drafter(choice, f"drafters.{pair}")
+        choice = _drafter(choice, "drafters", pair)
         if choice != "pair":
             out[pair] = choice
     return out
