@@ -113,11 +113,15 @@ class NativeModel:
             self.obj.set_layer(layer, "rope", int(arch.rope_of_layer[layer]))
         self.cache: PagedKVCache | None = None
         self.embed_weight: Any = None  # a QWeight (torch.classes.specchat)
+        self.head_weight: Any = None  # a QWeight, or None: the head is the embedding
+        self.final_norm: torch.Tensor | None = None  # [hidden] float32, as set
 
     def set_weight(self, name: str, weight: torch.ScriptObject) -> None:
         self.obj.set_weight(name, weight)
         if name == "embed":
             self.embed_weight = weight  # draft heads embed their tokens with it (:meth:`embed`)
+        elif name == "head":
+            self.head_weight = weight  # train-head starts a head's output layer from its rows (:meth:`output_rows`)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``ids`` [n] as the pass starts from them: [n, hidden] float32 (the stored rows,
@@ -132,7 +136,23 @@ class NativeModel:
         self.obj.set_layer_weight(layer, name, weight)
 
     def set_final_norm(self, weight: torch.Tensor) -> None:
-        self.obj.set_tensor("final_norm", weight.float().reshape(-1))
+        self.final_norm = weight.float().reshape(-1).clone()
+        self.obj.set_tensor("final_norm", self.final_norm)
+
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The output layer's rows of ``ids`` [n]: [n, hidden] float32, de-quantised from the stored blocks (the
+        embedding's rows, unscaled, when the head is tied to it)."""
+        weight = self.head_weight if self.head_weight is not None else self.embed_weight
+        if weight is None:
+            raise RuntimeError("NativeModel.output_rows: the output layer was not set")
+        rows: torch.Tensor = weight.rows_of(ids.reshape(-1).to(torch.long))
+        return rows
+
+    def final_norm_scale(self) -> torch.Tensor | None:
+        """What the final RMSNorm multiplies by, [hidden] float32 (1 + w where the architecture adds one)."""
+        if self.final_norm is None:
+            return None
+        return self.final_norm + 1.0 if self.arch.norm_add_one else self.final_norm.clone()
 
     def set_layer_vector(self, layer: int, name: str, value: torch.Tensor) -> None:
         self.obj.set_layer_tensor(layer, name, value.float().reshape(-1))

@@ -66,6 +66,15 @@ class NativeCausalLM:
     def set_attn_implementation(self, name: str) -> None:
         """The native pass attends over the paged cache itself: any name is accepted and ignored."""
 
+    def output_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The output layer's rows of ``ids`` [n] -> [n, hidden] float32, from the file's own blocks (train-head
+        starts a draft head's output layer with them)."""
+        return self.native.output_rows(ids)
+
+    def final_norm_scale(self) -> torch.Tensor | None:
+        """The final norm's multiplier [hidden] float32 (train-head starts a draft head's norm with it)."""
+        return self.native.final_norm_scale()
+
     def get_input_embeddings(self) -> Any:
         """The input embedding as a function of ids [n] -> [n, hidden] float32 (what a draft head embeds its
         tokens with), read from the file's own rows."""

@@ -68,11 +68,15 @@ def _output_layer(
     model, embed, d2t: torch.Tensor, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The target's output rows at the draft ids [draft_vocab, hidden] float32 and its final norm [hidden], each
-    None where it cannot be read as plain numbers (``loop.fresh_head``: what they start). A tied output layer is
-    the embedding, read through the embedding itself (a quantised one de-quantises its rows)."""
+    None where it cannot be read as plain numbers (``loop.fresh_head``: what they start). The native model reads
+    both from the file (its blocks de-quantised; the norm as the pass multiplies by it, gemma's 1 + w). A tied
+    transformers output layer is the embedding, read through the embedding itself."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     ids = d2t + torch.arange(d2t.numel())
     rows = None
+    if hasattr(model, "output_rows"):  # the native model: the file's blocks de-quantised, unscaled
+        with torch.no_grad():
+            return model.output_rows(ids).float().cpu(), model.final_norm_scale()
     with torch.no_grad():
         if getattr(text, "tie_word_embeddings", False):
             rows = embed(ids.to(device)).float().cpu()

@@ -199,3 +199,41 @@ def test_a_qwen2_files_light_config_is_transformers_own(tmp_path):
             ]
         else:
             assert ours == theirs, field.name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_train_head_starts_from_the_files_output_layer_and_final_norm(tied, native_ready, tmp_path):  # noqa: F811
+    """train-head's frozen output layer: the stored rows of the draft ids (the embedding's when tied), de-quantised
+    from the file's blocks, and the final norm as the pass multiplies by it (it was None for native models)."""
+    from specchat.backend.models.gguf_file import dequantize
+    from specchat.backend.training.pipeline import _output_layer
+
+    model = build_tiny("llama", tie_word_embeddings=tied)
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(model, path, {"default": "Q8_0"})
+    source = read_gguf(path)
+    loaded = from_gguf(source, model.config)
+    d2t = torch.tensor([5, 5, 0, 7])  # draft id i -> target id i + d2t[i]
+    rows, norm = _output_layer(loaded, loaded.get_input_embeddings(), d2t, torch.device("cpu"))
+    stored = dequantize(source.tensors["token_embd.weight" if tied else "output.weight"]).float()
+    assert rows is not None and norm is not None
+    assert torch.equal(rows, stored[torch.tensor([5, 6, 2, 10])])
+    assert torch.allclose(norm, model.model.norm.weight)
+    if not tied:
+        assert not torch.allclose(rows, dequantize(source.tensors["token_embd.weight"]).float()[[5, 6, 2, 10]])
+
+
+def test_a_gemma_heads_norm_starts_from_one_plus_the_stored_weight(native_ready, tmp_path):  # noqa: F811
+    """Gemma's RMSNorm multiplies by 1 + w (safetensors store w): a head's plain x · w norm must start at 1 + w."""
+    from native_fixtures import tiny_native
+
+    from specchat.backend.training.pipeline import _output_layer
+
+    model, loaded, _ = tiny_native("gemma2", tmp_path)
+    with torch.no_grad():
+        model.model.norm.weight.normal_()
+    loaded.native.set_final_norm(model.model.norm.weight)
+    _, norm = _output_layer(
+        loaded, loaded.get_input_embeddings(), torch.zeros(3, dtype=torch.long), torch.device("cpu")
+    )
+    assert norm is not None and torch.allclose(norm, 1 + model.model.norm.weight)
