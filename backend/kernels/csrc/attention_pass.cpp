@@ -21,7 +21,10 @@ constexpr int64_t kSumKeys = 64;               // values per block of the weight
 constexpr int64_t kSumWidth = 32;              // output elements per weighted-sum work item (64 bfloat16 bytes)
 constexpr int64_t kSumRows = 8;                // rows per weighted-sum work item
 constexpr int64_t kBudget = int64_t{1} << 23;  // floats of scores a group of rows may hold (32 MiB)
-constexpr int64_t kSerialWork = 16384;         // (row, head, key) scores below which one thread does a group
+constexpr int64_t kSerialWork = 2048;          // (row, head, key) scores below which one thread does a group
+// How far ahead the loops ask for keys and values: at long contexts the pools come from memory, not the caches
+// (a row's first load of a key or value otherwise stalls the loop for the memory's latency).
+constexpr int64_t kAheadKeys = 16, kAheadValues = 32;
 
 int64_t first_position(const RowKeys& r) { return r.position(0); }
 int64_t last_position(const RowKeys& r) { return r.position(r.count() - 1); }
@@ -67,6 +70,10 @@ SPECCHAT_AVX2 void score_block(const Group<T>& g, int64_t head, int64_t block) {
   const __m256 scale = _mm256_set1_ps(g.scoring.scale);
   for (int64_t t = block * kScoreTiles; t < std::min(tiles, (block + 1) * kScoreTiles); ++t) {
     const int64_t p0 = g.first + t * kTile;
+    for (int64_t p = p0 + kAheadKeys; p < std::min(g.end, p0 + kAheadKeys + kTile); ++p) {
+      const char* ahead = reinterpret_cast<const char*>(g.pools->key(head, p));
+      for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
     for (int64_t l = 0; l < kTile; ++l) {  // past the group's last key: zeros, whose scores nobody reads
       float* dst = kf + l * d;
       if (p0 + l >= g.end) {
@@ -168,6 +175,10 @@ SPECCHAT_AVX2 void weigh_block(const Group<T>& g, int64_t head, int64_t c0, int6
   for (int64_t t0 = lo; t0 < hi; t0 += kSumKeys) {
     const int64_t t1 = std::min(hi, t0 + kSumKeys);
     for (int64_t p = t0; p < t1; ++p) {
+      if (p + kAheadValues < hi) {
+        const char* ahead = reinterpret_cast<const char*>(g.pools->value(head, p + kAheadValues) + c0);
+        for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
       const T* src = g.pools->value(head, p) + c0;
       for (int64_t c = 0; c < chunks; ++c) _mm256_storeu_ps(vf + (p - t0) * kSumWidth + 8 * c, load8(src + 8 * c));
     }
