@@ -6,6 +6,7 @@
 //   3. weighted sums: blocks of kSumKeys values, widened once per block, added into every row's output (kept in
 //      `out` itself between blocks), then divided by the totals.
 // So each key and value of the keys the rows share is read once per pass, not once per row.
+// A group with little work (a short context, few rows) skips the barriers: each thread takes whole KV heads.
 #include "attention_pass.h"
 
 #include <ATen/Parallel.h>
@@ -21,7 +22,7 @@ constexpr int64_t kSumKeys = 64;               // values per block of the weight
 constexpr int64_t kSumWidth = 32;              // output elements per weighted-sum work item (64 bfloat16 bytes)
 constexpr int64_t kSumRows = 8;                // rows per weighted-sum work item
 constexpr int64_t kBudget = int64_t{1} << 23;  // floats of scores a group of rows may hold (32 MiB)
-constexpr int64_t kSerialWork = 2048;          // (row, head, key) scores below which one thread does a group
+constexpr int64_t kHeadSplitWork = 2048;       // (row, head, key) scores below which threads split KV heads
 // How far ahead the loops ask for keys and values: at long contexts the pools come from memory, not the caches
 // (a row's first load of a key or value otherwise stalls the loop for the memory's latency).
 constexpr int64_t kAheadKeys = 16, kAheadValues = 32;
@@ -210,7 +211,25 @@ void run_group(const Group<T>& g) {
   const int64_t blocks = (tiles + kScoreTiles - 1) / kScoreTiles, parts = (d + kSumWidth - 1) / kSumWidth;
   const int64_t row_blocks = (g.count + kSumRows - 1) / kSumRows;
   const int64_t scoring = g.kv_heads * blocks, softmax = g.count * g.heads, sums = g.kv_heads * parts * row_blocks;
-  const int threads = g.count * g.heads * (g.end - g.first) < kSerialWork ? 1 : at::get_num_threads();
+  if (g.count * g.heads * (g.end - g.first) < kHeadSplitWork) {
+    // Too little for three barriers (a short context): each thread takes whole KV heads instead, all three steps
+    // of a head in a row. The same functions on the same items: the same bits as the barriered path.
+    at::parallel_for(0, g.kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t head = begin; head < end; ++head) {
+        for (int64_t block = 0; block < blocks; ++block) score_block(g, head, block);
+        for (int64_t i = 0; i < g.count; ++i) {
+          for (int64_t h = head * g.rep; h < (head + 1) * g.rep; ++h) softmax_row(g, i, h);
+        }
+        for (int64_t part = 0; part < parts; ++part) {
+          for (int64_t rb = 0; rb < row_blocks; ++rb) {
+            weigh_block(g, head, part * kSumWidth, rb * kSumRows, std::min(g.count, (rb + 1) * kSumRows));
+          }
+        }
+      }
+    });
+    return;
+  }
+  const int threads = at::get_num_threads();
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(dynamic, 1)

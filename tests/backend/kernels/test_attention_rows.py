@@ -47,19 +47,21 @@ def test_rows_alone_equal_rows_together_across_blocks(family, shape, native_read
             assert torch.equal(together, alone), (context, n)
 
 
+@pytest.mark.parametrize("prefix", [20, 230])
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
-def test_rows_together_do_not_depend_on_threads(family, native_ready, tmp_path):  # noqa: F811
-    """17 rows after 230 tokens of SmolLM2's shape: enough work that the pass splits over two threads."""
+def test_rows_together_do_not_depend_on_threads(family, prefix, native_ready, tmp_path):  # noqa: F811
+    """17 rows after ``prefix`` tokens of SmolLM2's shape: enough work that the pass splits its steps over two
+    threads; after 20 tokens a row alone is too little for that, and two threads split its KV heads instead."""
     _, loaded, cache = tiny_native(family, tmp_path, dtype=torch.bfloat16, max_tokens=320, **SMOLLM_ATTENTION)
-    ids = random_ids(247, seed=12)
+    ids = random_ids(prefix + 17, seed=12)
     seq = cache.new_sequence()
-    run(loaded, seq, ids[:230])
-    seq.commit(230)
-    alone = _one_by_one(loaded, seq, ids[230:])
-    one, _ = run(loaded, seq, ids[230:])
+    run(loaded, seq, ids[:prefix])
+    seq.commit(prefix)
+    alone = _one_by_one(loaded, seq, ids[prefix:])
+    one, _ = run(loaded, seq, ids[prefix:])
     torch.set_num_threads(2)
-    two, _ = run(loaded, seq, ids[230:])
-    alone_two = _one_by_one(loaded, seq, ids[230:])
+    two, _ = run(loaded, seq, ids[prefix:])
+    alone_two = _one_by_one(loaded, seq, ids[prefix:])
     assert torch.equal(one, alone) and torch.equal(two, alone) and torch.equal(alone_two, alone)
 
 
