@@ -1,16 +1,13 @@
-// Attention of one query row over the keys it sees, read straight from the cache pools (bfloat16 or float32):
-// the scores, softmax and weighted sum of values in loops of our own, for the native model (model_forward.cpp).
+// Attention's building blocks, read straight from the cache pools (bfloat16 or float32), for the native model:
+// which keys a row sees (RowKeys) and where they are (Pools), the scalar row-by-row version (row_scalar: scores in
+// key order, std::exp), and the vector pieces the pass in attention_pass.h is made of (load8, exp8, the softmax's
+// numerators). attention_pass.h states the arithmetic per row and why it does not depend on the pass around it.
 //
-// Each row is computed by the same code from the same inputs whatever the pass around it: its query, and its
-// keys and values in their order (a chain's run of positions, or a tree node's prefix and ancestors). So a
-// verification pass gives every token exactly the one-token pass's result (tests/backend/models/
-// test_native_model.py), which is what lets verification keep a draft only when it equals the target's own token.
-//
-// Arithmetic, per query head: score_j = (q · k_j) · scaling, the dot product as 8 lanes of fused multiply-adds in
-// order over the head dimension, then the lanes summed in a fixed tree; with a soft cap c (gemma2), score_j =
-// tanh(score_j / c) · c; m = max score; e_j = exp(score_j − m) (a polynomial exp, ~1 ulp); out = (Σ_j e_j · v_j) /
-// Σ_j e_j, each sum in key order. This differs from ATen's softmax(q·kᵀ)·v in the last bits only; with AVX2 and
-// FMA missing (or off x86) a scalar version runs.
+// Each row is computed from its query and its keys and values in their order (a chain's run of positions, or a
+// tree node's prefix and ancestors) only. So a verification pass gives every token exactly the one-token pass's
+// result (tests/backend/kernels/test_native_model.py, test_attention_rows.py), which is what lets verification
+// keep a draft only when it equals the target's own token. Both versions differ from ATen's softmax(q·kᵀ)·v in
+// the last bits only; with AVX2 and FMA missing (or off x86) the scalar version runs.
 #pragma once
 
 #include <algorithm>
@@ -27,23 +24,32 @@
 
 namespace specchat_attention {
 
-// The keys a row sees, j = 0 .. count-1: positions low + j (a chain), or index[j] (a tree node: its prefix,
-// then its ancestors and itself); position p is in slot map[p] of the pools, or read_start + p when the
-// sequence's blocks are one consecutive run (map == nullptr). T: the pools' element, uint16_t (bfloat16 bits)
-// or float.
+// The keys one row sees, j = 0 .. count()-1, in order: `committed` positions low, low + 1, ... of the committed
+// prefix (its window of it), then `extra` positions among the pass's own rows: index[0 ..] (a tree node: its
+// ancestors and itself, in row order) or fresh, fresh + 1, ... (a chain). Positions only grow with j.
+struct RowKeys {
+  int64_t low = 0, committed = 0;
+  const int64_t* index = nullptr;
+  int64_t fresh = 0, extra = 0;
+  int64_t count() const { return committed + extra; }
+  int64_t position(int64_t j) const {
+    if (j < committed) return low + j;
+    return index ? index[j - committed] : fresh + (j - committed);
+  }
+};
+
+// One layer's cache pools: position p is in slot map[p], or read_start + p when the sequence's blocks are one
+// consecutive run (map == nullptr). T: the pools' element, uint16_t (bfloat16 bits) or float.
 template <class T>
-struct Keys {
+struct Pools {
   const T* k = nullptr;  // the K pool of one layer, [kv_heads, slots, d]
   const T* v = nullptr;
   int64_t slots = 0, d = 0;
   const int64_t* map = nullptr;
   int64_t read_start = 0;
-  const int64_t* index = nullptr;
-  int64_t low = 0, count = 0;
-  int64_t slot(int64_t j) const {
-    const int64_t position = index ? index[j] : low + j;
-    return map ? map[position] : read_start + position;
-  }
+  int64_t slot(int64_t position) const { return map ? map[position] : read_start + position; }
+  const T* key(int64_t head, int64_t position) const { return k + (head * slots + slot(position)) * d; }
+  const T* value(int64_t head, int64_t position) const { return v + (head * slots + slot(position)) * d; }
 };
 
 inline float widen(uint16_t bits) {  // bfloat16 -> float32 (exact)
@@ -63,16 +69,18 @@ struct Scoring {
   float cap = 0.0f;    // logit soft cap; 0: none
 };
 
-// The portable version: the same steps, one lane (scalar sums in key order, std::exp).
+// The portable version, one row at a time (scalar sums in key order, std::exp): runs where AVX2 and FMA do not,
+// and differs from the vector version (attention_pass.h) in the last bits. q [rep, d], out [rep rows of out_stride];
+// scratch holds rep · keys.count() floats.
 template <class T>
-void row_scalar(const float* q, int64_t rep, const Keys<T>& keys, int64_t head, Scoring scoring, float* scratch,
-                float* out, int64_t out_stride) {
-  const int64_t d = keys.d, n = keys.count;
+void row_scalar(const float* q, int64_t rep, const Pools<T>& pools, const RowKeys& keys, int64_t head,
+                Scoring scoring, float* scratch, float* out, int64_t out_stride) {
+  const int64_t d = pools.d, n = keys.count();
   for (int64_t r = 0; r < rep; ++r) {
     float* e = scratch + r * n;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < n; ++j) {
-      const T* k = keys.k + (head * keys.slots + keys.slot(j)) * d;
+      const T* k = pools.key(head, keys.position(j));
       float dot = 0.0f;
       for (int64_t t = 0; t < d; ++t) dot = dot + q[r * d + t] * widen(k[t]);
       e[j] = capped(dot * scoring.scale, scoring.cap);
@@ -86,7 +94,7 @@ void row_scalar(const float* q, int64_t rep, const Keys<T>& keys, int64_t head, 
     float* o = out + r * out_stride;
     std::fill(o, o + d, 0.0f);
     for (int64_t j = 0; j < n; ++j) {
-      const T* v = keys.v + (head * keys.slots + keys.slot(j)) * d;
+      const T* v = pools.value(head, keys.position(j));
       for (int64_t t = 0; t < d; ++t) o[t] = o[t] + e[j] * widen(v[t]);
     }
     for (int64_t t = 0; t < d; ++t) o[t] = o[t] / total;
@@ -129,22 +137,6 @@ SPECCHAT_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(scale)));
 }
 
-// Scores of R query heads (sharing one KV head) against every key: e[r * n + j].
-template <int R, class T>
-SPECCHAT_AVX2 void scores(const float* q, const Keys<T>& keys, int64_t head, Scoring scoring, float* e) {
-  const int64_t d = keys.d, n = keys.count, chunks = d / 8;
-  for (int64_t j = 0; j < n; ++j) {
-    const T* k = keys.k + (head * keys.slots + keys.slot(j)) * d;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const __m256 kc = load8(k + 8 * c);
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * d + 8 * c), kc, acc[r]);
-    }
-    for (int r = 0; r < R; ++r) e[r * n + j] = capped(lanes_sum(acc[r]) * scoring.scale, scoring.cap);
-  }
-}
-
 // e <- exp(e - max e) over n scores, in place; returns their sum (8 lanes in key order, then lanes_sum).
 SPECCHAT_AVX2 inline float softmax_numerators(float* e, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();
@@ -168,43 +160,6 @@ SPECCHAT_AVX2 inline float softmax_numerators(float* e, int64_t n) {
   return lanes_sum(total);
 }
 
-// out[r] = (Σ_j e[r * n + j] · v_j) / totals[r] over the C chunks of 8 starting at chunk c0, each output element
-// summed in key order (R · C accumulators on registers).
-template <int R, int C, class T>
-SPECCHAT_AVX2 void weighted_chunks(const float* e, const float* totals, const Keys<T>& keys, int64_t head, int64_t c0,
-                                   float* out, int64_t out_stride) {
-  const int64_t d = keys.d, n = keys.count;
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* v = keys.v + (head * keys.slots + keys.slot(j)) * d + 8 * c0;
-    __m256 vc[C];
-    for (int c = 0; c < C; ++c) vc[c] = load8(v + 8 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m256 w = _mm256_set1_ps(e[r * n + j]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w, vc[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m256 total = _mm256_set1_ps(totals[r]);
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * out_stride + 8 * (c0 + c), _mm256_div_ps(acc[r][c], total));
-  }
-}
-
-template <int R, class T>
-SPECCHAT_AVX2 void row_avx2(const float* q, const Keys<T>& keys, int64_t head, Scoring scoring, float* scratch,
-                            float* out, int64_t out_stride) {
-  const int64_t n = keys.count, chunks = keys.d / 8;
-  scores<R, T>(q, keys, head, scoring, scratch);
-  float totals[R];
-  for (int r = 0; r < R; ++r) totals[r] = softmax_numerators(scratch + r * n, n);
-  constexpr int C = R <= 3 ? 4 : 2;
-  int64_t c0 = 0;
-  for (; c0 + C <= chunks; c0 += C) weighted_chunks<R, C, T>(scratch, totals, keys, head, c0, out, out_stride);
-  for (; c0 < chunks; ++c0) weighted_chunks<R, 1, T>(scratch, totals, keys, head, c0, out, out_stride);
-}
-
 inline bool cpu_has_avx2_fma() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
@@ -219,35 +174,6 @@ inline bool vector_ok(int64_t d) {
   (void)d;
   return false;
 #endif
-}
-
-// One row of attention for the ``rep`` query heads sharing KV head ``head``: q [rep, d] float32 (contiguous),
-// out [rep rows of out_stride] float32; scratch holds min(rep, 8) · keys.count floats. Query heads go through
-// in groups of at most 8, each group's arithmetic independent of the others.
-template <class T>
-void row(bool vector, const float* q, int64_t rep, const Keys<T>& keys, int64_t head, Scoring scoring,
-         float* scratch, float* out, int64_t out_stride) {
-#ifdef SPECCHAT_X86
-  if (vector) {
-    for (int64_t r0 = 0; r0 < rep; r0 += 8) {
-      const float* qr = q + r0 * keys.d;
-      float* o = out + r0 * out_stride;
-      switch (std::min<int64_t>(8, rep - r0)) {
-        case 1: row_avx2<1, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
-        case 2: row_avx2<2, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
-        case 3: row_avx2<3, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
-        case 4: row_avx2<4, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
-        case 5: row_avx2<5, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
-        case 6: row_avx2<6, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
-        case 7: row_avx2<7, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
-        default: row_avx2<8, T>(qr, keys, head, scoring, scratch, o, out_stride); break;
-      }
-    }
-    return;
-  }
-#endif
-  (void)vector;
-  row_scalar(q, rep, keys, head, scoring, scratch, out, out_stride);
 }
 
 }  // namespace specchat_attention

@@ -8,9 +8,10 @@
 // KV cache (bind_cache) and returns the float32 logits of the last rows, plus the residual stream after the
 // layers asked for ("taps"). model_forward.cpp holds the pass, model.cpp the setters and the registration.
 //
-// Row independence: every operation of a pass computes a row from that row's inputs only, by the same code
-// whatever the number of rows (the kernels' contract, row-wise norms and elementwise loops, and attention.h's
-// row-by-row attention), so a row's logits are bit for bit those a one-token pass gives it.
+// Row independence: every operation of a pass computes a row from that row's inputs only, by the same arithmetic
+// whatever the number of rows (the kernels' contract, row-wise norms and elementwise loops, and attention_pass.h's
+// attention, which shares the reading of keys between rows but not their sums), so a row's logits are bit for bit
+// those a one-token pass gives it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -100,7 +101,7 @@ struct NativeModel : torch::CustomClassHolder {
   bool finished = false, profiling = false;
   Profile spent;
   std::mutex busy;  // one pass at a time: the workspace below is shared
-  std::vector<float> h, x, qkv, attn, o, gate_up, act, down, normed;
+  std::vector<float> h, x, qkv, attn, o, gate_up, act, down, normed, scores;
 };
 
 }  // namespace specchat

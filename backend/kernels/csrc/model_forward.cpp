@@ -9,7 +9,7 @@
 #include <chrono>
 #include <cmath>
 
-#include "attention.h"
+#include "attention_pass.h"
 #include "model.h"
 
 namespace specchat {
@@ -253,41 +253,42 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
           }
         }
       };
-      const std::vector<std::vector<int64_t>>* keys_of = nullptr;
+      // Each row's keys (attention.h's RowKeys): its window of the committed prefix, then its own among the new
+      // rows (a chain: every row up to itself; a tree: its ancestors and itself).
+      std::vector<specchat_attention::RowKeys> seen(static_cast<size_t>(n));
       if (tree) {
         auto found = tree_cache.find(l.window);
         if (found == tree_cache.end()) found = tree_cache.emplace(l.window, tree_keys(parent, depth, start, l.window)).first;
-        keys_of = &found->second;
+        for (int64_t i = 0; i < n; ++i) {
+          const std::vector<int64_t>& keys = found->second[static_cast<size_t>(i)];
+          auto& r = seen[static_cast<size_t>(i)];
+          r.committed = std::lower_bound(keys.begin(), keys.end(), start) - keys.begin();
+          r.low = r.committed > 0 ? keys[0] : 0;
+          r.index = keys.data() + r.committed;
+          r.extra = static_cast<int64_t>(keys.size()) - r.committed;
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t low = l.window > 0 ? std::max<int64_t>(0, start + i - l.window + 1) : 0;
+          auto& r = seen[static_cast<size_t>(i)];
+          r.low = std::min(low, start);
+          r.committed = start - r.low;
+          r.fresh = std::max(low, start);
+          r.extra = start + i + 1 - r.fresh;
+        }
       }
       const specchat_attention::Scoring scoring{s.attn_scale, s.attn_cap};
       auto attend = [&](const auto* kp, const auto* vp) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-        specchat_attention::Keys<T> pools;
+        specchat_attention::Pools<T> pools;
         pools.k = kp + layer_offset;
         pools.v = vp + layer_offset;
         pools.slots = pool_slots;
         pools.d = d;
         pools.map = map;
         pools.read_start = read_start;
-        at::parallel_for(0, n * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-          std::vector<float> scratch;
-          auto keys = pools;
-          for (int64_t item = begin; item < end; ++item) {
-            const int64_t i = item / s.kv_heads, g = item % s.kv_heads;
-            if (keys_of) {
-              const std::vector<int64_t>& seen = (*keys_of)[static_cast<size_t>(i)];
-              keys.index = seen.data();
-              keys.count = static_cast<int64_t>(seen.size());
-            } else {
-              const int64_t position = start + i;
-              keys.low = l.window > 0 ? std::max<int64_t>(0, position - l.window + 1) : 0;
-              keys.count = position + 1 - keys.low;
-            }
-            if (static_cast<int64_t>(scratch.size()) < rep * keys.count) scratch.resize(static_cast<size_t>(rep * keys.count));
-            specchat_attention::row(vector, qkvp + i * qkv_width + g * rep * d, rep, keys, g, scoring, scratch.data(),
-                                    attnp + i * q_width + g * rep * d, d);
-          }
-        });
+        specchat_attention::attend_rows(vector, pools, seen.data(), n, s.kv_heads, rep, scoring, qkvp, qkv_width, attnp,
+                                        q_width, scores);
       };
       if (bf16) {
         auto* kp = reinterpret_cast<uint16_t*>(k_pool.mutable_data_ptr<c10::BFloat16>());
