@@ -203,7 +203,7 @@ def fresh_head(
     ``output_rows`` [draft_vocab, hidden] (the target's output layer at the draft ids, in draft order) start the
     head's lm_head, which then stays frozen, and ``final_norm`` [hidden] its norm: the head learns to predict the
     target's next top-layer state, which the target's own output layer already reads (EAGLE-1's frozen head).
-    It halves what the head must learn; it is no guarantee on a small budget: for the embedded default (687
+    Fewer weights to learn, but no guarantee on a small budget: for the embedded default (687
     replies, 1,200 steps) a frozen output layer did worse on held-out replies than one learnt from scratch
     (benchmarks/RESULTS.md, "What more data and a frozen output layer do")."""
     from specchat.backend.speculative.heads.training import init_weights
