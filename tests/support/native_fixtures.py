@@ -43,3 +43,14 @@ def run(loaded: NativeCausalLM, seq, ids, keep: int | None = None, parents=None,
     """One native pass over ``ids`` after ``seq``'s committed tokens (not committed): (logits, taps)."""
     ids = torch.as_tensor(ids, dtype=torch.long)
     return loaded.native.forward(seq, ids, keep or ids.numel(), parents, taps)
+
+
+def one_by_one(loaded: NativeCausalLM, seq, ids) -> torch.Tensor:
+    """Logits of one-token passes over ``ids`` after ``seq``'s committed tokens, each committed after it, then
+    rolled back (what a row of a longer pass must equal, bit for bit)."""
+    start, rows = seq.length, []
+    for token in ids:
+        rows.append(run(loaded, seq, [token])[0])
+        seq.commit(1)
+    seq.truncate(start)
+    return torch.cat(rows)

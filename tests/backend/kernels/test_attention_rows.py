@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_fixtures import native_ready, run, tiny_native  # noqa: F401  (a fixture)
+from native_fixtures import native_ready, one_by_one, run, tiny_native  # noqa: F401  (a fixture)
 from tiny_models import SMOLLM_ATTENTION, random_ids
 
 # rep 2, d 16 (the default); rep 3, d 64 (SmolLM2); rep 4, d 24 (three chunks of 8, a group of 3 heads and of 1).
@@ -17,15 +17,6 @@ SHAPES = {
     "smollm": SMOLLM_ATTENTION,
     "rep4": dict(num_attention_heads=8, num_key_value_heads=2, head_dim=24),
 }
-
-
-def _one_by_one(loaded, seq, ids):
-    start, rows = seq.length, []
-    for token in ids:
-        rows.append(run(loaded, seq, [token])[0])
-        seq.commit(1)
-    seq.truncate(start)
-    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
@@ -42,7 +33,7 @@ def test_rows_alone_equal_rows_together_across_blocks(family, shape, native_read
             done = context
         for n in (2, 9, 17):
             pending = ids[context : context + n]
-            alone = _one_by_one(loaded, seq, pending)
+            alone = one_by_one(loaded, seq, pending)
             together, _ = run(loaded, seq, pending)
             assert torch.equal(together, alone), (context, n)
 
@@ -57,11 +48,11 @@ def test_rows_together_do_not_depend_on_threads(family, prefix, native_ready, tm
     seq = cache.new_sequence()
     run(loaded, seq, ids[:prefix])
     seq.commit(prefix)
-    alone = _one_by_one(loaded, seq, ids[prefix:])
+    alone = one_by_one(loaded, seq, ids[prefix:])
     one, _ = run(loaded, seq, ids[prefix:])
     torch.set_num_threads(2)
     two, _ = run(loaded, seq, ids[prefix:])
-    alone_two = _one_by_one(loaded, seq, ids[prefix:])
+    alone_two = one_by_one(loaded, seq, ids[prefix:])
     assert torch.equal(one, alone) and torch.equal(two, alone) and torch.equal(alone_two, alone)
 
 
@@ -92,5 +83,5 @@ def test_tree_rows_equal_their_chains_after_long_prefixes(family, threads, nativ
     torch.set_num_threads(1)
     for row in range(len(tokens)):
         path = _path(PARENTS, row)
-        chain = _one_by_one(loaded, seq, [tokens[j] for j in path])
+        chain = one_by_one(loaded, seq, [tokens[j] for j in path])
         assert torch.equal(tree[row], chain[-1]), (row, path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_fixtures import native_ready, run, tiny_native  # noqa: F401  (a fixture)
+from native_fixtures import native_ready, one_by_one, run, tiny_native  # noqa: F401  (a fixture)
 from tiny_models import SMOLLM_ATTENTION, random_ids
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
@@ -41,16 +41,6 @@ def test_bfloat16_cache_stays_close(family, native_ready, tmp_path):  # noqa: F8
     assert float((logits - expected).abs().max()) < 0.05 * float(expected.std())
 
 
-def _one_by_one(loaded, seq, ids):
-    """Logits of one-token passes over ``ids``, each committed after it, then rolled back."""
-    start, rows = seq.length, []
-    for token in ids:
-        rows.append(run(loaded, seq, [token])[0])
-        seq.commit(1)
-    seq.truncate(start)
-    return torch.cat(rows)
-
-
 @pytest.mark.parametrize(
     "family,shape",
     [("llama", {}), ("llama", SMOLLM_ATTENTION), ("mistral", {}), ("qwen2", {}), ("gemma2", {}), ("phi3", {})],
@@ -64,7 +54,7 @@ def test_rows_equal_one_token_passes(family, shape, dtype, native_ready, tmp_pat
     seq.commit(20)
     for n in (2, 7, 64):
         pending = ids[20 : 20 + n]
-        alone = _one_by_one(loaded, seq, pending)
+        alone = one_by_one(loaded, seq, pending)
         together, _ = run(loaded, seq, pending)
         assert torch.equal(together, alone), n
 
@@ -74,7 +64,7 @@ def test_prefill_rows_equal_decoding_rows(native_ready, tmp_path):  # noqa: F811
     _, loaded, cache = tiny_native("llama", tmp_path, dtype=torch.bfloat16, max_tokens=320, **SMOLLM_ATTENTION)
     ids = random_ids(150, seed=4)
     together, _ = run(loaded, cache.new_sequence(), ids)
-    alone = _one_by_one(loaded, cache.new_sequence(), ids)
+    alone = one_by_one(loaded, cache.new_sequence(), ids)
     assert torch.equal(together, alone)
 
 
@@ -116,7 +106,7 @@ def test_tree_rows_equal_their_chains(family, native_ready, tmp_path):  # noqa: 
     seq.commit(30)
     tree, _ = run(loaded, seq, tokens, parents=PARENTS)
     for row, path in enumerate(_paths(PARENTS)):
-        chain = _one_by_one(loaded, seq, [tokens[j] for j in path])
+        chain = one_by_one(loaded, seq, [tokens[j] for j in path])
         assert torch.equal(tree[row], chain[-1]), (row, path)
 
 
