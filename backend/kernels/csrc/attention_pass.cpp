@@ -210,7 +210,10 @@ void run_group(const Group<T>& g) {
   const int64_t d = g.pools->d, tiles = (g.end - g.first + kTile - 1) / kTile;
   const int64_t blocks = (tiles + kScoreTiles - 1) / kScoreTiles, parts = (d + kSumWidth - 1) / kSumWidth;
   const int64_t row_blocks = (g.count + kSumRows - 1) / kSumRows;
-  const int64_t scoring = g.kv_heads * blocks, softmax = g.count * g.heads, sums = g.kv_heads * parts * row_blocks;
+  // Step 3's work item: KV head `head`'s output elements of part `part` for the rows of row block `rb`.
+  auto weigh = [&](int64_t head, int64_t part, int64_t rb) {
+    weigh_block(g, head, part * kSumWidth, rb * kSumRows, std::min(g.count, (rb + 1) * kSumRows));
+  };
   if (g.count * g.heads * (g.end - g.first) < kHeadSplitWork) {
     // Too little for three barriers (a short context): each thread takes whole KV heads instead, all three steps
     // of a head in a row. The same functions on the same items: the same bits as the barriered path.
@@ -221,14 +224,13 @@ void run_group(const Group<T>& g) {
           for (int64_t h = head * g.rep; h < (head + 1) * g.rep; ++h) softmax_row(g, i, h);
         }
         for (int64_t part = 0; part < parts; ++part) {
-          for (int64_t rb = 0; rb < row_blocks; ++rb) {
-            weigh_block(g, head, part * kSumWidth, rb * kSumRows, std::min(g.count, (rb + 1) * kSumRows));
-          }
+          for (int64_t rb = 0; rb < row_blocks; ++rb) weigh(head, part, rb);
         }
       }
     });
     return;
   }
+  const int64_t scoring = g.kv_heads * blocks, softmax = g.count * g.heads, sums = g.kv_heads * parts * row_blocks;
   const int threads = at::get_num_threads();
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -238,8 +240,7 @@ void run_group(const Group<T>& g) {
     for (int64_t item = 0; item < softmax; ++item) softmax_row(g, item / g.heads, item % g.heads);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < sums; ++item) {
-      const int64_t head = item / (parts * row_blocks), part = item / row_blocks % parts, rb = item % row_blocks;
-      weigh_block(g, head, part * kSumWidth, rb * kSumRows, std::min(g.count, (rb + 1) * kSumRows));
+      weigh(item / (parts * row_blocks), item / row_blocks % parts, item % row_blocks);
     }
   }
 }

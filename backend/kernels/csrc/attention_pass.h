@@ -8,9 +8,9 @@
 //   out = (Σ_j e_j · v_j) / total, each output element summed in key order j by fused multiply-adds.
 // Every step is a function of the row's query and its own keys and values in their order: not of the other rows
 // of the pass, of where its keys sit in the cache, of how the rows are grouped or of the thread split (the
-// threads divide keys for the scores, rows for the softmax, and whole output elements for the sums). So a row's
-// result is bit for bit the one-token pass's, in a chain or a tree (tests/backend/kernels/test_native_model.py,
-// test_attention_rows.py).
+// threads divide keys for the scores, rows for the softmax, and whole output elements for the sums; in a small
+// pass, whole KV heads). So a row's result is bit for bit the one-token pass's, in a chain or a tree
+// (tests/backend/kernels/test_native_model.py, test_attention_rows.py).
 #pragma once
 
 #include <cstdint>
