@@ -3,7 +3,8 @@
 What it gives: :func:`qweight` wraps a tensor's GGUF bytes as ``torch.classes.specchat.QWeight`` (its
 ``matmul(x [M, K] float32) -> [M, N]``, ``dequantize()``, ``rows_of(ids)``, ``nbytes()``, ``ggml_type()``);
 :func:`kernel_isa` names the path the kernels take on this CPU ("avx512-vnni", "avx512", "avx2", "scalar";
-``SPECCHAT_KERNELS=scalar|avx2|avx512`` lowers it); :func:`random_blocks` writes random codes and small finite
+``SPECCHAT_KERNELS=scalar|avx2|avx512`` sets one path for every call), :func:`isa_for_rows` the path a call of m
+rows takes (on an AVX-512 CPU, AVX2 for up to four); :func:`random_blocks` writes random codes and small finite
 scales straight into a type's block layout (tests, ``specchat bench --kernels``).
 
 How it is built: the kernels are part of the one native library (``csrc/*.cpp``), built, cached and checked by
@@ -83,9 +84,16 @@ def kernel_isa() -> str:
     return str(torch.ops.specchat.kernel_isa())
 
 
+def isa_for_rows(m: int) -> str:
+    """The path a call of ``m`` activation rows takes now (see :func:`set_isa`)."""
+    load()
+    return str(torch.ops.specchat.kernel_isa_for_rows(m))
+
+
 def set_isa(name: str) -> str:
-    """Switch the kernels' path ("scalar", "avx2", "avx512"; clamped to what the CPU has); returns the path now
-    taken. For tests and benchmarks: the environment variable SPECCHAT_KERNELS chooses it for a whole run."""
+    """Switch the kernels' path ("scalar", "avx2", "avx512"; clamped to what the CPU has) for every call, or back
+    to the CPU's own choice ("auto": AVX-512 where present, with calls of up to four rows on AVX2); returns the path
+    now taken. For tests and benchmarks: the environment variable SPECCHAT_KERNELS chooses it for a whole run."""
     load()
     return str(torch.ops.specchat.kernel_set_isa(name))
 

@@ -40,12 +40,19 @@ enum class Isa : int32_t { Scalar = 0, Avx2 = 1, Avx512 = 2 };
 
 // The path matmul takes: chosen once at first use, the best this CPU supports (AVX2 needs AVX2+FMA+F16C; AVX-512
 // needs F+BW+VL+DQ and uses VNNI where present), lowered by the environment variable SPECCHAT_KERNELS=scalar|avx2|
-// avx512 (never raised above the CPU's; another value is ignored with one line on stderr).
+// avx512 (never raised above the CPU's; "auto" or another value keeps the CPU's choice, the latter with one line on
+// stderr).
 Isa active_isa();
+// The path a call of m activation rows takes: active_isa(), except that where it is the CPU's own choice of AVX-512
+// (no SPECCHAT_KERNELS, no set_active_isa), calls of up to four rows run AVX2, faster there (qgemm_dispatch.cpp).
+// The paths give the same bits, so a row's result does not depend on it.
+Isa isa_for_rows(int64_t m);
 // "avx512-vnni", "avx512", "avx2", "scalar" (Avx512 is named by what this CPU has).
 const char* isa_name(Isa isa);
 // Tests and benchmarks: switch the path at run time (clamped to what the CPU supports); returns the path now active.
 Isa set_active_isa(Isa wanted);
+// Back to the CPU's own choice, narrow calls on AVX2 included; returns active_isa().
+Isa reset_isa();
 
 // Whether `ggml_type` is one of GgmlType's values; its name ("Q4_K"; "?" if not); elements and bytes per GGUF block.
 bool is_supported(int32_t ggml_type);

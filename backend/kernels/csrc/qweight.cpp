@@ -39,12 +39,15 @@ auto checked(F&& f) -> decltype(f()) {  // std::invalid_argument → ValueError,
 
 std::string kernel_isa() { return isa_name(active_isa()); }
 
+std::string kernel_isa_for_rows(int64_t m) { return isa_name(isa_for_rows(m)); }
+
 std::string kernel_set_isa(const std::string& name) {
   Isa wanted;
+  if (name == "auto") return isa_name(reset_isa());
   if (name == "scalar") wanted = Isa::Scalar;
   else if (name == "avx2") wanted = Isa::Avx2;
   else if (name == "avx512") wanted = Isa::Avx512;
-  else TORCH_CHECK_VALUE(false, "kernel_set_isa: '", name, "' is not one of scalar, avx2, avx512");
+  else TORCH_CHECK_VALUE(false, "kernel_set_isa: '", name, "' is not one of auto, scalar, avx2, avx512");
   return isa_name(set_active_isa(wanted));
 }
 
@@ -122,6 +125,7 @@ TORCH_LIBRARY_FRAGMENT(specchat, m) {
       .def("cols", &QWeight::cols);
   m.def("kernel_isa() -> str", &kernel_isa);
   m.def("kernel_set_isa(str name) -> str", &kernel_set_isa);
+  m.def("kernel_isa_for_rows(int m) -> str", &kernel_isa_for_rows);
 }
 
 }  // namespace specchat

@@ -80,9 +80,8 @@ def available_paths(kernels) -> list[str]:
 
 @pytest.fixture
 def restore_isa(kernels):
-    before = kernels.kernel_isa()
     yield
-    kernels.set_isa("avx512" if before.startswith("avx512") else before)
+    kernels.set_isa("auto")
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -102,8 +101,29 @@ def test_every_path_gives_the_same_bits(kernels, restore_isa, type_name):
         np.testing.assert_array_equal(results[name][1], results[paths[0]][1], err_msg=f"{name} vs {paths[0]}")
 
 
+def test_narrow_calls_take_avx2_only_where_the_cpu_chose_avx512(kernels, restore_isa):
+    best = kernels.set_isa("auto")
+    narrow = "avx2" if best.startswith("avx512") else best
+    assert [kernels.isa_for_rows(m) for m in (1, 2, 4, 5, 16)] == [narrow, narrow, narrow, best, best]
+    for name in available_paths(kernels):  # a path asked for runs every call, one row included
+        got = kernels.set_isa(name)
+        assert [kernels.isa_for_rows(m) for m in (1, 2, 4, 5, 16)] == [got] * 5
+    assert kernels.set_isa("auto") == best and kernels.isa_for_rows(1) == narrow
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_cpus_own_choice_mixes_paths_without_changing_a_bit(kernels, restore_isa, type_name):
+    kernels.set_isa("auto")  # on an AVX-512 CPU: up to four rows on AVX2, more on AVX-512
+    w, x = make(type_name)
+    together = bits(w.matmul(x[:16]))
+    for i in (0, 5, 15):
+        np.testing.assert_array_equal(bits(w.matmul(x[i : i + 1]))[0], together[i])
+    np.testing.assert_array_equal(bits(w.matmul(x[6:8])), together[6:8])
+    np.testing.assert_array_equal(bits(w.matmul(x[9:13])), together[9:13])
+
+
 def test_an_unknown_path_is_refused(kernels):
-    with pytest.raises(ValueError, match="not one of scalar, avx2, avx512"):
+    with pytest.raises(ValueError, match="not one of auto, scalar, avx2, avx512"):
         kernels.set_isa("sse9")
 
 
@@ -115,3 +135,14 @@ def test_environment_lowers_the_path(kernels, tmp_path):
     env = {**__import__("os").environ, "SPECCHAT_KERNELS": "scalar"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.strip() == "scalar", done.stderr
+
+
+def test_a_path_named_in_the_environment_runs_every_call(kernels):
+    import subprocess
+    import sys
+
+    code = "from specchat.backend.kernels import blocks; print(blocks.kernel_isa(), blocks.isa_for_rows(1))"
+    env = {**__import__("os").environ, "SPECCHAT_KERNELS": "avx512"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    named, one_row = done.stdout.split()
+    assert one_row == named, done.stderr  # avx512 where the CPU has it (clamped to avx2 elsewhere), one row too
