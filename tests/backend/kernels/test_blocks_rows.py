@@ -130,22 +130,23 @@ def test_an_unknown_path_is_refused(kernels):
         kernels.set_isa("sse9")
 
 
-def test_environment_lowers_the_path(kernels, tmp_path):
+def in_a_process_with(kernels_env: str, expression: str) -> list[str]:
+    """``expression`` over ``blocks``, printed by a fresh Python with SPECCHAT_KERNELS=``kernels_env``, split."""
+    import os
     import subprocess
     import sys
 
-    code = "from specchat.backend.kernels import blocks; print(blocks.kernel_isa())"
-    env = {**__import__("os").environ, "SPECCHAT_KERNELS": "scalar"}
+    code = f"from specchat.backend.kernels import blocks; print({expression})"
+    env = {**os.environ, "SPECCHAT_KERNELS": kernels_env}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.stdout.strip() == "scalar", done.stderr
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_environment_lowers_the_path(kernels, tmp_path):
+    assert in_a_process_with("scalar", "blocks.kernel_isa()") == ["scalar"]
 
 
 def test_a_path_named_in_the_environment_runs_every_call(kernels):
-    import subprocess
-    import sys
-
-    code = "from specchat.backend.kernels import blocks; print(blocks.kernel_isa(), blocks.isa_for_rows(1))"
-    env = {**__import__("os").environ, "SPECCHAT_KERNELS": "avx512"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    named, one_row = done.stdout.split()
-    assert one_row == named, done.stderr  # avx512 where the CPU has it (clamped to avx2 elsewhere), one row too
+    named, one_row = in_a_process_with("avx512", "blocks.kernel_isa(), blocks.isa_for_rows(1)")
+    assert one_row == named  # avx512 where the CPU has it (clamped to avx2 elsewhere), one row too
