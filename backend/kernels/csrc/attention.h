@@ -73,8 +73,8 @@ struct Scoring {
 // and differs from the vector version (attention_pass.h) in the last bits. q [rep, d], out [rep rows of out_stride];
 // scratch holds rep · keys.count() floats.
 template <class T>
-void row_scalar(const float* q, int64_t rep, const Pools<T>& pools, const RowKeys& keys, int64_t head,
-                Scoring scoring, float* scratch, float* out, int64_t out_stride) {
+void row_scalar(const float* q, int64_t rep, const Pools<T>& pools, const RowKeys& keys, int64_t head, Scoring scoring,
+                float* scratch, float* out, int64_t out_stride) {
   const int64_t d = pools.d, n = keys.count();
   for (int64_t r = 0; r < rep; ++r) {
     float* e = scratch + r * n;

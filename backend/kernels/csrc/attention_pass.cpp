@@ -42,8 +42,8 @@ struct Group {
   float* out = nullptr;
   int64_t out_stride = 0;
   int64_t first = 0, end = 0, stride = 0;  // floats per (row, head) of scores: end - first, rounded up to kTile
-  float* scores = nullptr;                  // [count, heads, stride]
-  float* totals = nullptr;                  // [count, heads]
+  float* scores = nullptr;                 // [count, heads, stride]
+  float* totals = nullptr;                 // [count, heads]
   float* row_scores(int64_t i, int64_t h) const { return scores + (i * heads + h) * stride; }
 };
 
@@ -116,7 +116,8 @@ SPECCHAT_AVX2 void sum_run(const float* vf, int64_t keys, const float* e, int64_
   for (int64_t k = 0; k < keys; ++k) {
     for (int r = 0; r < R; ++r) {
       const __m256 w = _mm256_set1_ps(e[r * e_stride + k]);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vf + k * kSumWidth + 8 * c), acc[r][c]);
+      for (int c = 0; c < C; ++c)
+        acc[r][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vf + k * kSumWidth + 8 * c), acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -127,17 +128,25 @@ template <int R>
 SPECCHAT_AVX2 void sum_run_chunks(int64_t chunks, const float* vf, int64_t keys, const float* e, int64_t e_stride,
                                   float* o, int64_t d) {
   switch (chunks) {
-    case 1: sum_run<R, 1>(vf, keys, e, e_stride, o, d); break;
-    case 2: sum_run<R, 2>(vf, keys, e, e_stride, o, d); break;
-    case 3: sum_run<R, 3>(vf, keys, e, e_stride, o, d); break;
-    default: sum_run<R, 4>(vf, keys, e, e_stride, o, d); break;
+    case 1:
+      sum_run<R, 1>(vf, keys, e, e_stride, o, d);
+      break;
+    case 2:
+      sum_run<R, 2>(vf, keys, e, e_stride, o, d);
+      break;
+    case 3:
+      sum_run<R, 3>(vf, keys, e, e_stride, o, d);
+      break;
+    default:
+      sum_run<R, 4>(vf, keys, e, e_stride, o, d);
+      break;
   }
 }
 
 // Row i's keys at positions [begin, begin + length) (its j from j0 on) that lie in the block [t0, t1) of vf.
 template <class T>
-SPECCHAT_AVX2 void sum_segment(const Group<T>& g, int64_t head, int64_t c0, int64_t chunks, const float* vf,
-                               int64_t t0, int64_t t1, int64_t i, int64_t begin, int64_t length, int64_t j0) {
+SPECCHAT_AVX2 void sum_segment(const Group<T>& g, int64_t head, int64_t c0, int64_t chunks, const float* vf, int64_t t0,
+                               int64_t t1, int64_t i, int64_t begin, int64_t length, int64_t j0) {
   const int64_t a = std::max(begin, t0), b = std::min(begin + length, t1);
   if (a >= b) return;
   const int64_t d = g.pools->d;
@@ -146,9 +155,15 @@ SPECCHAT_AVX2 void sum_segment(const Group<T>& g, int64_t head, int64_t c0, int6
     float* o = g.out + i * g.out_stride + h * d + c0;
     const float* v = vf + (a - t0) * kSumWidth;
     switch (std::min<int64_t>(3, (head + 1) * g.rep - h)) {
-      case 1: sum_run_chunks<1>(chunks, v, b - a, e, g.stride, o, d); break;
-      case 2: sum_run_chunks<2>(chunks, v, b - a, e, g.stride, o, d); break;
-      default: sum_run_chunks<3>(chunks, v, b - a, e, g.stride, o, d); break;
+      case 1:
+        sum_run_chunks<1>(chunks, v, b - a, e, g.stride, o, d);
+        break;
+      case 2:
+        sum_run_chunks<2>(chunks, v, b - a, e, g.stride, o, d);
+        break;
+      default:
+        sum_run_chunks<3>(chunks, v, b - a, e, g.stride, o, d);
+        break;
     }
   }
 }
@@ -247,15 +262,16 @@ void run_group(const Group<T>& g) {
 #endif
 
 template <class T>
-void rows_scalar(const Pools<T>& pools, const RowKeys* rows, int64_t n, int64_t kv_heads, int64_t rep,
-                 Scoring scoring, const float* q, int64_t q_stride, float* out, int64_t out_stride) {
+void rows_scalar(const Pools<T>& pools, const RowKeys* rows, int64_t n, int64_t kv_heads, int64_t rep, Scoring scoring,
+                 const float* q, int64_t q_stride, float* out, int64_t out_stride) {
   const int64_t d = pools.d;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / kv_heads, g = item % kv_heads;
       const RowKeys& keys = rows[i];
-      if (static_cast<int64_t>(scratch.size()) < rep * keys.count()) scratch.resize(static_cast<size_t>(rep * keys.count()));
+      if (static_cast<int64_t>(scratch.size()) < rep * keys.count())
+        scratch.resize(static_cast<size_t>(rep * keys.count()));
       row_scalar(q + i * q_stride + g * rep * d, rep, pools, keys, g, scoring, scratch.data(),
                  out + i * out_stride + g * rep * d, d);
     }

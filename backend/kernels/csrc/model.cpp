@@ -11,20 +11,24 @@ namespace specchat {
 namespace {
 
 const std::map<std::string, LayerMatrix> kMatrices = {
-    {"q", LayerMatrix::Q},       {"k", LayerMatrix::K},   {"v", LayerMatrix::V},         {"qkv", LayerMatrix::QKV},
+    {"q", LayerMatrix::Q},       {"k", LayerMatrix::K},       {"v", LayerMatrix::V},   {"qkv", LayerMatrix::QKV},
     {"o", LayerMatrix::O},       {"gate", LayerMatrix::Gate}, {"up", LayerMatrix::Up}, {"gate_up", LayerMatrix::GateUp},
     {"down", LayerMatrix::Down},
 };
 const std::map<std::string, LayerVector> kVectors = {
-    {"attn_norm", LayerVector::AttnNorm},         {"ffn_norm", LayerVector::FfnNorm},
-    {"post_attn_norm", LayerVector::PostAttnNorm}, {"post_ffn_norm", LayerVector::PostFfnNorm},
-    {"q_norm", LayerVector::QNorm},               {"k_norm", LayerVector::KNorm},
-    {"q_bias", LayerVector::QBias},               {"k_bias", LayerVector::KBias},
+    {"attn_norm", LayerVector::AttnNorm},
+    {"ffn_norm", LayerVector::FfnNorm},
+    {"post_attn_norm", LayerVector::PostAttnNorm},
+    {"post_ffn_norm", LayerVector::PostFfnNorm},
+    {"q_norm", LayerVector::QNorm},
+    {"k_norm", LayerVector::KNorm},
+    {"q_bias", LayerVector::QBias},
+    {"k_bias", LayerVector::KBias},
     {"v_bias", LayerVector::VBias},
 };
-const char* kSettings[] = {"hidden", "heads", "kv_heads", "head_dim", "rot_dim", "inter", "vocab", "eps",
-                           "embed_scale", "attn_scale", "attn_softcap", "final_softcap", "norm_add_one", "act",
-                           "profile"};
+const char* kSettings[] = {"hidden",       "heads",         "kv_heads",     "head_dim",    "rot_dim",
+                           "inter",        "vocab",         "eps",          "embed_scale", "attn_scale",
+                           "attn_softcap", "final_softcap", "norm_add_one", "act",         "profile"};
 
 template <class M>
 std::string names(const M& map) {
@@ -112,24 +116,26 @@ void NativeModel::set_layer(int64_t layer, const std::string& name, int64_t valu
 
 void NativeModel::set_layer_weight(int64_t layer, const std::string& name, const c10::IValue& weight) {
   auto found = kMatrices.find(name);
-  TORCH_CHECK(found != kMatrices.end(), "NativeModel.set_layer_weight: unknown weight '", name, "' (",
-              names(kMatrices), ")");
+  TORCH_CHECK(found != kMatrices.end(), "NativeModel.set_layer_weight: unknown weight '", name, "' (", names(kMatrices),
+              ")");
   layer_at(layers, layer).matrices[static_cast<size_t>(found->second)] = as_qweight(weight, name);
   finished = false;
 }
 
 void NativeModel::set_layer_tensor(int64_t layer, const std::string& name, const at::Tensor& value) {
   auto found = kVectors.find(name);
-  TORCH_CHECK(found != kVectors.end(), "NativeModel.set_layer_tensor: unknown tensor '", name, "' (",
-              names(kVectors), ")");
+  TORCH_CHECK(found != kVectors.end(), "NativeModel.set_layer_tensor: unknown tensor '", name, "' (", names(kVectors),
+              ")");
   floats(value, name);  // checked now, converted by finish()
   layer_at(layers, layer).vectors[static_cast<size_t>(found->second)] = value;
   finished = false;
 }
 
 int64_t NativeModel::add_rope(const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes(), "NativeModel.add_rope: cos and sin must be [positions, "
-              "rot_dim / 2] alike, got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes(),
+              "NativeModel.add_rope: cos and sin must be [positions, "
+              "rot_dim / 2] alike, got ",
+              cos.sizes(), " and ", sin.sizes());
   Rope rope;
   rope.positions = cos.size(0);
   const at::Tensor c = cos.to(at::kFloat).contiguous(), s = sin.to(at::kFloat).contiguous();
@@ -144,9 +150,10 @@ void NativeModel::bind_cache(const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() && k.is_contiguous() &&
                   v.is_contiguous() && k.device().is_cpu(),
               "NativeModel.bind_cache: K and V pools must be contiguous CPU [layers, kv_heads, slots, head_dim] "
-              "tensors alike, got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat,
-              "NativeModel.bind_cache: pools of ", k.scalar_type(), " (bfloat16 or float32 only)");
+              "tensors alike, got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat, "NativeModel.bind_cache: pools of ",
+              k.scalar_type(), " (bfloat16 or float32 only)");
   k_pool = k;
   v_pool = v;
   finished = false;
@@ -230,9 +237,9 @@ void NativeModel::check() {
     }
     expect(l.matrix(LayerMatrix::Down), s.hidden, s.inter, at + "down");
     const std::pair<LayerVector, int64_t> sizes[] = {
-        {LayerVector::AttnNorm, s.hidden}, {LayerVector::FfnNorm, s.hidden}, {LayerVector::PostAttnNorm, s.hidden},
+        {LayerVector::AttnNorm, s.hidden},    {LayerVector::FfnNorm, s.hidden}, {LayerVector::PostAttnNorm, s.hidden},
         {LayerVector::PostFfnNorm, s.hidden}, {LayerVector::QNorm, s.head_dim}, {LayerVector::KNorm, s.head_dim},
-        {LayerVector::QBias, q_width}, {LayerVector::KBias, kv_width}, {LayerVector::VBias, kv_width}};
+        {LayerVector::QBias, q_width},        {LayerVector::KBias, kv_width},   {LayerVector::VBias, kv_width}};
     for (const auto& [which, size] : sizes) {
       const at::Tensor& t = l.vectors[static_cast<size_t>(which)];
       std::string name;

@@ -36,7 +36,7 @@ enum class LayerVector : int { AttnNorm, FfnNorm, PostAttnNorm, PostFfnNorm, QNo
 
 struct Layer {
   std::array<c10::intrusive_ptr<QWeight>, static_cast<size_t>(LayerMatrix::Count)> matrices;
-  std::array<at::Tensor, static_cast<size_t>(LayerVector::Count)> vectors;  // as handed in
+  std::array<at::Tensor, static_cast<size_t>(LayerVector::Count)> vectors;         // as handed in
   std::array<std::vector<float>, static_cast<size_t>(LayerVector::Count)> values;  // finish(): norms with +1 applied
   int64_t window = -1;  // sliding window in keys (-1: full attention)
   int64_t rope = 0;     // index of its rotary table

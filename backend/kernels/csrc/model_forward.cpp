@@ -152,7 +152,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
   }
   const int64_t* tok = tokens.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(tok[i] >= 0 && tok[i] < s.vocab, "NativeModel.forward: token id ", tok[i], " (vocabulary ", s.vocab, ")");
+    TORCH_CHECK(tok[i] >= 0 && tok[i] < s.vocab, "NativeModel.forward: token id ", tok[i], " (vocabulary ", s.vocab,
+                ")");
   }
   const int64_t hidden = s.hidden, d = s.head_dim, q_width = s.heads * d, kv_width = s.kv_heads * d;
   const int64_t qkv_width = q_width + 2 * kv_width, inter = s.inter, rep = s.heads / s.kv_heads, half = s.rot_dim / 2;
@@ -200,7 +201,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
     const Rope& rope = ropes[static_cast<size_t>(l.rope)];
     {
       Timer t(on, &spent.elementwise);
-      each_row(n, [&](int64_t i) { rms_norm(hp + i * hidden, l.vector(LayerVector::AttnNorm), xp + i * hidden, hidden, s.eps); });
+      each_row(n, [&](int64_t i) {
+        rms_norm(hp + i * hidden, l.vector(LayerVector::AttnNorm), xp + i * hidden, hidden, s.eps);
+      });
     }
     {
       Timer t(on, &spent.kernels);
@@ -220,9 +223,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
       const float* kn = l.vector(LayerVector::KNorm);
       each_row(n, [&](int64_t i) {
         float* row = qkvp + i * qkv_width;
-        if (qb) for (int64_t j = 0; j < q_width; ++j) row[j] = row[j] + qb[j];
-        if (kb) for (int64_t j = 0; j < kv_width; ++j) row[q_width + j] = row[q_width + j] + kb[j];
-        if (vb) for (int64_t j = 0; j < kv_width; ++j) row[q_width + kv_width + j] = row[q_width + kv_width + j] + vb[j];
+        if (qb)
+          for (int64_t j = 0; j < q_width; ++j) row[j] = row[j] + qb[j];
+        if (kb)
+          for (int64_t j = 0; j < kv_width; ++j) row[q_width + j] = row[q_width + j] + kb[j];
+        if (vb)
+          for (int64_t j = 0; j < kv_width; ++j) row[q_width + kv_width + j] = row[q_width + kv_width + j] + vb[j];
         const int64_t position = start + depth[static_cast<size_t>(i)];
         const float* cos = rope.cos.data() + position * half;
         const float* sin = rope.sin.data() + position * half;
@@ -258,7 +264,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
       std::vector<specchat_attention::RowKeys> seen(static_cast<size_t>(n));
       if (tree) {
         auto found = tree_cache.find(l.window);
-        if (found == tree_cache.end()) found = tree_cache.emplace(l.window, tree_keys(parent, depth, start, l.window)).first;
+        if (found == tree_cache.end())
+          found = tree_cache.emplace(l.window, tree_keys(parent, depth, start, l.window)).first;
         for (int64_t i = 0; i < n; ++i) {
           const std::vector<int64_t>& keys = found->second[static_cast<size_t>(i)];
           auto& r = seen[static_cast<size_t>(i)];
@@ -361,7 +368,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
   float* np = grow(normed, (n - first) * hidden);
   {
     Timer t(on, &spent.elementwise);
-    each_row(n - first, [&](int64_t i) { rms_norm(hp + (first + i) * hidden, final_norm.data(), np + i * hidden, hidden, s.eps); });
+    each_row(n - first, [&](int64_t i) {
+      rms_norm(hp + (first + i) * hidden, final_norm.data(), np + i * hidden, hidden, s.eps);
+    });
   }
   if (tap_final) {
     for (size_t t = 0; t < taps.size(); ++t) {

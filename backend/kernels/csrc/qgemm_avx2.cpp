@@ -37,13 +37,17 @@ struct Avx2 {
   SC_FN static vi hi4(vi v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
   template <int S>  // (bit S of each byte) << 4
   SC_FN static vi bit4(vi h) {
-    if constexpr (S <= 4) return _mm256_and_si256(_mm256_slli_epi16(h, 4 - S), _mm256_set1_epi8(0x10));
-    else return _mm256_and_si256(_mm256_srli_epi16(h, S - 4), _mm256_set1_epi8(0x10));
+    if constexpr (S <= 4)
+      return _mm256_and_si256(_mm256_slli_epi16(h, 4 - S), _mm256_set1_epi8(0x10));
+    else
+      return _mm256_and_si256(_mm256_srli_epi16(h, S - 4), _mm256_set1_epi8(0x10));
   }
   template <int T>  // (bits 2T..2T+1 of each byte) << 4
   SC_FN static vi bits45(vi h) {
-    if constexpr (T <= 2) return _mm256_and_si256(_mm256_slli_epi16(h, 4 - 2 * T), _mm256_set1_epi8(0x30));
-    else return _mm256_and_si256(_mm256_srli_epi16(h, 2 * T - 4), _mm256_set1_epi8(0x30));
+    if constexpr (T <= 2)
+      return _mm256_and_si256(_mm256_slli_epi16(h, 4 - 2 * T), _mm256_set1_epi8(0x30));
+    else
+      return _mm256_and_si256(_mm256_srli_epi16(h, 2 * T - 4), _mm256_set1_epi8(0x30));
   }
   SC_FN static vi or_(vi a, vi b) { return _mm256_or_si256(a, b); }
   SC_FN static vi add32(vi a, vi b) { return _mm256_add_epi32(a, b); }

@@ -13,8 +13,10 @@ namespace specchat::detail {
 void run_avx512_vnni(const Job& job, int64_t t0, int64_t t1);
 
 void run_avx512(const Job& job, int64_t t0, int64_t t1, bool vnni) {
-  if (vnni) run_avx512_vnni(job, t0, t1);
-  else Kern<Avx512<false>>::run(job, t0, t1);
+  if (vnni)
+    run_avx512_vnni(job, t0, t1);
+  else
+    Kern<Avx512<false>>::run(job, t0, t1);
 }
 
 }  // namespace specchat::detail

@@ -53,13 +53,17 @@ struct Avx512 {
   SC_FN static vi hi4(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
   template <int S>
   SC_FN static vi bit4(vi h) {
-    if constexpr (S <= 4) return _mm512_and_si512(_mm512_slli_epi16(h, 4 - S), _mm512_set1_epi8(0x10));
-    else return _mm512_and_si512(_mm512_srli_epi16(h, S - 4), _mm512_set1_epi8(0x10));
+    if constexpr (S <= 4)
+      return _mm512_and_si512(_mm512_slli_epi16(h, 4 - S), _mm512_set1_epi8(0x10));
+    else
+      return _mm512_and_si512(_mm512_srli_epi16(h, S - 4), _mm512_set1_epi8(0x10));
   }
   template <int T>
   SC_FN static vi bits45(vi h) {
-    if constexpr (T <= 2) return _mm512_and_si512(_mm512_slli_epi16(h, 4 - 2 * T), _mm512_set1_epi8(0x30));
-    else return _mm512_and_si512(_mm512_srli_epi16(h, 2 * T - 4), _mm512_set1_epi8(0x30));
+    if constexpr (T <= 2)
+      return _mm512_and_si512(_mm512_slli_epi16(h, 4 - 2 * T), _mm512_set1_epi8(0x30));
+    else
+      return _mm512_and_si512(_mm512_srli_epi16(h, 2 * T - 4), _mm512_set1_epi8(0x30));
   }
   SC_FN static vi or_(vi a, vi b) { return _mm512_or_si512(a, b); }
   SC_FN static vi add32(vi a, vi b) { return _mm512_add_epi32(a, b); }
@@ -78,16 +82,22 @@ struct Avx512 {
 
   SC_FN static vi zero_acc() { return _mm512_setzero_si512(); }
   SC_FN static vi dot(vi acc, vi w, vi a) {
-    if constexpr (Vnni) return _mm512_dpbusd_epi32(acc, w, a);
-    else return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, a));
+    if constexpr (Vnni)
+      return _mm512_dpbusd_epi32(acc, w, a);
+    else
+      return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, a));
   }
   SC_FN static vi finish(vi acc) {
-    if constexpr (Vnni) return acc;
-    else return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
+    if constexpr (Vnni)
+      return acc;
+    else
+      return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
   }
   SC_FN static vi finish_scaled(vi acc, vi sc) {
-    if constexpr (Vnni) return _mm512_mullo_epi32(acc, sc);
-    else return _mm512_madd_epi16(acc, sc);
+    if constexpr (Vnni)
+      return _mm512_mullo_epi32(acc, sc);
+    else
+      return _mm512_madd_epi16(acc, sc);
   }
   // Scale of sub-block 2p + H of each column of both groups: int32 per column (VNNI) or int16 pairs (s, s).
   template <int H, bool Signed>
@@ -98,15 +108,19 @@ struct Avx512 {
       const __m128i pick = H ? _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1)
                              : _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
       const __m128i both = _mm_unpacklo_epi64(_mm_shuffle_epi8(a, pick), _mm_shuffle_epi8(b, pick));
-      if constexpr (Signed) return _mm512_cvtepi8_epi32(both);
-      else return _mm512_cvtepu8_epi32(both);
+      if constexpr (Signed)
+        return _mm512_cvtepi8_epi32(both);
+      else
+        return _mm512_cvtepu8_epi32(both);
     } else {
       const __m128i dup = H ? _mm_setr_epi8(1, 1, 3, 3, 5, 5, 7, 7, 9, 9, 11, 11, 13, 13, 15, 15)
                             : _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14);
       const __m256i both =
           _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_shuffle_epi8(a, dup)), _mm_shuffle_epi8(b, dup), 1);
-      if constexpr (Signed) return _mm512_cvtepi8_epi16(both);
-      else return _mm512_cvtepu8_epi16(both);
+      if constexpr (Signed)
+        return _mm512_cvtepi8_epi16(both);
+      else
+        return _mm512_cvtepu8_epi16(both);
     }
   }
   template <int H>
@@ -131,8 +145,10 @@ struct Avx512 {
     __mmask64 neg;  // else: the negative codes (their activations change sign)
   };
   SC_FN static W8 prep8(vi w) {
-    if constexpr (Vnni) return {_mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), 0};
-    else return {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+    if constexpr (Vnni)
+      return {_mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))), 0};
+    else
+      return {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
   }
   SC_FN static vi dot8(vi acc, const W8& w, vi a) {
     if constexpr (Vnni) {
@@ -143,8 +159,10 @@ struct Avx512 {
     }
   }
   SC_FN static vi fix8(vi isum, int32_t asum) {
-    if constexpr (Vnni) return _mm512_sub_epi32(isum, _mm512_set1_epi32(asum * 128));
-    else return isum;
+    if constexpr (Vnni)
+      return _mm512_sub_epi32(isum, _mm512_set1_epi32(asum * 128));
+    else
+      return isum;
   }
 
   SC_FN static vf zero_f() { return _mm512_setzero_ps(); }
@@ -155,8 +173,10 @@ struct Avx512 {
   SC_FN static vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
   SC_FN static vf fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
   SC_FN static void store(float* y, vf v, int n) {
-    if (n >= 16) _mm512_storeu_ps(y, v);
-    else _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << n) - 1), v);
+    if (n >= 16)
+      _mm512_storeu_ps(y, v);
+    else
+      _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << n) - 1), v);
   }
 };
 

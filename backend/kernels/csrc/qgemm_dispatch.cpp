@@ -53,9 +53,7 @@ const Cpu& cpu() {
   return found;
 }
 
-Isa clamp(Isa wanted) {
-  return static_cast<int32_t>(wanted) < static_cast<int32_t>(cpu().best) ? wanted : cpu().best;
-}
+Isa clamp(Isa wanted) { return static_cast<int32_t>(wanted) < static_cast<int32_t>(cpu().best) ? wanted : cpu().best; }
 
 // Whether the path is the CPU's own choice (no SPECCHAT_KERNELS, no set_active_isa since reset_isa): only then
 // do narrow calls leave AVX-512 for AVX2 (isa_for_rows).
@@ -65,9 +63,12 @@ Isa from_env() {
   const char* v = std::getenv("SPECCHAT_KERNELS");
   if (!v || !*v || !std::strcmp(v, "auto")) return cpu().best;
   Isa chosen;
-  if (!std::strcmp(v, "scalar")) chosen = Isa::Scalar;
-  else if (!std::strcmp(v, "avx2")) chosen = clamp(Isa::Avx2);
-  else if (!std::strcmp(v, "avx512")) chosen = clamp(Isa::Avx512);
+  if (!std::strcmp(v, "scalar"))
+    chosen = Isa::Scalar;
+  else if (!std::strcmp(v, "avx2"))
+    chosen = clamp(Isa::Avx2);
+  else if (!std::strcmp(v, "avx512"))
+    chosen = clamp(Isa::Avx512);
   else {
     std::fprintf(stderr, "specchat: SPECCHAT_KERNELS=%s is not one of auto, scalar, avx2, avx512; using %s\n", v,
                  isa_name(cpu().best));
@@ -113,8 +114,10 @@ struct QuantCtx {
 
 void quant_body(void* ctx, int64_t r0, int64_t r1) {
   const QuantCtx& q = *static_cast<const QuantCtx*>(ctx);
-  if (q.vec) detail::quantize_rows_avx2(*q.a, q.x, r0, r1);
-  else detail::quantize_rows_scalar(*q.a, q.x, r0, r1);
+  if (q.vec)
+    detail::quantize_rows_avx2(*q.a, q.x, r0, r1);
+  else
+    detail::quantize_rows_scalar(*q.a, q.x, r0, r1);
 }
 
 struct RunCtx {
@@ -130,9 +133,15 @@ void run_body(void* ctx, int64_t t0, int64_t t1) {
     if (lo >= hi) continue;
     const int64_t a = lo - rc.first[j], b = hi - rc.first[j];
     switch (rc.isa) {
-      case Isa::Avx512: detail::run_avx512(rc.jobs[j], a, b, cpu().vnni); break;
-      case Isa::Avx2: detail::run_avx2(rc.jobs[j], a, b); break;
-      default: detail::run_scalar(rc.jobs[j], a, b); break;
+      case Isa::Avx512:
+        detail::run_avx512(rc.jobs[j], a, b, cpu().vnni);
+        break;
+      case Isa::Avx2:
+        detail::run_avx2(rc.jobs[j], a, b);
+        break;
+      default:
+        detail::run_scalar(rc.jobs[j], a, b);
+        break;
     }
   }
 }
@@ -142,8 +151,10 @@ void run_body(void* ctx, int64_t t0, int64_t t1) {
 void run_parallel(int64_t n, void* ctx, ParallelBody body) {
   if (n <= 0) return;
   const ParallelFor hook = g_parallel.load();
-  if (hook && n > 1) hook(n, ctx, body);
-  else body(ctx, 0, n);
+  if (hook && n > 1)
+    hook(n, ctx, body);
+  else
+    body(ctx, 0, n);
 }
 
 Isa active_isa() {
@@ -180,24 +191,25 @@ Isa isa_for_rows(int64_t m) {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
-    case Isa::Avx512: return cpu().vnni ? "avx512-vnni" : "avx512";
-    case Isa::Avx2: return "avx2";
-    default: return "scalar";
+    case Isa::Avx512:
+      return cpu().vnni ? "avx512-vnni" : "avx512";
+    case Isa::Avx2:
+      return "avx2";
+    default:
+      return "scalar";
   }
 }
 
 void set_parallel_for(ParallelFor fn) { g_parallel.store(fn); }
 
-void matmul(const QMatrix& w, const float* x, int64_t m, float* y, int64_t ldy) {
-  matmul_many({&w}, x, m, {y}, {ldy});
-}
+void matmul(const QMatrix& w, const float* x, int64_t m, float* y, int64_t ldy) { matmul_many({&w}, x, m, {y}, {ldy}); }
 
 void matmul_many(const std::vector<const QMatrix*>& ws, const float* x, int64_t m, const std::vector<float*>& ys,
                  const std::vector<int64_t>& ldys) {
   using detail::ActFormat;
   if (ws.size() != ys.size() || ws.size() != ldys.size())
-    throw std::invalid_argument("matmul_many: " + std::to_string(ws.size()) + " weights, " +
-                                std::to_string(ys.size()) + " outputs and " + std::to_string(ldys.size()) + " strides");
+    throw std::invalid_argument("matmul_many: " + std::to_string(ws.size()) + " weights, " + std::to_string(ys.size()) +
+                                " outputs and " + std::to_string(ldys.size()) + " strides");
   if (m < 0) throw std::invalid_argument("matmul: " + std::to_string(m) + " rows");
   if (ws.empty() || m == 0) return;
   const int64_t K = ws[0]->cols();
@@ -244,8 +256,10 @@ void matmul_many(const std::vector<const QMatrix*>& ws, const float* x, int64_t 
       a.bs32 = static_cast<int16_t*>(scratch.take(off, m * K / 32 * sizeof(int16_t)));
     }
     QuantCtx qc{&a, x, isa != Isa::Scalar};
-    if (m >= 8) run_parallel(m, &qc, quant_body);
-    else quant_body(&qc, 0, m);
+    if (m >= 8)
+      run_parallel(m, &qc, quant_body);
+    else
+      quant_body(&qc, 0, m);
   }
 
   RunCtx rc;

@@ -277,7 +277,8 @@ QMatrix QMatrix::from_blocks(GgmlType t, int64_t rows, int64_t cols, const uint8
   if (!ti)
     throw std::invalid_argument("ggml type " + std::to_string(static_cast<int32_t>(t)) +
                                 " is not supported (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
-  const std::string what = std::string(ti->name) + " weight [" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
+  const std::string what =
+      std::string(ti->name) + " weight [" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
   if (rows <= 0 || cols <= 0 || rows > (int64_t{1} << 31) || cols > (int64_t{1} << 31))
     throw std::invalid_argument(what + ": rows and cols must be between 1 and 2^31");
   if (cols % ti->blk != 0)

@@ -44,9 +44,12 @@ float dot_row(const Packed& w, int64_t g, int c, const Row& row) {
     for (int64_t k = 0; k < nb; ++k) {
       const uint8_t* r = rec(0, k);
       float v;
-      if (t == GgmlType::F32) std::memcpy(&v, r + 4 * c, 4);
-      else if (t == GgmlType::F16) v = half_to_float(load_u16(r + 2 * c));
-      else v = bf16_to_float(load_u16(r + 2 * c));
+      if (t == GgmlType::F32)
+        std::memcpy(&v, r + 4 * c, 4);
+      else if (t == GgmlType::F16)
+        v = half_to_float(load_u16(r + 2 * c));
+      else
+        v = bf16_to_float(load_u16(r + 2 * c));
       acc[k & 3] = std::fmaf(v, x[k], acc[k & 3]);
     }
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);

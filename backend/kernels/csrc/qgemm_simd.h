@@ -28,8 +28,8 @@ struct Kern {
 
   // ---- legacy blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1): codes of one vector k → slices k and k + 4 ----
   template <int K, int R, bool Five>
-  SC_FN static void step32(const Tile& t, const uint8_t* qs, const uint8_t* qh, const int8_t* const* ap,
-                                      vi* lo, vi* hi) {
+  SC_FN static void step32(const Tile& t, const uint8_t* qs, const uint8_t* qh, const int8_t* const* ap, vi* lo,
+                           vi* hi) {
     const vi v = V::load(qs + 32 * K, t.gs[0]);
     vi a = V::lo4(v), b = V::hi4(v);
     if constexpr (Five) {
@@ -112,8 +112,8 @@ struct Kern {
   // ---- K-quants: super-blocks of 256 = 8 sub-blocks of 32 ----
   // Q4_K / Q5_K sub-block j of one super-block: isum[r] += scale_j · (codes · activations).
   template <int R, bool Five>
-  SC_FN static void sub_k45(const Tile& t, const uint8_t* qs, const uint8_t* qh, const uint8_t* scm,
-                                       int j, const int8_t* const* ap, vi* isum) {
+  SC_FN static void sub_k45(const Tile& t, const uint8_t* qs, const uint8_t* qh, const uint8_t* scm, int j,
+                            const int8_t* const* ap, vi* isum) {
     vi lo[R], hi[R];
     for (int r = 0; r < R; ++r) {
       lo[r] = V::zero_acc();
@@ -168,8 +168,8 @@ struct Kern {
 
   // Q6_K: codes = low nibble | bits 4..5; sub-blocks of 16 (slices 0..3 and 4..7 of each 32).
   template <int K, int R>
-  SC_FN static void step6(const Tile& t, const uint8_t* ql, const vi& h0, const vi& h1,
-                                     const int8_t* const* ap, vi* lo, vi* hi) {
+  SC_FN static void step6(const Tile& t, const uint8_t* ql, const vi& h0, const vi& h1, const int8_t* const* ap, vi* lo,
+                          vi* hi) {
     const vi v = V::load(ql + 32 * K, t.gs[0]);
     const vi a = V::or_(V::lo4(v), V::template bits45<K>(h0));
     const vi b = V::or_(V::hi4(v), V::template bits45<K>(h1));
@@ -234,9 +234,12 @@ struct Kern {
   // ---- float weights: 4 chains per (row, column) over inputs k ≡ 0..3 (mod 4), summed (c0 + c1) + (c2 + c3) ----
   template <GgmlType T>
   SC_FN static vf wload(const uint8_t* p, ptrdiff_t gs) {
-    if constexpr (T == GgmlType::F32) return V::load_f8(p, gs);
-    else if constexpr (T == GgmlType::F16) return V::load_h8(p, gs);
-    else return V::load_bf8(p, gs);
+    if constexpr (T == GgmlType::F32)
+      return V::load_f8(p, gs);
+    else if constexpr (T == GgmlType::F16)
+      return V::load_h8(p, gs);
+    else
+      return V::load_bf8(p, gs);
   }
 
   template <int I, int R, GgmlType T>
@@ -273,17 +276,39 @@ struct Kern {
     vf out[R];
     for (int r = 0; r < R; ++r) out[r] = V::zero_f();
     switch (type) {
-      case GgmlType::Q4_0: legacy<R, false, false>(t, a, row0, out); break;
-      case GgmlType::Q4_1: legacy<R, true, false>(t, a, row0, out); break;
-      case GgmlType::Q5_0: legacy<R, false, true>(t, a, row0, out); break;
-      case GgmlType::Q5_1: legacy<R, true, true>(t, a, row0, out); break;
-      case GgmlType::Q8_0: q8_0<R>(t, a, row0, out); break;
-      case GgmlType::Q4_K: k45<R, false>(t, a, row0, out); break;
-      case GgmlType::Q5_K: k45<R, true>(t, a, row0, out); break;
-      case GgmlType::Q6_K: q6_k<R>(t, a, row0, out); break;
-      case GgmlType::F32: floats<R, GgmlType::F32>(t, a, row0, out); break;
-      case GgmlType::F16: floats<R, GgmlType::F16>(t, a, row0, out); break;
-      case GgmlType::BF16: floats<R, GgmlType::BF16>(t, a, row0, out); break;
+      case GgmlType::Q4_0:
+        legacy<R, false, false>(t, a, row0, out);
+        break;
+      case GgmlType::Q4_1:
+        legacy<R, true, false>(t, a, row0, out);
+        break;
+      case GgmlType::Q5_0:
+        legacy<R, false, true>(t, a, row0, out);
+        break;
+      case GgmlType::Q5_1:
+        legacy<R, true, true>(t, a, row0, out);
+        break;
+      case GgmlType::Q8_0:
+        q8_0<R>(t, a, row0, out);
+        break;
+      case GgmlType::Q4_K:
+        k45<R, false>(t, a, row0, out);
+        break;
+      case GgmlType::Q5_K:
+        k45<R, true>(t, a, row0, out);
+        break;
+      case GgmlType::Q6_K:
+        q6_k<R>(t, a, row0, out);
+        break;
+      case GgmlType::F32:
+        floats<R, GgmlType::F32>(t, a, row0, out);
+        break;
+      case GgmlType::F16:
+        floats<R, GgmlType::F16>(t, a, row0, out);
+        break;
+      case GgmlType::BF16:
+        floats<R, GgmlType::BF16>(t, a, row0, out);
+        break;
     }
     for (int r = 0; r < R; ++r) V::store(y + (row0 + r) * ldy, out[r], ncols);
   }

@@ -44,10 +44,14 @@ std::string kernel_isa_for_rows(int64_t m) { return isa_name(isa_for_rows(m)); }
 std::string kernel_set_isa(const std::string& name) {
   Isa wanted;
   if (name == "auto") return isa_name(reset_isa());
-  if (name == "scalar") wanted = Isa::Scalar;
-  else if (name == "avx2") wanted = Isa::Avx2;
-  else if (name == "avx512") wanted = Isa::Avx512;
-  else TORCH_CHECK_VALUE(false, "kernel_set_isa: '", name, "' is not one of auto, scalar, avx2, avx512");
+  if (name == "scalar")
+    wanted = Isa::Scalar;
+  else if (name == "avx2")
+    wanted = Isa::Avx2;
+  else if (name == "avx512")
+    wanted = Isa::Avx512;
+  else
+    TORCH_CHECK_VALUE(false, "kernel_set_isa: '", name, "' is not one of auto, scalar, avx2, avx512");
   return isa_name(set_active_isa(wanted));
 }
 
@@ -58,8 +62,9 @@ QWeight::QWeight(const at::Tensor& data, int64_t ggml_type, int64_t rows, int64_
   TORCH_CHECK_VALUE(data.scalar_type() == at::kByte && data.device().is_cpu(),
                     "QWeight: data must be a uint8 CPU tensor of GGUF blocks, got ", data.scalar_type(), " on ",
                     data.device());
-  TORCH_CHECK_VALUE(ggml_type >= 0 && ggml_type < 64 && is_supported(static_cast<int32_t>(ggml_type)), "QWeight: ggml type ",
-                    ggml_type, " is not supported (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
+  TORCH_CHECK_VALUE(ggml_type >= 0 && ggml_type < 64 && is_supported(static_cast<int32_t>(ggml_type)),
+                    "QWeight: ggml type ", ggml_type,
+                    " is not supported (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
   const at::Tensor bytes = data.contiguous();
   m_ = checked([&] {
     return QMatrix::from_blocks(static_cast<GgmlType>(ggml_type), rows, cols, bytes.const_data_ptr<uint8_t>(),
@@ -75,7 +80,8 @@ at::Tensor QWeight::matmul(const at::Tensor& x) const {
                     " inputs");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), m_.rows()}, x.options());
-  checked([&] { specchat::matmul(m_, xc.const_data_ptr<float>(), xc.size(0), y.mutable_data_ptr<float>(), m_.rows()); });
+  checked(
+      [&] { specchat::matmul(m_, xc.const_data_ptr<float>(), xc.size(0), y.mutable_data_ptr<float>(), m_.rows()); });
   return y;
 }
 
