@@ -15,7 +15,11 @@ Contract:
   per tap])``. ``parents`` (a tree of drafts after the pending token ``ids[0]``, ``parents[i]`` draft i's
   parent among the drafts, -1 for the pending token) as ``runner.forward_paged`` defines it; a tap ``l`` is the
   residual stream after layer ``l`` for every row, ``layers`` the final norm's output (what the head reads).
-- A row's logits (and taps) are bit for bit those a one-token pass gives it, whatever the pass around it.
+- :meth:`forward_batch(parts, taps=())` runs the rows of several sequences (each part ``(seq, ids, keep, parents)``
+  as :meth:`forward` takes them) in one pass, so the weights are read once for all of them; it returns each
+  part's ``(logits, taps)`` as :meth:`forward` would have, bit for bit.
+- A row's logits (and taps) are bit for bit those a one-token pass gives it, whatever the pass around it: other
+  rows of its sequence, or other sequences' rows.
 """
 
 from __future__ import annotations
@@ -199,6 +203,34 @@ class NativeModel:
             list(taps),
         )
         return logits, list(tapped)
+
+    def forward_batch(
+        self, parts: Seq[tuple[Sequence, torch.Tensor, int, list[int] | None]], taps: Seq[int] = ()
+    ) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Several sequences' rows in one pass (see the module docstring); each sequence at most once. A part whose
+        checks fail gives back the slots reserved for every part."""
+        if len({id(seq) for seq, *_ in parts}) != len(parts):
+            raise ValueError("NativeModel.forward_batch: a sequence appears twice in one pass")
+        layout, slots, trees, ids = [], [], [], []
+        empty = torch.empty(0, dtype=torch.long)
+        for seq, part_ids, keep, parents in parts:
+            n = part_ids.numel()
+            seq.reserve(n)
+            plan = seq.plan(n)
+            run = plan.read_start is not None
+            layout.append((n, plan.start, plan.read_start if run else -1, keep))
+            slots.append(empty if run else plan.read_slots)
+            trees.append(empty if parents is None else torch.tensor([-1, *(p + 1 for p in parents)], dtype=torch.long))
+            ids.append(part_ids.reshape(-1))
+        logits, tapped = self.obj.forward_batch(
+            torch.cat(ids), torch.tensor(layout, dtype=torch.long), slots, trees, list(taps)
+        )
+        out: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        kept = rows = 0
+        for n, _, _, keep in layout:
+            out.append((logits[kept : kept + keep], [t[rows : rows + n] for t in tapped]))
+            kept, rows = kept + keep, rows + n
+        return out
 
     def profile(self) -> dict[str, float]:
         """Seconds spent in kernels, attention and elementwise steps since :meth:`reset_profile` (while
