@@ -23,7 +23,7 @@ import torch
 from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.heap import settle_heap as settle_heap
 from specchat.backend.engine.heap import start_heap as start_heap
-from specchat.backend.engine.parts import Conversation, Speculation, Target
+from specchat.backend.engine.parts import Conversation, Lane, Speculation, Target
 from specchat.backend.engine.prefix_cache import PrefixCache
 from specchat.backend.engine.prompting import fit_to_context, render, validate_messages
 from specchat.backend.engine.request import RequestState
@@ -60,6 +60,7 @@ class Engine:
     the device's fast path). ``kv_tokens`` sizes each pool (default: the pair's context length plus room for
     one verification step). ``prefix_cache_bytes``: the K/V memory the target's pool holds on top of that for
     prompts kept across requests (``GenerationRequest.prefix_cache``; `specchat serve`); 0 keeps none.
+    ``parallel``: the streams a batch (backend/engine/batch.py) may run at once; the pools hold that many.
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class Engine:
         kv_tokens: int | None = None,
         head: LoadedHead | None = None,
         prefix_cache_bytes: int = 0,
+        parallel: int = 1,
     ) -> None:
         self.target, self.draft, self.pair = target, draft, pair
         self.tokenizer = target.tokenizer
@@ -78,9 +80,14 @@ class Engine:
         self.vocab_limit = len(self.tokenizer)  # p and q are compared over the tokenizer's ids only
         self.eos_ids = _eos_ids(target)
         tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
+        self.parallel = max(int(parallel), 1)  # streams a batch scheduler may run at once (backend/engine/batch.py)
+        # Each stream may reach the whole context (pages take memory only where written: kv_cache.lazy_zeros).
+        self.stream_tokens = tokens
         per_block = kv_bytes_per_token(target.model.config, target.dtype) * KV_BLOCK_SIZE
         prefix_blocks = max(prefix_cache_bytes, 0) // per_block
-        self.runner = ModelRunner(target, kv_tokens=tokens, kept_tokens=prefix_blocks * KV_BLOCK_SIZE)
+        self.runner = ModelRunner(
+            target, kv_tokens=tokens, kept_tokens=(self.parallel - 1) * tokens + prefix_blocks * KV_BLOCK_SIZE
+        )
         self.cache = self.runner.cache
         self.prefix = PrefixCache(self.cache, prefix_blocks)
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()
@@ -94,7 +101,7 @@ class Engine:
         }
         self.draft_runner: ModelRunner | None = None
         if draft is not None:
-            self.draft_runner = ModelRunner(draft, kv_tokens=tokens)
+            self.draft_runner = ModelRunner(draft, kv_tokens=tokens, kept_tokens=(self.parallel - 1) * tokens)
             self.drafters["draft-model"] = DraftModelDrafter(
                 self.draft_runner.forward,
                 self.draft_runner.cache,
@@ -104,6 +111,7 @@ class Engine:
         # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
         self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
+        self.head: LoadedHead | None = None
         if head is not None:
             self.attach_head(head)
         # On CPU: the compute threads follow what other programs leave free (backend/engine/threads.py).
@@ -129,6 +137,7 @@ class Engine:
         return taps from then on (``ModelRunner.require_taps``), so cached conversations, whose K/V another path
         may have computed, are dropped."""
         with self._lock:
+            self.head = head
             embedding = self.target.model.get_input_embeddings()
             self.drafters[head.drafter] = head_drafter(head.drafter, head.module, head.taps, embedding, self.eos_ids)
             self.policies[head.drafter] = GammaPolicy(max_gamma=MAX_GAMMA)
@@ -274,7 +283,10 @@ class Engine:
         cap = min(MAX_PREDICTION_GAMMA, self.runner.exact_rows - 1)
         return PredictionDrafter(ids, eos_token_ids=self.eos_ids, max_tokens=cap)
 
-    def _generate(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
+    def _generate(
+        self, request: GenerationRequest, cancel: threading.Event, lane: Lane | None = None
+    ) -> Iterator[StepEvent]:
+        """One reply, the lock held; ``lane``: a stream of a batch (its own runner, drafters, policies)."""
         t_start = time.perf_counter()
         sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
         drafter_name = request.drafter or self.pair.drafter
@@ -316,7 +328,7 @@ class Engine:
                 self.prefix.make_run(-(-expected // self.cache.pool.block_size))
                 conv.seq.expect(expected)
             target = Target(
-                self.runner,
+                self.runner if lane is None else lane.runner,
                 self.tokenizer,
                 self.eos_ids,
                 self.vocab_limit,
@@ -324,12 +336,13 @@ class Engine:
                 self.threads,
                 self.trace,
             )
-            speculation = Speculation(
-                self.drafters, self.policies, self.disabled_drafters, self.disabled_drafters.__setitem__
-            )
+            drafters, policies = (self.drafters, self.policies) if lane is None else (lane.drafters, lane.policies)
+            speculation = Speculation(drafters, policies, self.disabled_drafters, self.disabled_drafters.__setitem__)
             state = RequestState(
                 target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start, prediction
             )
+            if lane is not None:
+                lane.state = state
             yield from state.run(notice, request.prefill_progress)
         finally:
             if scope is not None:
@@ -347,9 +360,10 @@ def load_engine(
     progress: Progress | None = None,
     confirm_download: ConfirmDownload | None = None,
     prefix_cache_bytes: int = 0,
+    parallel: int = 1,
 ) -> Engine:
     """Load the pair's models (checking memory and tokenizer compatibility first) and build an engine
-    (``prefix_cache_bytes``: see :class:`Engine`)."""
+    (``prefix_cache_bytes``, ``parallel``: see :class:`Engine`)."""
     from specchat.backend.models.loading import load_pair, resolve_device
     from specchat.backend.models.memory import check_fits
 
@@ -376,7 +390,7 @@ def load_engine(
         from specchat.backend.models.head_loading import load_planned
 
         head = load_planned(plan, target.model.config, dev, target_name=pair.target.source)
-    engine = Engine(target, draft, pair, head=head, prefix_cache_bytes=prefix_cache_bytes)
+    engine = Engine(target, draft, pair, head=head, prefix_cache_bytes=prefix_cache_bytes, parallel=parallel)
     note = plain_completion_note(target.tokenizer)
     report = user_callback(progress)  # reaches the terminal through a caller's capture of library output
     if note is not None and report is not None:

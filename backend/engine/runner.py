@@ -20,6 +20,9 @@ Contract:
   returns the float logits of the last ``logits_to_keep`` of them. It reserves their cache slots but does NOT
   commit: the caller keeps what it accepts with ``seq.commit(k)``. A step the graph path declines (too many
   tokens, a key length beyond its buckets) runs eagerly, with the same result.
+- :meth:`ModelRunner.forward_batch` runs several sequences' passes (each a ``PassPart``) together: one pass over all
+  their rows on the native model, one forward each on the other paths; each part's result is what ``forward``
+  gives it alone.
 - :meth:`ModelRunner.forward_taps` also returns the residual stream after the layers asked for, for every row
   (the native model only; draft heads read them).
 - :func:`forward_paged` is that forward for a model switched to paged attention by hand (tests), eager unless
@@ -37,7 +40,7 @@ import torch
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, native, quant_linear, switched_off
-from specchat.backend.kernels.native_model import NativeModel
+from specchat.backend.kernels.native_model import NativeModel, PassPart
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
@@ -297,6 +300,23 @@ class ModelRunner:
             native_model=self.native,
             taps=taps,
         )
+
+    def forward_batch(self, parts: list[PassPart], taps: tuple[int, ...] | None = None) -> list[Any]:
+        """Several sequences' passes at once, each part's result what :meth:`forward` gives it alone: one pass over
+        all rows on the native model (weights read once), else one forward per part (``offset`` native only)."""
+        if self.native is not None:
+            if taps is not None:
+                check_taps(taps, self.model.config)
+            for part in parts:
+                _checked_ids(part.seq, part.ids, part.keep, part.parents)
+            out = self.native.forward_batch(parts, () if taps is None else native_taps(taps, self.model))
+            return [logits if taps is None else (logits, torch.cat(tapped, dim=1)) for logits, tapped in out]
+        if any(part.offset for part in parts):
+            raise KVCacheUsageError(f"a pass in pieces needs the CPU native model; this model runs {self.path}")
+        return [
+            self.forward(part.seq, part.ids, logits_to_keep=part.keep, parents=part.parents, taps=taps)
+            for part in parts
+        ]
 
     def require_taps(self) -> bool:
         """Every pass of this runner may ask for taps from now on (a draft head reads them). Every path returns

@@ -9,6 +9,8 @@ import torch
 from native_fixtures import native_ready, run, tiny_native  # noqa: F401  (a fixture)
 from tiny_models import SMOLLM_ATTENTION, random_ids
 
+from specchat.backend.kernels.native_model import PassPart
+
 PARENTS = [-1, 0, 1, -1, 3, 0]  # a tree after the pending token (as test_native_model.py's)
 
 
@@ -48,14 +50,14 @@ def test_every_row_equals_its_solo_pass(family, shape, dtype, native_ready, tmp_
         solo.append(logits)
         seq.truncate(seq.length)
     assert any(seq.plan(1).read_start is None for seq in seqs)  # a scattered sequence takes part
-    together = loaded.native.forward_batch([(s, torch.tensor(i), k, p) for s, i, k, p in parts])
+    together = loaded.native.forward_batch([PassPart(s, torch.tensor(i), k, p) for s, i, k, p in parts])
     for (logits, taps), alone, part in zip(together, solo, parts, strict=True):
         assert taps == []
         assert torch.equal(logits, alone), part[2:]
     # Row independence both ways: the batch's order does not matter either.
     for seq, *_ in parts:
         seq.truncate(seq.length)
-    reverse = loaded.native.forward_batch([(s, torch.tensor(i), k, p) for s, i, k, p in reversed(parts)])
+    reverse = loaded.native.forward_batch([PassPart(s, torch.tensor(i), k, p) for s, i, k, p in reversed(parts)])
     for (logits, _), alone in zip(reverse, reversed(solo), strict=True):
         assert torch.equal(logits, alone)
 
@@ -70,7 +72,7 @@ def test_taps_split_per_sequence(native_ready, tmp_path):  # noqa: F811
     alone_b = run(loaded, b, ids_b, keep=1, taps=(0, layers))
     b.truncate(0)
     both = loaded.native.forward_batch(
-        [(a, torch.tensor(ids_a), 2, None), (b, torch.tensor(ids_b), 1, None)], taps=(0, layers)
+        [PassPart(a, torch.tensor(ids_a), 2), PassPart(b, torch.tensor(ids_b), 1)], taps=(0, layers)
     )
     for (logits, taps), (want, want_taps) in zip(both, (alone_a, alone_b), strict=True):
         assert torch.equal(logits, want)
@@ -81,7 +83,7 @@ def test_bad_batches_are_clear_errors(native_ready, tmp_path):  # noqa: F811
     _, loaded, cache = tiny_native("llama", tmp_path, max_tokens=64)
     seq = cache.new_sequence()
     with pytest.raises(ValueError, match="twice"):
-        loaded.native.forward_batch([(seq, torch.tensor([1]), 1, None), (seq, torch.tensor([2]), 1, None)])
+        loaded.native.forward_batch([PassPart(seq, torch.tensor([1]), 1), PassPart(seq, torch.tensor([2]), 1)])
     obj = loaded.native.obj
     with pytest.raises(RuntimeError, match="segments hold 1 rows, ids 2"):
         obj.forward_batch(torch.tensor([1, 2]), torch.tensor([[1, 0, 0, 1]]), [torch.empty(0)], [torch.empty(0)], [])
@@ -89,3 +91,17 @@ def test_bad_batches_are_clear_errors(native_ready, tmp_path):  # noqa: F811
         obj.forward_batch(torch.tensor([1]), torch.tensor([1, 0, 0, 1]), [torch.empty(0)], [torch.empty(0)], [])
     with pytest.raises(RuntimeError, match="keeping 3"):
         obj.forward_batch(torch.tensor([1, 2]), torch.tensor([[2, 0, 0, 3]]), [torch.empty(0)], [torch.empty(0)], [])
+
+
+def test_a_long_pass_in_pieces_equals_it_whole(native_ready, tmp_path):  # noqa: F811
+    """A prefill chunk run as pieces in successive passes (offset: the rows before are written, not committed)
+    leaves the same K/V and gives its last row the same logits."""
+    _, loaded, cache = tiny_native("llama", tmp_path, dtype=torch.bfloat16, **SMOLLM_ATTENTION)
+    ids = random_ids(50, seed=9)
+    whole, _ = run(loaded, cache.new_sequence(), ids, keep=1)
+    seq = cache.new_sequence()
+    for start in range(0, 50, 16):
+        piece = torch.tensor(ids[start : start + 16])
+        ((logits, _),) = loaded.native.forward_batch([PassPart(seq, piece, 1, offset=start)])
+    assert seq.length == 0
+    assert torch.equal(logits, whole)
