@@ -23,9 +23,10 @@ import argparse
 import codecs
 import json
 import sys
+from collections.abc import Iterable
 
 from specchat.app.tui.bridge import step_name
-from specchat.backend.api import EngineAPI, RequestStats
+from specchat.backend.api import EngineAPI, RequestStats, StepEvent
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
 
@@ -240,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
         seed_reply_memory(engine, None if getattr(args, "no_history", False) else _history_replies, _progress)
     failed = False
     out = _Stdout()
+    batch: list[tuple[str, int, GenerationRequest]] = []  # --parallel: run together once all are built
+    parallel = getattr(args, "parallel", 1)
     try:
         for pid, messages in prompts:
             for sample in range(args.samples):
@@ -258,28 +261,38 @@ def run(args: argparse.Namespace) -> int:
                     sampling=sampling,
                     drafter=args.drafter,
                     gamma=args.gamma,
-                    conversation=f"generate:{pid}",
+                    # Batched replies run side by side: none shares a conversation's cache with another.
+                    conversation=f"generate:{pid}" if parallel == 1 else None,
                     prediction=prediction,
                 )
+                if parallel > 1 and pair.remote is None:
+                    batch.append((pid, sample, request))
+                    continue
                 try:
-                    failed = _one(engine, request, pid, sample, args.json, out) or failed
+                    failed = _one(engine.generate(request), pid, sample, args.json, out) or failed
                 except SpecchatError as error:  # name the prompt that failed (a file may hold thousands)
                     if not args.prompts:
                         raise
                     raise type(error)(f"{args.prompts}: prompt {shown(pid)}: {error}") from None
             engine.forget(f"generate:{pid}")
+        if batch:
+            from specchat.app.cli.generate_batch import run_batched
+
+            failed = run_batched(
+                engine, batch, parallel, args.prompts, lambda ev, pid, n: _one(ev, pid, n, args.json, out)
+            )
     finally:
         engine.close()
         out.notice()
     return 1 if failed else 0
 
 
-def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
+def _one(events: Iterable[StepEvent], pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
     """Print one reply; returns whether it ended in an error."""
     token_ids: list[int] = []
     text: list[str] = []
     last = None
-    for event in engine.generate(request):
+    for event in events:
         token_ids.extend(event.token_ids)
         text.append(event.text)
         if event.message:
