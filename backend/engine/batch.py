@@ -123,6 +123,8 @@ class BatchScheduler:
         self.rows_total = 0
         self.last_rows = 0
         self.last_streams = 0
+        self.draft_rows = 0  # rows of drafts verified (of rows_total)
+        self.prefill_rows = 0  # rows of prompts read (of rows_total)
         self.speculating = 0  # streams the last allocation let draft
         self.caps: list[int | None] = []
 
@@ -167,6 +169,8 @@ class BatchScheduler:
             "rows": self.rows_total,
             "last_rows": self.last_rows,
             "last_streams": self.last_streams,
+            "draft_rows": self.draft_rows,
+            "prefill_rows": self.prefill_rows,
             "speculating_streams": self.speculating,
             "gamma_caps": list(self.caps),
             "pass_cost_s": self.cost.curve(),
@@ -210,7 +214,7 @@ class BatchScheduler:
             self._drop_waiting(stream)
             if not self.cost.curve():
                 self._calibrate()
-            stream.lane = lane_for(self.engine, _LaneRunner(self.runner), share=self.share)
+            stream.lane = lane_for(self.engine, _LaneRunner(self.runner), self.cost, share=self.share)
             stream.run = greenlet.greenlet(self._main)
             self.active.append(stream)
             self._resume(stream, stream)
@@ -333,6 +337,10 @@ class BatchScheduler:
             ticket = stream.ticket
             assert ticket is not None
             stream.rows = part.ids.numel()
+            if ticket.prefill:
+                self.prefill_rows += stream.rows
+            else:
+                self.draft_rows += stream.rows - 1
             if ticket.taps is None and isinstance(result, tuple):
                 result = result[0]  # taps this stream did not ask for (a head drafts in another stream)
             ticket.done += part.ids.numel()

@@ -12,7 +12,7 @@ from specchat.backend.engine.parts import Lane
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.errors import RequestError
 from specchat.backend.limits import MAX_GAMMA
-from specchat.backend.speculative.batch_policy import BatchPolicy, Offer
+from specchat.backend.speculative.batch_policy import BatchPolicy, Offer, PassCost
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
 from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDrafter
@@ -45,11 +45,14 @@ def stream_drafters(engine: Engine, memory: ReplyMemory) -> dict[str, Drafter]:
     return drafters
 
 
-def lane_for(engine: Engine, runner: Any, *, share: bool = False) -> Lane:
-    """A new stream's lane: ``runner`` its passes' runner; ``share``: its suffix drafter reads the engine's memory
-    of replies (the operator's opt-in to sharing), else one of its own."""
+def lane_for(engine: Engine, runner: Any, cost: PassCost, *, share: bool = False) -> Lane:
+    """A new stream's lane: ``runner`` its passes' runner; its policies start from the batch's measured pass
+    times ``cost``; ``share``: its suffix drafter reads the engine's memory of replies (the operator's opt-in to
+    sharing), else one of its own."""
     drafters = stream_drafters(engine, engine.reply_memory if share else ReplyMemory())
     policies = {name: BatchPolicy(max_gamma=MAX_GAMMA) for name in drafters}
+    for policy in policies.values():
+        policy.learn_costs(cost)
     return Lane(runner, drafters, policies)
 
 

@@ -115,7 +115,16 @@ class BatchPolicy(GammaPolicy):
         paused = self.state is PolicyState.PAUSED
         top = 0 if paused or self.fixed_gamma is not None else min(max_gamma, self.max_gamma)
         draft_s = self._draft.value if self._draft.samples else self.draft_cost_prior * one_row_s
-        return Offer([self.expected_tokens(g) for g in range(top + 1)], draft_s)
+        table = self._expected_table()
+        return Offer(table[: top + 1], draft_s)
+
+    def learn_costs(self, cost: PassCost) -> None:
+        """Start from the batch's measured pass times (a pass over n rows alone costs what the batch's over n
+        rows did), so a stream alone chooses γ from the first step as a lone request with a warm engine does."""
+        for rows, seconds in cost.curve().items():
+            self._target.setdefault(rows, _Median()).add(seconds)
+        self._refit()
+        self._speedup_cache = None
 
     def choose(self) -> int:
         if self.cap is None:

@@ -166,3 +166,45 @@ def test_speculation_steps_aside_as_the_batch_grows(native_ready, tmp_path):  # 
     for rows in (1, 2, 4, 8, 16, 32):
         free.observe(rows, 1.0)  # memory-bound passes: rows cost nothing
     assert all(g > 0 for g in allocate([good] * 8, 8, free))
+
+
+def test_the_eager_path_batches_by_looping(tmp_path):
+    """Without the native model (transformers' forward) a pass runs each stream's rows as its own forward: replies
+    still equal their solo runs, prompts are prefilled whole."""
+    from engine_fixtures import tiny_engine
+
+    engine = tiny_engine(drafter="prompt-lookup")
+    engine.eos_ids = frozenset()
+    assert engine.runner.native is None
+    requests = [request(i, tokens=10, drafter=("prompt-lookup", "none")[i % 2], gamma=("auto", 3)[i % 2])
+                for i in range(5)]  # fmt: skip
+    alone = [solo(engine, r) for r in requests]
+    scheduler = BatchScheduler(engine, 3).start()
+    try:
+        got = batched(scheduler, requests)
+    finally:
+        scheduler.close()
+    assert [c.tokens for c in got] == alone
+
+
+def test_a_lone_stream_uses_its_own_policy_and_a_batch_caps_it(native_ready, tmp_path):  # noqa: F811
+    engine = native_engine(tmp_path, parallel=4)
+    scheduler = BatchScheduler(engine, 4)
+    caps: list[list[int | None]] = []
+    real = scheduler._set_caps
+
+    def watch(live) -> None:
+        real(live)
+        caps.append(list(scheduler.caps))
+
+    scheduler._set_caps = watch  # type: ignore[method-assign]
+    scheduler.start()
+    try:
+        batched(scheduler, [request(1, tokens=20)])
+        alone_caps = list(caps)
+        caps.clear()
+        batched(scheduler, [request(i, tokens=20) for i in range(4)])
+    finally:
+        scheduler.close()
+    assert all(c in ([], [None]) for c in alone_caps)  # alone: no cap, its own GammaPolicy decides
+    assert any(len(c) >= 2 and all(isinstance(g, int) for g in c) for c in caps)  # together: γ per stream
