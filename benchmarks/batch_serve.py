@@ -156,7 +156,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     gguf = subprocess.run(
-        [sys.executable, "-c", "from specchat.backend.models.config import load_pairs; "
+        [sys.executable, "-c", "from specchat.backend.models.catalog.config import load_pairs; "
          "print(load_pairs()['smollm2-135m'].target.facts_file)"], capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
     specs = {"serve-1": {"drafter": "prompt-lookup"}, "batch-policy": {"drafter": "prompt-lookup"},

@@ -35,12 +35,13 @@ import torch
 
 from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.batch_lanes import kv_need, lane_for, lane_rows, release_lane
+from specchat.backend.engine.forward_paths import Pass
 from specchat.backend.engine.parts import Lane
 from specchat.backend.errors import InsufficientMemoryError, KVCacheFullError
 from specchat.backend.kernels.native_model import PassPart
 from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.kv.kv_cache import kv_bytes_per_token
-from specchat.backend.models.memory import format_bytes, free_memory
+from specchat.backend.models.facts.memory import format_bytes, free_memory
 from specchat.backend.speculative.batch_policy import PassCost, allocate
 
 if TYPE_CHECKING:
@@ -341,8 +342,8 @@ class BatchScheduler:
                 self.prefill_rows += stream.rows
             else:
                 self.draft_rows += stream.rows - 1
-            if ticket.taps is None and isinstance(result, tuple):
-                result = result[0]  # taps this stream did not ask for (a head drafts in another stream)
+            if ticket.taps is None and isinstance(result, Pass) and result.hidden is not None:
+                result = Pass(result.logits)  # taps this stream did not ask for (a head drafts in another stream)
             ticket.done += part.ids.numel()
             if ticket.prefill and ticket.done < ticket.part.ids.numel() and not isinstance(result, BaseException):
                 continue  # the rest of its prompt in the next passes

@@ -88,11 +88,15 @@ def lane_rows(streams: Iterable[Any], one_row_s: float) -> tuple[int, list[Offer
         if state is None or ticket is None or ticket.prefill:
             continue
         base += 1
-        policies = [lane.policies[n] for n in state.candidates if isinstance(state.policies.get(n), BatchPolicy)]
-        if state.fixed is not None or state.prediction is not None or not policies:
-            base += state.fixed or 0
+        proposer = state.proposer
+        policies = [proposer.policies[n] for n in proposer.candidates]
+        if proposer.prediction is not None or not policies or not all(isinstance(p, BatchPolicy) for p in policies):
+            base += max((p.fixed_gamma or 0 for p in policies), default=0)  # a fixed γ: its rows as asked
             continue
-        best = max((p.offer(BATCH_MAX_GAMMA, one_row_s) for p in policies), key=lambda o: o.expected[-1])
+        best = max(
+            (p.offer(BATCH_MAX_GAMMA, one_row_s) for p in policies if isinstance(p, BatchPolicy)),
+            key=lambda o: o.expected[-1],
+        )
         offers.append(best)
         lanes.append(lane)
     return base, offers, lanes

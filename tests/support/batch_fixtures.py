@@ -16,9 +16,9 @@ from tiny_models import build_tiny
 from specchat.backend.api import GenerationRequest, SamplingParams, StepEvent
 from specchat.backend.engine.batch import BatchScheduler
 from specchat.backend.engine.engine import Engine
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.loading import LoadedModel
-from specchat.backend.models.native_loading import from_safetensors
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.loading.pair import LoadedModel
+from specchat.backend.models.loading.native_loading import from_safetensors
 
 
 def native_engine(folder: Path, *, parallel: int = 4, draft: bool = False, context_length: int = 256) -> Engine:
