@@ -233,7 +233,13 @@ def run(args: argparse.Namespace) -> int:
         from specchat.backend.models.loading import capture_library_output
 
         with capture_library_output(progress=_progress):
-            engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+            engine = load_engine(
+                pair,
+                device=args.device,
+                progress=_progress,
+                confirm_download=_confirm_download,
+                parallel=getattr(args, "parallel", 1),
+            )
         from specchat.app.cli.wiring import seed_reply_memory, start_line
 
         print(start_line(pair.name, engine), file=sys.stderr, flush=True)

@@ -33,16 +33,23 @@ class PassCost:
 
     def __init__(self) -> None:
         self._t: dict[int, _Median] = {}
+        self._memo: dict[int, float] = {}  # time() by rows until the next observation (allocate asks often)
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows >= 1 and seconds > 0.0:
             self._t.setdefault(rows, _Median()).add(seconds)
+            self._memo.clear()
 
     def curve(self) -> dict[int, float]:
         """The measured medians, by rows."""
         return {r: m.value for r, m in sorted(self._t.items())}
 
     def time(self, rows: int) -> float:
+        if (memo := self._memo.get(rows)) is None:
+            memo = self._memo[rows] = self._estimate(rows)
+        return memo
+
+    def _estimate(self, rows: int) -> float:
         known = self._t
         if rows in known:
             return known[rows].value
