@@ -17,8 +17,8 @@ from specchat.backend.api import GenerationRequest, SamplingParams, StepEvent
 from specchat.backend.engine.batch import BatchScheduler
 from specchat.backend.engine.engine import Engine
 from specchat.backend.models.catalog.config import load_pairs
-from specchat.backend.models.loading.pair import LoadedModel
 from specchat.backend.models.loading.native_loading import from_safetensors
+from specchat.backend.models.loading.pair import LoadedModel
 
 
 def native_engine(folder: Path, *, parallel: int = 4, draft: bool = False, context_length: int = 256) -> Engine:

@@ -28,11 +28,16 @@ def _run(monkeypatch, capsys, path, *argv: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-@pytest.mark.parametrize("sampling", [["--temperature", "0"], ["--temperature", "0.8", "--seed", "5", "--samples", "2"]])
+@pytest.mark.parametrize(
+    "sampling", [["--temperature", "0"], ["--temperature", "0.8", "--seed", "5", "--samples", "2"]]
+)
 def test_parallel_replies_equal_one_at_a_time(sampling, monkeypatch, capsys, tmp_path):
     path = tmp_path / "prompts.jsonl"
     lines = [
-        {"id": f"p{i}", "messages": [{"role": "user", "content": " ".join(f"w{10 + (i * j) % 20}" for j in range(4 + i))}]}
+        {
+            "id": f"p{i}",
+            "messages": [{"role": "user", "content": " ".join(f"w{10 + (i * j) % 20}" for j in range(4 + i))}],
+        }
         for i in range(5)
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
