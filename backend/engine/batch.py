@@ -43,6 +43,7 @@ from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.kv.kv_cache import kv_bytes_per_token
 from specchat.backend.models.facts.memory import format_bytes, free_memory
 from specchat.backend.speculative.batch_policy import PassCost, allocate
+from specchat.backend.speculative.policy import _Median
 
 if TYPE_CHECKING:
     from specchat.backend.engine.engine import Engine
@@ -108,6 +109,8 @@ class BatchScheduler:
         self.runner = engine.runner
         self.native = engine.runner.native is not None
         self.cost = PassCost()
+        self.between = _Median()  # seconds from the end of a pass to the start of the next (the streams' Python)
+        self._pass_end: float | None = None
         self.active: list[_Stream] = []
         self._waiting: deque[_Stream] = deque()
         self._cond = threading.Condition()
@@ -326,11 +329,14 @@ class BatchScheduler:
         rows = sum(part.ids.numel() for _, part in live)
         self._set_caps(live)
         t0 = time.perf_counter()
+        if self._pass_end is not None and len(live) == len(self.active):
+            self.between.add(t0 - self._pass_end)
         try:
             results: list[Any] = self.runner.forward_batch([part for _, part in live], taps)
         except Exception as error:  # noqa: BLE001 - each stream's request handles its pass's failure
             results = [error] * len(live)
-        self.cost.observe(rows, time.perf_counter() - t0)
+        self._pass_end = time.perf_counter()
+        self.cost.observe(rows, self._pass_end - t0)
         self.passes += 1
         self.rows_total += rows
         self.last_rows, self.last_streams = rows, len(self.active)
@@ -369,7 +375,8 @@ class BatchScheduler:
             return
         base, offers, who = lane_rows(self.active, self.cost.time(1))
         prefill = sum(1 for s in self.active if s.ticket is not None and s.ticket.prefill)
-        caps = allocate(offers, base + (self.prefill_budget if prefill else 0), self.cost)
+        between = self.between.value if self.between.samples else 0.0
+        caps = allocate(offers, base + (self.prefill_budget if prefill else 0), self.cost, between)
         for lane, cap in zip(who, caps, strict=True):
             for policy in lane.policies.values():
                 policy.cap = cap  # type: ignore[attr-defined]

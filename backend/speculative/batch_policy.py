@@ -2,7 +2,8 @@
 
 Alone, a stream's γ is :class:`~specchat.backend.speculative.policy.GammaPolicy`'s (S(γ) against its own pass
 times). In a batch of B streams a pass over R rows costs T(R) for all of them, and what counts is the batch's
-tokens per second, Σ_i E_i[N](γ_i) / (T(B + Σ γ_i + prefill rows) + Σ_i γ_i · T_d,i): a draft row pays only
+tokens per second, Σ_i E_i[N](γ_i) / (T(B + Σ γ_i + prefill rows) + Σ_i γ_i · T_d,i + the time between passes,
+the streams' own bookkeeping): a draft row pays only
 if the tokens it is expected to add are worth the time it adds to everyone's pass. While passes are memory-bound
 (T(R) ≈ T(1)) drafts cost almost nothing; as rows fill the pass, T(R) grows with R and the same drafts stop
 paying, so speculation shrinks and switches off as streams join, and comes back as they leave.
@@ -10,8 +11,9 @@ paying, so speculation shrinks and switches off as streams join, and comes back 
 - :class:`PassCost`: T(R), a running median of the measured passes at each row count R (the batch's own passes,
   and a calibration at start when given one), linear between measured R and by the last slope beyond them;
   before any measurement, the prior shape T(R) = T(1) · (1 + 0.5 · (R − 1)).
-- :func:`allocate`: the γ of each stream maximising that ratio, greedily: from every γ at 0, the one change of
-  one stream's γ that raises the ratio most, until none does. E_i[N](γ) is the stream's policy's own estimate
+- :func:`allocate`: the γ of each stream maximising that ratio, greedily: from every γ at its floor (0, or the
+  probe's γ for a stream's first drafted steps, whose acceptance is not known yet), the one change of one
+  stream's γ that raises the ratio most, until none does. E_i[N](γ) is the stream's policy's own estimate
   (per-position acceptance); a paused policy offers no drafts.
 - :class:`BatchPolicy`: a stream's GammaPolicy in a batch: ``cap`` (set before each pass; None while the stream
   is alone) bounds its γ, and a pass shared with other streams does not count as its own pass time.
@@ -78,14 +80,17 @@ class Offer:
 
     expected: Sequence[float]
     draft_s: float
+    floor: int = 0  # γ it gets whatever the cost: its first drafted steps, the evidence its acceptance needs
 
 
-def allocate(offers: Sequence[Offer], base_rows: int, cost: PassCost) -> list[int]:
+def allocate(offers: Sequence[Offer], base_rows: int, cost: PassCost, between_s: float = 0.0) -> list[int]:
     """γ per stream maximising the batch's tokens per second (see the module docstring); ``base_rows``: the
-    pass's rows before any draft (one per decoding stream, fixed drafts, a prefill piece)."""
-    gammas = [0] * len(offers)
-    tokens = sum(o.expected[0] for o in offers)
-    rows, drafting = base_rows, 0.0
+    pass's rows before any draft (one per decoding stream, fixed drafts, a prefill piece); ``between_s``: the
+    time between two passes (the streams' verifying, detokenising, drafting), which drafts do not add to."""
+    gammas = [min(o.floor, len(o.expected) - 1) for o in offers]
+    tokens = sum(o.expected[g] for o, g in zip(offers, gammas, strict=True))
+    rows = base_rows + sum(gammas)
+    drafting = between_s + sum(g * o.draft_s for o, g in zip(offers, gammas, strict=True))
     best_rate = tokens / (cost.time(rows) + drafting)
     while True:
         move: tuple[float, int, int] | None = None
@@ -123,7 +128,10 @@ class BatchPolicy(GammaPolicy):
         top = 0 if paused or self.fixed_gamma is not None else min(max_gamma, self.max_gamma)
         draft_s = self._draft.value if self._draft.samples else self.draft_cost_prior * one_row_s
         table = self._expected_table()
-        return Offer(table[: top + 1], draft_s)
+        # Until it has drafted a few steps its acceptance is the prior's: it drafts at the probe's γ to learn it
+        # (else a batch that never lets it draft would never find a stream whose drafts pay).
+        floor = min(self.probe_gamma, top) if self._drafted_steps < self.warmup_steps else 0
+        return Offer(table[: top + 1], draft_s, floor)
 
     def learn_costs(self, cost: PassCost) -> None:
         """Start from the batch's measured pass times (a pass over n rows alone costs what the batch's over n
