@@ -12,11 +12,12 @@ and the policy's crossover table (batch tok/s with speculation on, off, and as t
     python benchmarks/batch_serve.py --concurrency 1 2 4 8 16 --requests 2 --max-tokens 96 \\
         [--llama-bin ~/.cache/llama.cpp-bin/src/build/bin] [--threads 2] [--json out.json]
 
-Modes (one server per kind; `specchat serve --parallel 16` serves every batch mode, the request's ``specchat``
-field choosing the drafter and γ): ``serve-1`` (`--parallel 1`, prompt lookup, γ auto: one at a time, the
-others queue), ``batch-policy`` (prompt lookup, γ auto: the batch policy), ``batch-on`` (prompt lookup, γ fixed at
-``--gamma``), ``batch-off`` (no drafter), ``llama`` (`llama-server -np 16`), ``llama-ngram`` (with
-``--spec-type ngram-simple`` when this build knows it).
+Modes (one server per kind; `specchat serve --parallel 16` serves every batch mode, the request's ``specchat`` field
+choosing the drafter and γ): ``serve-1`` (`--parallel 1`, prompt lookup, γ auto: one at a time, the others queue),
+``batch-policy`` (prompt lookup, γ auto: the batch policy), ``batch-on`` (prompt lookup, γ fixed at ``--gamma``),
+``batch-off`` (no drafter), ``llama`` (`llama-server -np 16 -no-kvu`, 4,096 tokens a slot: a unified cache of 65,536
+cells made every step attend over all of them, 3 tok/s), ``llama-ngram`` (with ``--spec-type ngram-simple``, a
+3-token lookup and drafts of up to 8, when this build knows it).
 """
 
 from __future__ import annotations
@@ -81,20 +82,21 @@ def llama_server(bin_dir: Path, gguf: str, threads: int, ngram: bool) -> tuple[s
     port = free_port()
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
     command = [str(bin_dir / "llama-server"), "-m", gguf, "-t", str(threads), "-tb", str(threads),
-               "-c", str(4096 * SLOTS), "-np", str(SLOTS), "--port", str(port), "--no-warmup", "-cb"]  # fmt: skip
+               "-c", str(4096 * SLOTS), "-np", str(SLOTS), "-no-kvu", "--port", str(port), "--no-warmup"]  # fmt: skip
     if ngram:
         helptext = subprocess.run([command[0], "--help"], env=env, capture_output=True, text=True).stdout
         if "ngram-simple" not in helptext:
             return None
-        command += ["--spec-type", "ngram-simple", "--draft-max", "8"]
+        # Prompt lookup's shape: a 3-token match, drafts of up to 8.
+        command += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8"]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_up(f"http://127.0.0.1:{port}/health", proc, "llama-server")
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
 def one_reply(url: str, messages: list[dict], max_tokens: int, spec: dict | None) -> dict:
-    body: dict = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}}  # fmt: skip
+    body: dict = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                  "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if spec is not None:
         body["specchat"] = spec
     t0 = time.perf_counter()
@@ -152,6 +154,8 @@ def main() -> int:
     parser.add_argument("--gamma", type=int, default=4, help="γ of the batch-on mode")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-bin", type=Path, default=None)
+    parser.add_argument("--llama-concurrency", type=int, nargs="+", default=None,
+                        help="the concurrencies llama-server runs at (default: all)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -159,8 +163,12 @@ def main() -> int:
         [sys.executable, "-c", "from specchat.backend.models.catalog.config import load_pairs; "
          "print(load_pairs()['smollm2-135m'].target.facts_file)"], capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
-    specs = {"serve-1": {"drafter": "prompt-lookup"}, "batch-policy": {"drafter": "prompt-lookup"},
-             "batch-on": {"drafter": "prompt-lookup", "gamma": args.gamma}, "batch-off": {"drafter": "none"}}  # fmt: skip
+    specs = {
+        "serve-1": {"drafter": "prompt-lookup"},
+        "batch-policy": {"drafter": "prompt-lookup"},
+        "batch-on": {"drafter": "prompt-lookup", "gamma": args.gamma},
+        "batch-off": {"drafter": "none"},
+    }
     modes = args.modes or [*specs, "llama", "llama-ngram"]
     servers: dict[str, tuple[subprocess.Popen, str] | None] = {}
     try:
@@ -178,6 +186,8 @@ def main() -> int:
                 server = servers.get("batch" if mode.startswith("batch") else mode)
                 if server is None:
                     continue
+                if mode.startswith("llama") and args.llama_concurrency and clients not in args.llama_concurrency:
+                    continue
                 run_mode(server[1], 1, 1, 8, specs.get(mode))  # warm: first-request costs out of the figures
                 got = run_mode(server[1], clients, args.requests, args.max_tokens, specs.get(mode))
                 table.setdefault(mode, {})[clients] = got
@@ -191,7 +201,9 @@ def main() -> int:
                 server[0].wait(30)
     print("\ncrossover (aggregate tok/s): concurrency, spec on, spec off, policy, policy / best")
     for clients in args.concurrency:
-        row = [table.get(m, {}).get(clients, {}).get("aggregate_tok_s") for m in ("batch-on", "batch-off", "batch-policy")]
+        row = [
+            table.get(m, {}).get(clients, {}).get("aggregate_tok_s") for m in ("batch-on", "batch-off", "batch-policy")
+        ]
         if None not in row:
             on, off, policy = row
             print(f"  {clients:2d}  {on:7.1f}  {off:7.1f}  {policy:7.1f}  {policy / max(on, off):.2f}")
