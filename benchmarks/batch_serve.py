@@ -72,8 +72,10 @@ def wait_up(url: str, proc: subprocess.Popen, what: str) -> None:
 def specchat_server(parallel: int, threads: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    command = ["specchat", "serve", "--port", str(port), "--parallel", str(parallel), "--queue", "64", "--log", "off"]
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    # No prefix cache: every mode sends the same prompts, and a later mode would read the earlier one's.
+    command = ["specchat", "serve", "--port", str(port), "--parallel", str(parallel), "--queue", "64", "--log", "off",
+               "--prefix-cache-mb", "0"]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, stderr=open(f"/tmp/specchat-serve-{parallel}.log", "w"))  # noqa: SIM115
     wait_up(f"http://127.0.0.1:{port}/health", proc, "specchat serve")
     return proc, f"http://127.0.0.1:{port}/v1"
 
@@ -181,8 +183,10 @@ def main() -> int:
                 if mode in modes:
                     servers[mode] = llama_server(args.llama_bin, gguf, args.threads, mode == "llama-ngram")
         table: dict[str, dict[int, dict]] = {}
-        for clients in args.concurrency:
-            for mode in modes:  # interleaved: every mode at this concurrency, then the next
+        for turn, clients in enumerate(args.concurrency):
+            # Interleaved: every mode at this concurrency, then the next; the order rotates so no mode is always
+            # first (llama-server keeps its slots' prompts, a cache of its own per mode's server).
+            for mode in modes[turn % len(modes) :] + modes[: turn % len(modes)]:
                 server = servers.get("batch" if mode.startswith("batch") else mode)
                 if server is None:
                     continue

@@ -22,7 +22,10 @@ from specchat.backend.speculative.heads.drafter import head_drafter
 if TYPE_CHECKING:
     from specchat.backend.engine.engine import Engine
 
-BATCH_MAX_GAMMA = 16  # the longest draft the allocation weighs for a stream that shares its pass
+# The longest draft the allocation weighs for a stream that shares its pass: past a few positions α̂_k is the
+# neighbours' (shrunk) value, and on a 2-core CPU longer drafts in a shared pass cost more than they returned
+# (benchmarks/RESULTS.md, "Continuous batching").
+BATCH_MAX_GAMMA = 4
 
 
 def stream_drafters(engine: Engine, memory: ReplyMemory) -> dict[str, Drafter]:

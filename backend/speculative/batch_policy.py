@@ -11,8 +11,8 @@ paying, so speculation shrinks and switches off as streams join, and comes back 
 - :class:`PassCost`: T(R), a running median of the measured passes at each row count R (the batch's own passes,
   and a calibration at start when given one), linear between measured R and by the last slope beyond them;
   before any measurement, the prior shape T(R) = T(1) · (1 + 0.5 · (R − 1)).
-- :func:`allocate`: the γ of each stream maximising that ratio, greedily: from every γ at its floor (0, or the
-  probe's γ for a stream's first drafted steps, whose acceptance is not known yet), the one change of one
+- :func:`allocate`: the γ of each stream maximising that ratio, greedily: from every γ at its floor (0, or 1 for
+  a stream's first drafted steps, whose acceptance is not known yet), the one change of one
   stream's γ that raises the ratio most, until none does. E_i[N](γ) is the stream's policy's own estimate
   (per-position acceptance); a paused policy offers no drafts.
 - :class:`BatchPolicy`: a stream's GammaPolicy in a batch: ``cap`` (set before each pass; None while the stream
@@ -128,9 +128,9 @@ class BatchPolicy(GammaPolicy):
         top = 0 if paused or self.fixed_gamma is not None else min(max_gamma, self.max_gamma)
         draft_s = self._draft.value if self._draft.samples else self.draft_cost_prior * one_row_s
         table = self._expected_table()
-        # Until it has drafted a few steps its acceptance is the prior's: it drafts at the probe's γ to learn it
-        # (else a batch that never lets it draft would never find a stream whose drafts pay).
-        floor = min(self.probe_gamma, top) if self._drafted_steps < self.warmup_steps else 0
+        # Until it has drafted a few steps its acceptance is the prior's: it drafts one token to learn it (else a
+        # batch that never lets it draft would never find a stream whose drafts pay).
+        floor = min(1, top) if self._drafted_steps < self.warmup_steps else 0
         return Offer(table[: top + 1], draft_s, floor)
 
     def learn_costs(self, cost: PassCost) -> None:

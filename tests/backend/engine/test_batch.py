@@ -210,7 +210,7 @@ def test_a_lone_stream_uses_its_own_policy_and_a_batch_caps_it(native_ready, tmp
     assert any(len(c) >= 2 and all(isinstance(g, int) for g in c) for c in caps)  # together: γ per stream
 
 
-def test_a_new_stream_drafts_at_the_probe_gamma_until_its_acceptance_is_known():
+def test_a_new_stream_drafts_one_token_until_its_acceptance_is_known():
     from specchat.backend.speculative.batch_policy import BatchPolicy, Offer, PassCost, allocate
 
     cost = PassCost()
@@ -218,8 +218,8 @@ def test_a_new_stream_drafts_at_the_probe_gamma_until_its_acceptance_is_known():
         cost.observe(rows, seconds)  # compute-bound: no draft pays on its estimate
     fresh = BatchPolicy(max_gamma=8)
     offer = fresh.offer(8, 1.0)
-    assert offer.floor == fresh.probe_gamma
-    assert allocate([offer, Offer([1.0, 1.5], 0.0)], 2, cost) == [fresh.probe_gamma, 0]
+    assert offer.floor == 1
+    assert allocate([offer, Offer([1.0, 1.5], 0.0)], 2, cost) == [1, 0]
     for _ in range(fresh.warmup_steps):
         fresh.observe(gamma=3, proposed=3, accepted=0, draft_s=0.0, verify_s=0.0)
     assert fresh.offer(8, 1.0).floor == 0
