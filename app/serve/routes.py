@@ -79,7 +79,7 @@ class _JSON(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return wire.dumps(content).encode()
+        return wire.encode(content)
 
 
 def _error(error: ApiError, headers: dict[str, str] | None = None) -> Response:

@@ -180,7 +180,13 @@ def dumps(payload: Any) -> str:
         return json.dumps(_finite(payload), ensure_ascii=False, allow_nan=False)
 
 
+def encode(payload: Any) -> bytes:
+    """:func:`dumps` as UTF-8. A lone surrogate (JSON's ``"\\ud800"`` decodes to one, and an error may echo it)
+    has no UTF-8 form: it is written back as that same JSON escape, so every body encodes whatever came in."""
+    return dumps(payload).encode("utf-8", "backslashreplace")
+
+
 def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event."""
     data = payload if isinstance(payload, str) else dumps(payload)
-    return f"data: {data}\n\n".encode()
+    return f"data: {data}\n\n".encode("utf-8", "backslashreplace")
