@@ -22,7 +22,8 @@ Contract:
 - Limits: an error answer is read up to :data:`MAX_ERROR_BYTES`, a stream line up to
   ``reply.MAX_LINE_BYTES``, a whole answer up to :data:`MAX_ANSWER_BYTES`; the reply ends at the request's
   ``max_new_tokens`` (else the pair's, else the engine's default) whatever the server sends (``reply.py``).
-  Server text reaching the caller (the reply, error messages, names) has terminal control characters stripped.
+  Server text reaching the caller (the reply, error messages, names) has terminal control characters stripped
+  and the pair's secrets (its API key, its URL's password and query values) masked, whatever the server echoes.
 - Timeouts: connect :data:`CONNECT_TIMEOUT_S`, then :data:`READ_TIMEOUT_S` between two chunks (a large model's
   first token may take long); a failed connect is retried :data:`CONNECT_RETRIES` times, nothing else is. The
   server is addressed directly: proxy settings from the environment are not used.
@@ -47,7 +48,17 @@ from specchat.backend.engine.prompting import validate_messages
 from specchat.backend.errors import RemoteError, RequestError
 from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
 from specchat.backend.models.config import PREDICTION_KINDS, PairConfig, RemoteSpec
-from specchat.backend.remote.faults import describe, error_text, http_error, network_error, one_line, shown_url
+from specchat.backend.redact import terminal_safe
+from specchat.backend.remote.faults import (
+    describe,
+    error_text,
+    http_error,
+    network_error,
+    one_line,
+    pair_secrets,
+    redact,
+    shown_url,
+)
 from specchat.backend.remote.reply import MAX_LINE_BYTES, ReplyState, TooLarge, capped_lines, sse_data
 
 CONNECT_TIMEOUT_S = 5.0
@@ -123,6 +134,7 @@ class RemoteEngine:
         self.draft = None
         self.context_length: int | None = None  # the server's; not known here
         self._client = make_client(spec, pair.name, read_timeout_s=read_timeout_s)
+        self._secrets = pair_secrets(spec)
 
     # -- EngineAPI --------------------------------------------------------------------------------------
 
@@ -225,6 +237,7 @@ class RemoteEngine:
             self._notice(request),
             self._max_new_tokens(request),
             predicted="prediction" in body,
+            clean=self._clean,
         )
         try:
             with self._client.stream("POST", "chat/completions", json=body) as response:
@@ -253,6 +266,10 @@ class RemoteEngine:
             raise network_error(self.spec, self.pair.name, error) from None
         yield state.last(cancel.is_set())
 
+    def _clean(self, text: str) -> str:
+        """A server's text as shown: terminal-safe, the pair's secrets masked."""
+        return self._secrets.mask(terminal_safe(text))
+
     def _answer(self, response: httpx.Response) -> Iterator[bytes]:
         """The answer's body as an event stream's bytes; RemoteError for an error answer or one that is not a
         stream (an HTML page, a JSON error); a whole JSON completion is taken as a stream of one event."""
@@ -264,8 +281,9 @@ class RemoteEngine:
                 raise http_error(self.spec, self.pair.name, response.status_code, text)
             if "json" in kind and b'"choices"' in body:
                 return iter([b"data: " + body.replace(b"\n", b" ") + b"\n\n"])
+            said, kind = one_line(redact(text, self.spec), 200), one_line(kind, 60) or "no type"
             raise RemoteError(
-                f"pair '{self.pair.name}': {shown_url(self.spec.server)} answered {text[:200]} ({kind or 'no type'}) "
+                f"pair '{self.pair.name}': {shown_url(self.spec.server)} answered {said} ({kind}) "
                 "instead of an event stream; check that the pair's server URL is the API's, ending in /v1, and "
                 "that no proxy or login page is in between"
             )
@@ -313,6 +331,6 @@ def check_server(spec: RemoteSpec, pair_name: str, *, timeout_s: float = 3.0) ->
     except (ValueError, AttributeError, TypeError, RecursionError):
         return {"reachable": True, "model_listed": None, "error": "GET /models did not answer a model list"}
     listed = spec.model in ids
-    names = one_line(", ".join(map(str, list(ids)[:20])), 300)
+    names = one_line(redact(", ".join(map(str, list(ids)[:20])), spec), 300)
     problem = None if listed else f"model '{one_line(spec.model, 80)}' is not listed (the server has: {names})"
     return {"reachable": True, "model_listed": listed, "error": problem}
