@@ -48,6 +48,14 @@ SERVE_PREFIX_CACHE_BYTES = 512 * 2**20
 # least this long; a shorter tail (a reply the client re-encoded differently, a retried turn) is given up.
 PREFIX_FORK_TOKENS = 64
 
+# -- remote pairs ------------------------------------------------------------------------------------------
+# A remote request ends with a clear error when its server sends no new token for REMOTE_NO_PROGRESS_S (the first
+# token included: a long prompt's prefill on a large model; keep-alive comments and empty chunks do not count), or
+# has not finished within REMOTE_DEADLINE_S. Both per pair (models.yaml target.no_progress_s / deadline_s).
+REMOTE_NO_PROGRESS_S = 120.0
+REMOTE_DEADLINE_S = 900.0
+MIN_REMOTE_TIMEOUT_S, MAX_REMOTE_TIMEOUT_S = 0.1, 86400.0  # what models.yaml may set for either
+
 # -- sampling ------------------------------------------------------------------------------------------------
 MAX_TEMPERATURE = 10.0  # 0 is greedy
 # Temperatures below this are greedy: the argmax, lowest id on ties (as vLLM's _SAMPLING_EPS). At such a temperature

@@ -187,7 +187,7 @@ def _check_message(text: str, url: str) -> None:
 def test_a_faulty_server_ends_in_one_line_or_a_marked_reply(faulty, tmp_path, name) -> None:
     faulty.behaviour = BEHAVIOURS[name]
     url = f"http://user:{PASSWORD}@127.0.0.1:{faulty.port}/v1"
-    engine = RemoteEngine(remote_pair(tmp_path, url, kind="vllm"), read_timeout_s=1.0)
+    engine = RemoteEngine(remote_pair(tmp_path, url, kind="vllm", no_progress_s=1.0))
     request = GenerationRequest(
         messages=[{"role": "user", "content": "hi"}], sampling=SamplingParams(max_new_tokens=MAX_NEW)
     )
@@ -234,7 +234,7 @@ def test_the_expected_outcomes_of_some_faults(faulty, tmp_path) -> None:
 
     def run(name: str) -> tuple[list, str]:
         faulty.behaviour = BEHAVIOURS[name]
-        engine = RemoteEngine(remote_pair(tmp_path, url, kind="vllm"), read_timeout_s=1.0)
+        engine = RemoteEngine(remote_pair(tmp_path, url, kind="vllm", no_progress_s=1.0))
         try:
             return list(engine.generate(request)), ""
         except RemoteError as error:
