@@ -32,10 +32,13 @@ def _width(out: TextIO) -> int:
 
 
 def _fold(label: str, text: str, width: int) -> list[str]:
-    """``text`` under a left label, folded at spaces (long words such as paths broken where they must be)."""
+    """``text`` under a left label, folded at spaces (long words such as paths broken where they must be); the
+    text of models.yaml, a model's files or a server, so stripped of terminal escapes first."""
+    from specchat.backend.redact import terminal_safe
+
     lead = f"    {label:<{_LABEL}}"
     return textwrap.wrap(
-        text, width=width, initial_indent=lead, subsequent_indent=" " * len(lead), break_on_hyphens=False
+        terminal_safe(text), width=width, initial_indent=lead, subsequent_indent=" " * len(lead), break_on_hyphens=False
     ) or [lead.rstrip()]
 
 
@@ -157,6 +160,7 @@ def run(args: Any, out: TextIO | None = None) -> int:
     from specchat.backend.models.config import default_pair_name, get_pair, load_pairs, user_models_file
     from specchat.backend.models.loading import resolve_device
     from specchat.backend.models.memory import format_bytes, free_memory
+    from specchat.backend.redact import terminal_safe
 
     out = out or sys.stdout
     width = _width(out)
@@ -171,7 +175,7 @@ def run(args: Any, out: TextIO | None = None) -> int:
     user = user_models_file()
     note = "" if user.is_file() else f"; add your own with `specchat add SOURCE` (written to {user})"
     for line in textwrap.wrap(f"Model pairs from {', '.join(files)}{note}", width=width, subsequent_indent="  "):
-        print(line, file=out)
+        print(terminal_safe(line), file=out)
     print(f"Device {device}: {format_bytes(free)} free. * = default pair.", file=out)
     for pair in shown:
         print(file=out)
@@ -181,7 +185,7 @@ def run(args: Any, out: TextIO | None = None) -> int:
             else _pair_block(pair, default, device, free, width)
         )
         for line in block:
-            print(line, file=out)
+            print(terminal_safe(line), file=out)  # every line: a value of a file or a server never acts on the terminal
     print(file=out)
     legend = (
         f"Memory: weights + KV caches for each pair's context + scratch + 8% headroom, on {device}. Sizes say where "
