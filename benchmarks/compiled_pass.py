@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import load_pairs
+from specchat.backend.models.catalog.config import load_pairs
 
 INT4 = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 PER_LAYER = 12  # tensors a layer passes in: 2 norms, 4 (packed, scales) pairs, its K and V pools
@@ -87,7 +87,7 @@ class OneTokenPass(torch.nn.Module):
 def _setup(context: int):
     engine = load_engine(load_pairs()["smollm2-135m"])
     runner = engine.runner
-    forward, cache = runner.compact, runner.cache
+    forward, cache = getattr(runner.forward_path, "fast", None), runner.cache
     if forward is None or any(layer.qkv is None or layer.gate_up is None or layer.window for layer in forward.layers):
         raise SystemExit(f"the default does not run the joined compact forward here ({runner.path})")
     tensors = []
@@ -146,7 +146,7 @@ def main() -> int:
         probes = range(7, 49000, 2450)  # 20 tokens: agreeing on one, or on 10, said little
         for token in probes:
             compiled_logits = head(compiled(*inputs(position, token), *tensors))
-            compact_logits = runner.forward(seq, [token])
+            compact_logits = runner.forward(seq, [token]).logits
             equal += torch.equal(compiled_logits, compact_logits)
             largest = max(largest, (compiled_logits - compact_logits).abs().max().item())
         print(f"logits equal to the compact forward's for {equal} of {len(probes)} tokens (largest difference "

@@ -52,7 +52,7 @@ from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.prompting import validate_messages
 from specchat.backend.errors import RemoteError, RequestError
 from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
-from specchat.backend.models.config import PREDICTION_KINDS, PairConfig, RemoteSpec
+from specchat.backend.models.catalog.config import PREDICTION_KINDS, PairConfig, RemoteSpec
 from specchat.backend.redact import terminal_safe
 from specchat.backend.remote.faults import (
     describe,

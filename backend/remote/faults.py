@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import httpx
 
 from specchat.backend.errors import RemoteError
-from specchat.backend.models.config import RemoteSpec
+from specchat.backend.models.catalog.config import RemoteSpec
 from specchat.backend.redact import Secrets, mask_url, terminal_safe, url_secrets
 from specchat.backend.redact import one_line as _one_line
 

@@ -21,7 +21,7 @@ BACKEND_FOR_THE_UI = {
     "specchat.backend.inputs",
     "specchat.backend.redact",  # a leaf: secrets masked and terminal escapes stripped from what is shown
 }
-ANNOTATIONS_ONLY = {"specchat.backend.models.config"}
+ANNOTATIONS_ONLY = {"specchat.backend.models.catalog.config"}
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:

@@ -11,7 +11,7 @@ import textwrap
 import time
 
 from specchat.app.cli.main import main
-from specchat.backend.models import model_facts, spec_facts
+from specchat.backend.models.facts import model_facts, spec_facts
 
 
 def _many(tmp_path, n: int):

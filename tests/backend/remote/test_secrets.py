@@ -13,7 +13,7 @@ from serve_fixtures import remote_pair
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.errors import RemoteError
-from specchat.backend.models.config import RemoteSpec
+from specchat.backend.models.catalog.config import RemoteSpec
 from specchat.backend.redact import Secrets, terminal_safe
 from specchat.backend.remote.client import RemoteEngine, check_server
 

@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Union
 
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.limits import MAX_GAMMA, PREFILL_CHUNK
-from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
-from specchat.backend.models.model_spec import GGUF_KINDS
+from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
+from specchat.backend.models.catalog.model_spec import GGUF_KINDS
 
 if TYPE_CHECKING:
     import torch
