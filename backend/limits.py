@@ -48,6 +48,28 @@ SERVE_PREFIX_CACHE_BYTES = 512 * 2**20
 # least this long; a shorter tail (a reply the client re-encoded differently, a retried turn) is given up.
 PREFIX_FORK_TOKENS = 64
 
+# -- a model's sizes -----------------------------------------------------------------------------------------
+# What a model's files (GGUF metadata, config.json) or models.yaml may state: a value outside is not a real model's
+# (2**32 - 1 layers, 0 heads: a corrupt or hostile file), refused when the pair is read or added, not at load.
+# Generous: the largest published models have ~130 layers, 128 heads, head_dim 256, hidden 32k, vocab 262k.
+MODEL_SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "num_layers": (1, 1024),
+    "num_attention_heads": (1, 4096),
+    "num_kv_heads": (1, 4096),
+    "head_dim": (1, 4096),
+    "hidden_size": (1, 1 << 18),
+    "vocab_size": (1, 1 << 24),
+}
+
+
+def model_size_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be a model's ``name`` (a key of :data:`MODEL_SIZE_LIMITS`), or None."""
+    low, high = MODEL_SIZE_LIMITS[name]
+    if not is_int(value) or not low <= value <= high:
+        return f"{name} = {value!r} is not a real model's (expected {low} to {high:,})"
+    return None
+
+
 # -- remote pairs ------------------------------------------------------------------------------------------
 # A remote request ends with a clear error when its server sends no new token for REMOTE_NO_PROGRESS_S (the first
 # token included: a long prompt's prefill on a large model; keep-alive comments and empty chunks do not count), or
