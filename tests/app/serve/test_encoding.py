@@ -45,3 +45,15 @@ def test_the_encoder_writes_a_lone_surrogate_back_as_its_json_escape() -> None:
     data = wire.encode(payload)
     assert json.loads(data.decode("utf-8")) == payload
     assert wire.sse(payload).decode("utf-8").startswith("data: {")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("repetition_penalty", 1e-320), ("temperature", 1e-320), ("top_k", 2**70), ("top_p", 5e-324)],
+)
+def test_values_that_mean_nothing_are_a_400_naming_the_field(url: str, field: str, value: object) -> None:
+    """Issue 47, class 8: the ranges of backend/limits.py, refused at the server's boundary."""
+    body = {"model": "tiny", "messages": HI, field: value}
+    response = httpx.post(url + "/chat/completions", content=json.dumps(body).encode(), timeout=10)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field and f"field '{field}'" in error["message"]
