@@ -315,7 +315,8 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         out.write("\n")
         rate = stats.acceptance_rate
         print(
-            f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
+            f"[{last.finish_reason}] {stats.new_tokens if stats.tokens_counted else '—'} tokens, "
+            f"{f'{stats.tok_s:.1f}' if stats.tok_s is not None else '—'} tok/s, "
             f"drafter {stats.drafter}, acceptance "
             f"{'n/a' if rate is None else f'{rate:.0%}'}, "
             f"τ {stats.mean_accepted_length or 0:.2f} per speculating step, "

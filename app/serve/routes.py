@@ -40,6 +40,7 @@ from specchat.app.serve.config import ServeConfig
 from specchat.app.serve.owner import END, Busy, EngineOwner, Job, Metrics
 from specchat.backend.api import StepEvent
 from specchat.backend.errors import SpecchatError
+from specchat.backend.limits import MAX_GAMMA
 
 log = logging.getLogger("specchat.serve")
 OUTCOMES = ("ok", "error", "cancelled", "rejected", "invalid", "unauthorised")
@@ -148,8 +149,9 @@ class Routes:
         key = self.server.config.api_key
         if key is None:
             return None
-        given = request.headers.get("authorization", "")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), key.encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # An auth scheme is case-insensitive (RFC 9110 11.1): "bearer" and "BEARER" are Bearer.
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
             return None
         self.metrics.count("unauthorised")
         _entry(request).outcome = "unauthorised"
@@ -298,7 +300,18 @@ class Routes:
             return self._failed(entry, reply, None if reply.left else SpecchatError("the engine stopped early"))
         self.finish(entry, last)
         token_ids = ids if call.return_token_ids else None
-        return _JSON(wire.completion(wire.new_id(), call.model, "".join(text), token_ids, last))
+        spec_tokens = self.spec_tokens(call)
+        return _JSON(wire.completion(wire.new_id(), call.model, "".join(text), token_ids, last, spec_tokens))
+
+    def spec_tokens(self, call: ChatCall) -> int | None:
+        """vLLM's ``num_spec_tokens``: the γ this request was configured with (its own, else the pair's; auto: the
+        most the γ policy may draft; 0 without a drafter), not the largest it used. None: not known here."""
+        request = call.request
+        if request.drafter == "none":
+            return 0
+        if request.gamma is not None:
+            return MAX_GAMMA if request.gamma == "auto" else int(request.gamma)
+        return self.server.config.spec_tokens
 
     def finish(self, entry: Entry, last: StepEvent) -> None:
         stats = last.stats
@@ -363,7 +376,7 @@ class _Stream(Response):
             self.entry.status, self.entry.outcome = 499, "client-left"
             return
         if call.include_usage:
-            yield wire.sse(wire.usage_chunk(call_id, call.model, created, last))
+            yield wire.sse(wire.usage_chunk(call_id, call.model, created, last, routes.spec_tokens(call)))
         yield wire.sse("[DONE]")
         routes.finish(self.entry, last)
 
