@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 import re
 
-import gguf
-import numpy as np
 import pytest
+from gguf_files import absurd_gguf
 from gguf_fixtures import gguf_pair
 
 from specchat.app.cli.main import main
@@ -45,25 +44,6 @@ def _refused(capsys, *argv: str) -> str:
     assert code == 2 and "Added pair" not in out, out + err
     assert not user_models_file().exists(), "the user's file was written"
     return err
-
-
-def absurd_gguf(path, **sizes: int):
-    """A GGUF whose metadata states ``sizes`` (block_count, head_count ...) over one small tensor."""
-    writer = gguf.GGUFWriter(str(path), "llama")
-    values = {"block_count": 2, "embedding_length": 8, "head_count": 2, "head_count_kv": 2, **sizes}
-    writer.add_block_count(values["block_count"])
-    writer.add_embedding_length(values["embedding_length"])
-    writer.add_feed_forward_length(16)
-    writer.add_head_count(values["head_count"])
-    writer.add_head_count_kv(values["head_count_kv"])
-    writer.add_context_length(64)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.mark.parametrize("device", ["cuda:99", "cu\x1b[31mda", "tpu", "cpu\n"])
