@@ -26,23 +26,40 @@ struct Cpu {
   bool vnni = false;
 };
 
+#ifdef SC_X86
+// The feature bits read below (Intel SDM vol. 2A, CPUID; XCR0 from xgetbv): leaf 1 ECX, leaf 7 sub-leaf 0 EBX/ECX.
+constexpr unsigned kLeaf1EcxFma = 1u << 12;
+constexpr unsigned kLeaf1EcxOsxsave = 1u << 27;  // the OS uses xsave, so xgetbv may be read
+constexpr unsigned kLeaf1EcxAvx = 1u << 28;
+constexpr unsigned kLeaf1EcxF16c = 1u << 29;
+constexpr unsigned kLeaf7EbxAvx2 = 1u << 5;
+constexpr unsigned kLeaf7EbxAvx512F = 1u << 16;
+constexpr unsigned kLeaf7EbxAvx512Dq = 1u << 17;
+constexpr unsigned kLeaf7EbxAvx512Bw = 1u << 30;
+constexpr unsigned kLeaf7EbxAvx512Vl = 1u << 31;
+constexpr unsigned kLeaf7EcxAvx512Vnni = 1u << 11;
+constexpr unsigned kXcr0Ymm = 0x6;   // the OS saves SSE and AVX state (XMM, YMM upper halves)
+constexpr unsigned kXcr0Zmm = 0xe6;  // ... and AVX-512's (opmask, ZMM upper halves, ZMM16-31)
+#endif
+
 Cpu detect() {
   Cpu cpu;
 #ifdef SC_X86
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return cpu;
-  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+  const bool fma = c & kLeaf1EcxFma, osxsave = c & kLeaf1EcxOsxsave, avx = c & kLeaf1EcxAvx, f16c = c & kLeaf1EcxF16c;
   if (!(osxsave && avx)) return cpu;
   unsigned xlo = 0, xhi = 0;
   __asm__("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-  const bool ymm_state = (xlo & 0x6) == 0x6, zmm_state = (xlo & 0xe6) == 0xe6;
+  const bool ymm_state = (xlo & kXcr0Ymm) == kXcr0Ymm, zmm_state = (xlo & kXcr0Zmm) == kXcr0Zmm;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return cpu;
-  const bool avx2 = b & (1u << 5);
-  const bool f512 = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+  const bool avx2 = b & kLeaf7EbxAvx2;
+  const bool f512 = b & kLeaf7EbxAvx512F, dq = b & kLeaf7EbxAvx512Dq, bw = b & kLeaf7EbxAvx512Bw,
+             vl = b & kLeaf7EbxAvx512Vl;
   if (ymm_state && avx2 && fma && f16c) cpu.best = Isa::Avx2;
   if (cpu.best == Isa::Avx2 && zmm_state && f512 && dq && bw && vl) {
     cpu.best = Isa::Avx512;
-    cpu.vnni = c & (1u << 11);
+    cpu.vnni = c & kLeaf7EcxAvx512Vnni;
   }
 #endif
   return cpu;
