@@ -135,10 +135,6 @@ class LightTokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
 
-    @property
-    def special_tokens_map(self) -> dict[str, str]:
-        return dict(self._special)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
