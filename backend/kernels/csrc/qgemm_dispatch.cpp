@@ -95,13 +95,10 @@ Isa from_env() {
   return chosen;
 }
 
-// Calls of at most this many activation rows run the AVX2 path where the CPU's choice is AVX-512. Measured on an
-// AMD EPYC Zen 4 (benchmarks/RESULTS.md, "AVX2 for calls of up to four rows on an AVX-512 CPU"): a pass of the
-// embedded default after 64 tokens took 4.03 / 4.65 / 6.03 / 6.68 ms for 1-4 rows on AVX2 against 5.24 / 5.95 /
-// 6.77 / 7.55 on AVX-512; at 5 rows the two are level and from 8 AVX-512 is ahead (16 rows: 15.1 against 21.7).
-// The gap shows when the weights stream from memory (60 MB of Q4_1 matrices, one row: 4.28 ms against 3.15); its
-// cause is not established (prefetching the AVX-512 tiles' two column streams by hand did not close it). Both
-// paths give the same bits: speed only.
+// Calls of at most this many activation rows run the AVX2 path where the CPU's choice is AVX-512: on a Zen 4 the
+// AVX2 path is the faster up to four rows, level at five and behind from eight, the gap showing when the weights
+// stream from memory, for a cause not established (benchmarks/RESULTS.md, "AVX2 for calls of up to four rows on an
+// AVX-512 CPU"). Both paths give the same bits: speed only.
 constexpr int64_t kNarrowRows = 4;
 
 std::atomic<int> g_isa{-1};
