@@ -14,6 +14,7 @@ but not ignored), so an ignored output folder a working copy happens to hold doe
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 from pathlib import Path
@@ -29,7 +30,8 @@ SPAN = re.compile(r"(`+)(.+?)\1")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
 
-def repository_paths() -> tuple[set[str], set[str]]:
+@functools.cache
+def repository_paths() -> tuple[frozenset[str], frozenset[str]]:
     """(files, folders) relative to ROOT, as posix strings."""
     try:
         listed = subprocess.run(
@@ -52,7 +54,7 @@ def repository_paths() -> tuple[set[str], set[str]]:
         while folder not in ("", "."):
             folders.add(folder)
             folder = str(Path(folder).parent.as_posix())
-    return files, folders
+    return frozenset(files), frozenset(folders)
 
 
 def candidates(span: str) -> list[str]:
@@ -76,7 +78,7 @@ def candidates(span: str) -> list[str]:
     return found
 
 
-def exists(name: str, files: set[str], folders: set[str]) -> bool:
+def exists(name: str, files: frozenset[str], folders: frozenset[str]) -> bool:
     if name.endswith("/"):
         stem = name.rstrip("/")
         return stem in folders or any(f.endswith("/" + stem) for f in folders)
