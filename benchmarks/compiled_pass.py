@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import load_pairs
+from specchat.backend.models.catalog.config import load_pairs
 
 INT4 = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 PER_LAYER = 12  # tensors a layer passes in: 2 norms, 4 (packed, scales) pairs, its K and V pools

@@ -25,7 +25,7 @@ t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import load_pairs
+from specchat.backend.models.catalog.config import load_pairs
 pair = load_pairs()[sys.argv[1]]
 t2 = time.perf_counter()
 load_engine(pair)

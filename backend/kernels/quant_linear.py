@@ -15,7 +15,7 @@ these: ~0.6 and ~1). No native dependency: the kernels are ATen's.
 Activations: the CPU kernels vectorise (AVX2 / AVX-512) only for bfloat16 inputs and scales; with float32 they
 run a scalar loop. So inputs are rounded to ``compute_dtype`` (bfloat16 on CPU and CUDA), the kernel's output
 is in it, and the layer returns it in the input's dtype: a model keeps its residual stream, norms, rotary
-embedding and attention in float32 around these layers (``backend/models/quantized.py``). Every row of an
+embedding and attention in float32 around these layers (``backend/models/loading/quantized.py``). Every row of an
 input is computed the same way whatever the row count, so a verification pass over γ+1 tokens gives each
 token the result a one-token pass gives it (greedy speculative decoding stays equal to plain decoding;
 ``tests/backend/kernels/test_quant_linear.py`` checks this).

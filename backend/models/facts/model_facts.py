@@ -59,8 +59,8 @@ class ModelFacts:
 
 def facts_from_gguf(path: str | Path) -> ModelFacts:
     """See the module docstring."""
-    from specchat.backend.models.gguf_arch import GgufArchError, config_from_gguf, unsupported
-    from specchat.backend.models.gguf_file import GgufFormatError, read_gguf
+    from specchat.backend.models.gguf.gguf_arch import GgufArchError, config_from_gguf, unsupported
+    from specchat.backend.models.gguf.gguf_file import GgufFormatError, read_gguf
 
     path = Path(path)
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.files import write_atomic
-from specchat.backend.models.capture import Progress
+from specchat.backend.models.loading.capture import Progress
 from specchat.backend.paths import cache_dir
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")

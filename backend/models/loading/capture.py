@@ -81,7 +81,7 @@ def progress_tqdm_class(progress: Progress | None) -> type[_std_tqdm]:
             total = self.total or 0
             desc = (self.desc or "").strip().rstrip(":.").strip() or "Working"
             if self.unit == "B":
-                from specchat.backend.models.memory import format_bytes
+                from specchat.backend.models.facts.memory import format_bytes
 
                 done, whole = format_bytes(self.n), format_bytes(total)
                 text = f"{desc}: {done} of {whole}" if total else f"{desc}: {done}"

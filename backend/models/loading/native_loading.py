@@ -27,12 +27,12 @@ import torch
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import native
 from specchat.backend.kernels.native_model import GGML_TYPES, TYPE_NAMES, NativeModel, float_qweight, qweight
-from specchat.backend.models import gguf_file
-from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec
-from specchat.backend.models.gguf_arch import ARCHS, GgufArchError
-from specchat.backend.models.gguf_file import GgufFile
-from specchat.backend.models.gguf_tensors import CONFIG_ROLES, config_of, roles_of
-from specchat.backend.models.native_arch import (
+from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec
+from specchat.backend.models.gguf import gguf_file
+from specchat.backend.models.gguf.gguf_arch import ARCHS, GgufArchError
+from specchat.backend.models.gguf.gguf_file import GgufFile
+from specchat.backend.models.gguf.gguf_tensors import CONFIG_ROLES, config_of, roles_of
+from specchat.backend.models.loading.native_arch import (
     HF_NAMES,
     LAYER_VECTORS,
     MATRICES,
@@ -115,7 +115,7 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
          gguf: Path | None):  # fmt: skip
     """The native model of ``spec`` from ``folder`` (its converted metadata, for a GGUF) as ``(model, dtype,
     generation values, folder, tokenizer)``, or why the native model does not cover it (one line)."""
-    from specchat.backend.models import skeleton
+    from specchat.backend.models.loading import skeleton
 
     try:
         if gguf is not None:
