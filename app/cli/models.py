@@ -158,8 +158,9 @@ def _pair_block(pair: Any, default: str, device: Any, free: int, width: int, mea
 
 
 def _device(name: str | None) -> Any:
-    """The device to estimate for: "cpu" without importing torch (~1.5 s of a listing) when asked for, or when no
-    GPU device node exists (so torch could find no CUDA device); else torch decides (cuda when available)."""
+    """The device to estimate for: "cpu" without importing torch (most of a listing's time: RESULTS.md) when asked
+    for, or when no GPU device node exists (so torch could find no CUDA device); else torch decides (cuda when
+    available)."""
     if name == "cpu" or (name in (None, "auto") and not any(glob.glob(pattern) for pattern in GPU_NODES)):
         return "cpu"
     from specchat.backend.models.loading.loaded import resolve_device

@@ -103,7 +103,7 @@ def _construct_timestamp(loader: _Loader, node: yaml.ScalarNode) -> Any:
         ) from None
 
 
-# libyaml's parser and composer (C) where PyYAML has it: ~10x faster (`specchat models` with 1,000 pairs); it
+# libyaml's parser and composer (C) where PyYAML has it: faster (`specchat models`, benchmarks/RESULTS.md); it
 # refuses nesting past its own limit (1,000) before any recursion, and _too_deep checks ours after composing.
 _FastLoader: Any = type("_FastLoader", (yaml.CSafeLoader,), {}) if getattr(yaml, "__with_libyaml__", False) else None
 for _loader in (_Loader, _FastLoader):

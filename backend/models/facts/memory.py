@@ -33,7 +33,7 @@ estimate: ``MemoryEstimate.known`` is False, ``check_fits`` does not refuse it, 
 the download has brought its files (``engine.load_engine``).
 
 On CPU the engine also keeps a oneDNN-packed copy of the float32 linear weights when that copy fits in the
-memory still free after loading (``cpu_linear.py``; ~1.6x faster verification passes). It is optional, so it
+memory still free after loading (``cpu_linear.py``: faster verification passes). It is optional, so it
 is not part of the estimate that decides whether a pair fits.
 
 ``dtype: auto`` counts float32 on CPU and 2 bytes on CUDA, as loading does. The scratch term assumes the

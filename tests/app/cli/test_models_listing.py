@@ -1,7 +1,6 @@
 """`specchat models` with many pairs (issue 47, class 5): it took 15 s for 10 pairs and did not finish 1,000 in
 120 s, reading each pair's model file again and importing torch to estimate for the CPU. Now a file named by many
-pairs is read once, the CPU estimate imports no torch, and 1,000 pairs list in about a second and a half
-(benchmarks/RESULTS.md)."""
+pairs is read once and the CPU estimate imports no torch (the figures: benchmarks/RESULTS.md)."""
 
 from __future__ import annotations
 
