@@ -40,7 +40,6 @@ from specchat.app.serve.config import ServeConfig
 from specchat.app.serve.owner import END, Busy, EngineOwner, Job, Metrics
 from specchat.backend.api import StepEvent
 from specchat.backend.errors import SpecchatError
-from specchat.backend.limits import MAX_GAMMA
 
 log = logging.getLogger("specchat.serve")
 OUTCOMES = ("ok", "error", "cancelled", "rejected", "invalid", "unauthorised")
@@ -304,14 +303,8 @@ class Routes:
         return _JSON(wire.completion(wire.new_id(), call.model, "".join(text), token_ids, last, spec_tokens))
 
     def spec_tokens(self, call: ChatCall) -> int | None:
-        """vLLM's ``num_spec_tokens``: the γ this request was configured with (its own, else the pair's; auto: the
-        most the γ policy may draft; 0 without a drafter), not the largest it used. None: not known here."""
-        request = call.request
-        if request.drafter == "none":
-            return 0
-        if request.gamma is not None:
-            return MAX_GAMMA if request.gamma == "auto" else int(request.gamma)
-        return self.server.config.spec_tokens
+        """vLLM's ``num_spec_tokens`` for ``call`` (``wire.configured_gamma``)."""
+        return wire.configured_gamma(call.request, self.server.config.spec_tokens)
 
     def finish(self, entry: Entry, last: StepEvent) -> None:
         stats = last.stats

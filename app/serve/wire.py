@@ -31,7 +31,8 @@ import time
 import uuid
 from typing import Any
 
-from specchat.backend.api import RequestStats, StepEvent
+from specchat.backend.api import GenerationRequest, RequestStats, StepEvent
+from specchat.backend.limits import MAX_GAMMA
 
 OPENAI_FINISH = {
     "eos": "stop",
@@ -196,3 +197,13 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event."""
     data = payload if isinstance(payload, str) else dumps(payload)
     return f"data: {data}\n\n".encode("utf-8", "backslashreplace")
+
+
+def configured_gamma(request: GenerationRequest, pair_gamma: int | None) -> int | None:
+    """vLLM's ``num_spec_tokens``: the γ a request was configured with (its own, else the pair's ``pair_gamma``;
+    auto: the most the γ policy may draft; 0 without a drafter), not the largest it used. None: not known."""
+    if request.drafter == "none":
+        return 0
+    if request.gamma is not None:
+        return MAX_GAMMA if request.gamma == "auto" else int(request.gamma)
+    return pair_gamma
