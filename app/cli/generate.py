@@ -216,6 +216,14 @@ def run(args: argparse.Namespace) -> int:
     from specchat.backend.models.catalog.config import PREDICTION_KINDS, get_pair, load_pairs
 
     check_seed_range(args.seed, args.samples)  # sample i uses seed + i: refused before anything loads
+    SamplingParams(  # the sampling options' ranges (backend/limits.py), checked before the model loads
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
