@@ -73,3 +73,21 @@ def test_a_slow_server_that_keeps_sending_tokens_is_not_cut(faulty, tmp_path) ->
 def test_a_bad_deadline_in_models_yaml_is_refused_naming_the_field(tmp_path, value) -> None:
     with pytest.raises(ConfigError, match=r"field 'target.deadline_s'"):
         remote_pair(tmp_path, "http://127.0.0.1:1/v1", deadline_s=value)
+
+
+def test_a_keep_alive_comment_every_second_does_not_count_as_progress(faulty, tmp_path) -> None:
+    """The issue's case as it was seen: a comment each second, which restarted httpx's read timeout forever."""
+
+    def comments(conn: Conn) -> None:
+        if conn.send(response(200, b"", SSE)):
+            end = time.monotonic() + 15
+            while time.monotonic() < end and conn.send(b": keep-alive\n\n"):
+                time.sleep(1.0)
+
+    faulty.behaviour = comments
+    url = f"http://127.0.0.1:{faulty.port}/v1"
+    pair = remote_pair(tmp_path, url, kind="vllm", no_progress_s=2.5, deadline_s=60)
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match=r"sent no new token for 2.5 s \(target.no_progress_s of pair 'remote'"):
+        list(RemoteEngine(pair).generate(GenerationRequest(messages=[{"role": "user", "content": "hi"}])))
+    assert time.monotonic() - start < 4.0
