@@ -11,7 +11,8 @@ Contract:
   bench --pair NAME)`` where no run of this pair with this target is recorded. Nothing here imports torch.
 - :func:`expected_slower(pair, device)` says why a pair is expected to be slower than plain decoding on this
   device, or None: measured (its fastest speculative mode ran below plain in the bench), else known (a
-  bitsandbytes draft on CPU de-quantises all its weights at every draft step: ~3x the target's cost there).
+  bitsandbytes draft on CPU de-quantises all its weights at every draft step: several times the target's
+  cost: ``benchmarks/RESULTS.md``, "Figures moved out of the code").
 """
 
 from __future__ import annotations
@@ -68,9 +69,14 @@ def record(aggs: Iterable[Any], meta: dict[str, Any], sources: dict[str, str]) -
         pass
 
 
-def expected_speed(pair_name: str, source: str) -> str:
-    """See the module docstring."""
-    entry = _read().get(pair_name)
+def read_measured() -> dict[str, Any]:
+    """Every pair's stored speeds, for :func:`expected_speed`'s ``measured`` (a listing reads the file once)."""
+    return _read()
+
+
+def expected_speed(pair_name: str, source: str, measured: dict[str, Any] | None = None) -> str:
+    """See the module docstring; ``measured``: :func:`read_measured`'s, else the file is read now."""
+    entry = (_read() if measured is None else measured).get(pair_name)
     hint = f"not measured (specchat bench --pair {pair_name})"
     if not isinstance(entry, dict) or entry.get("source") != source:
         return hint

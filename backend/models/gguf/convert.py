@@ -160,10 +160,12 @@ def _gguf_metadata_read_once():
 
     Why: for architectures its fast metadata reader does not cover (llama, qwen2, mistral, ... in transformers
     5.x), both ``AutoTokenizer`` and ``AutoConfig`` call it, and its reader walks every element of the
-    vocabulary arrays: 6-8 s each for the embedded file's 49,152 tokens on 2 cores, most of a first start.
+    vocabulary arrays: seconds each for the embedded file's 49,152 tokens, most of a first start
+    (``benchmarks/RESULTS.md``, "Figures moved out of the code").
     The callers import the function from its module when they run, so replacing the module's attribute for
     the block reaches them; each gets its own deep copy of the one result. That one parse reads the file
-    with ``gguf_file.MetadataReader`` instead of the ``gguf`` package's reader (~5 s less)."""
+    with ``gguf_file.MetadataReader`` instead of the ``gguf`` package's reader (``benchmarks/RESULTS.md``, "Start
+    time and memory")."""
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:  # another transformers layout: nothing to share

@@ -42,7 +42,8 @@ DEFAULT_ALIGNMENT = 32
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
 # (weights, bytes) per block of the types above, as ggml defines them: the common files need no ``gguf`` import
-# (its enums cost ~0.2 s of a start); other types ask the ``gguf`` package.
+# (its enums' import is a noticeable part of a start: benchmarks/RESULTS.md, "Figures moved out of the code"); other
+# types ask the ``gguf`` package.
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {
@@ -276,10 +277,11 @@ class MetadataReader:
     return_tensors=False)`` uses it: ``fields`` (every metadata value, :class:`ReaderField`) and ``tensors``
     (their names).
 
-    Why: ``GGUFReader`` builds a numpy view for each element of every array (the tokenizer's 49,152 tokens and
-    48,900 merges in the embedded file): ~5 s on 2 cores, most of a first start. This reads the same bytes with
-    ``struct`` and keeps them raw (bytes, not decoded), so transformers parses exactly what it parses from
-    ``GGUFReader`` (``backend/models/gguf/convert.py`` swaps it in for that one call; a test compares the two)."""
+    Why: ``GGUFReader`` builds a numpy view for each element of every array (the tokenizer's 49,152 tokens and 48,900
+    merges in the embedded file): most of a first start (``benchmarks/RESULTS.md``, "Start time and memory"). This
+    reads the same bytes with ``struct`` and keeps them raw (bytes, not decoded), so transformers parses exactly what
+    it parses from ``GGUFReader`` (``backend/models/gguf/convert.py`` swaps it in for that one call; a test compares
+    the two)."""
 
     def __init__(self, path: str | Path) -> None:
         try:  # the map goes with its last reference: every value kept is a copy (bytes, Python numbers)

@@ -162,8 +162,8 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
 def light_defaults(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` (a GGUF's configuration) with the fields a qwen2 file does not state set as transformers'
     Qwen2Config sets them (no sliding window: ``use_sliding_window`` defaults to False, so every layer is full
-    attention), so that the light config covers it and the native path need not import transformers (~3.7 s of a
-    start on this machine)."""
+    attention), so that the light config covers it and the native path need not import transformers (seconds of a
+    start: ``benchmarks/RESULTS.md``, "A qwen2 GGUF on the native path")."""
     if values.get("model_type") != "qwen2" or "layer_types" in values or values.get("use_sliding_window"):
         return values
     layers = values.get("num_hidden_layers")

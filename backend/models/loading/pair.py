@@ -115,9 +115,10 @@ def _load_tokenizer_from(
     from transformers import AutoTokenizer
 
     capture.transformers_imported()
-    # AutoTokenizer reads the model's config only to choose the tokenizer's class; given none it loads
-    # transformers' config class, whose module imports transformers' weight-loading code (~1.4 s). The light
-    # config (same model type, same folder name) leads it to the same class (tests/backend/models/test_skeleton.py).
+    # AutoTokenizer reads the model's config only to choose the tokenizer's class; given none it loads transformers'
+    # config class, whose module imports transformers' weight-loading code (seconds: benchmarks/RESULTS.md, "Figures
+    # moved out of the code"). The light config (same model type, same folder name) leads it to the same class
+    # (tests/backend/models/test_skeleton.py).
     config = skeleton.read_config(folder) if _reads_gguf_directly(spec, native) else None
     kwargs = {"config": config} if config is not None else {}
     try:
