@@ -44,7 +44,8 @@ class PassCost:
 
     def curve(self) -> dict[int, float]:
         """The measured medians, by rows."""
-        return {r: m.value for r, m in sorted(self._t.items())}
+        known = dict(self._t)  # a copy first: /metrics reads it from another thread while passes add to it
+        return {r: m.value for r, m in sorted(known.items())}
 
     def time(self, rows: int) -> float:
         if (memo := self._memo.get(rows)) is None:
