@@ -52,3 +52,24 @@ def test_a_request_whose_context_does_not_fit_gets_503(native_ready, tmp_path, m
         reply = httpx.post(f"{url}/chat/completions", json=_body(1), timeout=60)
     assert reply.status_code == 503
     assert "KV cache" in reply.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_frees_its_slot_and_blocks(native_ready, tmp_path):  # noqa: F811
+    import time
+
+    engine = native_engine(tmp_path, parallel=2)
+    batch = BatchScheduler(engine, 2).start()
+    with running_server(engine, batch=batch) as (_, url):
+        body = {**_body(1, tokens=400), "stream": True}
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert any(line.startswith("data: ") for line in lines)  # it is streaming
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (batch.running or engine.cache.pool.num_used):
+            time.sleep(0.05)
+        assert batch.running == 0 and engine.cache.pool.num_used == 0
+        metrics = httpx.get(f"{url.removesuffix('/v1')}/metrics", timeout=10).text
+        assert 'specchat_requests_total{outcome="cancelled"} 1' in metrics  # it was stopped, not run to its end
+        # The slot serves the next client at once.
+        after = httpx.post(f"{url}/chat/completions", json=_body(2, tokens=5), timeout=60)
+        assert after.status_code == 200
