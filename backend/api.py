@@ -246,6 +246,9 @@ class RequestStats:
     prediction_tokens: int | None = None
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    # In a batch (backend/engine/batch.py): streams in its latest pass, its γ cap (None: its own policy's choice).
+    batch_streams: int | None = None
+    batch_gamma_cap: int | None = None
 
     def to_json_stats(self) -> dict[str, Any]:
         """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""

@@ -292,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
                     batch.append((pid, sample, request))
                     continue
                 try:
-                    failed = _one(engine.generate(request), pid, sample, args.json, out) or failed
+                    failed = _one(engine, request, pid, sample, args.json, out) or failed
                 except SpecchatError as error:  # name the prompt that failed (a file may hold thousands)
                     if not args.prompts:
                         raise
@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
             from specchat.app.cli.generate_batch import run_batched
 
             failed = run_batched(
-                engine, batch, parallel, args.prompts, lambda ev, pid, n: _one(ev, pid, n, args.json, out)
+                engine, batch, parallel, args.prompts, lambda ev, pid, n: _show(ev, pid, n, args.json, out)
             )
     finally:
         engine.close()
@@ -310,8 +310,13 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _one(events: Iterable[StepEvent], pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
-    """Print one reply; returns whether it ended in an error."""
+def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
+    """Run and print one reply; returns whether it ended in an error."""
+    return _show(engine.generate(request), pid, sample, as_json, out)
+
+
+def _show(events: Iterable[StepEvent], pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
+    """Print one reply from its events; returns whether it ended in an error."""
     token_ids: list[int] = []
     text: list[str] = []
     last = None

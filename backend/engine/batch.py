@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import greenlet
@@ -252,6 +252,10 @@ class BatchScheduler:
         """A stream's greenlet: the engine's request loop, its events to the sink."""
         try:
             for event in self.engine._generate(stream.request, stream.cancel, lane=stream.lane):
+                if event.stats is not None:  # the batch as this stream saw it (RequestStats.batch_*)
+                    caps = [getattr(p, "cap", None) for p in stream.lane.policies.values()] if stream.lane else []
+                    cap = next((c for c in caps if c is not None), None)
+                    event.stats = replace(event.stats, batch_streams=self.last_streams, batch_gamma_cap=cap)
                 stream.sink(event)
         except Exception as error:  # noqa: BLE001 - the request's failure goes to its caller, as generate raises it
             stream.sink(error)

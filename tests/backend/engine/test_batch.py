@@ -46,6 +46,8 @@ def test_replies_equal_their_solo_runs(slots, native_ready, tmp_path):  # noqa: 
     assert [c.errors for c in got] == [[]] * len(requests)
     assert [c.tokens for c in got] == alone
     assert scheduler.passes > 0 and scheduler.rows_total > scheduler.passes  # passes held several streams' rows
+    # Each event's statistics say how many streams its pass held.
+    assert max(e.stats.batch_streams or 0 for c in got for e in c.events if e.stats is not None) >= 2
     assert engine.cache.pool.num_used == 0  # every stream's blocks went back
 
 
