@@ -106,8 +106,6 @@ class BatchScheduler:
     ) -> None:
         self.engine, self.slots, self.prefill_budget = engine, max(int(slots), 1), max(prefill_budget, MIN_PIECE)
         self.share = share  # streams' suffix drafters read the engine's memory of replies (serve --share-state)
-        self.runner = engine.runner
-        self.native = engine.runner.native is not None
         self.cost = PassCost()
         self.between = _Median()  # seconds from the end of a pass to the start of the next (the streams' Python)
         self._pass_end: float | None = None
@@ -131,6 +129,15 @@ class BatchScheduler:
         self.prefill_rows = 0  # rows of prompts read (of rows_total)
         self.speculating = 0  # streams the last allocation let draft
         self.caps: list[int | None] = []
+
+    @property
+    def runner(self) -> Any:
+        """The engine's runner now (read each pass: the engine may swap its runners between requests)."""
+        return self.engine.runner
+
+    @property
+    def native(self) -> bool:
+        return self.engine.runner.native is not None
 
     # -- the caller's side ----------------------------------------------------------------------------------
 
