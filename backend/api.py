@@ -79,6 +79,30 @@ class SamplingParams:
             raise RequestError(f"sampling setting stop={self.stop!r} is invalid: use a tuple of strings")
 
 
+ConstraintKind = Literal["json_schema", "json_object", "grammar", "regex"]
+CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "grammar", "regex")
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema or grammar longer than this is refused
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintSpec:
+    """What a reply must match (``backend/speculative/constraint.py``): a JSON schema (its text), any JSON object,
+    a grammar (Lark or llama.cpp's GBNF) or a regular expression. ``jump_forward``: tokens the grammar forces are
+    drafted without a drafter (never changes the reply; off only to measure it)."""
+
+    kind: ConstraintKind
+    text: str = ""
+    jump_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise RequestError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(CONSTRAINT_KINDS)}")
+        if not isinstance(self.text, str) or len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise RequestError(f"a constraint's text must be a text of at most {MAX_CONSTRAINT_CHARS} characters")
+        if self.kind != "json_object" and not self.text.strip():
+            raise RequestError(f"the {self.kind.replace('_', ' ')} is empty")
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One reply to produce, checked when built.
@@ -106,8 +130,11 @@ class GenerationRequest:
     keep_all_messages: bool = False
     prediction: str | None = None
     prefix_cache: str | None = None
+    constraint: ConstraintSpec | None = None  # what the reply must match (None: free text)
 
     def __post_init__(self) -> None:
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            raise RequestError(f"constraint must be a ConstraintSpec, got {type(self.constraint).__name__}")
         if self.prefix_cache is not None and (not isinstance(self.prefix_cache, str) or self.conversation is not None):
             raise RequestError("prefix_cache must be a scope name (text), and a request with a conversation has none")
         if self.prediction is not None and (
@@ -243,6 +270,11 @@ class RequestStats:
     prediction_tokens: int | None = None
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    # With a constraint (None without): seconds spent computing and applying its token masks, the masks computed,
+    # and the drafted tokens the grammar forced (jump-forward).
+    mask_s: float | None = None
+    masks: int | None = None
+    forced_tokens: int | None = None
 
     def to_json_stats(self) -> dict[str, Any]:
         """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""
@@ -287,7 +319,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(v is None or is_number(v) for v in value):
             raise TypeError(name)
         return tuple(value)
-    if name == "seed" or name.endswith("prediction_tokens"):  # a whole number (JSON: exact below 2**53)
+    if name in ("seed", "masks", "forced_tokens") or name.endswith("prediction_tokens"):  # whole (JSON: exact < 2**53)
         if value is not None and not is_int(value):
             raise TypeError(name)
         return value
@@ -332,6 +364,9 @@ _OPTIONAL_NUMBERS = {
     "last_gamma",
     "accepted_prediction_tokens",
     "rejected_prediction_tokens",
+    "mask_s",
+    "masks",
+    "forced_tokens",
 }
 
 

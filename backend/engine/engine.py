@@ -39,6 +39,7 @@ from specchat.backend.models.chat_format import plain_completion_note, stop_ids
 from specchat.backend.models.config import PairConfig
 from specchat.backend.models.head_loading import LoadedHead, plan_pair_head
 from specchat.backend.models.loading import ConfirmDownload, LoadedModel
+from specchat.backend.speculative.constraint import constraint_for
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
@@ -290,6 +291,11 @@ class Engine:
             )
         gamma = request.gamma if request.gamma is not None else self.pair.gamma
         gamma = check_gamma(gamma)
+        constraint = (  # refused (RequestError naming the schema's problem) before any cache is touched
+            constraint_for(request.constraint, self.tokenizer, self.vocab_limit, self.eos_ids)
+            if request.constraint is not None
+            else None
+        )
         budget = self.context_length - 1
         scope = request.prefix_cache
         if scope is not None:  # the prompt first: it picks the entry (a refused prompt touches no entry)
@@ -328,7 +334,17 @@ class Engine:
                 self.drafters, self.policies, self.disabled_drafters, self.disabled_drafters.__setitem__
             )
             state = RequestState(
-                target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start, prediction
+                target,
+                speculation,
+                conv,
+                prompt,
+                sampling,
+                drafter_name,
+                gamma,
+                cancel,
+                t_start,
+                prediction,
+                constraint,
             )
             yield from state.run(notice, request.prefill_progress)
         finally:

@@ -31,6 +31,7 @@ from specchat.backend.engine.target_pass import TargetPasses
 from specchat.backend.errors import KVCacheFullError
 from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.limits import PREFILL_CHUNK, Gamma
+from specchat.backend.speculative.constraint import Constraint, plan_draft
 from specchat.backend.speculative.drafters.base import Draft
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.policy import GammaPolicy
@@ -55,8 +56,10 @@ class RequestState(TargetPasses):
         cancel: threading.Event,
         t_start: float,
         prediction: PredictionDrafter | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.target, self.spec, self.conv, self.prompt, self.s = target, spec, conv, prompt, sampling
+        self.constraint = constraint
         self.rule = sampling.rule
         self.cancel, self.t_start = cancel, t_start
         self.context: list[int] = list(prompt)
@@ -138,6 +141,8 @@ class RequestState(TargetPasses):
         return StepEvent(tokens, sources, texts, "".join(texts), overhead_s=max(spent, 0.0), **fields)
 
     def _report(self) -> RequestStats:
+        if (c := self.constraint) is not None:
+            self.stats.constraint = (c.mask_s, c.masks, c.forced_tokens)
         return self.stats.report(
             prompt_tokens=len(self.prompt), drafter=self.drafter_used if self.drafter_used != "auto" else "none"
         )
@@ -185,8 +190,13 @@ class RequestState(TargetPasses):
         else:  # the engine leaves the prompt's last token to prefill unless it kept this row
             raise RuntimeError("prefill fed no token and no row was kept for the cached prompt")
         prefill_s = time.perf_counter() - t0
-        pending = self._decide(self._penalised(logits, []), self._positions(1))[0]
+        first = self._penalised(logits, [])
+        if self.constraint is not None:
+            first = self.constraint.mask(first)
+        pending = self._decide(first, self._positions(1))[0]
         tokens, sources, texts = self._cut([pending], [TokenSource.TARGET])
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
         self.context.append(pending)
         self.seen.add([pending])
         self.produced = 1
@@ -265,6 +275,8 @@ class RequestState(TargetPasses):
             if draft is not None and draft.parents is not None and draft.is_tree and draft_ids
             else None
         )
+        if self.constraint is not None:  # drafts the grammar refuses are cut; forced tokens drafted
+            name, draft_ids, parents = plan_draft(self.constraint, name, draft_ids, parents, cap)
         t_verify = time.perf_counter()
         try:
             logits = self._target_logits([pending] + draft_ids, keep=1 + len(draft_ids), parents=parents)
@@ -276,7 +288,12 @@ class RequestState(TargetPasses):
             logits = self._target_logits([pending], keep=1)
         verify_s = time.perf_counter() - t_verify
         result: VerifyResult
-        if parents is None:
+        if self.constraint is not None and parents is None:  # row by row: each masked after its prefix
+            result = verify_tree(
+                self._tree_decider(logits, penalise=False), draft_ids, list(range(-1, len(draft_ids) - 1))
+            )
+            result.path, result.tried = [], None
+        elif parents is None:
             result = verify_tokens(self._decide(logits, self._positions(1 + len(draft_ids))), draft_ids)
         else:
             result = verify_tree(self._tree_decider(logits), draft_ids, parents)
@@ -290,11 +307,13 @@ class RequestState(TargetPasses):
             self.feed.give(len(conv.cached), [pending] + result.tokens[: result.accepted], rows)
         conv.cached.extend([pending] + result.tokens[: result.accepted])
         tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
         kept = min(result.accepted, len(tokens))  # drafts the reply holds (past its end: discarded)
         self.produced += len(tokens)
         self.context.extend(tokens)
         self.seen.add(tokens)
-        if name is not None:
+        if name is not None and name in self.policies:  # not jump-forward's drafts (the grammar's, not a drafter's)
             self.policies[name].observe(
                 gamma=gamma,
                 proposed=len(draft_ids),
@@ -307,7 +326,7 @@ class RequestState(TargetPasses):
                 self.prediction.observe(result.accepted)
             elif name in self.candidates:
                 self.spec.drafters[name].observe(result.accepted)
-        elif self.candidates:  # a plain step measures T_target(1) for every candidate's policy
+        elif name is None and self.candidates:  # a plain step measures T_target(1) for every candidate's policy
             for policy in self.policies.values():
                 policy.observe(gamma=0, proposed=0, accepted=0, draft_s=0.0, verify_s=verify_s)
         state = PolicyState.SPECULATING if draft_ids else self._idle_state()

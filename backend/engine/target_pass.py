@@ -20,6 +20,7 @@ from specchat.backend.engine.features import FeatureFeed
 from specchat.backend.engine.parts import Conversation, Target, describe_error, is_out_of_memory
 from specchat.backend.engine.resolve import Sampling
 from specchat.backend.errors import InsufficientMemoryError
+from specchat.backend.speculative.constraint import Constraint
 from specchat.backend.speculative.sampling import SamplingRule, SeenIds, apply_repetition_penalty, pick
 
 
@@ -33,6 +34,7 @@ class TargetPasses:
     seen: SeenIds  # the ids of the request's context: the penalty's
     feed: FeatureFeed | None  # draft heads: the taps every pass returns
     produced: int  # reply tokens emitted so far
+    constraint: Constraint | None  # the reply's grammar: each row masked by the state after its prefix
 
     def _penalty_context(self) -> torch.Tensor:
         """The ids every row of a pass sees as the penalty's context (the pending token included); row j of a
@@ -89,14 +91,18 @@ class TargetPasses:
             ) from error
         return logits[:, : self.target.vocab_limit].float()  # over the tokenizer's ids only
 
-    def _tree_decider(self, logits: torch.Tensor) -> Callable[[int, list[int]], int]:
+    def _tree_decider(self, logits: torch.Tensor, penalise: bool = True) -> Callable[[int, list[int]], int]:
         """The target's token at a row of a tree pass, given the accepted tokens before it: the row's penalty
         sees the context plus exactly those tokens (its ancestors), its reply position is ``produced`` plus
-        their number (its depth)."""
+        their number (its depth). With a constraint the row is masked by the grammar's state after those tokens
+        (a chain goes through here too then, its rows already penalised: ``penalise`` False)."""
 
         def decide(row: int, path: list[int]) -> int:
             rows = logits[row : row + 1]
-            if self.s.repetition_penalty:
+            if self.constraint is not None:
+                self.constraint.at(path)
+                rows = self.constraint.mask(rows)
+            if penalise and self.s.repetition_penalty:
                 context = self._penalty_context()
                 if path:
                     context = torch.cat([context, torch.tensor(path, dtype=context.dtype, device=context.device)])

@@ -1,0 +1,217 @@
+"""A request's grammar constraint (JSON schema, JSON object, Lark / GBNF grammar, regex), composed with lossless
+verification: the target's row at each position is masked to the tokens the grammar allows after that row's prefix,
+before :func:`~specchat.backend.speculative.sampling.pick` decides it.
+
+Contract (``docs/constrained.md`` states it for users):
+
+- :func:`compile_grammar` turns a :class:`~specchat.backend.api.ConstraintSpec` into llguidance's grammar text, or
+  raises :class:`RequestError` naming what is wrong with the schema or grammar (checked against the tokenizer).
+- :class:`Constraint` is one request's matcher. Its *base* state is after the reply's committed tokens;
+  :meth:`Constraint.at` moves it to base + a path of drafts (rolling back what it followed before), so every row of
+  a verification pass, chain or tree, is masked by the state after exactly its own prefix; :meth:`Constraint.commit`
+  advances the base by the tokens the reply kept. :meth:`Constraint.mask` sets every disallowed logit to -inf in
+  place: the row then goes to ``pick`` unchanged in every other way (the same Gumbel noise, seed and position), so a
+  seeded constrained reply is the same for every drafter, γ and jump-forward setting. An end-of-text id is allowed
+  only where the grammar accepts (llguidance's own rule: its tokenizer is given the engine's EOS ids).
+- :meth:`Constraint.cut` keeps the drafts the grammar allows (a chain's longest valid prefix; a tree's nodes whose
+  whole path is valid): a draft the grammar refuses could never be accepted, so it is not verified.
+- :meth:`Constraint.forced` are the tokens the grammar forces next (jump-forward): they are placed as drafts and
+  verified like any other, so they cost no extra pass and never change the reply.
+
+Why llguidance (not xgrammar, not a hand-written matcher): measured in docs/constrained.md (mask cost per token,
+schema coverage); it has rollback, which speculation needs for rejected drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from specchat.backend.api import ConstraintSpec
+from specchat.backend.errors import RequestError
+
+# JSON is written compactly but with the separators models saw most (", " and ": "), no free whitespace: a model
+# cannot loop on blanks, and more of each reply is forced (jump-forward).
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+_tokenizers: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def grammar_text(spec: ConstraintSpec) -> str:
+    """llguidance's grammar for ``spec``, before any tokenizer is known (RequestError for an unreadable one)."""
+    try:
+        if spec.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
+        if spec.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.text, JSON_OPTIONS)
+        if spec.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec.text)
+        return llguidance.grammar_from("grammar", spec.text)  # Lark, or llama.cpp's GBNF (converted to Lark)
+    except (ValueError, TypeError) as error:
+        raise RequestError(f"the {spec.kind.replace('_', ' ')} cannot be read: {error}") from None
+
+
+def check_grammar(spec: ConstraintSpec) -> str:
+    """The grammar text for ``spec``, validated without a tokenizer (a client's bad schema is refused before it
+    queues); RequestError naming llguidance's reason."""
+    grammar = grammar_text(spec)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise RequestError(f"the {spec.kind.replace('_', ' ')} is not supported: {messages[0] if messages else '?'}")
+    return grammar
+
+
+def ll_tokenizer(tokenizer: Any, vocab: int, eos_ids: Collection[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer (built once per tokenizer: ~1 s)."""
+    with _lock:
+        cached = _tokenizers.get(tokenizer)
+        if cached is None:
+            try:
+                cached = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=sorted(eos_ids))
+            except (ValueError, TypeError) as error:
+                raise RequestError(
+                    f"constrained decoding needs a fast (Rust) Hugging Face tokenizer; this model's is not ({error})"
+                ) from None
+            _tokenizers[tokenizer] = cached
+        return cached
+
+
+class Constraint:
+    """One request's grammar state (module docstring). ``mask_s`` / ``masks`` time the masks computed."""
+
+    def __init__(self, spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer, vocab: int) -> None:
+        self.spec, self.vocab = spec, vocab
+        grammar = grammar_text(spec)
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise RequestError(f"the {spec.kind.replace('_', ' ')} is not supported: {self.matcher.get_error()}")
+        self._words = (tokenizer.vocab_size + 31) // 32
+        self._bits = torch.zeros(self._words, dtype=torch.int32)
+        self.path: list[int] = []  # tokens followed past the base state (a draft being verified)
+        self.mask_s = 0.0
+        self.masks = 0
+        self.forced_tokens = 0
+
+    @property
+    def jump_forward(self) -> bool:
+        return self.spec.jump_forward
+
+    def _consume(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            if not self.matcher.consume_token(int(token)):
+                raise RequestError(f"the constraint refused token {token}: {self.matcher.get_error()}")
+        self.path.extend(int(t) for t in tokens)
+
+    def at(self, path: Sequence[int]) -> None:
+        """Move to the state after base + ``path`` (rolling back the part of the followed path that differs)."""
+        common = 0
+        while common < min(len(path), len(self.path)) and self.path[common] == path[common]:
+            common += 1
+        if common < len(self.path):
+            self.matcher.rollback(len(self.path) - common)
+            del self.path[common:]
+        self._consume(path[common:])
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The reply kept ``tokens`` (from the base): they become the base."""
+        self.at(tokens)
+        self.path = []
+
+    def allowed(self) -> torch.Tensor:
+        """[vocab] bool: the ids the grammar allows at the current state."""
+        t0 = time.perf_counter()
+        self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._words * 4)
+        allowed = ((self._bits[:, None] >> _SHIFTS) & 1).reshape(-1)[: self.vocab].bool()
+        self.mask_s += time.perf_counter() - t0
+        self.masks += 1
+        if not bool(allowed.any()):
+            raise RequestError(f"the constraint allows no token here ({self.matcher.get_error() or 'a dead end'})")
+        return allowed
+
+    def mask(self, row: torch.Tensor) -> torch.Tensor:
+        """A copy of ``row`` ([1, V] float32 logits) with every id the grammar refuses at -inf."""
+        allowed = self.allowed()
+        t0 = time.perf_counter()
+        width = row.shape[-1]
+        if width > self.vocab:
+            allowed = torch.cat([allowed, allowed.new_zeros(width - self.vocab)])
+        out = row.masked_fill(~allowed[:width].to(row.device), float("-inf"))
+        self.mask_s += time.perf_counter() - t0
+        return out
+
+    def forced(self, most: int) -> list[int]:
+        """At most ``most`` tokens the grammar forces after the base (jump-forward drafts)."""
+        self.at([])
+        if most <= 0 or self.matcher.is_stopped():
+            return []
+        t0 = time.perf_counter()
+        tokens = [int(t) for t in self.matcher.compute_ff_tokens()[:most]]
+        self.mask_s += time.perf_counter() - t0
+        return tokens
+
+    def cut(self, draft_ids: list[int], parents: list[int] | None) -> tuple[list[int], list[int] | None]:
+        """The drafts the grammar allows after the base: a chain's longest valid prefix; a tree's nodes whose path is
+        valid (parents re-indexed). Everything else could never be accepted."""
+        self.at([])
+        if not draft_ids:
+            return draft_ids, parents
+        if parents is None:
+            return draft_ids[: self.matcher.validate_tokens(draft_ids)], None
+        paths: list[list[int]] = []
+        index: dict[int, int] = {-1: -1}
+        kept_ids: list[int] = []
+        kept_parents: list[int] = []
+        for node, (token, parent) in enumerate(zip(draft_ids, parents)):
+            if parent not in index:
+                continue  # its parent was refused
+            path = (paths[index[parent]] if parent >= 0 else []) + [token]
+            if self.matcher.validate_tokens(path) == len(path):
+                index[node] = len(kept_ids)
+                kept_ids.append(token)
+                kept_parents.append(index[parent])
+                paths.append(path)
+        return kept_ids, kept_parents
+
+    def finished_text_ok(self) -> bool:
+        """Whether the grammar accepts what was committed (a reply cut by the length limit may not)."""
+        self.at([])
+        return bool(self.matcher.is_accepting())
+
+
+def constraint_for(spec: ConstraintSpec, tokenizer: Any, vocab: int, eos_ids: Collection[int]) -> Constraint:
+    """A request's :class:`Constraint` over the target's tokenizer."""
+    return Constraint(spec, ll_tokenizer(tokenizer, vocab, eos_ids), vocab)
+
+
+def schema_text(schema: Any) -> str:
+    """A JSON schema (a dict, or its text) as text, for :class:`ConstraintSpec`."""
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+JUMP_FORWARD = "jump-forward"  # the drafter name of a step whose draft is the grammar's forced tokens
+
+
+def plan_draft(
+    constraint: Constraint, name: str | None, draft_ids: list[int], parents: list[int] | None, cap: int
+) -> tuple[str | None, list[int], list[int] | None]:
+    """A step's draft under ``constraint``: the drafter's, cut to what the grammar allows; where the grammar forces
+    tokens that draft does not begin with, those tokens instead (jump-forward), as a chain named
+    :data:`JUMP_FORWARD`. A draft is only ever a guess: verification decides every token as without it."""
+    draft_ids, parents = constraint.cut(draft_ids, parents)
+    if not draft_ids:
+        name, parents = None, None
+    if constraint.jump_forward:
+        forced = constraint.forced(cap)
+        if forced and (parents is not None or draft_ids[: len(forced)] != forced):
+            constraint.forced_tokens += len(forced)
+            return JUMP_FORWARD, forced, None
+    return name, draft_ids, parents
