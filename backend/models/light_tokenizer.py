@@ -132,6 +132,12 @@ class LightTokenizer:
     def __len__(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The ``tokenizers`` library's tokenizer (transformers' fast tokenizers' name for it): what a grammar
+        engine reads the vocabulary from (backend/speculative/constraint.py)."""
+        return self._backend
+
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
 

@@ -24,6 +24,7 @@ schema coverage); it has rollback, which speculation needs for rejected drafts.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -32,7 +33,6 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from specchat.backend.api import ConstraintSpec
@@ -75,12 +75,19 @@ def ll_tokenizer(tokenizer: Any, vocab: int, eos_ids: Collection[int]) -> llguid
     with _lock:
         cached = _tokenizers.get(tokenizer)
         if cached is None:
-            try:
-                cached = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=sorted(eos_ids))
-            except (ValueError, TypeError) as error:
+            backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers' fast ones, and LightTokenizer
+            if backend is None or not hasattr(backend, "to_str"):
                 raise RequestError(
-                    f"constrained decoding needs a fast (Rust) Hugging Face tokenizer; this model's is not ({error})"
-                ) from None
+                    "constrained decoding needs a fast (Rust `tokenizers`) tokenizer; this model's "
+                    f"{type(tokenizer).__name__} is not one"
+                )
+            backend = copy.copy(backend)  # as llguidance.hf.from_tokenizer: no padding or truncation in its copy
+            backend.no_padding()
+            backend.no_truncation()
+            try:
+                cached = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=sorted(eos_ids))
+            except (ValueError, TypeError) as error:
+                raise RequestError(f"the grammar engine cannot read this model's tokenizer ({error})") from None
             _tokenizers[tokenizer] = cached
         return cached
 
