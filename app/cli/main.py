@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specchat.app.cli import bench_replay
 
     bench_replay.add_options(bench, _positive_int)
+    from specchat.app.cli import bench_structured
+
+    bench_structured.add_options(bench)
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)

@@ -33,6 +33,7 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import llguidance
+import numpy
 import torch
 
 from specchat.backend.api import ConstraintSpec
@@ -41,7 +42,7 @@ from specchat.backend.errors import RequestError
 # JSON is written compactly but with the separators models saw most (", " and ": "), no free whitespace: a model
 # cannot loop on blanks, and more of each reply is forced (jump-forward).
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_MINUS_INF = torch.tensor(float("-inf"))
 _tokenizers: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -137,7 +138,8 @@ class Constraint:
         """[vocab] bool: the ids the grammar allows at the current state."""
         t0 = time.perf_counter()
         self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._words * 4)
-        allowed = ((self._bits[:, None] >> _SHIFTS) & 1).reshape(-1)[: self.vocab].bool()
+        bits = numpy.unpackbits(self._bits.numpy().view(numpy.uint8), bitorder="little")  # id i: bit i % 32 of word
+        allowed = torch.from_numpy(bits[: self.vocab].view(numpy.bool_))
         self.mask_s += time.perf_counter() - t0
         self.masks += 1
         if not bool(allowed.any()):
@@ -151,7 +153,7 @@ class Constraint:
         width = row.shape[-1]
         if width > self.vocab:
             allowed = torch.cat([allowed, allowed.new_zeros(width - self.vocab)])
-        out = row.masked_fill(~allowed[:width].to(row.device), float("-inf"))
+        out = torch.where(allowed[:width].to(row.device), row, _MINUS_INF.to(row.device))
         self.mask_s += time.perf_counter() - t0
         return out
 
