@@ -230,13 +230,15 @@ class RequestState(TargetPasses):
                 return
         yield self._final(event, reason, None)
 
-    def _propose(self, cap: int) -> tuple[str | None, int, Draft | None, str | None]:
+    def _propose(self, cap: int, forced: list[int]) -> tuple[str | None, int, Draft | None, str | None]:
         """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step). Candidates are
         asked in :meth:`_ranked`'s order; one that finds nothing (no match, no features) passes the step to the
-        next, so ``auto`` drafts chat with a head while prompt lookup has nothing to copy."""
+        next, so ``auto`` drafts chat with a head while prompt lookup has nothing to copy. ``forced``: tokens the
+        grammar forces next (jump-forward); the drafters continue after them."""
+        context = self.context + forced if forced else self.context
         if self.prediction is not None and cap > 0:
             try:
-                draft = self.prediction.propose(self.context, cap)
+                draft = self.prediction.propose(context, cap)
             except Exception as error:  # as any drafter's: the reply goes on without it
                 self.prediction = None
                 return None, 0, None, f"The prediction failed ({describe_error(error)}); continuing without it."
@@ -249,7 +251,7 @@ class RequestState(TargetPasses):
         for name, gamma in ranked:
             gamma = min(gamma, cap)
             try:
-                draft = self.spec.drafters[name].propose(self.context, gamma)
+                draft = self.spec.drafters[name].propose(context, gamma)
             except Exception as error:  # a failing drafter must not end the reply: continue without it
                 return None, 0, None, self._drop_drafter(name, error)
             if draft.prefilled or draft.reused:
@@ -266,7 +268,8 @@ class RequestState(TargetPasses):
         t_step = time.perf_counter()
         room = self.target.context_length - conv.seq.length - 1  # positions left after the pending token
         cap = min(self.s.max_new_tokens - self.produced, room) - 1  # γ that cannot overshoot either limit
-        name, gamma, draft, message = self._propose(cap)
+        forced = self.constraint.forced(cap) if self.constraint is not None else []
+        name, gamma, draft, message = self._propose(cap - len(forced), forced)
         draft_s = time.perf_counter() - t_step
         draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
         # A tree's first γ nodes are a tree too (a parent comes before its children).
@@ -276,7 +279,7 @@ class RequestState(TargetPasses):
             else None
         )
         if self.constraint is not None:  # drafts the grammar refuses are cut; forced tokens drafted
-            name, draft_ids, parents = plan_draft(self.constraint, name, draft_ids, parents, cap)
+            name, draft_ids, parents = plan_draft(self.constraint, name, draft_ids, parents, forced)
         t_verify = time.perf_counter()
         try:
             logits = self._target_logits([pending] + draft_ids, keep=1 + len(draft_ids), parents=parents)

@@ -158,9 +158,9 @@ class Constraint:
         return out
 
     def forced(self, most: int) -> list[int]:
-        """At most ``most`` tokens the grammar forces after the base (jump-forward drafts)."""
+        """At most ``most`` tokens the grammar forces after the base (jump-forward drafts; none when it is off)."""
         self.at([])
-        if most <= 0 or self.matcher.is_stopped():
+        if most <= 0 or not self.jump_forward or self.matcher.is_stopped():
             return []
         t0 = time.perf_counter()
         tokens = [int(t) for t in self.matcher.compute_ff_tokens()[:most]]
@@ -168,9 +168,8 @@ class Constraint:
         return tokens
 
     def cut(self, draft_ids: list[int], parents: list[int] | None) -> tuple[list[int], list[int] | None]:
-        """The drafts the grammar allows after the base: a chain's longest valid prefix; a tree's nodes whose path is
-        valid (parents re-indexed). Everything else could never be accepted."""
-        self.at([])
+        """The drafts the grammar allows at the current state: a chain's longest valid prefix; a tree's nodes whose
+        path is valid (parents re-indexed). Everything else could never be accepted."""
         if not draft_ids:
             return draft_ids, parents
         if parents is None:
@@ -210,17 +209,20 @@ JUMP_FORWARD = "jump-forward"  # the drafter name of a step whose draft is the g
 
 
 def plan_draft(
-    constraint: Constraint, name: str | None, draft_ids: list[int], parents: list[int] | None, cap: int
+    constraint: Constraint, name: str | None, draft_ids: list[int], parents: list[int] | None, forced: list[int]
 ) -> tuple[str | None, list[int], list[int] | None]:
-    """A step's draft under ``constraint``: the drafter's, cut to what the grammar allows; where the grammar forces
-    tokens that draft does not begin with, those tokens instead (jump-forward), as a chain named
-    :data:`JUMP_FORWARD`. A draft is only ever a guess: verification decides every token as without it."""
+    """A step's draft under ``constraint``: the tokens the grammar forces (``forced``: :meth:`Constraint.forced`),
+    then the drafter's draft from after them, cut to what the grammar allows there. With forced tokens the step is
+    named :data:`JUMP_FORWARD` (its acceptance is not the drafter's, so no policy learns from it) and a drafter's
+    tree hangs below the last forced token. A draft is only ever a guess: verification decides every token as
+    without it."""
+    constraint.at(forced)
     draft_ids, parents = constraint.cut(draft_ids, parents)
-    if not draft_ids:
-        name, parents = None, None
-    if constraint.jump_forward:
-        forced = constraint.forced(cap)
-        if forced and (parents is not None or draft_ids[: len(forced)] != forced):
-            constraint.forced_tokens += len(forced)
-            return JUMP_FORWARD, forced, None
-    return name, draft_ids, parents
+    constraint.at([])
+    if not forced:
+        return (name if draft_ids else None), draft_ids, (parents if draft_ids else None)
+    constraint.forced_tokens += len(forced)
+    f = len(forced)
+    if parents is None:
+        return JUMP_FORWARD, forced + draft_ids, None
+    return JUMP_FORWARD, forced + draft_ids, list(range(-1, f - 1)) + [p + f if p >= 0 else f - 1 for p in parents]
