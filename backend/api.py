@@ -131,6 +131,9 @@ class GenerationRequest:
     prediction: str | None = None
     prefix_cache: str | None = None
     constraint: ConstraintSpec | None = None  # what the reply must match (None: free text)
+    # OpenAI tool definitions ({"type": "function", "function": {...}}) the prompt offers (backend/engine/tools.py);
+    # messages may then carry OpenAI's tool_calls (assistant) and tool_call_id (role tool).
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):

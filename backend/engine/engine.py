@@ -30,6 +30,7 @@ from specchat.backend.engine.request import RequestState
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
+from specchat.backend.engine.tools import ToolSyntax, prepare, syntax_of
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len, kv_bytes_per_token
@@ -207,6 +208,11 @@ class Engine:
             self.reply_memory.remember_all(reversed(newest))
             return self.reply_memory.num_tokens
 
+    @property
+    def tool_syntax(self) -> ToolSyntax:
+        """How this model writes tool calls (its chat template's syntax, else the default: backend/engine/tools.py)."""
+        return syntax_of(getattr(self.tokenizer, "chat_template", None))
+
     def blocks_in_use(self) -> int:
         """Blocks held in the target pool (conversations and prefix-cache entries kept for reuse included)."""
         return self.cache.pool.num_used
@@ -229,8 +235,11 @@ class Engine:
         if not request.messages:
             raise RequestError("the request has no messages: type something to send")
         messages = validate_messages(request.messages)
+        tools = request.tools
+        if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+            messages, tools = prepare(messages, tools, self.tool_syntax)  # the template's syntax, or the default
         if request.keep_all_messages:
-            ids = render(self.tokenizer, messages)
+            ids = render(self.tokenizer, messages, tools)
             if len(ids) > budget:
                 raise RequestError(
                     f"the messages come to {len(ids)} tokens; the context holds {budget} for the prompt "

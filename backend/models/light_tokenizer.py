@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name"}  # OpenAI's, as templates read them
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # The tokenizer classes whose saved tokenizer.json is all there is to them (no Python-side pre-processing).
 _CLASSES = (
@@ -163,6 +164,7 @@ class LightTokenizer:
         add_generation_prompt: bool = False,
         tokenize: bool = True,
         return_dict: bool = True,
+        tools: list[dict] | None = None,
     ) -> dict[str, list[int]] | list[int] | str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
@@ -170,13 +172,14 @@ class LightTokenizer:
         for i, message in enumerate(messages):
             if (
                 not isinstance(message, dict)
-                or set(message) != {"role", "content"}
-                or not all(isinstance(v, str) for v in message.values())
+                or not {"role", "content"} <= set(message) <= _MESSAGE_KEYS
+                or not isinstance(message["role"], str)
+                or not isinstance(message["content"], str)
             ):
-                raise ValueError(f"message {i}: only role and content strings can be rendered here")
+                raise ValueError(f"message {i}: only role and content strings (and tool calls) can be rendered here")
             plain.append(dict(message))
         text = _compiled(self.chat_template).render(
-            messages=plain, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self._special
+            messages=plain, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **self._special
         )
         if not tokenize:
             return text
