@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
+from specchat.backend.constraint_spec import ConstraintSpec as ConstraintSpec
 from specchat.backend.errors import RequestError
 from specchat.backend.limits import (
     DRAFTERS,
@@ -79,30 +80,6 @@ class SamplingParams:
             raise RequestError(f"sampling setting stop={self.stop!r} is invalid: use a tuple of strings")
 
 
-ConstraintKind = Literal["json_schema", "json_object", "grammar", "regex"]
-CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "grammar", "regex")
-MAX_CONSTRAINT_CHARS = 1 << 20  # a schema or grammar longer than this is refused
-
-
-@dataclass(frozen=True, slots=True)
-class ConstraintSpec:
-    """What a reply must match (``backend/speculative/constraint.py``): a JSON schema (its text), any JSON object,
-    a grammar (Lark or llama.cpp's GBNF) or a regular expression. ``jump_forward``: tokens the grammar forces are
-    drafted without a drafter (never changes the reply; off only to measure it)."""
-
-    kind: ConstraintKind
-    text: str = ""
-    jump_forward: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind not in CONSTRAINT_KINDS:
-            raise RequestError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(CONSTRAINT_KINDS)}")
-        if not isinstance(self.text, str) or len(self.text) > MAX_CONSTRAINT_CHARS:
-            raise RequestError(f"a constraint's text must be a text of at most {MAX_CONSTRAINT_CHARS} characters")
-        if self.kind != "json_object" and not self.text.strip():
-            raise RequestError(f"the {self.kind.replace('_', ' ')} is empty")
-
-
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One reply to produce, checked when built.
@@ -131,13 +108,10 @@ class GenerationRequest:
     prediction: str | None = None
     prefix_cache: str | None = None
     constraint: ConstraintSpec | None = None  # what the reply must match (None: free text)
-    # OpenAI tool definitions ({"type": "function", "function": {...}}) the prompt offers (backend/engine/tools.py);
-    # messages may then carry OpenAI's tool_calls (assistant) and tool_call_id (role tool).
+    # OpenAI tools offered to the model (backend/engine/tools.py); messages may carry tool_calls and tool_call_id.
     tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
-        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
-            raise RequestError(f"constraint must be a ConstraintSpec, got {type(self.constraint).__name__}")
         if self.prefix_cache is not None and (not isinstance(self.prefix_cache, str) or self.conversation is not None):
             raise RequestError("prefix_cache must be a scope name (text), and a request with a conversation has none")
         if self.prediction is not None and (
@@ -273,8 +247,7 @@ class RequestStats:
     prediction_tokens: int | None = None
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
-    # With a constraint (None without): seconds spent computing and applying its token masks, the masks computed,
-    # and the drafted tokens the grammar forced (jump-forward).
+    # With a constraint (None without): seconds computing and applying masks, masks, forced drafts (jump-forward).
     mask_s: float | None = None
     masks: int | None = None
     forced_tokens: int | None = None
@@ -368,8 +341,6 @@ _OPTIONAL_NUMBERS = {
     "accepted_prediction_tokens",
     "rejected_prediction_tokens",
     "mask_s",
-    "masks",
-    "forced_tokens",
 }
 
 

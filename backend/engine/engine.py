@@ -30,7 +30,7 @@ from specchat.backend.engine.request import RequestState
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
-from specchat.backend.engine.tools import ToolSyntax, prepare, syntax_of
+from specchat.backend.engine.tools import prepare, syntax_of
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len, kv_bytes_per_token
@@ -208,11 +208,6 @@ class Engine:
             self.reply_memory.remember_all(reversed(newest))
             return self.reply_memory.num_tokens
 
-    @property
-    def tool_syntax(self) -> ToolSyntax:
-        """How this model writes tool calls (its chat template's syntax, else the default: backend/engine/tools.py)."""
-        return syntax_of(getattr(self.tokenizer, "chat_template", None))
-
     def blocks_in_use(self) -> int:
         """Blocks held in the target pool (conversations and prefix-cache entries kept for reuse included)."""
         return self.cache.pool.num_used
@@ -235,9 +230,7 @@ class Engine:
         if not request.messages:
             raise RequestError("the request has no messages: type something to send")
         messages = validate_messages(request.messages)
-        tools = request.tools
-        if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):
-            messages, tools = prepare(messages, tools, self.tool_syntax)  # the template's syntax, or the default
+        messages, tools = prepare(messages, request.tools, syntax_of(getattr(self.tokenizer, "chat_template", None)))
         if request.keep_all_messages:
             ids = render(self.tokenizer, messages, tools)
             if len(ids) > budget:
@@ -298,13 +291,9 @@ class Engine:
                 f"pair {self.pair.name!r} has no {drafter_name} head; use --drafter prompt-lookup, suffix, auto or "
                 "none, or give the pair a head (models.yaml: head:, or `specchat train-head`)"
             )
-        gamma = request.gamma if request.gamma is not None else self.pair.gamma
-        gamma = check_gamma(gamma)
-        constraint = (  # refused (RequestError naming the schema's problem) before any cache is touched
-            constraint_for(request.constraint, self.tokenizer, self.vocab_limit, self.eos_ids)
-            if request.constraint is not None
-            else None
-        )
+        gamma = check_gamma(request.gamma if request.gamma is not None else self.pair.gamma)
+        spec = request.constraint  # a schema the grammar engine refuses: RequestError before any cache is touched
+        constraint = constraint_for(spec, self.tokenizer, self.vocab_limit, self.eos_ids) if spec else None
         budget = self.context_length - 1
         scope = request.prefix_cache
         if scope is not None:  # the prompt first: it picks the entry (a refused prompt touches no entry)

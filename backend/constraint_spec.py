@@ -1,0 +1,32 @@
+"""What a reply must match: the request-side half of constrained decoding (``backend/speculative/constraint.py`` is
+the decoding half). Re-exported by ``backend/api.py``; pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from specchat.backend.errors import RequestError
+
+ConstraintKind = Literal["json_schema", "json_object", "grammar", "regex"]
+CONSTRAINT_KINDS: tuple[str, ...] = ("json_schema", "json_object", "grammar", "regex")
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema or grammar longer than this is refused
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintSpec:
+    """What a reply must match (``backend/speculative/constraint.py``): a JSON schema (its text), any JSON object,
+    a grammar (Lark or llama.cpp's GBNF) or a regular expression. ``jump_forward``: tokens the grammar forces are
+    drafted without a drafter (never changes the reply; off only to measure it)."""
+
+    kind: ConstraintKind
+    text: str = ""
+    jump_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise RequestError(f"unknown constraint kind {self.kind!r}; use one of {', '.join(CONSTRAINT_KINDS)}")
+        if not isinstance(self.text, str) or len(self.text) > MAX_CONSTRAINT_CHARS:
+            raise RequestError(f"a constraint's text must be a text of at most {MAX_CONSTRAINT_CHARS} characters")
+        if self.kind != "json_object" and not self.text.strip():
+            raise RequestError(f"the {self.kind.replace('_', ' ')} is empty")
