@@ -28,7 +28,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specchat.app.serve.structured import FieldError, ToolPlan, message_fields, parse_structured
 from specchat.backend.api import GenerationRequest, SamplingParams
+from specchat.backend.engine.tools import ToolSyntax
 from specchat.backend.errors import RequestError
 from specchat.backend.limits import (
     DRAFTERS,
@@ -43,7 +45,7 @@ DEFAULT_QUEUE = 8  # requests waiting for the engine; one more is refused (429)
 DEFAULT_MAX_MESSAGES = 2048  # messages in one request (OpenAI's own limit); more are refused (413)
 DEFAULT_MAX_CONNECTIONS = 64  # open at once; more are refused (503: app/serve/protocol.py)
 MAX_STOP_STRINGS = 16
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer clients send "developer" for the system message
 
 
@@ -76,6 +78,7 @@ class ChatCall:
     include_usage: bool
     return_token_ids: bool
     cache_key: str = ""  # prompt_cache_key, else user, else "" (see the module docstring)
+    tools: ToolPlan | None = None  # tools offered: the reply's calls are read back (app/serve/structured.py)
 
 
 def _shown(value: Any) -> str:
@@ -127,7 +130,7 @@ def _content(index: int, content: Any) -> str:
     raise _bad(param, content, "must be a string or a list of text parts")
 
 
-def _messages(value: Any, most: int) -> list[dict[str, str]]:
+def _messages(value: Any, most: int) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise _bad("messages", value, 'must be a non-empty list of {"role": ..., "content": ...} objects')
     if len(value) > most:
@@ -145,10 +148,15 @@ def _messages(value: Any, most: int) -> list[dict[str, str]]:
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise _bad(f"messages[{i}].role", role, "must be one of " + ", ".join(ROLES) + " (or developer)")
-        if "content" not in message or message["content"] is None:
+        try:
+            fields = message_fields(i, message, str(role))  # an assistant's tool_calls, a tool's tool_call_id
+        except FieldError as error:
+            raise _bad(error.param, error.value, error.what) from None
+        if message.get("content") is None and "tool_calls" not in fields:
             raise _bad(f"messages[{i}].content", None, "is required (text)")
-        text = _content(i, message["content"]).encode("utf-8", "replace").decode("utf-8")  # lone surrogates
-        out.append({"role": str(role), "content": text})
+        content = message.get("content")
+        text = "" if content is None else _content(i, content).encode("utf-8", "replace").decode("utf-8")
+        out.append({"role": str(role), "content": text, **fields})
     if not any(m["role"] == "user" for m in out):
         raise _bad("messages", f"{len(out)} message(s)", "has no user message; add one")
     if out[-1]["role"] == "user" and not out[-1]["content"].strip():
@@ -202,11 +210,6 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     n = body.get("n", 1)
     if n not in (None, 1) or isinstance(n, bool):
         raise _bad("n", n, "this server returns one choice per request; send n: 1 or leave it out")
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise _bad(key, body[key], "this server does not call tools; leave it out")
-    if body.get("tools") in (None, []) and body.get("tool_choice") not in (None, "none", "auto"):
-        raise _bad("tool_choice", body["tool_choice"], 'this server does not call tools; send "none" or leave it out')
     if body.get("logprobs") not in (None, False):
         raise _bad("logprobs", body["logprobs"], "this server does not return log-probabilities; leave it out")
     if body.get("top_logprobs") not in (None, 0) or isinstance(body.get("top_logprobs"), bool):
@@ -216,11 +219,6 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     min_p = body.get("min_p")
     if min_p is not None and (not isinstance(min_p, (int, float)) or isinstance(min_p, bool) or min_p != 0):
         raise _bad("min_p", min_p, "is not supported; send 0 or leave it out (top_p and top_k are)")
-    response_format = body.get("response_format")
-    if response_format is not None and (
-        not isinstance(response_format, Mapping) or response_format.get("type") != "text"
-    ):
-        raise _bad("response_format", response_format, 'only {"type": "text"} is supported; leave it out')
 
 
 def _specchat(value: Any) -> tuple[Any, Any]:
@@ -273,8 +271,10 @@ def _cache_key(data: Mapping[str, Any]) -> str:
     return user[:MAX_CACHE_KEY_CHARS] if isinstance(user, str) else ""
 
 
-def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limits()) -> ChatCall:
-    """Check one chat completions body (see the module docstring)."""
+def parse_chat_request(
+    body: bytes, served: Sequence[str], limits: Limits = Limits(), tool_syntax: ToolSyntax = "default"
+) -> ChatCall:
+    """Check one chat completions body (see the module docstring); ``tool_syntax``: the model's (tools.py)."""
     data = decode_json(body)
     if not isinstance(data, dict):
         raise _bad("body", data, "must be a JSON object with model and messages")
@@ -290,6 +290,10 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
         )
     messages = _messages(data.get("messages"), limits.max_messages)
     _unsupported(data)
+    try:
+        constraint, tools, plan = parse_structured(data, tool_syntax)
+    except FieldError as error:
+        raise _bad(error.param, error.value, error.what) from None
     max_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = data.get(max_key)
     if max_tokens == -1 and not isinstance(max_tokens, bool):  # llama.cpp's "no limit": the server's default
@@ -332,7 +336,11 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
             gamma=gamma,
             keep_all_messages=True,
             prediction=_prediction(data.get("prediction")),
+            constraint=constraint,
+            tools=tools,
         )
     except RequestError as error:  # the checks above cover every field; this keeps the contract if they drift
         raise ApiError(400, str(error), None) from None
-    return ChatCall(model, request, stream, include_usage, _flag(data, "return_token_ids"), _cache_key(data))
+    return ChatCall(
+        model, request, stream, include_usage, _flag(data, "return_token_ids"), _cache_key(data), tools=plan
+    )

@@ -33,12 +33,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from specchat.app.serve import wire
+from specchat.app.serve import structured, wire
 from specchat.app.serve.access import ENTRY, AccessLog, Entry
 from specchat.app.serve.boundary import ApiError, ChatCall, parse_chat_request
 from specchat.app.serve.config import ServeConfig
 from specchat.app.serve.owner import END, Busy, EngineOwner, Job, Metrics
 from specchat.backend.api import StepEvent
+from specchat.backend.engine.tools import syntax_of
 from specchat.backend.errors import SpecchatError
 
 log = logging.getLogger("specchat.serve")
@@ -139,6 +140,8 @@ class Routes:
 
     def __init__(self, server: SpecchatServer) -> None:
         self.server = server
+        tokenizer = getattr(server.owner.engine, "tokenizer", None)  # how the model writes tool calls
+        self.tool_syntax = syntax_of(getattr(tokenizer, "chat_template", None))
 
     @property
     def metrics(self) -> Any:
@@ -228,7 +231,8 @@ class Routes:
         if denied := self._denied(request):
             return denied
         try:
-            call = parse_chat_request(await self._body(request), self.server.served, self.server.config.limits)
+            body, limits = await self._body(request), self.server.config.limits
+            call = parse_chat_request(body, self.server.served, limits, self.tool_syntax)
         except ClientDisconnect:
             entry.status, entry.outcome = 499, "client-left"
             return Response(status_code=400)  # never sent: the client is gone
@@ -298,7 +302,7 @@ class Routes:
             return self._failed(entry, reply, None if reply.left else SpecchatError("the engine stopped early"))
         self.finish(entry, last)
         token_ids = ids if call.return_token_ids else None
-        return _JSON(wire.completion(wire.new_id(), call.model, "".join(text), token_ids, last))
+        return _JSON(structured.completion(wire.new_id(), call.model, "".join(text), token_ids, last, call.tools))
 
     def finish(self, entry: Entry, last: StepEvent) -> None:
         stats = last.stats
@@ -345,6 +349,7 @@ class _Stream(Response):
     async def _events(self) -> AsyncIterator[bytes]:
         call, reply, routes = self.call, self.reply, self.routes
         call_id, created, first, last, item = wire.new_id(), int(time.time()), True, None, self.first
+        out = structured.Chunks(call.tools)  # tool calls read back from the text
         while item is not END:
             if isinstance(item, BaseException):
                 routes.metrics.finished(None, "error")
@@ -354,7 +359,7 @@ class _Stream(Response):
             event: StepEvent = item
             last = event if event.finish_reason is not None else last
             if event.text or event.token_ids or event.finish_reason is not None:
-                payload = wire.chunk(call_id, call.model, created, event, token_ids=call.return_token_ids, first=first)
+                payload = out.chunk(call_id, call.model, created, event, token_ids=call.return_token_ids, first=first)
                 first = False
                 yield wire.sse(payload)
             item = await reply.next()

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from specchat.backend.speculative.constraint import JSON_OPTIONS
 
 ToolSyntax = Literal["hermes", "llama3", "default"]
-_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*(?:</tool_call>|$)", re.S)  # a last call may end at EOS
 DEFAULT_SYSTEM = (
     "You can call functions. The functions, as JSON schemas, are:\n<tools>\n{tools}\n</tools>\n"
     "To call one, answer with one or more blocks, and nothing else:\n"

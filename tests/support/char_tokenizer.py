@@ -21,9 +21,8 @@ CHATML = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 QWEN_TOOLS = (
-    "{% if tools %}<s>system\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
-    'For each call return <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    "</s>\n{% endif %}"
+    "{% if tools %}<s>system\n<tools>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}</tools>"
+    "<tool_call></s>\n{% endif %}"  # short: the tiny model's context is 512 characters
     "{% for m in messages %}{% if m['role'] == 'tool' %}<s>user\n<tool_response>\n{{ m['content'] }}\n"
     "</tool_response></s>\n{% elif m.get('tool_calls') %}<s>assistant\n{% for c in m['tool_calls'] %}<tool_call>\n"
     "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}\n"
@@ -45,3 +44,18 @@ def char_tokenizer(template: str = CHATML) -> PreTrainedTokenizerFast:
     fast.add_special_tokens({"additional_special_tokens": []})
     fast.chat_template = template
     return fast
+
+
+def char_engine(drafter: str = "prompt-lookup", gamma="auto", draft: bool = False, template: str = CHATML):
+    """A tiny random-weight llama (and, with ``draft``, a draft model of another seed) over :func:`char_tokenizer`."""
+    import dataclasses
+
+    from engine_fixtures import tiny_loaded, tiny_pair
+
+    from specchat.backend.engine.engine import Engine
+
+    tokenizer = char_tokenizer(template)
+    target = dataclasses.replace(tiny_loaded("llama"), tokenizer=tokenizer)
+    twin = dataclasses.replace(tiny_loaded("llama", seed=1), tokenizer=tokenizer) if draft else None
+    pair = tiny_pair(drafter="draft-model" if draft else drafter, gamma=gamma, context_length=512)
+    return Engine(target, twin, pair)

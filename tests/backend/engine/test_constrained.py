@@ -10,13 +10,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import jsonschema
 import pytest
-from char_tokenizer import char_tokenizer
-from engine_fixtures import tiny_loaded, tiny_pair
+from char_tokenizer import char_engine
 from tiny_models import one_thread  # noqa: F401  (autouse)
 
 from specchat.backend.api import ConstraintSpec, GenerationRequest, SamplingParams
@@ -62,14 +60,6 @@ SETTINGS = [
     {"temperature": 0.7, "seed": 2**63 + 5},
 ]
 MESSAGES = [{"role": "user", "content": 'Give me {"name": "ab", "age": 10} as JSON {"name": "ab", "age": 10}'}]
-
-
-def char_engine(drafter: str = "prompt-lookup", gamma="auto", draft: bool = False) -> Engine:
-    tokenizer = char_tokenizer()
-    target = dataclasses.replace(tiny_loaded("llama"), tokenizer=tokenizer)
-    twin = dataclasses.replace(tiny_loaded("llama", seed=1), tokenizer=tokenizer) if draft else None
-    pair = tiny_pair(drafter="draft-model" if draft else drafter, gamma=gamma, context_length=256)
-    return Engine(target, twin, pair)
 
 
 def reply(engine: Engine, schema, *, drafter=None, gamma=None, jump=True, **sampling):
