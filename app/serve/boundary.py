@@ -79,6 +79,7 @@ class ChatCall:
     return_token_ids: bool
     cache_key: str = ""  # prompt_cache_key, else user, else "" (see the module docstring)
     tools: ToolPlan | None = None  # tools offered: the reply's calls are read back (app/serve/structured.py)
+    text: bool = False  # a /v1/completions call (app/serve/completions.py)
 
 
 def _shown(value: Any) -> str:

@@ -1,6 +1,7 @@
 """`specchat serve`'s routes (a Starlette app): the OpenAI chat completions API over the engine's one owner.
 
-Routes: ``POST /v1/chat/completions`` (also ``/chat/completions``: server-sent events or one JSON object),
+Routes: ``POST /v1/chat/completions`` (also ``/chat/completions``: server-sent events or one JSON object) and
+``POST /v1/completions`` (also ``/completions``: a prompt continued, app/serve/completions.py),
 ``GET /v1/models`` (also ``/models``), ``GET /metrics`` (Prometheus text; a reply's counts are added when it
 ends, from its RequestStats), ``GET /health``; any other path or method is a JSON 404 / 405. Every error is the
 OpenAI-style JSON object (app/serve/boundary.py), never a traceback; a bug is answered 500 and logged once.
@@ -35,11 +36,11 @@ from starlette.routing import Route
 
 from specchat.app.serve import structured, wire
 from specchat.app.serve.access import ENTRY, AccessLog, Entry
-from specchat.app.serve.boundary import ApiError, ChatCall, parse_chat_request
+from specchat.app.serve.boundary import ApiError, ChatCall
+from specchat.app.serve.completions import parse_call
 from specchat.app.serve.config import ServeConfig
 from specchat.app.serve.owner import END, Busy, EngineOwner, Job, Metrics
 from specchat.backend.api import StepEvent
-from specchat.backend.engine.tools import syntax_of
 from specchat.backend.errors import SpecchatError
 
 log = logging.getLogger("specchat.serve")
@@ -140,8 +141,6 @@ class Routes:
 
     def __init__(self, server: SpecchatServer) -> None:
         self.server = server
-        tokenizer = getattr(server.owner.engine, "tokenizer", None)  # how the model writes tool calls
-        self.tool_syntax = syntax_of(getattr(tokenizer, "chat_template", None))
 
     @property
     def metrics(self) -> Any:
@@ -226,13 +225,13 @@ class Routes:
             ) from None
         return b"".join(chunks)
 
-    async def chat(self, request: Request) -> Response:
+    async def chat(self, request: Request, text: bool = False) -> Response:
         entry = _entry(request)
         if denied := self._denied(request):
             return denied
         try:
             body, limits = await self._body(request), self.server.config.limits
-            call = parse_chat_request(body, self.server.served, limits, self.tool_syntax)
+            call = parse_call(body, self.server.served, limits, self.server.owner.engine, text)
         except ClientDisconnect:
             entry.status, entry.outcome = 499, "client-left"
             return Response(status_code=400)  # never sent: the client is gone
@@ -272,6 +271,9 @@ class Routes:
         finally:
             reply.close()
 
+    async def text(self, request: Request) -> Response:
+        return await self.chat(request, text=True)
+
     def _failed(self, entry: Entry, reply: _Reply, error: BaseException | None) -> Response:
         if reply.left or error is None:
             self.metrics.finished(None, "cancelled")
@@ -302,7 +304,8 @@ class Routes:
             return self._failed(entry, reply, None if reply.left else SpecchatError("the engine stopped early"))
         self.finish(entry, last)
         token_ids = ids if call.return_token_ids else None
-        return _JSON(structured.completion(wire.new_id(), call.model, "".join(text), token_ids, last, call.tools))
+        out = structured.completion(wire.new_id(), call.model, "".join(text), token_ids, last, call.tools, call.text)
+        return _JSON(out)
 
     def finish(self, entry: Entry, last: StepEvent) -> None:
         stats = last.stats
@@ -349,7 +352,7 @@ class _Stream(Response):
     async def _events(self) -> AsyncIterator[bytes]:
         call, reply, routes = self.call, self.reply, self.routes
         call_id, created, first, last, item = wire.new_id(), int(time.time()), True, None, self.first
-        out = structured.Chunks(call.tools)  # tool calls read back from the text
+        out = structured.Chunks(call.tools, call.text)  # tool calls read back from the text
         while item is not END:
             if isinstance(item, BaseException):
                 routes.metrics.finished(None, "error")
@@ -368,7 +371,7 @@ class _Stream(Response):
             self.entry.status, self.entry.outcome = 499, "client-left"
             return
         if call.include_usage:
-            yield wire.sse(wire.usage_chunk(call_id, call.model, created, last))
+            yield wire.sse(out.usage(call_id, call.model, created, last))
         yield wire.sse("[DONE]")
         routes.finish(self.entry, last)
 
@@ -387,6 +390,7 @@ def build_app(server: SpecchatServer) -> AccessLog:
     routes = Routes(server)
     chat = ("/v1/chat/completions", "/chat/completions")
     table = [Route(path, routes.chat, methods=["POST"]) for path in chat]
+    table += [Route(path, routes.text, methods=["POST"]) for path in ("/v1/completions", "/completions")]
     table += [Route(path, routes.models, methods=["GET"]) for path in ("/v1/models", "/models")]
     table += [Route("/metrics", routes.prometheus, methods=["GET"]), Route("/health", routes.health, methods=["GET"])]
     app = Starlette(routes=table, exception_handlers={HTTPException: routes.http_error})

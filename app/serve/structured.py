@@ -234,30 +234,55 @@ class CallStream:
 
 
 def completion(
-    call_id: str, model: str, text: str, token_ids: list[int] | None, last: StepEvent, plan: ToolPlan | None
+    call_id: str,
+    model: str,
+    text: str,
+    token_ids: list[int] | None,
+    last: StepEvent,
+    plan: ToolPlan | None,
+    as_text: bool = False,
 ) -> dict[str, Any]:
     """wire.completion with the reply's calls as ``tool_calls`` (finish_reason ``tool_calls``) when tools were
-    offered."""
+    offered; ``as_text``: a ``text_completion`` (``/v1/completions``)."""
     out = wire.completion(call_id, model, text, token_ids, last)
-    if plan is not None:
-        message, called = whole_message(text, plan)
-        out["choices"][0]["message"] = message
+    choice = out["choices"][0]
+    if as_text:
+        choice["text"] = choice.pop("message")["content"]
+        out["object"] = "text_completion"
+        out["id"] = "cmpl-" + call_id.removeprefix("chatcmpl-")
+    elif plan is not None:
+        choice["message"], called = whole_message(text, plan)
         if called:
-            out["choices"][0]["finish_reason"] = "tool_calls"
+            choice["finish_reason"] = "tool_calls"
     return out
 
 
 class Chunks:
     """wire.chunk for a stream, with tools offered: content deltas held back where a call starts, and the calls as
-    one ``tool_calls`` delta on the last chunk (finish_reason ``tool_calls``)."""
+    one ``tool_calls`` delta on the last chunk (finish_reason ``tool_calls``); ``as_text``: ``text_completion``
+    chunks."""
 
-    def __init__(self, plan: ToolPlan | None) -> None:
+    def __init__(self, plan: ToolPlan | None, as_text: bool = False) -> None:
         self.calls = CallStream(plan) if plan is not None else None
+        self.as_text = as_text
+
+    def _text(self, payload: dict[str, Any]) -> dict[str, Any]:
+        payload["id"] = "cmpl-" + payload["id"].removeprefix("chatcmpl-")
+        payload["object"] = "text_completion"
+        for choice in payload["choices"]:
+            choice["text"] = choice.pop("delta").get("content", "")
+        return payload
+
+    def usage(self, call_id: str, model: str, created: int, last: StepEvent) -> dict[str, Any]:
+        payload = wire.usage_chunk(call_id, model, created, last)
+        return self._text(payload) if self.as_text else payload
 
     def chunk(
         self, call_id: str, model: str, created: int, event: StepEvent, *, token_ids: bool, first: bool
     ) -> dict[str, Any]:
         payload = wire.chunk(call_id, model, created, event, token_ids=token_ids, first=first)
+        if self.as_text:
+            return self._text(payload)
         if self.calls is None:
             return payload
         choice = payload["choices"][0]

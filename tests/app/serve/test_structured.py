@@ -173,3 +173,21 @@ def test_calls_are_read_back_from_text():
     assert stream.finish()[1][0]["function"]["name"] == "f"
     held = CallStream(plan)
     assert held.push("a <to") == "a " and held.finish() == ("<to", [])
+
+
+def test_text_completions(client):
+    done = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, seed=3, temperature=0)
+    assert done.object == "text_completion" and done.id.startswith("cmpl-")
+    assert isinstance(done.choices[0].text, str) and done.usage.completion_tokens <= 12
+    pieces = client.completions.create(
+        model="tiny", prompt=["Once upon a time"], max_tokens=12, seed=3, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in pieces if c.choices) == done.choices[0].text  # streamed: the same
+    shaped = client.completions.create(
+        model="tiny", prompt="x", max_tokens=100, seed=3, extra_body={"response_format": {"type": "json_object"}}
+    )
+    if shaped.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(shaped.choices[0].text), dict)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt="x", echo=True)
+    assert caught.value.body["param"] == "echo"
