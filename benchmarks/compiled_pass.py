@@ -87,7 +87,7 @@ class OneTokenPass(torch.nn.Module):
 def _setup(context: int):
     engine = load_engine(load_pairs()["smollm2-135m"])
     runner = engine.runner
-    forward, cache = runner.compact, runner.cache
+    forward, cache = getattr(runner.forward_path, "fast", None), runner.cache
     if forward is None or any(layer.qkv is None or layer.gate_up is None or layer.window for layer in forward.layers):
         raise SystemExit(f"the default does not run the joined compact forward here ({runner.path})")
     tensors = []
@@ -146,7 +146,7 @@ def main() -> int:
         probes = range(7, 49000, 2450)  # 20 tokens: agreeing on one, or on 10, said little
         for token in probes:
             compiled_logits = head(compiled(*inputs(position, token), *tensors))
-            compact_logits = runner.forward(seq, [token])
+            compact_logits = runner.forward(seq, [token]).logits
             equal += torch.equal(compiled_logits, compact_logits)
             largest = max(largest, (compiled_logits - compact_logits).abs().max().item())
         print(f"logits equal to the compact forward's for {equal} of {len(probes)} tokens (largest difference "

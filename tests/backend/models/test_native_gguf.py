@@ -144,10 +144,10 @@ def test_every_gguf_architecture_runs_natively_from_the_files_config(family, nat
 
 
 def test_native_taps_are_transformers_hidden_states_by_the_runners_indices(native_ready, tmp_path):  # noqa: F811
-    """Draft heads ask for taps by transformers' ``output_hidden_states`` index (runner.check_taps); the native
-    model taps the stream after a layer: runner.native_taps maps one onto the other, the final norm's output
+    """Draft heads ask for taps by transformers' ``output_hidden_states`` index (forward_paths.check_taps); the
+    native model taps the stream after a layer: NativePath.native_taps maps one onto the other, the final norm's output
     included, and refuses the embeddings (tap 0)."""
-    from specchat.backend.engine.runner import native_taps
+    from specchat.backend.engine.forward_paths import NativePath
 
     model = build_tiny("llama")
     path = tmp_path / "tiny-F16.gguf"
@@ -159,17 +159,15 @@ def test_native_taps_are_transformers_hidden_states_by_the_runners_indices(nativ
     loaded.native.bind(cache)
     ids = random_ids(12, seed=5)
 
-    class Holder:
-        config = model.config
-
-    _, tapped = loaded.native.forward(cache.new_sequence(), torch.tensor(ids), 1, None, native_taps(taps, Holder))
+    native_path = NativePath(model, loaded.native)
+    _, tapped = loaded.native.forward(cache.new_sequence(), torch.tensor(ids), 1, None, native_path.native_taps(taps))
     with torch.no_grad():
         hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
     for tap, got in zip(taps, tapped, strict=True):
         want = hidden[tap][0].float()
         assert float((got - want).abs().max()) < 1e-3 * float(want.std()) + 1e-5, tap
     with pytest.raises(ModelLoadError, match="tap 0"):
-        native_taps((0, layers), Holder)
+        native_path.native_taps((0, layers))
 
 
 def test_a_qwen2_files_light_config_is_transformers_own(tmp_path):

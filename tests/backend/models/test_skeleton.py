@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 from foundation_fixtures import write_tiny_gguf
+from paged import paged_forward
 from tiny_models import SMOLLM_ATTENTION, build_tiny, one_thread, random_ids, tiny_config  # noqa: F401  (one_thread: a fixture)
 from transformers import AutoConfig, AutoTokenizer
 
-from specchat.backend.engine.runner import ModelRunner, forward_paged
+from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import compact
 from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
@@ -106,8 +107,8 @@ def _same_compact_logits(reference, light) -> None:
         *[([t], 1) for t in random_ids(6, seed=2)],
         (random_ids(5, seed=3), 5),
     ]:
-        want = forward_paged(reference, seqs[0], chunk, logits_to_keep=keep, fast=fast_ref)
-        got = forward_paged(light, seqs[1], chunk, logits_to_keep=keep, fast=fast_light)
+        want = paged_forward(reference, seqs[0], chunk, logits_to_keep=keep, fast=fast_ref)
+        got = paged_forward(light, seqs[1], chunk, logits_to_keep=keep, fast=fast_light)
         assert torch.equal(got, want)
         for seq in seqs:
             seq.commit(len(chunk))
