@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from specchat.backend.constraint_spec import ConstraintSpec as ConstraintSpec
+from specchat.backend.constraint_spec import check_logprobs
 from specchat.backend.errors import RequestError
 from specchat.backend.limits import (
     DRAFTERS,
@@ -108,10 +109,11 @@ class GenerationRequest:
     prediction: str | None = None
     prefix_cache: str | None = None
     constraint: ConstraintSpec | None = None  # what the reply must match (None: free text)
-    # OpenAI tools offered to the model (backend/engine/tools.py); messages may carry tool_calls and tool_call_id.
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools offered (tools.py); messages: tool_calls, tool_call_id
+    logprobs: int | None = None  # None: none; k (0-20): each token's log-probability and the k likeliest (StepEvent)
 
     def __post_init__(self) -> None:
+        check_logprobs(self.logprobs)
         if self.prefix_cache is not None and (not isinstance(self.prefix_cache, str) or self.conversation is not None):
             raise RequestError("prefix_cache must be a scope name (text), and a request with a conversation has none")
         if self.prediction is not None and (
@@ -247,8 +249,7 @@ class RequestStats:
     prediction_tokens: int | None = None
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
-    # With a constraint (None without): seconds computing and applying masks, masks, forced drafts (jump-forward).
-    mask_s: float | None = None
+    mask_s: float | None = None  # with a constraint (else None): seconds on masks, masks, forced drafts (jump-forward)
     masks: int | None = None
     forced_tokens: int | None = None
 
@@ -352,7 +353,6 @@ class StepEvent:
     tokens completed (never a split UTF-8 character; may be "" when a token is held back for a stop string or
     an incomplete character). Times are seconds of this step. ``stats`` is the request's statistics after this
     step; the last event of a request has ``finish_reason`` set and ``stats`` holds the totals.
-
     A *prefill progress event* (only for a request with ``prefill_progress``) comes before each prefill pass:
     ``prefill_done`` prompt tokens read so far of ``prefill_tokens``, no tokens, ``stats`` None. It is not a
     step: it changes no statistics.
@@ -375,6 +375,7 @@ class StepEvent:
     message: str | None = None  # a user-facing notice (context full, drafter failed and was switched off, ...)
     stats: RequestStats | None = None
     prefill_done: int | None = None  # a prefill progress event: prompt tokens read so far (None otherwise)
+    logprobs: list[dict[str, Any]] | None = None  # per token {token, id, logprob, top}: backend/engine/target_pass.py
 
     @classmethod
     def empty(cls, policy: PolicyState, drafter: str, **fields: Any) -> StepEvent:

@@ -1,5 +1,5 @@
 """What a reply must match: the request-side half of constrained decoding (``backend/speculative/constraint.py`` is
-the decoding half). Re-exported by ``backend/api.py``; pure Python."""
+the decoding half), and the check of a request's ``logprobs``. Re-exported by ``backend/api.py``; pure Python."""
 
 from __future__ import annotations
 
@@ -30,3 +30,12 @@ class ConstraintSpec:
             raise RequestError(f"a constraint's text must be a text of at most {MAX_CONSTRAINT_CHARS} characters")
         if self.kind != "json_object" and not self.text.strip():
             raise RequestError(f"the {self.kind.replace('_', ' ')} is empty")
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+def check_logprobs(value: object) -> None:
+    """A request's ``logprobs``: None, or the number of likeliest alternatives to report per token (0-20)."""
+    if value is not None and (type(value) is not int or not 0 <= value <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS}, got {value!r}")

@@ -211,15 +211,23 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     n = body.get("n", 1)
     if n not in (None, 1) or isinstance(n, bool):
         raise _bad("n", n, "this server returns one choice per request; send n: 1 or leave it out")
-    if body.get("logprobs") not in (None, False):
-        raise _bad("logprobs", body["logprobs"], "this server does not return log-probabilities; leave it out")
-    if body.get("top_logprobs") not in (None, 0) or isinstance(body.get("top_logprobs"), bool):
-        raise _bad("top_logprobs", body["top_logprobs"], "this server does not return log-probabilities; send 0")
     if body.get("logit_bias") not in (None, {}):
         raise _bad("logit_bias", body["logit_bias"], "is not supported; send {} or leave it out")
     min_p = body.get("min_p")
     if min_p is not None and (not isinstance(min_p, (int, float)) or isinstance(min_p, bool) or min_p != 0):
         raise _bad("min_p", min_p, "is not supported; send 0 or leave it out (top_p and top_k are)")
+
+
+def _logprobs(body: Mapping[str, Any]) -> int | None:
+    """``logprobs`` true: the request's number of ``top_logprobs`` (0-20); None without logprobs."""
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+        raise _bad("top_logprobs", top, "must be a whole number from 0 to 20")
+    if not _flag(body, "logprobs"):
+        if top:
+            raise _bad("top_logprobs", top, "needs logprobs: true")
+        return None
+    return top or 0
 
 
 def _specchat(value: Any) -> tuple[Any, Any]:
@@ -339,6 +347,7 @@ def parse_chat_request(
             prediction=_prediction(data.get("prediction")),
             constraint=constraint,
             tools=tools,
+            logprobs=_logprobs(data),
         )
     except RequestError as error:  # the checks above cover every field; this keeps the contract if they drift
         raise ApiError(400, str(error), None) from None

@@ -291,21 +291,18 @@ class Routes:
         return ApiError(500, f"internal error ({type(error).__name__}); see the server's log", None, "server_error")
 
     async def _whole(self, call: ChatCall, reply: _Reply, first: StepEvent, entry: Entry) -> Response:
-        text, ids, last, item = [], [], None, first
+        events: list[StepEvent] = []
+        last, item = None, first
         while item is not END:
             if isinstance(item, BaseException):
                 return self._failed(entry, reply, item)
-            event: StepEvent = item
-            last = event if event.finish_reason is not None else last
-            text.append(event.text)
-            ids.extend(event.token_ids)
+            events.append(item)
+            last = item if item.finish_reason is not None else last
             item = await reply.next()
         if last is None or reply.left:
             return self._failed(entry, reply, None if reply.left else SpecchatError("the engine stopped early"))
         self.finish(entry, last)
-        token_ids = ids if call.return_token_ids else None
-        out = structured.completion(wire.new_id(), call.model, "".join(text), token_ids, last, call.tools, call.text)
-        return _JSON(out)
+        return _JSON(structured.completion(wire.new_id(), call, events, last))
 
     def finish(self, entry: Entry, last: StepEvent) -> None:
         stats = last.stats
@@ -352,7 +349,7 @@ class _Stream(Response):
     async def _events(self) -> AsyncIterator[bytes]:
         call, reply, routes = self.call, self.reply, self.routes
         call_id, created, first, last, item = wire.new_id(), int(time.time()), True, None, self.first
-        out = structured.Chunks(call.tools, call.text)  # tool calls read back from the text
+        out = structured.Chunks(call.tools, call.text)  # tool calls read back, logprobs
         while item is not END:
             if isinstance(item, BaseException):
                 routes.metrics.finished(None, "error")

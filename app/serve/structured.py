@@ -233,25 +233,47 @@ class CallStream:
         return "", _call_objects(calls, True)
 
 
-def completion(
-    call_id: str,
-    model: str,
-    text: str,
-    token_ids: list[int] | None,
-    last: StepEvent,
-    plan: ToolPlan | None,
-    as_text: bool = False,
-) -> dict[str, Any]:
-    """wire.completion with the reply's calls as ``tool_calls`` (finish_reason ``tool_calls``) when tools were
-    offered; ``as_text``: a ``text_completion`` (``/v1/completions``)."""
-    out = wire.completion(call_id, model, text, token_ids, last)
-    choice = out["choices"][0]
+def logprobs(items: list[dict[str, Any]] | None, as_text: bool, offset: int = 0) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` from the engine's (StepEvent.logprobs): OpenAI's chat shape (``content``: token,
+    logprob, bytes, top_logprobs), or the legacy completions one (tokens, token_logprobs, top_logprobs,
+    text_offset, counted from ``offset``)."""
+    if items is None:
+        return None
     if as_text:
+        offsets, at = [], offset
+        for item in items:
+            offsets.append(at)
+            at += len(item["token"])
+        return {
+            "tokens": [i["token"] for i in items],
+            "token_logprobs": [i["logprob"] for i in items],
+            "top_logprobs": [{text: lp for text, _, lp in i["top"]} for i in items],
+            "text_offset": offsets,
+        }
+
+    def one(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [dict(one(i["token"], i["logprob"]), top_logprobs=[one(t, lp) for t, _, lp in i["top"]]) for i in items]
+    return {"content": content, "refusal": None}
+
+
+def completion(call_id: str, call: Any, events: list[StepEvent], last: StepEvent) -> dict[str, Any]:
+    """A whole reply (``call``: the ChatCall): wire.completion, with the reply's calls as ``tool_calls``
+    (finish_reason ``tool_calls``) when tools were offered, ``logprobs`` when asked; a ``text_completion`` for
+    ``/v1/completions``."""
+    text = "".join(e.text for e in events)
+    ids = [t for e in events for t in e.token_ids] if call.return_token_ids else None
+    out = wire.completion(call_id, call.model, text, ids, last)
+    choice = out["choices"][0]
+    asked = [i for e in events for i in e.logprobs or []] if call.request.logprobs is not None else None
+    choice["logprobs"] = logprobs(asked, call.text)
+    if call.text:
         choice["text"] = choice.pop("message")["content"]
         out["object"] = "text_completion"
         out["id"] = "cmpl-" + call_id.removeprefix("chatcmpl-")
-    elif plan is not None:
-        choice["message"], called = whole_message(text, plan)
+    elif call.tools is not None:
+        choice["message"], called = whole_message(text, call.tools)
         if called:
             choice["finish_reason"] = "tool_calls"
     return out
@@ -265,6 +287,7 @@ class Chunks:
     def __init__(self, plan: ToolPlan | None, as_text: bool = False) -> None:
         self.calls = CallStream(plan) if plan is not None else None
         self.as_text = as_text
+        self.offset = 0  # characters sent so far (legacy logprobs' text_offset)
 
     def _text(self, payload: dict[str, Any]) -> dict[str, Any]:
         payload["id"] = "cmpl-" + payload["id"].removeprefix("chatcmpl-")
@@ -281,6 +304,8 @@ class Chunks:
         self, call_id: str, model: str, created: int, event: StepEvent, *, token_ids: bool, first: bool
     ) -> dict[str, Any]:
         payload = wire.chunk(call_id, model, created, event, token_ids=token_ids, first=first)
+        payload["choices"][0]["logprobs"] = logprobs(event.logprobs, self.as_text, self.offset)
+        self.offset += len(event.text)
         if self.as_text:
             return self._text(payload)
         if self.calls is None:

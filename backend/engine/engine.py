@@ -343,6 +343,7 @@ class Engine:
                 t_start,
                 prediction,
                 constraint,
+                request.logprobs,
             )
             yield from state.run(notice, request.prefill_progress)
         finally:

@@ -81,6 +81,7 @@ class RequestState:
         t_start: float,
         prediction: PredictionDrafter | None = None,
         constraint: Constraint | None = None,
+        logprobs: int | None = None,
     ) -> None:
         self.target, self.spec, self.conv, self.prompt, self.s = target, spec, conv, prompt, sampling
         self.cancel, self.t_start = cancel, t_start
@@ -94,6 +95,7 @@ class RequestState:
         self.feed = FeatureFeed.of(spec.drafters, self.proposer.candidates)  # draft heads: the taps passes return
         self.passes = TargetPasses(target, conv, sampling, self.seen, self.feed)
         self.constraint = self.passes.constraint = constraint  # the reply's grammar (None: free text)
+        self.passes.top_logprobs = logprobs  # each token's log-probability from the row that decided it
 
     @property
     def drafter_used(self) -> str:
@@ -197,7 +199,7 @@ class RequestState:
             prefill_tokens=len(todo),
             message=" ".join(m for m in (notice, *self.proposer.notices) if m) or None,
         )
-        event.stats = self._report()
+        event.stats, event.logprobs = self._report(), self.passes.take_logprobs(tokens, 0)
         while (reason := self._finish_reason(pending)) is None:
             yield event
             if self.cancel.is_set():  # the consumer may have cancelled while handling the event
@@ -250,8 +252,11 @@ class RequestState:
         """Verify, commit and account the step ``plan`` from its pass's ``logits`` (one row per plan row, penalised
         for a chain); the new pending token and the step's event."""
         result = self._verify(plan, logits)
+        first = self.produced
         tokens, sources, texts = self._commit(plan, result)
-        return tokens[-1], self._account(plan, result, tokens, sources, texts, verify_s)
+        event = self._account(plan, result, tokens, sources, texts, verify_s)
+        event.logprobs = self.passes.take_logprobs(tokens, first)
+        return tokens[-1], event
 
     def _verify(self, plan: StepPlan, logits: torch.Tensor) -> VerifyResult:
         """The target's own token at every row; the drafts kept are those equal to it (a tree: along the path)."""

@@ -191,3 +191,18 @@ def test_text_completions(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt="x", echo=True)
     assert caught.value.body["param"] == "echo"
+
+
+def test_logprobs_in_openai_shape(client):
+    kw = dict(model="tiny", messages=ASK, max_tokens=10, seed=2, temperature=0.7, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and len(content[0].top_logprobs) == 2
+    streamed = [t for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content]  # fmt: skip
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    legacy = client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0, logprobs=2)
+    assert len(legacy.choices[0].logprobs.token_logprobs) == legacy.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=5, top_logprobs=3)
+    assert caught.value.body["param"] == "top_logprobs"
