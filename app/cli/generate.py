@@ -261,11 +261,6 @@ def run(args: argparse.Namespace) -> int:
     constraint = read_constraint(
         getattr(args, "json_schema", None), getattr(args, "grammar", None), not getattr(args, "no_jump_forward", False)
     )
-    if constraint is not None and pair.remote is not None:
-        raise RequestError(
-            f"--json-schema / --grammar: pair {pair.name!r} runs on a server; constrained decoding runs on local "
-            "pairs (a server's own response_format is reached through its API); pick a local pair"
-        )
     if prediction is not None and pair.remote is not None and pair.remote.server_kind not in PREDICTION_KINDS:
         raise RequestError(
             f"--prediction-file: pair {pair.name!r} runs on a {pair.remote.server_kind} server, which takes no "

@@ -48,6 +48,7 @@ from specchat.backend.errors import RemoteError, RequestError
 from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
 from specchat.backend.models.config import PREDICTION_KINDS, PairConfig, RemoteSpec
 from specchat.backend.remote.faults import describe, error_text, http_error, network_error, one_line, shown_url
+from specchat.backend.remote.passthrough import structured_fields
 from specchat.backend.remote.reply import MAX_LINE_BYTES, ReplyState, TooLarge, capped_lines, sse_data
 
 CONNECT_TIMEOUT_S = 5.0
@@ -190,6 +191,7 @@ class RemoteEngine:
             body["timings_per_token"] = True
         if request.prediction is not None and kind in PREDICTION_KINDS:
             body["prediction"] = {"type": "content", "content": request.prediction}
+        body.update(structured_fields(request, kind, self.pair.name))  # constraints, logprobs: passthrough.py
         if kind == "specchat" and (request.drafter is not None or request.gamma is not None):
             body["specchat"] = {
                 k: v for k, v in (("drafter", request.drafter), ("gamma", request.gamma)) if v is not None
