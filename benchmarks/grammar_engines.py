@@ -32,8 +32,8 @@ from specchat.backend.speculative.constraint import JSON_OPTIONS, ll_tokenizer
 def _tokenizer():
     from transformers import AutoTokenizer
 
-    from specchat.backend.models.loading.loaded import gguf_path
     from specchat.backend.models.catalog.config import load_pairs
+    from specchat.backend.models.loading.loaded import gguf_path
 
     path = gguf_path(load_pairs()["smollm2-135m"].target)
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -156,7 +156,7 @@ class RequestState:
             if self.target.threads is not None:
                 self.target.threads.step()
             chunk = todo[start : start + PREFILL_CHUNK]
-            try:  # a pass of PREFILL_CHUNK tokens took 4 s on a busy CPU: Esc stops it between two layers
+            try:  # a prefill pass can take seconds on a busy CPU: Esc stops it between two layers
                 logits = self.passes.raw_logits(chunk, keep=1, cancel=self.cancel)  # only the last chunk's row is used
             except PassCancelled:
                 yield self._final(None, "cancelled", None)

@@ -43,10 +43,10 @@ from specchat.backend.kernels.native_model import NativeModel
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
 from specchat.backend.limits import KV_BLOCK_SIZE, MAX_GAMMA
-from specchat.backend.models.loading import LoadedModel
-from specchat.backend.models.memory import format_bytes, free_memory
-from specchat.backend.models.native_loading import NativeCausalLM
-from specchat.backend.models.skeleton import LightCausalLM
+from specchat.backend.models.facts.memory import format_bytes, free_memory
+from specchat.backend.models.loading.native_loading import NativeCausalLM
+from specchat.backend.models.loading.pair import LoadedModel
+from specchat.backend.models.loading.skeleton import LightCausalLM
 
 PACKING_SPARE_BYTES = 512 * 2**20  # free memory left after packing (activations of a prefill chunk, the UI)
 

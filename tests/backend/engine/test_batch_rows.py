@@ -49,7 +49,7 @@ def test_rows_alone_and_among_gamma_plus_one_agree_on_every_family(family, gamma
 @pytest.mark.slow
 def test_rows_alone_and_among_gamma_plus_one_agree_on_the_embedded_default():
     from specchat.backend.engine.engine import load_engine
-    from specchat.backend.models.config import load_pairs
+    from specchat.backend.models.catalog.config import load_pairs
 
     engine = load_engine(load_pairs()["smollm2-135m"], device="cpu")
     try:

@@ -185,7 +185,7 @@ def test_tree_drafts_of_a_head_follow_the_target(variant, exact, monkeypatch):
     p exactly; the wrong engine still fails."""
     from tiny_heads import TAPS, trained_eagle3
 
-    from specchat.backend.models.head_loading import LoadedHead
+    from specchat.backend.models.loading.head_loading import LoadedHead
 
     if variant == "noise blind to the depth":
         monkeypatch.setattr(TargetPasses, "tree_decider", depth_blind_tree_decider)

@@ -17,8 +17,8 @@ from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine, load_engine
 from specchat.backend.kernels import native_build
 from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.loading import load_model
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.loading.pair import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from tiny_models import quantised_paged as _quantised
 from tiny_models import tiny_paged_cache as _cache
 
 from specchat.backend.kernels import compact, quant_linear
-from specchat.backend.models.quantized import quantize_model
+from specchat.backend.models.loading.quantized import quantize_model
 
 # Projection widths in whole blocks of the int4 layout (32 rows with AVX2, 64 with AVX-512): q 128, k/v 64.
 JOINABLE = dict(head_dim=32)

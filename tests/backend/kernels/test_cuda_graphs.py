@@ -267,7 +267,7 @@ def test_cuda_plain_step_has_one_host_sync(monkeypatch) -> None:
 def test_static_bytes_no_longer_grow_with_shapes() -> None:
     """What a runner keeps outside its pool is one float32 logits buffer of the largest bucket's rows (plus the
     index buffers), whatever number of (token, key) shapes it captures: for Qwen2.5-7B at an 8k context the
-    former per-shape float32 logits were ~1.2 GB, now ~19 MB (backend/models/memory.py counts it)."""
+    former per-shape float32 logits were ~1.2 GB, now ~19 MB (backend/models/facts/memory.py counts it)."""
     vocab, context = 152064, 8192
     per_shape_before = sum(nb * vocab * 4 for nb in cuda_graphs.DEFAULT_TOKEN_BUCKETS)
     kv_buckets = context // cuda_graphs.DEFAULT_KV_STEP
