@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from specchat.backend.engine.engine import load_engine
     from specchat.backend.errors import RequestError
     from specchat.backend.limits import DEFAULT_PAIR
-    from specchat.backend.models.config import get_pair, load_pairs
+    from specchat.backend.models.catalog.config import get_pair, load_pairs
 
     names = list(args.pair or [DEFAULT_PAIR])
     if len(names) != 1:
