@@ -200,7 +200,8 @@ def test_logprobs_in_openai_shape(client):
     assert len(content) == whole.usage.completion_tokens and len(content[0].top_logprobs) == 2
     streamed = [t for c in client.chat.completions.create(**kw, stream=True) if c.choices and c.choices[0].logprobs
                 for t in c.choices[0].logprobs.content]  # fmt: skip
-    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    assert [t.token for t in streamed] == [t.token for t in content]  # figures: to rounding (tests/backend/engine)
+    assert all(abs(a.logprob - b.logprob) <= 1e-5 for a, b in zip(streamed, content))
     legacy = client.completions.create(model="tiny", prompt="abc", max_tokens=5, temperature=0, logprobs=2)
     assert len(legacy.choices[0].logprobs.token_logprobs) == legacy.usage.completion_tokens
     with pytest.raises(openai.BadRequestError) as caught:
