@@ -25,7 +25,6 @@ schema coverage); it has rollback, which speculation needs for rejected drafts.
 from __future__ import annotations
 
 import copy
-import json
 import threading
 import time
 import weakref
@@ -189,20 +188,10 @@ class Constraint:
                 paths.append(path)
         return kept_ids, kept_parents
 
-    def finished_text_ok(self) -> bool:
-        """Whether the grammar accepts what was committed (a reply cut by the length limit may not)."""
-        self.at([])
-        return bool(self.matcher.is_accepting())
-
 
 def constraint_for(spec: ConstraintSpec, tokenizer: Any, vocab: int, eos_ids: Collection[int]) -> Constraint:
     """A request's :class:`Constraint` over the target's tokenizer."""
     return Constraint(spec, ll_tokenizer(tokenizer, vocab, eos_ids), vocab)
-
-
-def schema_text(schema: Any) -> str:
-    """A JSON schema (a dict, or its text) as text, for :class:`ConstraintSpec`."""
-    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 JUMP_FORWARD = "jump-forward"  # the drafter name of a step whose draft is the grammar's forced tokens
