@@ -11,7 +11,8 @@ prompt shows them (``editing.edit_labels``), so ``edit_names.py`` always finds t
 consecutive lines of that file, starting on a line that is not blank, at most ``SEARCH_LINES`` (a rule per line
 and depth that may be followed by the next line's: a grammar linear in the file's length), so a block's SEARCH
 always occurs in its file: a refusal is then about what the edit means (several places match, a definition
-dropped), never a mismatch. REPLACE is at most ``REPLACE_LINES`` lines other than the three markers.
+dropped), never a mismatch. REPLACE is at most ``REPLACE_LINES`` lines (of at most ``LINE_CHARS`` characters)
+other than the three markers.
 Why a grammar of lines rather than a suffix index: llguidance's Earley parser follows every place a partial
 SEARCH could be at once (repeated lines included) with no code of ours, and the grammar compiles in milliseconds
 (docs/constrained.md).
@@ -25,7 +26,8 @@ from specchat.app.chat.editing import DIVIDER, REPLACE, SEARCH, EditTarget, edit
 from specchat.backend.api import ConstraintSpec
 
 SEARCH_LINES = 8  # at most this many lines a SEARCH (aider's advice: small blocks; a model copying on is stopped)
-REPLACE_LINES = 24  # and a REPLACE
+REPLACE_LINES = 24  # and a REPLACE, of lines of at most LINE_CHARS characters (a model may never end a line)
+LINE_CHARS = 400
 # Files of more lines in all get no grammar: every line may start a SEARCH, and llguidance's Earley parser refuses a
 # row of more than 2,000 items (3,000 lines did not parse; 1,000 built in 0.18 s with masks of ~10 µs).
 MAX_LINES = 1500
@@ -57,7 +59,7 @@ def edit_grammar(targets: list[EditTarget]) -> str:
         "block: ("
         + " | ".join(blocks)
         + f") {_literal(DIVIDER + chr(10))} LINE{{0,{REPLACE_LINES}}} {_literal(REPLACE + chr(10))}",
-        f"LINE: /[^\\n]*\\n/ & ~/{MARKERS}\\n/",
+        f"LINE: /[^\\n]{{0,{LINE_CHARS}}}\\n/ & ~/{MARKERS}\\n/",
         f"TEXT: /[^\\n]*\\n?/ & ~/{MARKERS}\\n?/",
     ]
     return "\n".join(head + rules) + "\n"
