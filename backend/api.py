@@ -109,7 +109,7 @@ class GenerationRequest:
     prediction: str | None = None
     prefix_cache: str | None = None
     constraint: ConstraintSpec | None = None  # what the reply must match (None: free text)
-    tools: list[dict[str, Any]] | None = None  # OpenAI tools offered (tools.py); messages: tool_calls, tool_call_id
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools (tool_calls.py); messages: tool_calls, tool_call_id
     logprobs: int | None = None  # None: none; k (0-20): each token's log-probability and the k likeliest (StepEvent)
 
     def __post_init__(self) -> None:

@@ -26,7 +26,8 @@ import torch
 import xgrammar
 
 from specchat.backend.bench.structured import load_cases
-from specchat.backend.speculative.constraint import JSON_OPTIONS, ll_tokenizer
+from specchat.backend.constraint_spec import JSON_OPTIONS
+from specchat.backend.speculative.constraint import ll_tokenizer
 
 
 def _tokenizer():

@@ -206,7 +206,7 @@ def read_constraint(schema_path: str | None, grammar_path: str | None, jump_forw
     """The ``--json-schema`` / ``--grammar`` file as a checked ConstraintSpec (None without either); RequestError
     naming the file and what is wrong (not UTF-8, not JSON, a schema or grammar the engine cannot take)."""
     from specchat.backend.api import ConstraintSpec
-    from specchat.backend.speculative.constraint import check_grammar
+    from specchat.backend.constraint_spec import check_grammar
 
     path, flag = (schema_path, "--json-schema") if schema_path is not None else (grammar_path, "--grammar")
     if path is None:

@@ -30,7 +30,6 @@ from typing import Any
 
 from specchat.app.serve.structured import FieldError, ToolPlan, message_fields, parse_structured
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.engine.tools import ToolSyntax
 from specchat.backend.errors import RequestError
 from specchat.backend.limits import (
     DRAFTERS,
@@ -39,6 +38,7 @@ from specchat.backend.limits import (
     check_gamma,
     check_sampling_value,
 )
+from specchat.backend.tool_calls import ToolSyntax
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
 DEFAULT_QUEUE = 8  # requests waiting for the engine; one more is refused (429)
@@ -283,7 +283,7 @@ def _cache_key(data: Mapping[str, Any]) -> str:
 def parse_chat_request(
     body: bytes, served: Sequence[str], limits: Limits = Limits(), tool_syntax: ToolSyntax = "default"
 ) -> ChatCall:
-    """Check one chat completions body (see the module docstring); ``tool_syntax``: the model's (tools.py)."""
+    """Check one chat completions body (see the module docstring); ``tool_syntax``: the model's (tool_calls.py)."""
     data = decode_json(body)
     if not isinstance(data, dict):
         raise _bad("body", data, "must be a JSON object with model and messages")

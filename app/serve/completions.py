@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from specchat.app.serve.boundary import ApiError, ChatCall, Limits, _bad, decode_json, parse_chat_request
-from specchat.backend.engine.tools import syntax_of
+from specchat.backend.tool_calls import syntax_of
 
 
 def _prompt(value: Any, encode: Callable[[str], list[int]], vocab: int) -> list[int]:

@@ -4,7 +4,7 @@
 Contract:
 
 - :func:`parse_structured` reads a body's ``response_format``, ``tools`` and ``tool_choice`` (the model's tool
-  syntax given: ``backend/engine/tools.py``) into the request's constraint, its tools and a :class:`ToolPlan`, or
+  syntax given: ``backend/tool_calls.py``) into the request's constraint, its tools and a :class:`ToolPlan`, or
   raises :class:`ApiError` naming the field. ``json_object`` and ``json_schema`` constrain the reply (the schema is
   checked by the grammar engine first: a schema it cannot take is a 400 naming it); ``tool_choice`` ``required``
   or a named function constrains the reply to calls in the model's syntax (a named one: that function only);
@@ -27,9 +27,9 @@ from typing import Any
 
 from specchat.app.serve import wire
 from specchat.backend.api import ConstraintSpec, StepEvent
-from specchat.backend.engine.tools import ToolSyntax, call_grammar, call_start, parse_calls
+from specchat.backend.constraint_spec import check_grammar
 from specchat.backend.errors import RequestError
-from specchat.backend.speculative.constraint import check_grammar
+from specchat.backend.tool_calls import ToolSyntax, call_grammar, call_start, parse_calls
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

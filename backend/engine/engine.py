@@ -30,7 +30,6 @@ from specchat.backend.engine.request import RequestState
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.engine.threads import ThreadGovernor
-from specchat.backend.engine.tools import prepare, syntax_of
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len, kv_bytes_per_token
@@ -48,6 +47,7 @@ from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDraf
 from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
 from specchat.backend.speculative.heads.drafter import head_drafter
 from specchat.backend.speculative.policy import GammaPolicy
+from specchat.backend.tool_calls import prepare, syntax_of
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

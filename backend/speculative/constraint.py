@@ -4,8 +4,8 @@ before :func:`~specchat.backend.speculative.sampling.pick` decides it.
 
 Contract (``docs/constrained.md`` states it for users):
 
-- :func:`compile_grammar` turns a :class:`~specchat.backend.api.ConstraintSpec` into llguidance's grammar text, or
-  raises :class:`RequestError` naming what is wrong with the schema or grammar (checked against the tokenizer).
+- ``backend/constraint_spec.py``'s ``grammar_text`` turns a :class:`~specchat.backend.api.ConstraintSpec` into
+  llguidance's grammar text (``check_grammar`` also validates it); the tokenizer's view is :func:`ll_tokenizer`.
 - :class:`Constraint` is one request's matcher. Its *base* state is after the reply's committed tokens;
   :meth:`Constraint.at` moves it to base + a path of drafts (rolling back what it followed before), so every row of
   a verification pass, chain or tree, is masked by the state after exactly its own prefix; :meth:`Constraint.commit`
@@ -36,38 +36,12 @@ import numpy
 import torch
 
 from specchat.backend.api import ConstraintSpec
+from specchat.backend.constraint_spec import grammar_text
 from specchat.backend.errors import RequestError
 
-# JSON is written compactly but with the separators models saw most (", " and ": "), no free whitespace: a model
-# cannot loop on blanks, and more of each reply is forced (jump-forward).
-JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _MINUS_INF = torch.tensor(float("-inf"))
 _tokenizers: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
-
-
-def grammar_text(spec: ConstraintSpec) -> str:
-    """llguidance's grammar for ``spec``, before any tokenizer is known (RequestError for an unreadable one)."""
-    try:
-        if spec.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, JSON_OPTIONS)
-        if spec.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec.text, JSON_OPTIONS)
-        if spec.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.text)
-        return llguidance.grammar_from("grammar", spec.text)  # Lark, or llama.cpp's GBNF (converted to Lark)
-    except (ValueError, TypeError) as error:
-        raise RequestError(f"the {spec.kind.replace('_', ' ')} cannot be read: {error}") from None
-
-
-def check_grammar(spec: ConstraintSpec) -> str:
-    """The grammar text for ``spec``, validated without a tokenizer (a client's bad schema is refused before it
-    queues); RequestError naming llguidance's reason."""
-    grammar = grammar_text(spec)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise RequestError(f"the {spec.kind.replace('_', ' ')} is not supported: {messages[0] if messages else '?'}")
-    return grammar
 
 
 def ll_tokenizer(tokenizer: Any, vocab: int, eos_ids: Collection[int]) -> llguidance.LLTokenizer:

@@ -32,7 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}  # what backend/engine/tools.py passes on
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}  # what backend/tool_calls.py passes on
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # The tokenizer classes whose saved tokenizer.json is all there is to them (no Python-side pre-processing).
 _CLASSES = (

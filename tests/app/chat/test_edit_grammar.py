@@ -15,7 +15,8 @@ from specchat.app.chat.edit_grammar import MAX_LINES, edit_constraint
 from specchat.app.chat.edit_plan import parse_blocks
 from specchat.app.chat.editing import edit_labels, load_edit_target
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.speculative.constraint import grammar_text, ll_tokenizer
+from specchat.backend.constraint_spec import grammar_text
+from specchat.backend.speculative.constraint import ll_tokenizer
 
 LINES = [f"value_{i} = compute({i}, scale=2)" for i in range(110)] + ["", "def main():", "    return 0"]  # 3.6 KB
 TEXT = "\n".join(LINES) + "\n"

@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from specchat.backend.speculative.constraint import JSON_OPTIONS
+from specchat.backend.constraint_spec import JSON_OPTIONS
 
 ToolSyntax = Literal["hermes", "llama3", "default"]
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*(?:</tool_call>|$)", re.S)  # a last call may end at EOS
