@@ -36,6 +36,8 @@ from specchat.backend.limits import (
     is_int,
     is_number,
 )
+from specchat.backend.stats_fields import JSON_STATS_FIELDS as JSON_STATS_FIELDS
+from specchat.backend.stats_fields import OPTIONAL_NUMBERS
 
 
 class TokenSource(enum.IntEnum):
@@ -137,32 +139,6 @@ class GammaSummary:
     max: int | None = None
 
 
-# The `specchat generate --json` "stats" object: these fields, in this order, and no others.
-JSON_STATS_FIELDS = (
-    "new_tokens",
-    "wall_s",
-    "prefill_s",
-    "ttft_s",
-    "prefill_tokens",
-    "tok_s",
-    "steps",
-    "spec_paused_steps",
-    "drafted",
-    "accepted",
-    "rejected",
-    "discarded",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "per_position_acceptance",
-    "gamma",
-    "no_draft_steps",
-    "draft_prefill_tokens",
-    "draft_reused_tokens",
-    "accepted_prediction_tokens",
-    "rejected_prediction_tokens",
-)
-
-
 @dataclass(frozen=True, slots=True)
 class RequestStats:
     """One request's statistics so far (on every StepEvent) or in total (on the last one).
@@ -244,6 +220,9 @@ class RequestStats:
     tree_nodes: int = 0
     tree_depth: int = 0
     tree_width: int = 0
+    # False: a remote server reported neither a token count nor token ids, so new_tokens is not a count: the views
+    # show "—" for it (never a guessed 0).
+    tokens_counted: bool = True
     tree_accepted: int = 0
     tree_branch: int = 0
     prediction_tokens: int | None = None
@@ -308,41 +287,17 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         if not isinstance(value, str):
             raise TypeError(name)
         return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise TypeError(name)
+        return value
     if value is None:
-        if default is not None and name not in _OPTIONAL_NUMBERS:
+        if default is not None and name not in OPTIONAL_NUMBERS:
             raise TypeError(name)
         return None
     if not is_number(value):
         raise TypeError(name)
     return int(value) if isinstance(default, int) and not isinstance(default, bool) else float(value)
-
-
-_OPTIONAL_NUMBERS = {
-    "ttft_s",
-    "tok_s",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "tokens_per_step",
-    "alpha_hat",
-    "expected_speedup",
-    "spec_tok_s",
-    "plain_tok_s",
-    "prefill_s",
-    "prefill_tokens",
-    "steps",
-    "spec_paused_steps",
-    "drafted",
-    "accepted",
-    "rejected",
-    "discarded",
-    "draft_s",
-    "verify_s",
-    "overhead_s",
-    "last_gamma",
-    "accepted_prediction_tokens",
-    "rejected_prediction_tokens",
-    "mask_s",
-}
 
 
 @dataclass(slots=True)

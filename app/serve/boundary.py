@@ -7,9 +7,10 @@ a message that names the field and what to send, ``param`` = the field's path) f
 JSON (400), a top level that is not an object (400), a missing or unknown ``model`` (400 / 404 with the served
 list), ``messages`` that are not a non-empty list of ``{"role": system|user|assistant, "content": text or text
 parts}`` (400), sampling values out of the engine's range (``specchat.backend.limits.SAMPLING_LIMITS``: 400),
-``max_tokens`` over the server's limit (400), and OpenAI features the server does not offer when asked for
-(``n`` > 1, ``tools``, ``logprobs``, non-text ``response_format``: 400), and more than ``limits.max_messages``
-messages (413, before any message is read). Other unknown fields are ignored, as OpenAI-compatible servers do.
+``max_tokens`` over the server's limit (400), OpenAI features the server does not offer when asked for (``n`` >
+1, ``functions``, ``logit_bias``: 400; ``tools``, ``response_format`` and ``logprobs`` are read by
+app/serve/structured.py and here), and more than ``limits.max_messages`` messages (413, before any message is
+read). Other unknown fields are ignored, as OpenAI-compatible servers do.
 The spellings common clients send for "off" or "default" are accepted (:func:`_normalise`): ``top_k`` -1
 (vLLM, SGLang), ``seed`` -1 and ``max_tokens`` -1 (llama.cpp's "none"), the role ``developer`` (OpenAI's newer
 name for ``system``), an empty ``stop``, ``logit_bias`` {}, ``min_p`` 0, ``top_logprobs`` 0, ``tool_choice``
@@ -293,7 +294,7 @@ def parse_chat_request(
     if model not in served:
         raise ApiError(
             404,
-            f"model '{model[:100]}' is not served here; models: {', '.join(served)} (GET /v1/models)",
+            f"model {_shown(model[:100])} is not served here; models: {', '.join(served)} (GET /v1/models)",
             "model",
             "model_not_found",
         )

@@ -258,13 +258,15 @@ def logprobs(items: list[dict[str, Any]] | None, as_text: bool, offset: int = 0)
     return {"content": content, "refusal": None}
 
 
-def completion(call_id: str, call: Any, events: list[StepEvent], last: StepEvent) -> dict[str, Any]:
+def completion(
+    call_id: str, call: Any, events: list[StepEvent], last: StepEvent, spec_tokens: int | None = None
+) -> dict[str, Any]:
     """A whole reply (``call``: the ChatCall): wire.completion, with the reply's calls as ``tool_calls``
     (finish_reason ``tool_calls``) when tools were offered, ``logprobs`` when asked; a ``text_completion`` for
     ``/v1/completions``."""
     text = "".join(e.text for e in events)
     ids = [t for e in events for t in e.token_ids] if call.return_token_ids else None
-    out = wire.completion(call_id, call.model, text, ids, last)
+    out = wire.completion(call_id, call.model, text, ids, last, spec_tokens)
     choice = out["choices"][0]
     asked = [i for e in events for i in e.logprobs or []] if call.request.logprobs is not None else None
     choice["logprobs"] = logprobs(asked, call.text)
@@ -296,8 +298,10 @@ class Chunks:
             choice["text"] = choice.pop("delta").get("content", "")
         return payload
 
-    def usage(self, call_id: str, model: str, created: int, last: StepEvent) -> dict[str, Any]:
-        payload = wire.usage_chunk(call_id, model, created, last)
+    def usage(
+        self, call_id: str, model: str, created: int, last: StepEvent, spec_tokens: int | None = None
+    ) -> dict[str, Any]:
+        payload = wire.usage_chunk(call_id, model, created, last, spec_tokens)
         return self._text(payload) if self.as_text else payload
 
     def chunk(
