@@ -150,7 +150,7 @@ class ReplyController(Widget):
     def _local(self) -> bool:
         """Whether the pair decodes here (a constraint's grammar goes to llguidance; a server's API takes none)."""
         pair = self._host.current_pair
-        return pair is not None and pair.remote is None
+        return pair is not None and getattr(pair, "remote", None) is None
 
     async def start(self, edit: EditRequest | None = None) -> None:
         """Answer the conversation's last message (``edit``: the /edit files and request it carries); when the
