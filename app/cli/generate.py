@@ -24,10 +24,11 @@ import codecs
 import json
 import re
 import sys
-from collections.abc import Iterable
+from typing import Any
 
+from specchat.app.cli.generate_batch import run_batched, show_reply
 from specchat.app.tui.bridge import step_name
-from specchat.backend.api import EngineAPI, RequestStats, StepEvent
+from specchat.backend.api import EngineAPI
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
 from specchat.backend.redact import terminal_safe
@@ -211,6 +212,51 @@ def _history_replies() -> list[str] | None:
         return []
 
 
+def read_constraint(schema_path: str | None, grammar_path: str | None, jump_forward: bool = True) -> Any:
+    """The ``--json-schema`` / ``--grammar`` file as a checked ConstraintSpec (None without either); RequestError
+    naming the file and what is wrong (not UTF-8, not JSON, a schema or grammar the engine cannot take)."""
+    from specchat.backend.api import ConstraintSpec
+    from specchat.backend.constraint_spec import check_grammar
+
+    path, flag = (schema_path, "--json-schema") if schema_path is not None else (grammar_path, "--grammar")
+    if path is None:
+        return None
+    name = path if path.isprintable() and len(path) <= 300 else shown(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONSTRAINT_BYTES + 1)
+    except FileNotFoundError:
+        raise RequestError(f"{flag} file {name} does not exist") from None
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or error
+        raise RequestError(f"cannot read {flag} file {name}: {reason}; check the path") from None
+    if len(data) > MAX_CONSTRAINT_BYTES:
+        raise RequestError(f"{flag} file {name} is larger than {MAX_CONSTRAINT_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(
+            f"{flag} file {name} is not UTF-8 text (byte offset {error.start}); save it as UTF-8"
+        ) from None
+    if schema_path is not None:
+        try:
+            schema = parse_json(text, max_chars=MAX_CONSTRAINT_BYTES)
+        except InputError as error:
+            raise RequestError(f"{flag} file {name} is not valid JSON ({error.reason}); give a JSON schema") from None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"{flag} file {name} holds a JSON {type(schema).__name__}; a JSON schema is an object")
+        text = json.dumps(schema)
+    try:
+        spec = ConstraintSpec("json_schema" if schema_path is not None else "grammar", text, jump_forward)
+        check_grammar(spec)
+    except RequestError as error:
+        raise RequestError(f"{flag} file {name}: {error}") from None
+    return spec
+
+
+MAX_CONSTRAINT_BYTES = 1 << 20
+
+
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import GenerationRequest, SamplingParams
     from specchat.backend.limits import DEFAULT_PAIR, check_seed_range
@@ -230,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
     given = getattr(args, "prediction_file", None)
     prediction = read_prediction(given) if given is not None else None
+    constraint = read_constraint(
+        getattr(args, "json_schema", None), getattr(args, "grammar", None), not getattr(args, "no_jump_forward", False)
+    )
     if prediction is not None and pair.remote is not None and pair.remote.server_kind not in PREDICTION_KINDS:
         raise RequestError(
             f"--prediction-file: pair {pair.name!r} runs on a {pair.remote.server_kind} server, which takes no "
@@ -287,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
                     # Batched replies run side by side: none shares a conversation's cache with another.
                     conversation=f"generate:{pid}" if parallel == 1 else None,
                     prediction=prediction,
+                    constraint=constraint,
                 )
                 if parallel > 1 and pair.remote is None:
                     batch.append((pid, sample, request))
@@ -299,10 +349,8 @@ def run(args: argparse.Namespace) -> int:
                     raise type(error)(f"{args.prompts}: prompt {shown(pid)}: {error}") from None
             engine.forget(f"generate:{pid}")
         if batch:
-            from specchat.app.cli.generate_batch import run_batched
-
             failed = run_batched(
-                engine, batch, parallel, args.prompts, lambda ev, pid, n: _show(ev, pid, n, args.json, out)
+                engine, batch, parallel, args.prompts, lambda ev, pid, n: show_reply(ev, pid, n, args.json, out)
             )
     finally:
         engine.close()
@@ -312,53 +360,4 @@ def run(args: argparse.Namespace) -> int:
 
 def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
     """Run and print one reply; returns whether it ended in an error."""
-    return _show(engine.generate(request), pid, sample, as_json, out)
-
-
-def _show(events: Iterable[StepEvent], pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
-    """Print one reply from its events; returns whether it ended in an error."""
-    token_ids: list[int] = []
-    text: list[str] = []
-    last = None
-    for event in events:
-        token_ids.extend(event.token_ids)
-        text.append(event.text)
-        if event.message:
-            print(f"specchat: {terminal_safe(event.message)}", file=sys.stderr)
-        if not as_json and event.text:
-            out.write(event.text)
-        last = event
-    assert last is not None  # generate() always ends with the event that carries finish_reason
-    stats = last.stats or RequestStats()
-    if as_json:
-        record = {
-            "id": pid,
-            "sample": sample,
-            "seed": stats.seed,
-            "text": "".join(text),
-            "token_ids": token_ids,
-            "prompt_tokens": stats.prompt_tokens,
-            "finish_reason": last.finish_reason,
-            "drafter": stats.drafter,
-            "stats": stats.to_json_stats(),
-        }
-        out.json_line(record)
-    else:
-        out.write("\n")
-        rate = stats.acceptance_rate
-        print(
-            f"[{last.finish_reason}] {stats.new_tokens if stats.tokens_counted else '—'} tokens, "
-            f"{f'{stats.tok_s:.1f}' if stats.tok_s is not None else '—'} tok/s, "
-            f"drafter {stats.drafter}, acceptance "
-            f"{'n/a' if rate is None else f'{rate:.0%}'}, "
-            f"τ {stats.mean_accepted_length or 0:.2f} per speculating step, "
-            f"seed {stats.seed}"
-            + (
-                f", prediction tokens accepted {stats.accepted_prediction_tokens}, rejected "
-                f"{stats.rejected_prediction_tokens}"
-                if stats.accepted_prediction_tokens is not None
-                else ""
-            ),
-            file=sys.stderr,
-        )
-    return last.finish_reason == "error"
+    return show_reply(engine.generate(request), pid, sample, as_json, out)

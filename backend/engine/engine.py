@@ -39,6 +39,7 @@ from specchat.backend.models.loading.capture import Progress, user_callback
 from specchat.backend.models.loading.head_loading import LoadedHead, plan_pair_head
 from specchat.backend.models.loading.pair import ConfirmDownload, LoadedModel
 from specchat.backend.models.tokenizing.chat_format import plain_completion_note, stop_ids
+from specchat.backend.speculative.constraint import constraint_for
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
@@ -46,6 +47,7 @@ from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDraf
 from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
 from specchat.backend.speculative.heads.drafter import head_drafter
 from specchat.backend.speculative.policy import GammaPolicy
+from specchat.backend.tool_calls import prepare, syntax_of
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -237,8 +239,9 @@ class Engine:
         if not request.messages:
             raise RequestError("the request has no messages: type something to send")
         messages = validate_messages(request.messages)
+        messages, tools = prepare(messages, request.tools, syntax_of(getattr(self.tokenizer, "chat_template", None)))
         if request.keep_all_messages:
-            ids = render(self.tokenizer, messages)
+            ids = render(self.tokenizer, messages, tools)
             if len(ids) > budget:
                 raise RequestError(
                     f"the messages come to {len(ids)} tokens; the context holds {budget} for the prompt "
@@ -300,8 +303,9 @@ class Engine:
                 f"pair {self.pair.name!r} has no {drafter_name} head; use --drafter prompt-lookup, suffix, auto or "
                 "none, or give the pair a head (models.yaml: head:, or `specchat train-head`)"
             )
-        gamma = request.gamma if request.gamma is not None else self.pair.gamma
-        gamma = check_gamma(gamma)
+        gamma = check_gamma(request.gamma if request.gamma is not None else self.pair.gamma)
+        spec = request.constraint  # a schema the grammar engine refuses: RequestError before any cache is touched
+        constraint = constraint_for(spec, self.tokenizer, self.vocab_limit, self.eos_ids) if spec else None
         budget = self.context_length - 1
         scope = request.prefix_cache
         if scope is not None:  # the prompt first: it picks the entry (a refused prompt touches no entry)
@@ -339,7 +343,18 @@ class Engine:
             drafters, policies = (self.drafters, self.policies) if lane is None else (lane.drafters, lane.policies)
             speculation = Speculation(drafters, policies, self.disabled_drafters, self.disabled_drafters.__setitem__)
             state = RequestState(
-                target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start, prediction
+                target,
+                speculation,
+                conv,
+                prompt,
+                sampling,
+                drafter_name,
+                gamma,
+                cancel,
+                t_start,
+                prediction,
+                constraint,
+                request.logprobs,
             )
             if lane is not None:
                 lane.state = state
