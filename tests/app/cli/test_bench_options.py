@@ -62,7 +62,7 @@ def test_replay_options_are_checked_before_anything_loads(isolated_dirs, monkeyp
 def test_replay_lists_its_settings(isolated_dirs, capsys) -> None:
     assert main(["bench", "--replay", "--settings", "-1"]) == 0
     out = capsys.readouterr().out
-    assert " 3  T=1 top_p=0.9" in out and "T=1e-06" in out and "top_k=1" in out
+    assert " 3  T=1 top_p=0.9" in out and "T=1e-05" in out and "top_k=1" in out
 
 
 def test_bench_prompts_file_gives_the_users_own_prompts(tmp_path) -> None:
