@@ -5,9 +5,11 @@ Contract:
 - :func:`native_reason(spec, device, attn_implementation)` is None when the native model will run this spec
   (CPU, the paged attention asked for, a GGUF or packaged source of an architecture in
   ``gguf_arch.ARCHS``, or a local / hub safetensors checkpoint with ``quantization: none``) and
-  the library is usable (``kernels.native.ensure``, which builds it on a machine's first use, reporting to
-  ``progress``); "" where it is not in question (CUDA, a model loaded outside the engine); else why not, in
-  one line (the caller falls back and says so).
+  the library is usable (``kernels.native.ensure``, which builds it on a machine's first use: in the background
+  unless ``SPECCHAT_NATIVE_BUILD=wait``, the reason then starting with ``native_library.BUILDING``, and the
+  engine swaps the native model in between replies once it is ready: ``engine/upgrade.py``); "" where it is
+  not in question (CUDA, a model loaded outside the engine); else why not, in one line (the caller falls back
+  and says so).
 - :func:`from_gguf(gguf, config)` / :func:`from_safetensors(folder, config)` return a :class:`NativeCausalLM`
   whose weights are QWeights holding the stored blocks (one copy each: the file's pages are not kept, nor any
   float copy); llama.cpp's permuted q/k rows of llama-architecture files are put back in transformers' order
@@ -107,8 +109,12 @@ def native_reason(
             kind = None  # the loader reports an unreadable file as it always did
         if kind not in ARCHS:
             return f"the native model does not read {kind!r} GGUF files yet (it reads {', '.join(ARCHS)})"
-    why = native.ensure(progress)
-    return None if why is None else f"the CPU kernels are unavailable: {why}"
+    why = native.ensure(progress, wait=not native.background_builds())
+    if why is None:
+        return None
+    if native.building():  # the model runs a path that needs no compiler until then (engine/upgrade.py)
+        return f"{why}; they take over between replies when ready"
+    return f"the CPU kernels are unavailable: {why}"
 
 
 def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, progress: Progress | None,
