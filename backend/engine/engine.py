@@ -94,6 +94,9 @@ class Engine:
         self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
         if head is not None:
             self.attach_head(head)
+        # On CPU: the compute threads follow what other programs leave free (backend/engine/threads.py).
+        self.threads = ThreadGovernor() if target.device.type == "cpu" else None
+        self.trace: Callable[[range | list[int], torch.Tensor], None] | None = None  # parts.Target.trace
 
     def _runners(self, target: LoadedModel, draft: LoadedModel | None) -> None:
         """The models' runners and caches, the draft model's drafter, fresh γ policies."""
@@ -122,9 +125,6 @@ class Engine:
         self._runners(target, draft)
         if self.head is not None:
             self._attach(self.head)
-        # On CPU: the compute threads follow what other programs leave free (backend/engine/threads.py).
-        self.threads = ThreadGovernor() if target.device.type == "cpu" else None
-        self.trace: Callable[[range | list[int], torch.Tensor], None] | None = None  # parts.Target.trace
 
     @property
     def start_line(self) -> str:

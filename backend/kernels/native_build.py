@@ -3,17 +3,14 @@
 flags, ABI handling and ninja build), cached, checked before every load, and loaded into this process.
 
 Contract:
-- :func:`ensure(progress)` makes the library usable in this process and returns None, or returns the one-line
-  reason it is not (the line the UI, ``specchat generate`` and ``specchat serve`` print; it names the build log
-  where one exists). In order: ``SPECCHAT_NATIVE=0`` turns it off; a library already loaded is used; a cached
-  library is loaded only after its bytes match the sha256 its build recorded (``native_cache.py``; nothing of
-  it is loaded before); a mismatch (truncated, corrupted, foreign), or a load that fails, discards it and
-  builds it once more; a failure noted for this key (same sources, flags, torch and compiler) is not retried
-  (:func:`rebuild` does, as ``specchat doctor --rebuild-native``); no compiler or no ninja is a reason.
-- A build runs in the foreground in a child process (``python -m specchat.backend.kernels.native_build build
+- What a process does with the library (loading it, building it in the foreground or the background, retrying
+  a failed build on a back-off) is ``native_library.Library``'s; this module says how a build is made, where,
+  and whether one can run here (:func:`unavailable`: ``SPECCHAT_NATIVE=0``, no compiler, no ninja).
+- A build runs in a child process (``python -m specchat.backend.kernels.native_build build
   FOLDER``) that takes the build lock, compiles into the key's folder with warnings on (``-Wall -Wextra``; the
-  sources build without any), loads the result once to check it, and installs it with its sha256. Progress is
-  reported as "compiling the CPU kernels for this machine, once" with ninja's step count. A child killed
+  sources build without any), loads the result once to check it, and installs it with its sha256 (a failure
+  is noted with :func:`identity`: the specchat version and compiler). Progress is reported as "compiling the
+  CPU kernels for this machine, once" with ninja's step count. A child killed
   mid-build blocks nothing (``native_cache.CacheFolder.take_lock``); a parent killed mid-build leaves the child
   to finish for the next start. Several processes starting at once compile once: the others wait for the lock.
 - The cache folder is ``paths.cache_dir()/native/<key>`` (``SPECCHAT_NATIVE_CACHE`` replaces

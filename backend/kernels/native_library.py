@@ -114,9 +114,8 @@ class Library:
         failed = self.folder.failure_record()
         if failed is None:
             return self._failed("the build failed")
-        return self._why(
-            f"{failed.reason}; tried again after {failed.when_retried()}, or now with `specchat doctor --rebuild-native`"
-        )
+        again = f"tried again after {failed.when_retried()}, or now with `specchat doctor --rebuild-native`"
+        return self._why(f"{failed.reason}; {again}")
 
     def _load(self) -> str | None:
         """Load the installed library from a fresh copy; None when loaded, else why (discarded for a rebuild)."""
