@@ -19,11 +19,14 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from specchat.backend.errors import ModelLoadError
@@ -242,7 +245,24 @@ def _gguf_weight(fill: _Fill, tensor: gguf_file.GgufTensor, order: torch.Tensor 
     if order is not None:
         raw = raw[order]  # whole rows of blocks: the file's values, in transformers' row order
     fill.count(tensor.type_name, raw.numel())
-    return qweight(raw, tensor.ggml_type, rows, cols)
+    made = qweight(raw, tensor.ggml_type, rows, cols)
+    _release(tensor)
+    return made
+
+
+def _release(tensor: gguf_file.GgufTensor) -> None:
+    """Take the file's pages that ``tensor`` was copied from out of this process (they stay in the page cache, and
+    are read again if touched): the peak while loading is the copies, not the copies plus the file."""
+    mapping = tensor.raw.base
+    while mapping is not None and not isinstance(mapping, mmap.mmap):
+        mapping = mapping.obj if isinstance(mapping, memoryview) else getattr(mapping, "base", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.raw.ctypes.data - np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(start + tensor.raw.nbytes, len(mapping))
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def from_gguf(gguf: GgufFile, config: Any) -> NativeCausalLM:
