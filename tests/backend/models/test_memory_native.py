@@ -146,3 +146,9 @@ def test_the_default_on_the_native_path_stays_within_its_estimate(native_ready):
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     assert numbers["path"] == "cpu-native"
     assert numbers["weights"] <= numbers["growth"] <= numbers["total"], numbers
+
+
+def test_the_noise_term_follows_the_rows_sampling_draws_at_once():
+    from specchat.backend.speculative import sampling
+
+    assert memory.PICK_ROWS == sampling.PICK_ROWS
