@@ -28,7 +28,7 @@ CHILD = """
 import json, sys, time
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import load_pairs
+from specchat.backend.models.catalog.config import load_pairs
 
 def say(**fields):
     print(json.dumps({"at": time.time(), **fields}), flush=True)

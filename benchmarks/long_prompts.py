@@ -19,8 +19,8 @@ from pathlib import Path
 import specchat.backend
 from specchat.backend.bench.suites import load_spec_bench
 from specchat.backend.engine.prompting import render
-from specchat.backend.models.config import get_pair, load_pairs
-from specchat.backend.models.loading import load_tokenizer
+from specchat.backend.models.catalog.config import get_pair, load_pairs
+from specchat.backend.models.loading.pair import load_tokenizer
 
 SOURCES = ("backend/speculative/verify.py", "backend/kv/kv_cache.py", "backend/kv/block_pool.py")
 

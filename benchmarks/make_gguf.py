@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     source = args.tokenizer
     if source is None:
-        from specchat.backend.models.loading import packaged_gguf_path
+        from specchat.backend.models.loading.pair import packaged_gguf_path
 
         source = packaged_gguf_path()
     if (args.arch == "qwen2") != (args.type in ("f16", "q8_0")):

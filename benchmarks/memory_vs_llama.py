@@ -38,8 +38,8 @@ def status():
 import torch
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.memory import estimate_pair, runtime_bytes
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.facts.memory import estimate_pair, runtime_bytes
 torch.set_num_threads(int(sys.argv[3]))
 pair = load_pairs(sys.argv[1])["bench"]
 runtime = status()["VmRSS"]
@@ -66,8 +66,10 @@ def _text(words: int) -> str:
     """Plain English-like text of ``words`` words (no repetition a drafter could use: drafter none anyway)."""
     import random
 
-    vocabulary = ("the river town light stone window garden morning letter quiet road summer harbour "
-                  "evening bridge market winter village field story lantern keeper message bottle shore").split()  # fmt: skip
+    vocabulary = (
+        "the river town light stone window garden morning letter quiet road summer harbour evening bridge market "
+        "winter village field story lantern keeper message bottle shore"
+    ).split()
     rng = random.Random(0)
     return " ".join(rng.choice(vocabulary) for _ in range(words))
 
@@ -137,7 +139,7 @@ def main() -> int:
     parser.add_argument("--llama-bin", type=Path, default=Path.home() / ".cache/llama.cpp-bin/src/build/bin")
     args = parser.parse_args()
     if args.packaged:
-        from specchat.backend.models.loading import packaged_gguf_path
+        from specchat.backend.models.loading.loaded import packaged_gguf_path
 
         gguf = packaged_gguf_path()
     else:
@@ -147,10 +149,15 @@ def main() -> int:
         prompt.write_text(_text(args.fill or int(args.context * 0.6)))
         ours = specchat(gguf, args.context, prompt, args.threads, args.tokens)
         mib = 2**20
-        line = {"file": gguf.name, "context": args.context, "specchat_peak_mib": round(ours["peak"] / mib),
-                "specchat_runtime_mib": round(ours["runtime"] / mib), "specchat_loaded_mib": round(ours["loaded"] / mib),
-                "prompt_tokens": ours["prompt_tokens"],
-                "estimate_mib": {k: round(v / mib) for k, v in ours["estimate"].items()}}  # fmt: skip
+        line = {
+            "file": gguf.name,
+            "context": args.context,
+            "specchat_peak_mib": round(ours["peak"] / mib),
+            "specchat_runtime_mib": round(ours["runtime"] / mib),
+            "specchat_loaded_mib": round(ours["loaded"] / mib),
+            "prompt_tokens": ours["prompt_tokens"],
+            "estimate_mib": {k: round(v / mib) for k, v in ours["estimate"].items()},
+        }
         line["estimate_vs_peak"] = round(ours["estimate"]["process"] / ours["peak"], 3)
         if not args.skip_llama:
             theirs = llama_server(args.llama_bin, gguf, args.context, prompt, args.threads, args.tokens, args.port)

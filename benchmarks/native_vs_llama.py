@@ -133,8 +133,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from specchat.backend.engine.engine import load_engine
-    from specchat.backend.models.config import load_pairs
-    from specchat.backend.models.loading import packaged_gguf_path
+    from specchat.backend.models.catalog.config import load_pairs
+    from specchat.backend.models.loading.pair import packaged_gguf_path
 
     gguf = packaged_gguf_path() if args.packaged else args.gguf
     with tempfile.TemporaryDirectory() as folder:
@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
     kv = engine.cache.k.numel() * engine.cache.k.element_size() * 2 / 2**20
     print(f"file {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB); {engine.start_line}; threads {args.threads}")
     print(f"resident after load: {rss:.0f} MiB (before loading: {before:.0f} MiB); KV cache reserved {kv:.0f} MiB")
-    from specchat.backend.models.memory import estimate_pair
+    from specchat.backend.models.facts.memory import estimate_pair
 
     estimate = estimate_pair(pair, torch.device("cpu"))
     print(f"estimate ({'known' if estimate.known else 'unknown'}): {estimate.total / 2**20:.0f} MiB "

@@ -41,7 +41,7 @@ from serve_vs_generate import start_server  # this folder's: starts `specchat se
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.bench.suites import load_suite
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import get_pair, load_pairs
+from specchat.backend.models.catalog.config import get_pair, load_pairs
 
 PAIR = "smollm2-135m"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import get_pair, load_pairs
+from specchat.backend.models.catalog.config import get_pair, load_pairs
 
 pair = get_pair(load_pairs(None), "smollm2-135m")
 engine = load_engine(pair, prefix_cache_bytes=256 << 20)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import get_pair, load_pairs
+from specchat.backend.models.catalog.config import get_pair, load_pairs
 
-rows = [json.loads(l) for l in open(Path(__file__).resolve().parents[1] / "backend/bench/data/rewrite.jsonl")]
+rows = [json.loads(line) for line in open(Path(__file__).resolve().parents[1] / "backend/bench/data/rewrite.jsonl")]
 engine = load_engine(get_pair(load_pairs(None), "smollm2-135m"))
 tok = engine.tokenizer
 CLEAR = (

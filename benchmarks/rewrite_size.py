@@ -36,7 +36,7 @@ from specchat.app.chat.edit_plan import plan_edit
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import load_engine
 from specchat.backend.limits import CHAT_MAX_NEW_TOKENS
-from specchat.backend.models.config import get_pair, load_pairs
+from specchat.backend.models.catalog.config import get_pair, load_pairs
 
 PAIR = "smollm2-135m"
 OLD, NEW = "_format_size", "format_byte_size"

@@ -35,8 +35,12 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
 
 
 def start_server(env: dict[str, str], *extra: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(["specchat", "serve", "--pair", "smollm2-135m", "--port", "0", *extra], env=env,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        ["specchat", "serve", "--pair", "smollm2-135m", "--port", "0", *extra],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         line = proc.stderr.readline() if proc.stderr else ""
@@ -47,8 +51,19 @@ def start_server(env: dict[str, str], *extra: str) -> tuple[subprocess.Popen, st
 
 
 def generate(prompt: str, max_new: int, env: dict[str, str], drafter: str | None, *extra: str) -> dict:
-    args = ["specchat", "generate", "--prompt", prompt, "--max-new-tokens", str(max_new), "--temperature", "0",
-            "--json", *(["--drafter", drafter] if drafter else []), *extra]
+    args = [
+        "specchat",
+        "generate",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        str(max_new),
+        "--temperature",
+        "0",
+        "--json",
+        *(["--drafter", drafter] if drafter else []),
+        *extra,
+    ]
     out = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -68,8 +83,10 @@ def main() -> int:
         for index in range(args.rounds):
             proc, url = start_server(env)
             try:
-                models.write_text(f"pairs:\n  - name: served\n    target: {{server: {url}, model: smollm2-135m, "
-                                  "kind: specchat}\n", encoding="utf-8")
+                models.write_text(
+                    f"pairs:\n  - name: served\n    target: {{server: {url}, model: smollm2-135m, kind: specchat}}\n",
+                    encoding="utf-8",
+                )
                 runs = {}
                 order = ("local", "served") if index % 2 == 0 else ("served", "local")
                 for which in order:
@@ -84,13 +101,18 @@ def main() -> int:
             local_rates.append(rate_l)
             served_rates.append(rate_s)
             ratios.append(rate_s / rate_l)
-            print(f"round {index + 1} ({'/'.join(order)}): generate {rate_l:.2f} tok/s, serve {rate_s:.2f} tok/s "
-                  f"({len(served['token_ids'])} tokens, {'same tokens' if same else 'TOKENS DIFFER'}), "
-                  f"ratio {rate_s / rate_l:.3f}", flush=True)
+            print(
+                f"round {index + 1} ({'/'.join(order)}): generate {rate_l:.2f} tok/s, serve {rate_s:.2f} tok/s "
+                f"({len(served['token_ids'])} tokens, {'same tokens' if same else 'TOKENS DIFFER'}), "
+                f"ratio {rate_s / rate_l:.3f}",
+                flush=True,
+            )
     median = statistics.median(ratios)
-    print(f"median ratio serve/generate {median:.3f} over {args.rounds} rounds (ratio of medians "
-          f"{statistics.median(served_rates) / statistics.median(local_rates):.3f}); drafter "
-          f"{args.drafter or 'the pair'}; goal >= {args.goal}")
+    print(
+        f"median ratio serve/generate {median:.3f} over {args.rounds} rounds (ratio of medians "
+        f"{statistics.median(served_rates) / statistics.median(local_rates):.3f}); drafter "
+        f"{args.drafter or 'the pair'}; goal >= {args.goal}"
+    )
     return 0 if median >= args.goal else 1
 
 

@@ -25,7 +25,7 @@ t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import load_pairs
+from specchat.backend.models.catalog.config import load_pairs
 pair = load_pairs()[sys.argv[1]]
 t2 = time.perf_counter()
 load_engine(pair)
@@ -40,8 +40,7 @@ def run_once(pair: str, first: bool) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         if first:
             env["SPECCHAT_CACHE_DIR"] = cache
-        done = subprocess.run([sys.executable, "-c", CHILD, pair], env=env, capture_output=True, text=True,
-                              check=False)
+        done = subprocess.run([sys.executable, "-c", CHILD, pair], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the run failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -57,11 +56,16 @@ def main() -> int:
     for i in range(args.runs):
         result = run_once(args.pair, args.first)
         results.append(result)
-        print(f"run {i + 1}: import torch {result['import_torch_s']:.2f} s, load_engine "
-              f"{result['load_engine_s']:.2f} s, resident {result['rss_mb']:.0f} MB", flush=True)
+        print(
+            f"run {i + 1}: import torch {result['import_torch_s']:.2f} s, load_engine "
+            f"{result['load_engine_s']:.2f} s, resident {result['rss_mb']:.0f} MB",
+            flush=True,
+        )
     kind = "first start" if args.first else "next start"
-    print(f"{args.pair} {kind}: load_engine median {statistics.median(r['load_engine_s'] for r in results):.2f} s, "
-          f"resident median {statistics.median(r['rss_mb'] for r in results):.0f} MB")
+    print(
+        f"{args.pair} {kind}: load_engine median {statistics.median(r['load_engine_s'] for r in results):.2f} s, "
+        f"resident median {statistics.median(r['rss_mb'] for r in results):.0f} MB"
+    )
     return 0
 
 

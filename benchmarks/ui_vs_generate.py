@@ -32,9 +32,24 @@ DEFAULT_PROMPT = "Write a Python function that checks whether a string is a pali
 
 def run_generate(prompt: str, max_new: int, env: dict[str, str], drafter: str | None = None) -> dict:
     extra = ["--drafter", drafter] if drafter else []
-    out = subprocess.run(["specchat", "generate", "--prompt", prompt, "--max-new-tokens", str(max_new),
-                          "--temperature", "0", "--json", *extra], env=env, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [
+            "specchat",
+            "generate",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            str(max_new),
+            "--temperature",
+            "0",
+            "--json",
+            *extra,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     record = json.loads(out.stdout.strip().splitlines()[-1])
     return record["stats"]
 
@@ -48,8 +63,10 @@ def _reply_stats(db: Path) -> dict | None:
         return None
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as conn:
-            rows = conn.execute("SELECT stats FROM messages WHERE role = 'assistant' AND complete = 1 "
-                                "AND stats IS NOT NULL ORDER BY id DESC LIMIT 1").fetchall()
+            rows = conn.execute(
+                "SELECT stats FROM messages WHERE role = 'assistant' AND complete = 1 "
+                "AND stats IS NOT NULL ORDER BY id DESC LIMIT 1"
+            ).fetchall()
     except sqlite3.Error:
         return None
     if not rows or not rows[0][0]:
@@ -65,8 +82,12 @@ def run_ui(prompt: str, max_new: int, env: dict[str, str], home: Path, timeout: 
         old.unlink()
     command = " ".join(f"{k}={v}" for k, v in env.items() if k.startswith("SPECCHAT_")) + " specchat"
     for _ in range(3):  # a tmux server still exiting from the last run can refuse the new session
-        started = subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command],
-                                 env=env, capture_output=True, text=True)
+        started = subprocess.run(
+            ["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if started.returncode == 0:
             break
         time.sleep(1.0)
@@ -94,8 +115,10 @@ def describe(stats: dict) -> str:
     """tok/s and what explains it: first-token time, decoding rate after it, target passes, tokens per pass."""
     tokens, wall, ttft = int(stats["new_tokens"]), float(stats["wall_s"]), float(stats.get("ttft_s") or 0.0)
     decode = (tokens - 1) / (wall - ttft) if wall > ttft else float("nan")
-    return (f"{float(stats['tok_s']):6.2f} tok/s ({tokens} tokens; first token {ttft:.2f} s, then {decode:.2f} tok/s; "
-            f"{stats.get('steps')} passes, τ {stats.get('mean_accepted_length') or 1:.2f})")
+    return (
+        f"{float(stats['tok_s']):6.2f} tok/s ({tokens} tokens; first token {ttft:.2f} s, then {decode:.2f} tok/s; "
+        f"{stats.get('steps')} passes, τ {stats.get('mean_accepted_length') or 1:.2f})"
+    )
 
 
 def main() -> int:
@@ -104,8 +127,12 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--tolerance", type=float, default=0.05)
-    parser.add_argument("--drafter", choices=["none", "prompt-lookup"], default=None,
-                        help="the drafter in both (default: the pair's); none gives both the same target passes")
+    parser.add_argument(
+        "--drafter",
+        choices=["none", "prompt-lookup"],
+        default=None,
+        help="the drafter in both (default: the pair's); none gives both the same target passes",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="specchat-speed-") as tmp:
         home = Path(tmp)

@@ -36,7 +36,7 @@ step "check the wheel's contents"
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 needed = ["specchat/__init__.py", "specchat/app/cli/main.py", "specchat/app/cli/models.py",
-          "specchat/backend/models/config.py", "specchat/backend/models/loading.py", "specchat/backend/models/models.yaml"]
+          "specchat/backend/models/catalog/config.py", "specchat/backend/models/loading/pair.py", "specchat/backend/models/models.yaml"]
 missing = [n for n in needed if n not in names]
 if missing:
     sys.exit(f"wheel lacks: {', '.join(missing)}")
@@ -57,6 +57,6 @@ step "run the installed specchat"
 cd "$WORK"  # away from the source tree, so only the installed package can be imported
 "$WORK/venv/bin/specchat" --help
 "$WORK/venv/bin/specchat" models --device cpu
-"$VPY" -c "from specchat.backend.models.loading import packaged_gguf_path; print('embedded model:', packaged_gguf_path())"
+"$VPY" -c "from specchat.backend.models.loading.pair import packaged_gguf_path; print('embedded model:', packaged_gguf_path())"
 
 step "ok: $WHEEL installs and runs"

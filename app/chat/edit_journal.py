@@ -27,7 +27,6 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -228,7 +227,3 @@ def prune(keep: int = KEEP) -> None:
             old.append(folder)
     for folder in old[:-keep] if len(old) > keep else []:
         drop(folder)
-
-
-def mode_of(st: os.stat_result) -> int:
-    return stat.S_IMODE(st.st_mode)

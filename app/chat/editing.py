@@ -34,10 +34,9 @@ from specchat.backend.errors import SpecchatError
 MAX_FILE_BYTES = 256 * 1024
 # The largest file /edit asks to rewrite whole (its text as prediction), else SEARCH/REPLACE blocks. Rule: the whole
 # file must fit the reply /edit asks for (the chat's max_new_tokens, 1,024 by default) with room for the fences and
-# a changed line or two, and finish in about 10 s on a 2-core CPU. Measured (benchmarks/RESULTS.md, "/edit's whole
-# rewrite against SEARCH/REPLACE blocks by file size"; benchmarks/rewrite_size.py): Python code is 3.6-3.8 bytes a
-# token, so a 3 KiB file is ~810 tokens and a 4 KiB one ~1,080 (past the cap: cut short, refused, whatever its
-# speed); the 2 KiB reply took 8.8 s to 1,024 tokens, the 4 and 8 KiB ones 18.6 s and 46 s (prefill 3.7 and 15 s).
+# a changed line or two, and finish in seconds on a 2-core CPU: a 4 KiB file is already more tokens than the cap,
+# and time grows faster than the file (benchmarks/RESULTS.md, "/edit's whole rewrite against SEARCH/REPLACE blocks
+# by file size"; benchmarks/rewrite_size.py).
 REWRITE_MAX_BYTES = 3 * 1024
 
 _LANGUAGES = {

@@ -21,10 +21,10 @@ def _progress(message: str, fraction: float | None) -> None:
 
 
 def run(args: Any, out: TextIO | None = None) -> int:
-    from specchat.backend.models.config import PairConfig, user_models_file
-    from specchat.backend.models.memory import estimate_pair, format_bytes, free_memory
-    from specchat.backend.models.model_spec import ModelSpec, resolve_source
-    from specchat.backend.models.user_pairs import append_pair, default_name
+    from specchat.backend.models.catalog.config import PairConfig, user_models_file
+    from specchat.backend.models.catalog.model_spec import ModelSpec, resolve_source
+    from specchat.backend.models.catalog.user_pairs import append_pair, default_name
+    from specchat.backend.models.facts.memory import estimate_pair, format_bytes, free_memory
 
     out = out or sys.stdout
     name = args.name or default_name(args.source)
@@ -33,7 +33,7 @@ def run(args: Any, out: TextIO | None = None) -> int:
         _check_tokenizers(args.source, args.draft, ModelSpec, resolve_source)
     pair: PairConfig = append_pair(file, name, args.source, args.draft)
     print(f"Added pair '{pair.name}' to {file}", file=out)
-    from specchat.backend.models.loading import resolve_device
+    from specchat.backend.models.loading.pair import resolve_device
 
     device = resolve_device(getattr(args, "device", None))
     estimate = estimate_pair(pair, device)
@@ -69,9 +69,9 @@ def _count(n: int) -> str:
 def _check_tokenizers(target: str, draft: str, model_spec: Any, resolve_source: Any) -> None:
     """Refuse a draft whose tokenizer does not match the target's, before anything is written."""
     from specchat.backend.errors import ConfigError
-    from specchat.backend.models.loading import load_tokenizer
-    from specchat.backend.models.model_spec import GGUF_KINDS
-    from specchat.backend.models.tokenizer_check import check_tokenizers_compatible
+    from specchat.backend.models.catalog.model_spec import GGUF_KINDS
+    from specchat.backend.models.loading.pair import load_tokenizer
+    from specchat.backend.models.tokenizing.tokenizer_check import check_tokenizers_compatible
 
     specs = []
     for source in (target, draft):
@@ -98,7 +98,7 @@ def _check_tokenizers(target: str, draft: str, model_spec: Any, resolve_source: 
                 path=path,
             )
         )
-    from specchat.backend.models import hub_gguf
+    from specchat.backend.models.hub import hub_gguf
 
     if any(spec.kind == "hub-gguf" and hub_gguf.cached_path(spec) is None for spec in specs):
         print(

@@ -53,7 +53,7 @@ def run(args) -> int:
 
         return run_synthetic(args)
     from specchat.backend.bench.runner import parse_modes
-    from specchat.backend.models.config import default_pair_name, get_pair, load_pairs
+    from specchat.backend.models.catalog.config import default_pair_name, get_pair, load_pairs
 
     pairs = load_pairs(args.models)
     names = list(args.pair or [default_pair_name(pairs)])
@@ -95,7 +95,7 @@ def run(args) -> int:
 def _llamacpp_missing(spec) -> str | None:
     """Why llama.cpp modes cannot run on this target (None: they can)."""
     from specchat.backend.bench.llamacpp import unavailable
-    from specchat.backend.models.loading import gguf_path
+    from specchat.backend.models.loading.pair import gguf_path
 
     return unavailable(gguf_path(spec))
 
@@ -128,7 +128,7 @@ def _profile(args, configs) -> int:
 def _llama_server_missing(args, spec) -> str | None:
     """Why the llama-server modes cannot run on this target (None: they can)."""
     from specchat.backend.bench.llama_server import unavailable
-    from specchat.backend.models.loading import gguf_path
+    from specchat.backend.models.loading.pair import gguf_path
 
     return unavailable(getattr(args, "llama_server", None), gguf_path(spec))
 

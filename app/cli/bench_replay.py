@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from specchat.backend.engine.prompting import render
     from specchat.backend.errors import RequestError
     from specchat.backend.limits import DEFAULT_PAIR, MAX_GAMMA, check_seed_range
-    from specchat.backend.models.config import get_pair, load_pairs
+    from specchat.backend.models.catalog.config import get_pair, load_pairs
 
     settings = _settings(args.settings)
     if settings is None:

@@ -32,7 +32,7 @@ from specchat.app.cli.wiring import (
 )
 from specchat.app.tui.app import SpecchatApp
 from specchat.backend.errors import SpecchatError
-from specchat.backend.models.config import get_pair, load_pairs
+from specchat.backend.models.catalog.config import get_pair, load_pairs
 from specchat.backend.paths import log_dir
 
 

@@ -168,7 +168,7 @@ def _progress(message: str, fraction: float | None) -> None:
 
 
 def _confirm_download(num_bytes: int) -> bool:
-    from specchat.backend.models.memory import format_bytes
+    from specchat.backend.models.facts.memory import format_bytes
 
     if not sys.stdin.isatty():
         print(
@@ -204,7 +204,7 @@ def _history_replies() -> list[str] | None:
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import GenerationRequest, SamplingParams
     from specchat.backend.limits import DEFAULT_PAIR, check_seed_range
-    from specchat.backend.models.config import PREDICTION_KINDS, get_pair, load_pairs
+    from specchat.backend.models.catalog.config import PREDICTION_KINDS, get_pair, load_pairs
 
     check_seed_range(args.seed, args.samples)  # sample i uses seed + i: refused before anything loads
 
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         engine = RemoteEngine(pair)
     else:  # torch is imported only here
         from specchat.backend.engine.engine import load_engine
-        from specchat.backend.models.loading import capture_library_output
+        from specchat.backend.models.loading.pair import capture_library_output
 
         with capture_library_output(progress=_progress):
             engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)

@@ -106,7 +106,8 @@ def _download(pair: Any, is_cached: Any, format_bytes: Any) -> str:
 
 
 def _cached(spec: Any) -> bool:
-    from specchat.backend.models import hub, hub_gguf
+    from specchat.backend.models.hub import hub_gguf
+    from specchat.backend.models.hub import repos as hub
 
     return hub_gguf.cached_path(spec) is not None if spec.kind == "hub-gguf" else hub.is_cached(spec)
 
@@ -125,7 +126,7 @@ def _remote_block(pair: Any, default: str, width: int) -> list[str]:
 
 def _pair_block(pair: Any, default: str, device: Any, free: int, width: int) -> list[str]:
     from specchat.backend.bench.measured import expected_speed
-    from specchat.backend.models.memory import estimate_pair, format_bytes, weights_basis
+    from specchat.backend.models.facts.memory import estimate_pair, format_bytes, weights_basis
 
     estimate = estimate_pair(pair, device)
     target = pair.local_target
@@ -155,9 +156,9 @@ def _pair_block(pair: Any, default: str, device: Any, free: int, width: int) -> 
 
 def run(args: Any, out: TextIO | None = None) -> int:
     """Print the pair listing; returns 0 (errors raise SpecchatError)."""
-    from specchat.backend.models.config import default_pair_name, get_pair, load_pairs, user_models_file
-    from specchat.backend.models.loading import resolve_device
-    from specchat.backend.models.memory import format_bytes, free_memory
+    from specchat.backend.models.catalog.config import default_pair_name, get_pair, load_pairs, user_models_file
+    from specchat.backend.models.facts.memory import format_bytes, free_memory
+    from specchat.backend.models.loading.pair import resolve_device
 
     out = out or sys.stdout
     width = _width(out)

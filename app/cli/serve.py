@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
     from specchat.app.serve.server import ServeConfig, make_server
     from specchat.backend.engine.engine import load_engine
     from specchat.backend.limits import DEFAULT_PAIR
-    from specchat.backend.models.capture import capture_library_output
-    from specchat.backend.models.config import get_pair, load_pairs
+    from specchat.backend.models.catalog.config import get_pair, load_pairs
+    from specchat.backend.models.loading.capture import capture_library_output
 
     pair = get_pair(load_pairs(args.models), args.pair or DEFAULT_PAIR)
     if pair.remote is not None:

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from specchat.app.cli.generate import _confirm_download, read_prompts
     from specchat.backend.errors import RequestError
     from specchat.backend.limits import DEFAULT_PAIR, check_sampling_value
-    from specchat.backend.models.config import get_pair, load_pairs
+    from specchat.backend.models.catalog.config import get_pair, load_pairs
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     if pair.remote is not None:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not args.resume and (out / "replies.jsonl").exists():
         raise RequestError(f"--out {out} holds an earlier run: add --resume to continue it, or pick another folder")
-    from specchat.backend.models.loading import capture_library_output, user_callback
+    from specchat.backend.models.loading.pair import capture_library_output, user_callback
     from specchat.backend.training.pipeline import Options
     from specchat.backend.training.pipeline import run as run_pipeline
 

@@ -10,12 +10,13 @@ Contract:
   app's loader thread, so the UI never pays for importing torch. ``confirm_download(total_bytes) -> bool``
   comes from the app (a dialog, or the picker's earlier yes).
 - :func:`default_pair_info` returns a ``PairInfo``: ``pair_info(pair) -> dict`` for the picker (keys documented
-  in screens/picker.py), from ``specchat.backend.models.memory`` and the local HF cache (run in a thread worker:
+  in screens/picker.py), from ``specchat.backend.models.facts.memory`` and the local HF cache (run in a thread worker:
   it imports torch; it never touches the network), or for a remote pair the server's reachability
   (``specchat.backend.remote.client.check_server``: one ``GET /models`` with a short timeout).
 - :func:`route_library_output` (a context manager, for the whole app run) sends Python logging and warnings
   to ``<log dir>/specchat.log`` instead of the terminal; stray prints are caught by Textual and forwarded to
-  the same file by the app (``App.begin_capture_print``). ``specchat.backend.models.capture.capture_library_output``
+  the same file by the app (``App.begin_capture_print``).
+  ``specchat.backend.models.loading.capture.capture_library_output``
   additionally wraps each model load (tqdm bars become the app's progress display).
 """
 
@@ -33,7 +34,7 @@ from specchat.app.tui.seams import ConfirmDownload, EngineFactory, PairInfo, Pro
 
 if TYPE_CHECKING:
     from specchat.backend.api import EngineAPI
-    from specchat.backend.models.config import PairConfig
+    from specchat.backend.models.catalog.config import PairConfig
 
 LOG_FILE = "specchat.log"
 # Characters of earlier replies read for the suffix drafter: about what its memory holds (200,000 tokens).
@@ -48,7 +49,7 @@ def default_engine_factory(device: str | None, replies: Callable[[], list[str] |
 
             progress(f"connecting to {mask_url(pair.remote.server)}", None)
             return RemoteEngine(pair)
-        from specchat.backend.models.capture import capture_library_output
+        from specchat.backend.models.loading.capture import capture_library_output
 
         # The import itself (torch, transformers) may warn: capture it too; load_pair captures the loading.
         with capture_library_output():
@@ -84,10 +85,10 @@ def default_pair_info(device: str | None) -> PairInfo:
 
             return {"remote": True, **check_server(pair.remote, pair.name)}
         from specchat.backend.bench.measured import expected_slower, expected_speed
-        from specchat.backend.models import hub_gguf
-        from specchat.backend.models.hub import is_cached
-        from specchat.backend.models.loading import resolve_device
-        from specchat.backend.models.memory import estimate_pair, free_memory
+        from specchat.backend.models.facts.memory import estimate_pair, free_memory
+        from specchat.backend.models.hub import hub_gguf
+        from specchat.backend.models.hub.repos import is_cached
+        from specchat.backend.models.loading.pair import resolve_device
 
         dev = resolve_device(device)
         estimate = estimate_pair(pair, dev)

@@ -47,7 +47,7 @@ from specchat.backend.limits import DEFAULT_PAIR
 if TYPE_CHECKING:
     from specchat.app.chat.history.store import ChatStore
     from specchat.backend.api import EngineAPI
-    from specchat.backend.models.config import PairConfig
+    from specchat.backend.models.catalog.config import PairConfig
 
 log = logging.getLogger(__name__)
 # The longest a notification stays, by severity (seconds): an information toast is read at a glance, an error

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from specchat.app.chat.history.store import ChatStore
     from specchat.app.chat.settings import Settings
     from specchat.backend.api import EngineAPI
-    from specchat.backend.models.config import PairConfig
+    from specchat.backend.models.catalog.config import PairConfig
 
 Progress = Callable[[str, float | None], None]
 ConfirmDownload = Callable[[int], bool]

@@ -34,7 +34,7 @@ def _model_bytes(model) -> int:
 
 
 def _gguf_bytes(path: Path) -> int:
-    from specchat.backend.models.gguf_file import read_gguf
+    from specchat.backend.models.gguf.gguf_file import read_gguf
 
     tensors = read_gguf(path).tensors
     tied = "output.weight" not in tensors

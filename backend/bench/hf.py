@@ -25,12 +25,12 @@ from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from specchat.backend.kernels import cpu_linear
-from specchat.backend.models.loading import load_model
-from specchat.backend.models.native_loading import NativeCausalLM
-from specchat.backend.models.quantized import transformers_model
+from specchat.backend.models.loading.native_loading import NativeCausalLM
+from specchat.backend.models.loading.pair import load_model
+from specchat.backend.models.loading.quantized import transformers_model
 
 if TYPE_CHECKING:
-    from specchat.backend.models.skeleton import LightCausalLM
+    from specchat.backend.models.loading.skeleton import LightCausalLM
 
 # transformers' own prompt-lookup setting that people use (issue 4 compares against this value).
 HF_PROMPT_LOOKUP_TOKENS = 10
@@ -63,7 +63,7 @@ def sdpa_twin(model: PreTrainedModel | LightCausalLM) -> PreTrainedModel:
     ``copy.deepcopy`` with a memo that maps every parameter and buffer to itself copies only the module tree
     and the config; quantised parameter classes (bitsandbytes Params4bit, with their quant state) are shared
     as they are. Layers the engine packed for oneDNN on CPU (cpu_linear.py) are stock ``nn.Linear`` again in
-    the twin: the baseline runs transformers' own kernels. A light model (``backend/models/skeleton.py``) is
+    the twin: the baseline runs transformers' own kernels. A light model (``backend/models/loading/skeleton.py``) is
     first put into transformers' model classes (``quantized.transformers_model``); for the CPU native model
     (``NativeCausalLM``) transformers' model of the same source is loaded as the spec would load without it.
     The twin gets a neutral generation_config so that generate() applies only what we pass.

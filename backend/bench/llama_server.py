@@ -228,7 +228,7 @@ def llama_servers(engine, modes, given: str | None) -> dict[str, LlamaServer]:
         return {}
     import torch
 
-    from specchat.backend.models.loading import gguf_path
+    from specchat.backend.models.loading.pair import gguf_path
 
     gguf = gguf_path(engine.target.spec)
     reason = unavailable(given, gguf)

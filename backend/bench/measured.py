@@ -11,7 +11,8 @@ Contract:
   bench --pair NAME)`` where no run of this pair with this target is recorded. Nothing here imports torch.
 - :func:`expected_slower(pair, device)` says why a pair is expected to be slower than plain decoding on this
   device, or None: measured (its fastest speculative mode ran below plain in the bench), else known (a
-  bitsandbytes draft on CPU de-quantises all its weights at every draft step: ~3x the target's cost there).
+  bitsandbytes draft on CPU de-quantises all its weights at every draft step: several times the target's
+  cost: ``benchmarks/RESULTS.md``, "Figures moved out of the code").
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ the rows were bit-identical. Nothing here decides a token: it only runs requests
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -292,7 +291,3 @@ def replay(
         engine.trace = before
         result.elapsed_s = time.perf_counter() - started
     return result
-
-
-def finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None

@@ -355,7 +355,7 @@ def _llamacpp(engine, modes: list[Mode]):
     import torch
 
     from specchat.backend.bench.llamacpp import LlamaCpp, unavailable
-    from specchat.backend.models.loading import gguf_path
+    from specchat.backend.models.loading.pair import gguf_path
 
     gguf = gguf_path(engine.target.spec)
     reason = unavailable(gguf)

@@ -265,7 +265,7 @@ def format_table(r: dict) -> str:
 def check_synthetic_fits(pair: SyntheticPair, device: torch.device) -> None:
     """InsufficientMemoryError naming the need and the free memory, before anything is allocated (an 8B model in
     float32 on a laptop's CPU would otherwise die in the allocator)."""
-    from specchat.backend.models.memory import format_bytes, free_memory
+    from specchat.backend.models.facts.memory import format_bytes, free_memory
 
     need, free = synthetic_bytes(pair, device), free_memory(device)
     if need > free:
@@ -282,7 +282,7 @@ def check_synthetic_fits(pair: SyntheticPair, device: torch.device) -> None:
 
 def run_synthetic(args) -> int:
     """The ``specchat bench --synthetic NAME`` command body."""
-    from specchat.backend.models.loading import resolve_device
+    from specchat.backend.models.loading.pair import resolve_device
 
     name = args.synthetic
     if name not in SYNTHETIC:

@@ -168,8 +168,8 @@ def synthetic_tokenizer(vocab_size: int):
 
 def build_loaded(fields: dict, device: torch.device, *, seed: int, quantization: str, notes: list[str] | None = None):
     """(LoadedModel, the default PairConfig to derive a synthetic pair from) for config ``fields``."""
-    from specchat.backend.models.config import default_pair_name, load_pairs
-    from specchat.backend.models.loading import LoadedModel
+    from specchat.backend.models.catalog.config import default_pair_name, load_pairs
+    from specchat.backend.models.loading.pair import LoadedModel
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_random(fields, device, dtype, seed=seed)

@@ -35,11 +35,11 @@ from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len, kv_bytes_per_token
 from specchat.backend.limits import HEAD_DRAFTERS, KV_BLOCK_SIZE, MAX_GAMMA, MAX_PREDICTION_GAMMA, check_gamma
-from specchat.backend.models.capture import Progress, user_callback
-from specchat.backend.models.chat_format import plain_completion_note, stop_ids
-from specchat.backend.models.config import PairConfig
-from specchat.backend.models.head_loading import LoadedHead, plan_pair_head
-from specchat.backend.models.loading import ConfirmDownload, LoadedModel
+from specchat.backend.models.catalog.config import PairConfig
+from specchat.backend.models.loading.capture import Progress, user_callback
+from specchat.backend.models.loading.head_loading import LoadedHead, plan_pair_head
+from specchat.backend.models.loading.pair import ConfirmDownload, LoadedModel
+from specchat.backend.models.tokenizing.chat_format import plain_completion_note, stop_ids
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
@@ -348,13 +348,13 @@ def load_engine(
 ) -> Engine:
     """Load the pair's models (checking memory and tokenizer compatibility first) and build an engine
     (``prefix_cache_bytes``: see :class:`Engine`)."""
-    from specchat.backend.models.loading import load_pair, resolve_device
-    from specchat.backend.models.memory import check_fits
+    from specchat.backend.models.facts.memory import check_fits
+    from specchat.backend.models.loading.pair import load_pair, resolve_device
 
     dev = resolve_device(device)
     estimate = check_fits(pair, dev)
     if not estimate.known:  # a hub model not downloaded yet: fetched (after asking) and its sizes read first
-        from specchat.backend.models.fetch import fetch_sources
+        from specchat.backend.models.hub.fetch import fetch_sources
 
         pair = fetch_sources(pair, progress=progress, confirm_download=confirm_download)
         check_fits(pair, dev)
@@ -371,7 +371,7 @@ def load_engine(
     )
     head = None
     if plan is not None:
-        from specchat.backend.models.head_loading import load_planned
+        from specchat.backend.models.loading.head_loading import load_planned
 
         head = load_planned(plan, target.model.config, dev, target_name=pair.target.source)
     engine = Engine(target, draft, pair, head=head, prefix_cache_bytes=prefix_cache_bytes)

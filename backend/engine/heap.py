@@ -9,11 +9,10 @@ import gc
 
 def start_heap() -> None:
     """Before a load. After an earlier load (which froze the heap, its engine among it): unfreeze, so that the
-    old engine can be collected. At the first load: freeze what is there instead (the imports' ~190,000
-    objects on the embedded default, once the young garbage is collected), so that the collections while
-    loading and :func:`settle_heap`'s walk only the objects loading makes: settle_heap 0.20 → 0.01 s and
-    load_engine 1.34-1.64 → 0.88-1.25 s (3 runs each, alternated). Garbage already old at that moment
-    (import-time cycles: small) is kept until the next load unfreezes it."""
+    old engine can be collected. At the first load: freeze what is there instead (the imports' objects, once
+    the young garbage is collected), so that the collections while loading and :func:`settle_heap`'s walk only
+    the objects loading makes, which shortens both (``benchmarks/RESULTS.md``, "Start time and memory"). Garbage
+    already old at that moment (import-time cycles: small) is kept until the next load unfreezes it."""
     if gc.get_freeze_count():
         gc.unfreeze()
     else:
@@ -24,11 +23,11 @@ def start_heap() -> None:
 def settle_heap() -> None:
     """Collect the loading's garbage, then freeze what is left out of the cyclic garbage collector.
 
-    torch, transformers and a loaded model leave ~370,000 long-lived Python objects (the embedded default);
-    a full collection walks them all with the GIL held (0.42-0.44 s on a 2-core CPU), and one starts whenever
-    enough new objects have survived (a chat UI makes them quickly), so it lands inside a reply as a stall of
-    decoding. Frozen objects are still freed by reference counting; only cycles among them wait for the next
-    load's unfreeze.
+    torch, transformers and a loaded model leave hundreds of thousands of long-lived Python objects; a full collection
+    walks them all with the GIL held (a visible stall: ``benchmarks/RESULTS.md``, "Figures moved out of the code"),
+    and one starts whenever enough new objects have survived (a chat UI makes them quickly), so it lands inside a
+    reply as a stall of decoding. Frozen objects are still freed by reference counting; only cycles among them wait
+    for the next load's unfreeze.
     """
     gc.collect()
     gc.freeze()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,23 +26,46 @@ import torch
 from specchat.backend.api import FinishReason, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.engine.detokenize import IncrementalDetokenizer
 from specchat.backend.engine.features import FeatureFeed
-from specchat.backend.engine.parts import Conversation, Speculation, Target, describe_error, is_out_of_memory
+from specchat.backend.engine.parts import Conversation, Speculation, Target
+from specchat.backend.engine.propose import Proposer
 from specchat.backend.engine.resolve import Sampling
 from specchat.backend.engine.target_pass import TargetPasses
 from specchat.backend.errors import KVCacheFullError
 from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.limits import PREFILL_CHUNK, Gamma
-from specchat.backend.speculative.drafters.base import Draft
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
-from specchat.backend.speculative.policy import GammaPolicy
 from specchat.backend.speculative.request_stats import SpecStats
 from specchat.backend.speculative.sampling import SeenIds
 from specchat.backend.speculative.verify import VerifyResult, verify_tokens, verify_tree
 
 
-class RequestState(TargetPasses):
-    """The mutable state of one request; :meth:`run` is the generator the engine yields from (its target passes and
-    the tokens decided from their rows: :class:`~specchat.backend.engine.target_pass.TargetPasses`)."""
+@dataclass
+class StepPlan:
+    """The rows of one step's target pass: the pending token, then the draft (a chain, or a tree: ``parents``)
+    made by ``drafter`` (None: a plain step) at the γ its policy chose; the time the step started and spent
+    drafting, and a notice for the user (a drafter that failed)."""
+
+    pending: int
+    drafter: str | None
+    gamma: int
+    draft_ids: list[int]
+    parents: list[int] | None
+    message: str | None
+    t_step: float
+    draft_s: float
+
+    @property
+    def rows(self) -> list[int]:
+        return [self.pending, *self.draft_ids]
+
+    def without_draft(self) -> StepPlan:
+        """The same step as a plain one (no room in the KV cache for the draft)."""
+        return StepPlan(self.pending, None, self.gamma, [], None, self.message, self.t_step, self.draft_s)
+
+
+class RequestState:
+    """The mutable state of one request; :meth:`run` is the generator the engine yields from. A step is
+    :meth:`plan` (propose), one target pass over the plan's rows, then :meth:`finish` (verify, commit, account)."""
 
     def __init__(
         self,
@@ -57,43 +81,24 @@ class RequestState(TargetPasses):
         prediction: PredictionDrafter | None = None,
     ) -> None:
         self.target, self.spec, self.conv, self.prompt, self.s = target, spec, conv, prompt, sampling
-        self.rule = sampling.rule
         self.cancel, self.t_start = cancel, t_start
         self.context: list[int] = list(prompt)
-        self.seen = SeenIds(target.runner.device)  # the ids of ``context``: see _penalty_context
+        self.seen = SeenIds(target.runner.device)  # the ids of ``context``: the repetition penalty's
         self.seen.add(prompt)
         self.produced = 0
         self.detok = IncrementalDetokenizer(target.tokenizer, sampling.stop, prompt_tail=prompt)
         self.stats = SpecStats(t0=t_start, seed=sampling.seed)  # wall time counts from the request
-        if drafter == "none":
-            self.candidates: list[str] = []
-        elif drafter == "auto":
-            self.candidates = list(spec.drafters)
-        else:
-            self.candidates = [drafter]
-        self.fixed = gamma if isinstance(gamma, int) else None
-        # A fixed γ gets a fresh policy that never pauses; "auto" shares the engine's learned one.
-        self.policies = {
-            n: GammaPolicy(fixed_gamma=self.fixed, max_gamma=max(self.fixed, 1)) if self.fixed else spec.policies[n]
-            for n in self.candidates
-        }
-        for name in self.candidates:  # drafters keep their state across requests (the draft model's cache)
-            spec.drafters[name].configure(self.rule, len(prompt))
-        self.notices: list[str] = []
-        for name in [n for n in self.candidates if n in spec.disabled]:
-            self.candidates.remove(name)  # switched off by an earlier failure (out of memory): say so each time
-            self.notices.append(f"The {name} drafter is off since {spec.disabled[name]}; decoding without it.")
-        self.drafter_used = (
-            self.candidates[0] if len(self.candidates) == 1 else ("none" if not self.candidates else "auto")
-        )
-        self.feed = FeatureFeed.of(spec.drafters, self.candidates)  # draft heads: the taps every pass returns
-        # A prediction drafts first wherever it matches the reply, at its own lengths (a policy that never pauses
-        # and only measures); the drafters above serve where it does not (speculative/drafters/prediction.py).
-        self.prediction = prediction
-        if prediction is not None:
-            prediction.configure(self.rule, len(prompt))
-            self.policies[prediction.name] = GammaPolicy(fixed_gamma=prediction.max_tokens)
-            self.stats.prediction = (prediction.name, len(prediction.prediction))
+        self.proposer = Proposer(spec, drafter, gamma, sampling.rule, len(prompt), self.stats, prediction)
+        self.feed = FeatureFeed.of(spec.drafters, self.proposer.candidates)  # draft heads: the taps passes return
+        self.passes = TargetPasses(target, conv, sampling, self.seen, self.feed)
+
+    @property
+    def drafter_used(self) -> str:
+        return self.proposer.drafter_used
+
+    def _positions(self, rows: int) -> range:
+        """The reply positions the next pass's rows decide: the pending token is at ``produced - 1``."""
+        return range(self.produced, self.produced + rows)
 
     def _cut(self, tokens: list[int], sources: list[TokenSource]) -> tuple[list[int], list[TokenSource], list[str]]:
         """Detokenise ``tokens`` and drop any after an EOS, the token limit or the end of a stop string: the
@@ -105,31 +110,6 @@ class RequestState(TargetPasses):
             if eos or self.produced + i + 1 >= self.s.max_new_tokens or self.detok.stopped:
                 return tokens[: i + 1], sources[: i + 1], texts
         return tokens, sources, texts
-
-    # -- the loop ---------------------------------------------------------------------------------------
-
-    def _ranked(self) -> list[tuple[str, int]]:
-        """The drafters whose policy speculates this step, with their γ: drafters of ids first (a match of prompt
-        lookup or the suffix drafter costs microseconds and, where there is one, is usually long and right: code
-        edits), then draft heads; each group best expected speed-up first (ties: the candidates' order). Empty
-        for a plain step."""
-        ranked = []
-        for order, name in enumerate(self.candidates):
-            policy = self.policies[name]
-            gamma = policy.choose()
-            if gamma > 0:
-                head = bool(self.spec.drafters[name].taps)
-                ranked.append((head, -(policy.expected_speedup(gamma) or 0.0), order, name, gamma))
-        return [(name, gamma) for *_, name, gamma in sorted(ranked)]
-
-    def _idle_state(self) -> PolicyState:
-        """The state of a pass that verified no draft: OFF without drafters, PAUSED when every candidate's
-        policy is paused, else NO_DRAFT."""
-        if not self.candidates:
-            return PolicyState.OFF if self.prediction is None else PolicyState.NO_DRAFT
-        if all(self.policies[n].state is PolicyState.PAUSED for n in self.candidates):
-            return PolicyState.PAUSED
-        return PolicyState.NO_DRAFT
 
     def _event(self, tokens: list[int], sources: list[TokenSource], texts: list[str], **fields: Any) -> StepEvent:
         """A step's event (``fields``: StepEvent's, with ``t_step`` the step's start instead of ``overhead_s``: the
@@ -169,8 +149,8 @@ class RequestState(TargetPasses):
             if self.target.threads is not None:
                 self.target.threads.step()
             chunk = todo[start : start + PREFILL_CHUNK]
-            try:  # a pass of PREFILL_CHUNK tokens took 4 s on a busy CPU: Esc stops it between two layers
-                logits = self._raw_logits(chunk, keep=1, cancel=self.cancel)  # only the last chunk's row is used
+            try:  # a prefill pass can take seconds on a busy CPU: Esc stops it between two layers
+                logits = self.passes.raw_logits(chunk, keep=1, cancel=self.cancel)  # only the last chunk's row is used
             except PassCancelled:
                 yield self._final(None, "cancelled", None)
                 return
@@ -185,12 +165,12 @@ class RequestState(TargetPasses):
         else:  # the engine leaves the prompt's last token to prefill unless it kept this row
             raise RuntimeError("prefill fed no token and no row was kept for the cached prompt")
         prefill_s = time.perf_counter() - t0
-        pending = self._decide(self._penalised(logits, []), self._positions(1))[0]
+        pending = self.passes.decide(self.passes.penalised(logits, []), self._positions(1))[0]
         tokens, sources, texts = self._cut([pending], [TokenSource.TARGET])
         self.context.append(pending)
         self.seen.add([pending])
         self.produced = 1
-        policy_state = self._idle_state()
+        policy_state = self.proposer.idle_state()
         self.stats.observe_prefill(tokens=len(todo), seconds=prefill_s, policy=policy_state)
         event = self._event(
             tokens,
@@ -205,7 +185,7 @@ class RequestState(TargetPasses):
             drafter=self.drafter_used,
             is_prefill=True,
             prefill_tokens=len(todo),
-            message=" ".join(m for m in (notice, *self.notices) if m) or None,
+            message=" ".join(m for m in (notice, *self.proposer.notices) if m) or None,
         )
         event.stats = self._report()
         while (reason := self._finish_reason(pending)) is None:
@@ -220,156 +200,132 @@ class RequestState(TargetPasses):
                 return
         yield self._final(event, reason, None)
 
-    def _propose(self, cap: int) -> tuple[str | None, int, Draft | None, str | None]:
-        """The drafter, γ, draft and failure notice of the next step (no drafter: a plain step). Candidates are
-        asked in :meth:`_ranked`'s order; one that finds nothing (no match, no features) passes the step to the
-        next, so ``auto`` drafts chat with a head while prompt lookup has nothing to copy."""
-        if self.prediction is not None and cap > 0:
-            try:
-                draft = self.prediction.propose(self.context, cap)
-            except Exception as error:  # as any drafter's: the reply goes on without it
-                self.prediction = None
-                return None, 0, None, f"The prediction failed ({describe_error(error)}); continuing without it."
-            if draft.token_ids:
-                return self.prediction.name, len(draft), draft, None
-        ranked = self._ranked() if cap > 0 else []
-        if not ranked:
-            return None, 0, None, None
-        first: tuple[str, int, Draft] | None = None
-        for name, gamma in ranked:
-            gamma = min(gamma, cap)
-            try:
-                draft = self.spec.drafters[name].propose(self.context, gamma)
-            except Exception as error:  # a failing drafter must not end the reply: continue without it
-                return None, 0, None, self._drop_drafter(name, error)
-            if draft.prefilled or draft.reused:
-                self.stats.observe_draft_context(name, prefilled=draft.prefilled, reused=draft.reused)
-            if draft.token_ids:
-                return name, gamma, draft, None
-            first = first or (name, gamma, draft)
-        return (*first, None) if first is not None else (None, 0, None, None)
-
     def _step(self, pending: int) -> tuple[int, StepEvent]:
-        conv = self.conv
+        """One step alone: :meth:`plan`, the target pass over its rows, :meth:`finish`."""
+        plan = self.plan(pending)
+        t_verify = time.perf_counter()
+        try:
+            logits = self.passes.target_logits(plan.rows, keep=len(plan.rows), parents=plan.parents)
+        except KVCacheFullError:
+            if not plan.draft_ids:
+                raise
+            plan = plan.without_draft()  # the last few positions are still worth a plain step each
+            logits = self.passes.target_logits(plan.rows, keep=1)
+        return self.finish(plan, logits, verify_s=time.perf_counter() - t_verify)
+
+    def plan(self, pending: int) -> StepPlan:
+        """Propose: the drafter, γ and draft of the step after ``pending``, capped so that it overshoots neither
+        the token limit nor the context. A tree's first γ nodes are a tree too (a parent comes before its
+        children)."""
         if self.target.threads is not None:
             self.target.threads.step()  # between passes: the drafter's and the target's
         t_step = time.perf_counter()
-        room = self.target.context_length - conv.seq.length - 1  # positions left after the pending token
-        cap = min(self.s.max_new_tokens - self.produced, room) - 1  # γ that cannot overshoot either limit
-        name, gamma, draft, message = self._propose(cap)
-        draft_s = time.perf_counter() - t_step
+        room = self.target.context_length - self.conv.seq.length - 1  # positions left after the pending token
+        cap = min(self.s.max_new_tokens - self.produced, room) - 1
+        proposal = self.proposer.propose(self.context, cap, self.target.runner.device)
+        draft, gamma = proposal.draft, proposal.gamma
         draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
-        # A tree's first γ nodes are a tree too (a parent comes before its children).
-        parents = (
-            list(draft.parents[:gamma])
-            if draft is not None and draft.parents is not None and draft.is_tree and draft_ids
-            else None
-        )
-        t_verify = time.perf_counter()
-        try:
-            logits = self._target_logits([pending] + draft_ids, keep=1 + len(draft_ids), parents=parents)
-        except KVCacheFullError:
-            if not draft_ids:
-                raise
-            # No room for the draft: the last few positions are still worth a plain step each.
-            name, draft, draft_ids, parents = None, None, [], None
-            logits = self._target_logits([pending], keep=1)
-        verify_s = time.perf_counter() - t_verify
-        result: VerifyResult
-        if parents is None:
-            result = verify_tokens(self._decide(logits, self._positions(1 + len(draft_ids))), draft_ids)
-        else:
-            result = verify_tree(self._tree_decider(logits), draft_ids, parents)
+        parents = None
+        if draft is not None and draft.parents is not None and draft.is_tree and draft_ids:
+            parents = list(draft.parents[:gamma])
+        draft_s = time.perf_counter() - t_step
+        return StepPlan(pending, proposal.drafter, gamma, draft_ids, parents, proposal.message, t_step, draft_s)
+
+    def finish(self, plan: StepPlan, logits: torch.Tensor, verify_s: float) -> tuple[int, StepEvent]:
+        """Verify, commit and account the step ``plan`` from its pass's ``logits`` (one row per plan row, penalised
+        for a chain); the new pending token and the step's event."""
+        result = self._verify(plan, logits)
+        tokens, sources, texts = self._commit(plan, result)
+        return tokens[-1], self._account(plan, result, tokens, sources, texts, verify_s)
+
+    def _verify(self, plan: StepPlan, logits: torch.Tensor) -> VerifyResult:
+        """The target's own token at every row; the drafts kept are those equal to it (a tree: along the path)."""
+        if plan.parents is None:
+            return verify_tokens(self.passes.decide(logits, self._positions(len(plan.rows))), plan.draft_ids)
+        return verify_tree(self.passes.tree_decider(logits, self.produced), plan.draft_ids, plan.parents)
+
+    def _commit(self, plan: StepPlan, result: VerifyResult) -> tuple[list[int], list[TokenSource], list[str]]:
+        """Keep the pending token and the accepted drafts in the cache (a tree's path moved into place first),
+        feed their taps to the draft heads, and grow the reply by the tokens it holds."""
+        conv = self.conv
+        accepted = [plan.pending] + result.tokens[: result.accepted]
+        if plan.parents is not None:
             start = conv.seq.length + 1  # the pending token is at conv.seq.length; node i was written at start + i
             conv.seq.cache.move(conv.seq, [start + i for i in result.path], list(range(start, start + result.accepted)))
-        conv.seq.commit(1 + result.accepted)
+        conv.seq.commit(len(accepted))
         if self.feed is not None:  # the pending token's row, then the accepted drafts' rows (a tree's path)
-            rows = [0] + (
-                [1 + node for node in result.path] if parents is not None else list(range(1, 1 + result.accepted))
-            )
-            self.feed.give(len(conv.cached), [pending] + result.tokens[: result.accepted], rows)
-        conv.cached.extend([pending] + result.tokens[: result.accepted])
+            path = result.path if plan.parents is not None else range(result.accepted)
+            self.feed.give(len(conv.cached), accepted, [0] + [1 + node for node in path])
+        conv.cached.extend(accepted)
         tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
-        kept = min(result.accepted, len(tokens))  # drafts the reply holds (past its end: discarded)
         self.produced += len(tokens)
         self.context.extend(tokens)
         self.seen.add(tokens)
-        if name is not None:
-            self.policies[name].observe(
-                gamma=gamma,
-                proposed=len(draft_ids),
-                accepted=result.accepted,
-                draft_s=draft_s,
-                verify_s=verify_s,
-                tried=result.tried,
-            )
-            if self.prediction is not None and name == self.prediction.name:
-                self.prediction.observe(result.accepted)
-            elif name in self.candidates:
-                self.spec.drafters[name].observe(result.accepted)
-        elif self.candidates:  # a plain step measures T_target(1) for every candidate's policy
-            for policy in self.policies.values():
-                policy.observe(gamma=0, proposed=0, accepted=0, draft_s=0.0, verify_s=verify_s)
-        state = PolicyState.SPECULATING if draft_ids else self._idle_state()
-        if message is not None and state is PolicyState.OFF:
+        return tokens, sources, texts
+
+    def _account(
+        self,
+        plan: StepPlan,
+        result: VerifyResult,
+        tokens: list[int],
+        sources: list[TokenSource],
+        texts: list[str],
+        verify_s: float,
+    ) -> StepEvent:
+        """The step's outcome to its drafter's policy and the request's statistics; the step's event."""
+        proposed = len(plan.draft_ids)
+        self.proposer.observe(
+            plan.drafter,
+            gamma=plan.gamma,
+            proposed=proposed,
+            accepted=result.accepted,
+            draft_s=plan.draft_s,
+            verify_s=verify_s,
+            tried=result.tried,
+        )
+        state = PolicyState.SPECULATING if proposed else self.proposer.idle_state()
+        if plan.message is not None and state is PolicyState.OFF:
             state = PolicyState.NO_DRAFT  # the step whose drafter failed: the drafter did not pause
+        drafter = plan.drafter or self.drafter_used
+        timing = {"draft_s": plan.draft_s, "verify_s": verify_s}
+        kept = min(result.accepted, len(tokens))  # drafts the reply holds (past its end: discarded)
         event = self._event(
             tokens,
             sources,
             texts,
-            gamma=len(draft_ids),
+            gamma=proposed,
             accepted=kept,
-            draft_s=draft_s,
-            verify_s=verify_s,
-            t_step=t_step,
+            t_step=plan.t_step,
             policy=state,
-            drafter=name or self.drafter_used,
-            message=message,
+            drafter=drafter,
+            message=plan.message,
+            **timing,
         )
         self.stats.observe_step(
-            drafter=name or self.drafter_used,
-            gamma=len(draft_ids),
+            drafter=drafter,
+            gamma=proposed,
             accepted=result.accepted,
             emitted=len(tokens),
             policy=state,
-            draft_s=draft_s,
-            verify_s=verify_s,
             overhead_s=event.overhead_s,
             tried=result.tried,
+            **timing,
         )
-        if parents is not None:
-            self.stats.observe_tree(parents, result.path)
+        if plan.parents is not None:
+            self.stats.observe_tree(plan.parents, result.path)
         event.stats = self._report()
-        return tokens[-1], event
-
-    def _drop_drafter(self, name: str, error: Exception) -> str:
-        """Take a failed drafter out of this request (out of memory: out of the engine's life); the message."""
-        self.candidates.remove(name)
-        try:
-            self.spec.drafters[name].reset()  # its cache state is unknown after a failure: drop it (frees blocks)
-        except Exception:  # noqa: BLE001 - best effort; the drafter is not used again in this request
-            pass
-        rest = f"with {', '.join(self.candidates)}" if self.candidates else "with plain decoding"
-        if is_out_of_memory(error):
-            self.spec.disable(name, f"it ran out of memory ({describe_error(error)})")
-            if self.target.runner.device.type == "cuda":
-                torch.cuda.empty_cache()
-            return (
-                f"The {name} drafter ran out of memory ({describe_error(error)}); it is switched off until the pair "
-                f"is loaded again, continuing {rest}."
-            )
-        return f"The {name} drafter failed ({describe_error(error)}); continuing without it ({rest})."
+        return event
 
     def _final(self, event: StepEvent | None, reason: FinishReason, message: str | None) -> StepEvent:
         """Close the request: ``event`` (the last step's, or None for an empty closing event) gets the finish
         reason, the request's totals and any text held back for a stop string that never completed."""
         if event is None:
-            event = StepEvent.empty(self._idle_state(), self.drafter_used)
+            event = StepEvent.empty(self.proposer.idle_state(), self.drafter_used)
         elif reason != "stop" and event.token_texts:
             tail = self.detok.flush()
             event.token_texts[-1] += tail
             event.text += tail
-        policies = list(self.policies.values())
+        policies = list(self.proposer.policies.values())
         if len(policies) == 1:
             self.stats.set_policy(policies[0].expected_speedup(), policies[0].estimates())
         event.finish_reason, event.stats = reason, self._report()

@@ -2,10 +2,10 @@
 
 Why: PyTorch's CPU kernels run on an OpenMP pool, one thread per core, whose threads wait for each other at
 the end of every parallel operation (a decoding pass has ~120). When another program keeps a core busy, one
-of them keeps losing that core and the other waits for it at each barrier: on a 2-core machine, a reply in
-the UI with a CPU-bound loop running beside it did not finish ~100 tokens in 90 s, while the same reply on one
-thread ran at 14 tok/s (``benchmarks/RESULTS.md``, "Other programs on the cores"). With the machine to itself,
-two threads are the faster choice, so the count has to follow what the others use.
+of them keeps losing that core and the other waits for it at each barrier: on a 2-core machine with a CPU-bound loop
+beside it, a reply on two threads all but stalled while one thread ran at nearly its quiet speed
+(``benchmarks/RESULTS.md``, "Other programs on the cores"). With the machine to itself, two threads are the faster
+choice, so the count has to follow what the others use.
 
 How: :class:`ThreadGovernor` reads, at most every ``interval`` seconds of wall time, how much CPU time the
 cores this process may run on spent busy (Linux ``/proc/stat``: user, nice, system, irq, softirq, steal) and

@@ -28,9 +28,9 @@ from specchat.backend.errors import SpecchatError
 from specchat.backend.kernels import native
 from specchat.backend.kernels.native_library import BUILDING
 from specchat.backend.kv import attention
-from specchat.backend.models.loading import LoadedModel, _load_weights, gguf_path
-from specchat.backend.models.memory import free_memory, native_scratch_bytes, native_weight_bytes
-from specchat.backend.models.native_loading import native_reason
+from specchat.backend.models.facts.memory import free_memory, native_scratch_bytes, native_weight_bytes
+from specchat.backend.models.loading.native_loading import native_reason
+from specchat.backend.models.loading.pair import LoadedModel, _load_weights, gguf_path
 
 if TYPE_CHECKING:
     from specchat.backend.engine.engine import Engine

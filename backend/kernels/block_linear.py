@@ -1,11 +1,10 @@
 """Small float linears (a draft head's) through the GGUF block kernels, as Q8_0: drafting at a fraction of the cost.
 
-Why: a draft head drafts between two target passes, and on CPU both ran through different GEMMs. Measured on
-the embedded default's EAGLE-3 head (AMD EPYC Zen 3, 2 threads, AVX2/FMA, no AVX-512; 2026-12-03): PyTorch's
-float32 ``F.linear`` (MKL) took 2.1 ms for 4 rows of its 4096 x 576 output head and 0.4 ms for one row; right
-after a target pass, whose weight stream evicts the head's float32 weights from the caches, 3.1 and 1.4 ms. The
-same weight as Q8_0 through ``qgemm`` (``blocks.qweight``): 0.20 and 0.06 ms, and 0.38 / 0.29 ms after a target
-pass (a quarter of the bytes to bring back). A head step (seven linears) went from ~6 ms to about a millisecond.
+Why: a draft head drafts between two target passes, and on CPU both ran through different GEMMs. PyTorch's float32
+``F.linear`` (MKL) is several times slower on a head's few-row linears than ``qgemm`` on a Q8_0 copy of the same
+weight (``blocks.qweight``), and more so right after a target pass, whose weight stream evicts the head's weights
+from the caches (a Q8_0 copy is a quarter of the bytes to bring back): ``benchmarks/RESULTS.md``, "Draft heads'
+linears as Q8_0 blocks".
 
 What: :func:`quantize_linears` switches every plain ``nn.Linear`` of a module whose float32 weight has a width
 that is a multiple of 32 to :class:`BlockLinear`, whose forward multiplies by a Q8_0 copy of the weight (per 32
@@ -16,9 +15,9 @@ most, never the reply.
 
 A layer whose input is the target's raw residual stream (EAGLE-3's ``fc`` over the three taps) is better kept in
 float32 (``keep``): that stream has a few channels thousands of times larger than the rest, and an activation
-block of 32 holding one of them rounds the others to a step of max/127. On the embedded default's head, over
-156 drafts of 4 nodes along two replies, float32 and all-Q8_0 gave the same tree 141 times; with ``fc`` kept in
-float32, 147 times (the same first token: 154 and 155 times).
+block of 32 holding one of them rounds the others to a step of max/127. Kept in float32, ``fc`` makes the
+default's head agree with its float32 self more often (``benchmarks/RESULTS.md``, "Draft heads' linears as Q8_0
+blocks", "Q8_0 changes few drafts").
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 
 Why: a verification pass multiplies every weight matrix by γ+1 rows. On a CPU, PyTorch's default GEMM is
 efficient for one row (a matrix-vector product, memory-bound) and for many, but not for the 2..32 rows a
-speculative step has: measured on the embedded default (2 cores, AVX2), a target pass over 2 tokens cost
-1.7x one over 1 token and over 11 tokens 2.1x, nearly all of it in ``aten::mm`` (the output head alone:
-49152 x 576, 17 ms for 1 row, 48 ms for 11). oneDNN's inner-product primitive with the weight reordered
-once into its blocked layout streams each weight once for all rows: the same head took 14 ms for 11 rows,
-and the whole pass over 11 tokens 154 ms instead of 246 ms (over 1 token: 100 ms instead of 117 ms). That is
-what makes long drafts nearly free here, as they are on a GPU.
+speculative step has: a pass over a few tokens costs far more than one over 1, nearly all of it in ``aten::mm``.
+oneDNN's inner-product primitive with the weight reordered once into its blocked layout streams each weight once
+for all rows, which makes long drafts nearly free here, as they are on a GPU (``benchmarks/RESULTS.md``, "Figures
+moved out of the code").
 
 How: :func:`pack_linears` gives every plain ``nn.Linear`` with a float32 weight a non-persistent buffer
 ``_packed`` (the reordered weight, made by ``torch.ops.mkldnn._reorder_linear_weight``) and switches its class

@@ -13,7 +13,7 @@ Contract:
   shape writes its float32 logits into ONE static buffer of ``max_nb`` x vocab rows shared by all graphs, and
   :meth:`GraphRunner.try_forward` returns a copy of the rows asked for: no float32 logits per shape (for
   Qwen2.5-7B at an 8k context those were ~1.2 GB; :func:`static_bytes` is what stays, which
-  ``backend/models/memory.py`` counts).
+  ``backend/models/facts/memory.py`` counts).
 - Padding is safe: padded tokens write their K/V into a *trash block* the runner takes from the pool for
   itself (never part of a sequence), sit at the last real position (so they see the same keys and never
   produce NaN rows), and their logits are dropped. Keys ``kv_len .. kvb-1`` are gathered from stale (valid)

@@ -45,7 +45,7 @@ class Rotary:
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the native pass needs of a configuration (``backend/models/native_arch.py`` fills it)."""
+    """What the native pass needs of a configuration (``backend/models/loading/native_arch.py`` fills it)."""
 
     family: str  # transformers' model_type
     hidden: int

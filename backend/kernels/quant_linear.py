@@ -15,7 +15,7 @@ these: ~0.6 and ~1). No native dependency: the kernels are ATen's.
 Activations: the CPU kernels vectorise (AVX2 / AVX-512) only for bfloat16 inputs and scales; with float32 they
 run a scalar loop. So inputs are rounded to ``compute_dtype`` (bfloat16 on CPU and CUDA), the kernel's output
 is in it, and the layer returns it in the input's dtype: a model keeps its residual stream, norms, rotary
-embedding and attention in float32 around these layers (``backend/models/quantized.py``). Every row of an
+embedding and attention in float32 around these layers (``backend/models/loading/quantized.py``). Every row of an
 input is computed the same way whatever the row count, so a verification pass over γ+1 tokens gives each
 token the result a one-token pass gives it (greedy speculative decoding stays equal to plain decoding;
 ``tests/backend/kernels/test_quant_linear.py`` checks this).
@@ -24,10 +24,9 @@ Prefill: these kernels widen the 4-bit weights again for every block of 4 input 
 makes a pass over hundreds of rows cost several times a float32 GEMM, so there (:data:`DEQUANTISE_PREFILL`) a
 pass over more than :data:`DEQUANT_ROWS` rows (only a long prompt's prefill: a verification pass has at most
 32) de-quantises the weight to float32 (one layer at a time, from the packed bytes) and runs ``F.linear``; the
-result is rounded to ``compute_dtype`` like the kernel's. With AVX-512 the kernel stays the faster one: on the
-embedded default, a 300-token prefill took 270 ms through it and 634 ms de-quantised (512 tokens: 508 and
-799 ms; ``benchmarks/RESULTS.md``). The choice follows the CPU, never a timing, so a prompt's prefill is the same
-computation on every run of a machine.
+result is rounded to ``compute_dtype`` like the kernel's. With AVX-512 the kernel stays the faster one
+(``benchmarks/RESULTS.md``, "Prefill and weights"). The choice follows the CPU, never a timing, so a prompt's
+prefill is the same computation on every run of a machine.
 """
 
 from __future__ import annotations
@@ -183,7 +182,8 @@ class Int8Linear(nn.Module):
     ) -> Int8Linear:
         """:meth:`from_weight` of the weight whose float rows ``a..b`` are ``rows(a, b)``, made a chunk of rows
         at a time: the same codes and scales (each row is quantised alone) without the whole float weight in
-        memory at once (a 49,152-row head: 113 MB; in a start, 0.5 s became 0.08 s)."""
+        memory at once (a large head's float copy costs both memory and time at a start: ``benchmarks/RESULTS.md``,
+        "Figures moved out of the code")."""
         out_features, in_features = shape
         codes = torch.empty(out_features, in_features, dtype=torch.int8)
         scales = torch.empty(out_features, dtype=torch.float32)
@@ -244,7 +244,8 @@ class Q8Embedding(nn.Module):
 def kernel_call(layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function computing ``layer.matmul(x)`` (``layer(x)`` for any other module) for 2-D ``x``, with what it
     reads per call (the packed weight, scales, bias, the op) looked up once here instead of on every call. The
-    compact forward (``compact.py``) makes ~120 such calls a token, where those lookups cost ~10-15 µs each.
+    compact forward (``compact.py``) makes ~120 such calls a token, where those lookups add up to a visible share
+    of it (``benchmarks/RESULTS.md``, "Figures moved out of the code").
     Same op on the same tensors: the result is the method's, bit for bit. Bind it after the layer's buffers
     are final (``compact._join`` re-points them)."""
     if isinstance(layer, Int4Linear) and layer.packed.device.type == "cpu":

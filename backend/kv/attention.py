@@ -195,8 +195,8 @@ def check_cancel(ctx: object) -> None:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool, scale: float) -> torch.Tensor:
     # q [1, Hq, n, D]; k, v [1, Hkv, kv, D] -> [1, Hq, n, D]. enable_gqa beats expanding KV heads on CPU
-    # (measured: 85 vs 170 us at q=1, kv=500); CUDA's fused kernels take GQA only without a mask and with
-    # head_dim <= 256 (as transformers' use_gqa_in_sdpa), else expanding keeps them off the math kernel.
+    # (benchmarks/RESULTS.md, "Figures moved out of the code"); CUDA's fused kernels take GQA only without a mask
+    # and with head_dim <= 256 (as transformers' use_gqa_in_sdpa), else expanding keeps them off the math kernel.
     gqa = q.shape[1] != k.shape[1]
     if gqa and q.is_cuda and (mask is not None or k.shape[-1] > 256):
         rep = q.shape[1] // k.shape[1]

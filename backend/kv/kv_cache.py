@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.kv.block_pool import BlockPool, KVCacheUsageError
 from specchat.backend.limits import KV_BLOCK_SIZE
 
@@ -114,35 +113,6 @@ class PagedKVCache:
             raise KVCacheUsageError(f"PagedKVCache.for_model: max_tokens must be >= 1, got {max_tokens}")
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
         num_blocks = -(-max_tokens // block_size)
-        return cls(
-            num_layers=num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            dtype=dtype,
-            device=device,
-        )
-
-    @classmethod
-    def from_budget(
-        cls,
-        config,
-        *,
-        budget_bytes: int,
-        block_size: int = KV_BLOCK_SIZE,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> PagedKVCache:
-        """As many whole blocks as ``budget_bytes`` of K+V storage holds."""
-        per_block = kv_bytes_per_token(config, dtype) * block_size
-        num_blocks = budget_bytes // per_block
-        if num_blocks < 1:
-            raise InsufficientMemoryError(
-                f"KV cache budget of {budget_bytes} bytes is smaller than one block of {block_size} tokens "
-                f"({per_block} bytes for this model); free memory or lower context_length in models.yaml."
-            )
-        num_layers, num_kv_heads, head_dim = kv_geometry(config)
         return cls(
             num_layers=num_layers,
             num_kv_heads=num_kv_heads,

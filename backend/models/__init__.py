@@ -1,4 +1,5 @@
-"""Models: ``config.py`` / ``config_yaml.py`` (models.yaml, strictly validated), ``loading.py`` (target and draft
-with their tokenizers), ``hub.py`` (Hugging Face downloads), ``convert.py`` (GGUF), ``memory.py`` (estimates
-and free memory) and ``capture.py`` (library output and progress while loading).
+"""Models, by concern: ``catalog/`` (models.yaml: the pairs, strictly validated), ``gguf/`` (GGUF files and their
+conversion), ``hub/`` (Hugging Face downloads), ``loading/`` (target, draft and head with their weights as the
+forward path reads them), ``tokenizing/`` (tokenizers and chat formats) and ``facts/`` (what the files say, memory
+estimates). ``models.yaml`` here is the packaged catalogue.
 """

@@ -46,7 +46,7 @@ from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine.prompting import validate_messages
 from specchat.backend.errors import RemoteError, RequestError
 from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
-from specchat.backend.models.config import PREDICTION_KINDS, PairConfig, RemoteSpec
+from specchat.backend.models.catalog.config import PREDICTION_KINDS, PairConfig, RemoteSpec
 from specchat.backend.remote.faults import describe, error_text, http_error, network_error, one_line, shown_url
 from specchat.backend.remote.reply import MAX_LINE_BYTES, ReplyState, TooLarge, capped_lines, sse_data
 

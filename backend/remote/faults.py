@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from specchat.backend.errors import RemoteError
-from specchat.backend.models.config import RemoteSpec
+from specchat.backend.models.catalog.config import RemoteSpec
 from specchat.backend.redact import mask_url
 
 MAX_SHOWN = 400  # characters of a server's text in one message

@@ -21,9 +21,9 @@ The expected speed-up of drafting γ tokens over plain decoding, with measured i
   (robust to one slow first call), and for n never tried a weighted linear fit a + b·n over the measured n
   (b >= 0). With one measured n only, or none, the prior shape T_t(n) = T_t(1)·(1 + 0.08·(n − 1)) fills in.
   Between two measured n the estimate interpolates linearly, and past the largest measured n it grows by the
-  fit's slope over the measured n >= 2 only: on a CPU a pass over 2 tokens costs ~1.7x one over 1 (matrix-
-  vector vs matrix-matrix kernels) while 2..24 tokens cost about the same, so a line through n = 1 would
-  make long drafts look far dearer than they are.
+  fit's slope over the measured n >= 2 only: on a CPU a pass over 2 tokens costs markedly more than one over 1
+  (matrix-vector vs matrix-matrix kernels; ``benchmarks/RESULTS.md``, "Figures moved out of the code") while
+  2..24 tokens cost about the same, so a line through n = 1 would make long drafts look far dearer than they are.
   T_t(1) comes from plain steps: those with nothing proposed, those while paused, and a *calibration* step
   (``choose()`` returns 0 while SPECULATING) once ``warmup_steps`` drafted steps passed without any plain
   step, and again after every ``calibrate_every`` drafted steps without one.

@@ -157,7 +157,9 @@ def extract_features(
                 chunk = ids[start : start + PREFILL_CHUNK]
                 end = start + len(chunk)
                 keep = max(1, min(len(chunk), end - labelled))  # the head's logits of the rows needing labels
-                logits, h = runner.forward(seq, chunk, logits_to_keep=keep, taps=taps)
+                out = runner.forward(seq, chunk, logits_to_keep=keep, taps=taps)
+                logits, h = out.logits, out.hidden
+                assert h is not None  # taps were asked for
                 seq.commit(len(chunk))
                 hidden.append(h.to(torch.bfloat16).cpu())
                 if end > labelled:

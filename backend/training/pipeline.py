@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.models.config import PairConfig
-from specchat.backend.models.config_head import HEAD_DRAFTERS
+from specchat.backend.models.catalog.config import PairConfig
+from specchat.backend.models.catalog.config_head import HEAD_DRAFTERS
 from specchat.backend.speculative.heads.eagle3 import Eagle3Config, default_taps
 from specchat.backend.speculative.heads.training import coverage, draft_vocabulary
 from specchat.backend.training import data, loop
@@ -221,8 +221,8 @@ def run(
         return {"stopped_at": reached, "steps": options.steps, "resume": "run again with --resume to go on"}
     size = loop.export_head(head, paths.head, target_layers=layers)
     progress(f"head written to {paths.head} ({size / 2**20:.1f} MiB, bfloat16)")
-    from specchat.backend.models.config_head import HeadSpec
-    from specchat.backend.models.head_loading import load_head
+    from specchat.backend.models.catalog.config_head import HeadSpec
+    from specchat.backend.models.loading.head_loading import load_head
 
     folder = str(paths.head.resolve())
     loaded = load_head(

@@ -20,7 +20,7 @@ BACKEND_FOR_THE_UI = {
     "specchat.backend.files",
     "specchat.backend.inputs",
 }
-ANNOTATIONS_ONLY = {"specchat.backend.models.config"}
+ANNOTATIONS_ONLY = {"specchat.backend.models.catalog.config"}
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:

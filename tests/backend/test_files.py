@@ -150,7 +150,7 @@ def test_a_taken_temporary_name_is_skipped(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_the_hash_cache_write_failure_is_a_model_load_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from specchat.backend.models import convert
+    from specchat.backend.models.gguf import convert
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECCHAT_CACHE_DIR", str(cache))

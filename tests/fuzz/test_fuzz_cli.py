@@ -171,7 +171,7 @@ def test_the_classes_of_the_issue_are_refused_by_name(no_models, tmp_path: Path,
 
 
 def test_synthetic_llama3_8b_on_a_small_cpu_is_refused_before_allocating(no_models, monkeypatch, capsys) -> None:
-    import specchat.backend.models.memory as memory
+    import specchat.backend.models.facts.memory as memory
 
     monkeypatch.setattr(memory, "free_memory", lambda device: 16 << 30)
     code = main(["bench", "--synthetic", "llama3-8b", "--device", "cpu"])

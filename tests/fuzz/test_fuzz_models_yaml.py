@@ -1,4 +1,5 @@
-"""Fuzzing models.yaml (backend/models/config.py + config_yaml.py, issue 20 item 5): any document either parses to
+"""Fuzzing models.yaml (backend/models/catalog/config.py + config_yaml.py, issue 20 item 5): any document either parses
+to
 pairs that are valid all the way down (names that can be selected, hub ids huggingface_hub accepts, numbers in
 range) or raises one ConfigError line naming the file. Fails on the code before issue 20: a hub id ending in '-',
 '.' or a newline passed (and ended in huggingface_hub's traceback), 60 levels of brackets hit the recursion
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from reliability import SCALES, Raw, dump_json, fuzz, values
 
 from specchat.backend.errors import ConfigError
-from specchat.backend.models.config import _PAIR_NAME, load_pairs, load_pairs_file
+from specchat.backend.models.catalog.config import _PAIR_NAME, load_pairs, load_pairs_file
 
 BASE = {
     "name": "fuzzed",

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from specchat.backend.engine.engine import Engine
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.loading import LoadedModel
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.loading.pair import LoadedModel
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"

@@ -336,7 +336,9 @@ class FakeEngineFactory:
         self, pair: Any, progress: Callable[[str, float | None], None], confirm_download: Callable[[int], bool]
     ) -> FakeEngine:
         self.calls.append(pair.name)
-        if pair.name in self.downloads:  # as backend/models/loading.py: ask once for the total, refuse when declined
+        if (
+            pair.name in self.downloads
+        ):  # as backend/models/loading/pair.py: ask once for the total, refuse when declined
             ok = confirm_download(self.downloads[pair.name])
             self.confirmations.append((pair.name, ok))
             if not ok:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from specchat.backend.models.config import ModelSpec
+from specchat.backend.models.catalog.config import ModelSpec
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 

@@ -12,7 +12,7 @@ Contract:
   soft-caps, the ``gguf_vocab`` tokenizer and chat template), llama's q/k rows permuted, gemma's norms stored as
   ``1 + w``, 1-D tensors F32; F16 / Q8_0 / Q4_0 quantised with ``gguf.quants``; Q4_K / Q6_K blocks written byte by
   byte (random codes, small finite fp16 scales: valid blocks whose values do not come from the model).
-- ``reference_model(path)``: the transformers model of the file as :mod:`specchat.backend.models.gguf_arch` /
+- ``reference_model(path)``: the transformers model of the file as :mod:`specchat.backend.models.gguf.gguf_arch` /
   :mod:`gguf_tensors` read it back, loaded with the file's de-quantised weights (``gguf.quants.dequantize``).
 - ``gguf_pair(family, qtype, folder, seed=0)``: the source model and the file written from it.
 """
@@ -28,9 +28,9 @@ import torch
 from gguf_vocab import FAMILY_CHAT, ID, MERGES, TOKEN_TYPES, TOKENS, VOCAB_SIZE, tokenizer_metadata
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from specchat.backend.models.gguf_arch import GGUF_ARCH_OF, llama3_factors
-from specchat.backend.models.gguf_file import read_gguf
-from specchat.backend.models.gguf_tensors import CONFIG_ROLES, config_of, hf_state_dict, tensor_map
+from specchat.backend.models.gguf.gguf_arch import GGUF_ARCH_OF, llama3_factors
+from specchat.backend.models.gguf.gguf_file import read_gguf
+from specchat.backend.models.gguf.gguf_tensors import CONFIG_ROLES, config_of, hf_state_dict, tensor_map
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 QTYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")

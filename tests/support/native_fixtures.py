@@ -17,7 +17,7 @@ from tiny_models import build_tiny
 
 from specchat.backend.kernels import native, native_build
 from specchat.backend.kv.kv_cache import PagedKVCache
-from specchat.backend.models.native_loading import NativeCausalLM, from_safetensors
+from specchat.backend.models.loading.native_loading import NativeCausalLM, from_safetensors
 
 
 @pytest.fixture

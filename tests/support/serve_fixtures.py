@@ -17,7 +17,7 @@ from typing import Any
 from specchat.app.serve.boundary import Limits
 from specchat.app.serve.server import ServeConfig, SpecchatServer, make_server
 from specchat.backend.api import GenerationRequest, StepEvent
-from specchat.backend.models.config import PairConfig, load_pairs_file
+from specchat.backend.models.catalog.config import PairConfig, load_pairs_file
 
 SUPPORT = Path(__file__).resolve().parent
 

@@ -127,7 +127,8 @@ def _train(family: str, steps: int, fixed: tuple[int, ...] | None) -> Eagle3Head
         ]
         ids = prompt + reply
         seq = engine.runner.cache.new_sequence()
-        logits, hidden = engine.runner.forward(seq, ids, logits_to_keep=len(ids), taps=TAPS)
+        out = engine.runner.forward(seq, ids, logits_to_keep=len(ids), taps=TAPS)
+        logits, hidden = out.logits, out.hidden
         seq.free()
         values, index = torch.topk(torch.softmax(logits.float(), -1), 8, dim=-1)
         weights = torch.ones(len(ids))

@@ -130,7 +130,7 @@ SMOLLM_ATTENTION = dict(hidden_size=576, num_attention_heads=9, num_key_value_he
 def quantised_paged(family: str, quantization: str = "int4-torch", **overrides) -> PreTrainedModel:
     """A tiny ``family`` model quantised as ``quantization`` on CPU, switched to paged attention."""
     from specchat.backend.kv import attention
-    from specchat.backend.models.quantized import quantize_model
+    from specchat.backend.models.loading.quantized import quantize_model
 
     model = build_tiny(family, **overrides)
     quantize_model(model, quantization, torch.device("cpu"))

@@ -49,8 +49,9 @@ if TYPE_CHECKING:
 
 class ChatScreen(Screen[None]):
     BINDINGS = [
-        # Not in the footer: showing it only while a reply streams would recompose the footer (a layout pass
-        # of the screen, ~0.1 s) as each reply starts; the stats bar says "esc stop" while one streams.
+        # Not in the footer: showing it only while a reply streams would recompose the footer (a layout pass of
+        # the screen: benchmarks/RESULTS.md, "Figures moved out of the code") as each reply starts; the stats bar
+        # says "esc stop" while one streams.
         Binding("escape", "stop", "Stop", show=False),
         # The app's F-keys again, first: the footer lists the screen's keys before the app's, and at 80 columns
         # the last ones do not fit.

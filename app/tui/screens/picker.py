@@ -34,7 +34,7 @@ from specchat.app.tui.screens.dialogs import ConfirmScreen
 from specchat.app.tui.seams import PairInfo
 
 if TYPE_CHECKING:
-    from specchat.backend.models.config import PairConfig
+    from specchat.backend.models.catalog.config import PairConfig
 
 COLUMNS = ("pair", "drafter", "target", "memory", "fits", "download", "gated")
 FIXED_WIDTHS = {"memory": 8, "fits": 4, "download": 8, "gated": 5}  # "33.2 GiB", "yes"/"NO", "gated"

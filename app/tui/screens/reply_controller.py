@@ -8,15 +8,16 @@ Contract:
   slowest thread, so a busy UI thread costs decoding more than its own share) and for the GIL. So each nudge
   redraws only the stats bar (one line, no layout pass); the reply's text is drawn at most every
   ``text_interval`` (0.25 s, up to 1 s), mostly as a repaint of the message's StreamTail: a layout pass of
-  the screen (~20-40 ms) comes only when the tail takes its next step of height. Every second
+  the screen (the dearest thing the UI does) comes only when the tail takes its next step of height. Every second
   the UI thread's CPU share is checked: above ``UI_CPU_BUDGET`` of a core the text interval grows, then the
   nudge interval (0.1 s, up to 0.25 s); below half of it they shrink back, in the reverse order. New text is
   handed to the StreamingSaver at every nudge, however rarely it is drawn. The widgets it draws into are
-  handed to it (:class:`ReplyViews`): no DOM query per nudge (one cost ~0.5 ms of UI thread).
-- No torch op runs on the UI thread. A thread that runs one gets its own OpenMP team; with two teams alive
-  libgomp has more threads than cores and stops spinning between parallel regions, and decoding in the
-  worker slowed ~9% (measured on 2 cores: ~57,000 voluntary context switches per 128-token reply instead of
-  a few). The loader thread's team goes away when it ends, before any reply starts.
+  handed to it (:class:`ReplyViews`): no DOM query per nudge (each one is UI-thread time taken from decoding;
+  the costs: ``benchmarks/RESULTS.md``, "Figures moved out of the code").
+- No torch op runs on the UI thread. A thread that runs one gets its own OpenMP team; with two teams alive libgomp has
+  more threads than cores and stops spinning between parallel regions, and decoding in the worker slows
+  (``benchmarks/RESULTS.md``, "The chat UI against `specchat generate`"). The loader thread's team goes away when it
+  ends, before any reply starts.
 - Stop (Esc), regenerate, send, new/open chat and pair switches call :meth:`ReplyController.stop` first: it sets
   the cancel event, waits for the worker thread to end, drains what is left and finishes the reply (the
   partial text is kept, shown and saved) before anything else starts.

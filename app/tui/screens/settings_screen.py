@@ -34,7 +34,7 @@ from specchat.backend.limits import CHAT_MAX_NEW_TOKENS_LIMIT, MAX_GAMMA
 
 if TYPE_CHECKING:
     from specchat.app.chat.settings import DrafterChoice
-    from specchat.backend.models.config import PairConfig
+    from specchat.backend.models.catalog.config import PairConfig
 
 T = TypeVar("T", int, float)  # what a number field parses to
 

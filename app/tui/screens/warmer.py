@@ -2,15 +2,15 @@
 
 Why: the engine keeps each conversation's K/V by its key (``Conversation.key``: ``chat-<id>``, the same whenever
 the chat is open), so the next reply reads only what is new, but a chat reopened from the history after a restart
-(or under another pair) is not cached: its next reply read the whole conversation first (31.9 s for 2,692 tokens
-on a busy CPU, issue 36). Contract:
+(or under another pair) is not cached: its next reply read the whole conversation first, tens of seconds for a
+long chat on a busy CPU (issue 36; ``benchmarks/RESULTS.md``, "Figures moved out of the code"). Contract:
 
 - :meth:`ChatWarmer.start` (a chat was opened, or a pair loaded under one): when the engine runs here (not a remote
   pair) and the chat has messages, one request of the chat's messages with ``max_new_tokens=1`` runs in a thread
   worker under the chat's key, with prefill progress: the engine keeps what it reads, up to what memory allows
   (its pool evicts the least recently used conversations first). A chat still cached costs a few tokens.
-- Progress and the outcome are drawn in the stats bar ("reading 1,024 / 2,692 tokens", then "2,692 tokens read in
-  31.9 s (84 tok/s)" or "still cached"). The token it samples is dropped; nothing reaches the conversation.
+- Progress and the outcome are drawn in the stats bar ("reading 1,024 / N tokens", then "N tokens read in
+  T s (R tok/s)" or "still cached"). The token it samples is dropped; nothing reaches the conversation.
 - :meth:`ChatWarmer.stop` cancels it (the engine stops between two layers) and waits for the worker: the chat
   screen calls it before a reply starts and before another chat is shown (the engine has one owner at a time).
   What was read before the stop stays cached, so the reply goes on from there.

@@ -3,10 +3,11 @@
 Contract: ``update_stats(live)`` is called from the UI thread (≤ ~10 Hz while a reply streams, and once at its
 end). Every figure is the engine's (:class:`~specchat.backend.api.RequestStats`): per-position acceptance,
 the expected speedup (the γ policy's formula with measured inputs; shown when the engine reports it), and the
-step-speed ratio: tokens/s of speculating steps over tokens/s of plain steps in the same reply, shown only when
-the reply had at least ``MIN_STEPS`` of each (a handful of steps at other points of the reply — a plain step is
-often a calibration step, or one at a longer context — once read "measured 1.32×" at 6% acceptance). It is not
-the reply's speed-up: `specchat bench` measures that against plain decoding of the same prompt.
+step-speed ratio: tokens/s of speculating steps over tokens/s of plain steps in the same reply, shown only when the
+reply had at least ``MIN_STEPS`` of each (a handful of steps at other points of the reply — a plain step is often a
+calibration step, or one at a longer context — can show a gain at almost no acceptance: ``benchmarks/RESULTS.md``,
+"Figures moved out of the code"). It is not the reply's speed-up: `specchat bench` measures that against plain
+decoding of the same prompt.
 """
 
 from __future__ import annotations

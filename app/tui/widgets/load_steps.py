@@ -1,7 +1,7 @@
 """The steps of a pair's load as the loader names them, timed, for the stats bar's loading line (stats_bar.py).
 
 :class:`LoadSteps` keeps each step's start (a clock for tests) and when the loader last said something new, so the
-line can say a step is still working while its percentage sits still (a draft quantised at load: ~30 s at one
+line can say a step is still working while its percentage sits still (a draft quantised at load sits long at one
 percentage, issue 36); :func:`short_step` is a step's name for the "ready" note.
 """
 

@@ -68,7 +68,7 @@ WARM_LANGUAGES = ("python",)  # the language most replies' code blocks use (the 
 
 
 def warm_highlighting() -> None:
-    """Build the Pygments lexers of ``WARM_LANGUAGES`` now (~0.06 s each on an idle CPU, more under load):
+    """Build the Pygments lexers of ``WARM_LANGUAGES`` now (a visible pause each, longer under load):
     Pygments compiles a lexer's regular expressions the first time it is used, which would otherwise happen
     inside the first reply with a code block, on the UI thread, while the engine decodes."""
     for language in WARM_LANGUAGES:
@@ -78,8 +78,9 @@ def warm_highlighting() -> None:
 class CopyableFence(MarkdownFence):
     """A code block that copies its code when clicked.
 
-    An untagged block is shown as plain text: guessing its language (Pygments tries every lexer) costs
-    ~0.1 s per update of a 150-line block, and a streaming block is updated ~10 times a second.
+    An untagged block is shown as plain text: guessing its language (Pygments tries every lexer) costs more per
+    update of a long block than the time between two updates of a streaming one (``benchmarks/RESULTS.md``,
+    "Figures moved out of the code").
     """
 
     @classmethod

@@ -2,9 +2,10 @@
 gained against plain decoding on this machine. Presenters over the engine's :class:`RequestStats` only (no
 counting here), shared by the stats bar, a reply's totals line and the details panel.
 
-- :func:`decode_rate`: tokens after the first over the time after the first, so a long prompt read first (31.9 s
-  for 2,692 tokens on a busy CPU) no longer makes a 13 tok/s reply read "2.6 tok/s" (``RequestStats.tok_s``
-  counts the whole request); :func:`prefill_rate`: prompt tokens read per second of prefill.
+- :func:`decode_rate`: tokens after the first over the time after the first, so a long prompt read first no longer
+  makes a reply read a fraction of the rate it was written at (``RequestStats.tok_s`` counts the whole request;
+  the case seen: ``benchmarks/RESULTS.md``, "Figures moved out of the code");
+  :func:`prefill_rate`: prompt tokens read per second of prefill.
 - :func:`speedup`: speculation against plain decoding, measured by the engine in this reply on this machine:
   tokens/s of speculating steps over tokens/s of plain steps (``spec_tok_s / plain_tok_s``) when the reply had
   at least :data:`MIN_STEPS` of each, else the γ policy's expected speed-up (its formula over the pass costs

@@ -174,10 +174,10 @@ class StatsLine(Widget):
     them (a long loader message on a narrow terminal: wrapped, never cut).
 
     An update repaints this widget only: no layout pass of the whole screen (as ``Static.update`` would do),
-    unless the number of lines changes; no second region (as Textual's Sparkline widget would be); the line
-    is drawn straight from Rich segments (Textual's Content pipeline took ~1.5 ms a line). It is redrawn up
-    to ten times a second while the engine decodes on the same cores, so every millisecond here is taken from
-    decoding.
+    unless the number of lines changes; no second region (as Textual's Sparkline widget would be); the line is drawn
+    straight from Rich segments (Textual's Content pipeline costs far more a line: ``benchmarks/RESULTS.md``, "Figures
+    moved out of the code"). It is redrawn up to ten times a second while the engine decodes on the same cores, so
+    every millisecond here is taken from decoding.
     """
 
     MAX_LINES = 2
@@ -289,7 +289,7 @@ class StatsBar(Horizontal):
         text = Text.assemble((f"{spin} ", "bold yellow"), (self.pair_name, "bold"), " · ", load.message)
         if load.fraction is not None:
             text.append(f"  {percent_bar(load.fraction)} {load.fraction * 100:3.0f}%", style="cyan")
-            if load.quiet_s() >= QUIET_S:  # a step that reports no fraction inside (quantising a draft: ~30 s)
+            if load.quiet_s() >= QUIET_S:  # a step that reports no fraction inside (quantising a draft)
                 text.append(f" still working, {seconds(load.quiet_s())} since the last report", style="yellow")
         elapsed = f"  {seconds(load.step_elapsed())}"
         if len(load.steps) > 1:

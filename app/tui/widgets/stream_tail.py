@@ -1,14 +1,14 @@
 """The open end of a streaming reply, drawn without laying out the screen.
 
 Contract: while a reply streams, :class:`~specchat.app.tui.widgets.message_view.AssistantMessage` shows the text
-that its Textual ``Markdown`` widget does not show yet in a :class:`StreamTail`. Redrawing Textual's Markdown is
-a layout pass of the whole screen (20-40 ms on a 2-core CPU, taken from the decoding threads); the tail renders
-its top-level blocks itself to strips, each once while it is unchanged, and keeps its height in steps of
-``RESERVE_LINES``, so most redraws repaint its own lines only. When the text no longer fits (:meth:`fits`), the
-message moves the finished blocks (:func:`split_finished`) to the Markdown widget in the same layout pass that
-gives the tail its next step. A code fence is drawn here as plain code, laid out as Textual's MarkdownFence
-draws it; it is highlighted once, in the Markdown widget. A SEARCH/REPLACE block (``edit_block.py``: the parser
-knows it) is drawn as its widget draws it, without the Apply button until it moves. Other blocks are drawn with
+that its Textual ``Markdown`` widget does not show yet in a :class:`StreamTail`. Redrawing Textual's Markdown is a
+layout pass of the whole screen (dear, and taken from the decoding threads: ``benchmarks/RESULTS.md``, "Figures moved
+out of the code"); the tail renders its top-level blocks itself to strips, each once while it is unchanged, and keeps
+its height in steps of ``RESERVE_LINES``, so most redraws repaint its own lines only. When the text no longer fits
+(:meth:`fits`), the message moves the finished blocks (:func:`split_finished`) to the Markdown widget in the same
+layout pass that gives the tail its next step. A code fence is drawn here as plain code, laid out as Textual's
+MarkdownFence draws it; it is highlighted once, in the Markdown widget. A SEARCH/REPLACE block (``edit_block.py``: the
+parser knows it) is drawn as its widget draws it, without the Apply button until it moves. Other blocks are drawn with
 Rich's Markdown. A paragraph that is only a file name stays in the tail while the block after it is the last: it
 becomes the header of a SEARCH/REPLACE block if that block turns out to be one.
 """

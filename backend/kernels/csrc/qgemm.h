@@ -77,11 +77,11 @@ struct Packed {
   GgmlType type = GgmlType::F32;
   int64_t rows = 0, cols = 0;  // N outputs, K inputs
   int64_t groups = 0;          // ceil(rows / 8)
-  int64_t nb = 0;              // blocks per row: cols / block_elems
-  int nplanes = 0;
+  int64_t blocks = 0;          // blocks per row: cols / block_elems
+  int plane_count = 0;
   const uint8_t* plane[4] = {nullptr, nullptr, nullptr, nullptr};
-  size_t rec[4] = {0, 0, 0, 0};  // bytes per (group, block) record of each plane
-  // the record of (group g, block b) in plane p: plane[p] + (g * nb + b) * rec[p]
+  size_t record_bytes[4] = {0, 0, 0, 0};  // bytes per (group, block) record of each plane
+  // the record of (group g, block b) in plane p: plane[p] + (g * blocks + b) * record_bytes[p]
 };
 }  // namespace detail
 

@@ -1,7 +1,7 @@
 // The AVX-512 traits for qgemm_simd.h (included by qgemm_avx512.cpp and qgemm_avx512_vnni.cpp, each with its
 // own SC_TARGET / SC_FN): 512-bit vectors holding two groups of 8 columns (lanes 0..7 the first group, 8..15 the
-// second; a tile's odd last group is loaded twice, gs = 0, and only its 8 columns stored). With VNNI, dpbusd sums
-// 4 products into an int32 lane (no int16 step), scales multiply the int32 sums (mullo), and Q8_0 offsets its
+// second; a tile's odd last group is loaded twice, group_stride = 0, and only its 8 columns stored). With VNNI, dpbusd
+// sums 4 products into an int32 lane (no int16 step), scales multiply the int32 sums (mullo), and Q8_0 offsets its
 // signed codes by 128 (then subtracts 128 · the activations' block sum): every integer the AVX2 path computes,
 // the same, so the float operations per lane, and the results, are AVX2's bit for bit.
 // Run (VNNI) on an AMD EPYC Zen 4: bit for bit the AVX2 path's results (tests/backend/kernels/test_blocks_rows.py).
@@ -29,23 +29,25 @@ struct Avx512 {
   static constexpr int kRowsQ = 4;
   static constexpr int kRowsF = 4;
 
-  SC_FN static vi load(const uint8_t* p, ptrdiff_t gs) {
+  SC_FN static vi load(const uint8_t* p, ptrdiff_t group_stride) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + gs));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + group_stride));
     return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
   }
-  SC_FN static __m256i load16x2(const uint8_t* p, ptrdiff_t gs) {
+  SC_FN static __m256i load16x2(const uint8_t* p, ptrdiff_t group_stride) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + gs));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + group_stride));
     return _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
   }
-  SC_FN static vf load_h8(const uint8_t* p, ptrdiff_t gs) { return _mm512_cvtph_ps(load16x2(p, gs)); }
-  SC_FN static vf load_bf8(const uint8_t* p, ptrdiff_t gs) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16x2(p, gs)), 16));
+  SC_FN static vf load_h8(const uint8_t* p, ptrdiff_t group_stride) {
+    return _mm512_cvtph_ps(load16x2(p, group_stride));
   }
-  SC_FN static vf load_f8(const uint8_t* p, ptrdiff_t gs) {
+  SC_FN static vf load_bf8(const uint8_t* p, ptrdiff_t group_stride) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16x2(p, group_stride)), 16));
+  }
+  SC_FN static vf load_f8(const uint8_t* p, ptrdiff_t group_stride) {
     const __m256 a = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
-    const __m256 b = _mm256_loadu_ps(reinterpret_cast<const float*>(p + gs));
+    const __m256 b = _mm256_loadu_ps(reinterpret_cast<const float*>(p + group_stride));
     return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
   }
 
@@ -101,9 +103,9 @@ struct Avx512 {
   }
   // Scale of sub-block 2p + H of each column of both groups: int32 per column (VNNI) or int16 pairs (s, s).
   template <int H, bool Signed>
-  SC_FN static vi scale(const uint8_t* p, ptrdiff_t gs) {
+  SC_FN static vi scale(const uint8_t* p, ptrdiff_t group_stride) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + gs));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + group_stride));
     if constexpr (Vnni) {
       const __m128i pick = H ? _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1)
                              : _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
@@ -124,15 +126,19 @@ struct Avx512 {
     }
   }
   template <int H>
-  SC_FN static vi scale_u8(const uint8_t* p, ptrdiff_t gs) {
-    return scale<H, false>(p, gs);
+  SC_FN static vi scale_u8(const uint8_t* p, ptrdiff_t group_stride) {
+    return scale<H, false>(p, group_stride);
   }
   template <int H>
-  SC_FN static vi scale_s8(const uint8_t* p, ptrdiff_t gs) {
-    return scale<H, true>(p, gs);
+  SC_FN static vi scale_s8(const uint8_t* p, ptrdiff_t group_stride) {
+    return scale<H, true>(p, group_stride);
   }
-  SC_FN static vi pair16_u8(const uint8_t* p, ptrdiff_t gs) { return _mm512_cvtepu8_epi16(load16x2(p, gs)); }
-  SC_FN static vi pair16_s8(const uint8_t* p, ptrdiff_t gs) { return _mm512_cvtepi8_epi16(load16x2(p, gs)); }
+  SC_FN static vi pair16_u8(const uint8_t* p, ptrdiff_t group_stride) {
+    return _mm512_cvtepu8_epi16(load16x2(p, group_stride));
+  }
+  SC_FN static vi pair16_s8(const uint8_t* p, ptrdiff_t group_stride) {
+    return _mm512_cvtepi8_epi16(load16x2(p, group_stride));
+  }
   SC_FN static vi bcast_pair16(const int16_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);

@@ -26,23 +26,40 @@ struct Cpu {
   bool vnni = false;
 };
 
+#ifdef SC_X86
+// The feature bits read below (Intel SDM vol. 2A, CPUID; XCR0 from xgetbv): leaf 1 ECX, leaf 7 sub-leaf 0 EBX/ECX.
+constexpr unsigned kLeaf1EcxFma = 1u << 12;
+constexpr unsigned kLeaf1EcxOsxsave = 1u << 27;  // the OS uses xsave, so xgetbv may be read
+constexpr unsigned kLeaf1EcxAvx = 1u << 28;
+constexpr unsigned kLeaf1EcxF16c = 1u << 29;
+constexpr unsigned kLeaf7EbxAvx2 = 1u << 5;
+constexpr unsigned kLeaf7EbxAvx512F = 1u << 16;
+constexpr unsigned kLeaf7EbxAvx512Dq = 1u << 17;
+constexpr unsigned kLeaf7EbxAvx512Bw = 1u << 30;
+constexpr unsigned kLeaf7EbxAvx512Vl = 1u << 31;
+constexpr unsigned kLeaf7EcxAvx512Vnni = 1u << 11;
+constexpr unsigned kXcr0Ymm = 0x6;   // the OS saves SSE and AVX state (XMM, YMM upper halves)
+constexpr unsigned kXcr0Zmm = 0xe6;  // ... and AVX-512's (opmask, ZMM upper halves, ZMM16-31)
+#endif
+
 Cpu detect() {
   Cpu cpu;
 #ifdef SC_X86
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return cpu;
-  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+  const bool fma = c & kLeaf1EcxFma, osxsave = c & kLeaf1EcxOsxsave, avx = c & kLeaf1EcxAvx, f16c = c & kLeaf1EcxF16c;
   if (!(osxsave && avx)) return cpu;
   unsigned xlo = 0, xhi = 0;
   __asm__("xgetbv" : "=a"(xlo), "=d"(xhi) : "c"(0));
-  const bool ymm_state = (xlo & 0x6) == 0x6, zmm_state = (xlo & 0xe6) == 0xe6;
+  const bool ymm_state = (xlo & kXcr0Ymm) == kXcr0Ymm, zmm_state = (xlo & kXcr0Zmm) == kXcr0Zmm;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return cpu;
-  const bool avx2 = b & (1u << 5);
-  const bool f512 = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+  const bool avx2 = b & kLeaf7EbxAvx2;
+  const bool f512 = b & kLeaf7EbxAvx512F, dq = b & kLeaf7EbxAvx512Dq, bw = b & kLeaf7EbxAvx512Bw,
+             vl = b & kLeaf7EbxAvx512Vl;
   if (ymm_state && avx2 && fma && f16c) cpu.best = Isa::Avx2;
   if (cpu.best == Isa::Avx2 && zmm_state && f512 && dq && bw && vl) {
     cpu.best = Isa::Avx512;
-    cpu.vnni = c & (1u << 11);
+    cpu.vnni = c & kLeaf7EcxAvx512Vnni;
   }
 #endif
   return cpu;
@@ -78,13 +95,10 @@ Isa from_env() {
   return chosen;
 }
 
-// Calls of at most this many activation rows run the AVX2 path where the CPU's choice is AVX-512. Measured on an
-// AMD EPYC Zen 4 (benchmarks/RESULTS.md, "AVX2 for calls of up to four rows on an AVX-512 CPU"): a pass of the
-// embedded default after 64 tokens took 4.03 / 4.65 / 6.03 / 6.68 ms for 1-4 rows on AVX2 against 5.24 / 5.95 /
-// 6.77 / 7.55 on AVX-512; at 5 rows the two are level and from 8 AVX-512 is ahead (16 rows: 15.1 against 21.7).
-// The gap shows when the weights stream from memory (60 MB of Q4_1 matrices, one row: 4.28 ms against 3.15); its
-// cause is not established (prefetching the AVX-512 tiles' two column streams by hand did not close it). Both
-// paths give the same bits: speed only.
+// Calls of at most this many activation rows run the AVX2 path where the CPU's choice is AVX-512: on a Zen 4 the
+// AVX2 path is the faster up to four rows, level at five and behind from eight, the gap showing when the weights
+// stream from memory, for a cause not established (benchmarks/RESULTS.md, "AVX2 for calls of up to four rows on an
+// AVX-512 CPU"). Both paths give the same bits: speed only.
 constexpr int64_t kNarrowRows = 4;
 
 std::atomic<int> g_isa{-1};

@@ -12,9 +12,9 @@
 //   Q5_0  P0 qs 128   P1 qh 32   P2 d 16           qh: byte 4c+e, bit s = bit 4 of code(c, 4s+e)
 //   Q5_1  P0 qs 128   P1 qh 32   P2 dm 32
 //   Q8_0  P0 qs 256 (8 slices of int8 codes)   P1 d 16
-//   Q4_K  P0 qs 1024 (8 sub-blocks of 32 as Q4_0's)   P1 dm 32   P2 scm 128: scale pairs [4][8 cols][2], then
+//   Q4_K  P0 qs 1024 (8 sub-blocks of 32 as Q4_0's)   P1 dm 32   P2 scales_mins 128: scale pairs [4][8 cols][2], then
 //         min pairs [4][8][2] (6-bit; pair p = sub-blocks 2p, 2p+1)
-//   Q5_K  P0 qs 1024   P1 qh 256 (8 × Q5_0's)   P2 dm 32   P3 scm 128
+//   Q5_K  P0 qs 1024   P1 qh 256 (8 × Q5_0's)   P2 dm 32   P3 scales_mins 128
 //   Q6_K  P0 ql 1024 (low 4 bits, as Q4_K's qs)   P1 qh 512: per sub-block of 32, 2 vectors h; byte 4c+e bits
 //         2t..2t+1 = bits 4..5 of code(c, 4(4h+t)+e)   P2 d 16   P3 sc 128: int8 scale pairs [8][8 cols][2]
 //         (pair p = sub-blocks of 16 2p, 2p+1)
@@ -67,7 +67,7 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-inline float h8(const uint8_t* rec, int c) { return half_to_float(load_u16(rec + 2 * c)); }
+inline float h8(const uint8_t* record, int c) { return half_to_float(load_u16(record + 2 * c)); }
 
 // Codes of column c in one 32-input sub-block record (i: input 0..31).
 inline int nib(const uint8_t* qs, int c, int i) {
@@ -120,9 +120,9 @@ inline void quantize_row(Acts& a, const float* x, int64_t row, Block&& block) {
   const int64_t K = a.K;
   int8_t* q = a.qs + row * K;
   if (a.fmt == ActFormat::Q8_32) {
-    const int64_t nb = K / 32;
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t i = row * nb + b;
+    const int64_t blocks = K / 32;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t i = row * blocks + b;
       block(x + b * 32, 32, q + b * 32, &a.d[i]);
       int32_t s = 0;
       for (int j = 0; j < 32; ++j) s += q[b * 32 + j];
@@ -131,11 +131,11 @@ inline void quantize_row(Acts& a, const float* x, int64_t row, Block&& block) {
     }
     return;
   }
-  const int64_t nb = K / 256;
-  for (int64_t b = 0; b < nb; ++b) {
-    block(x + b * 256, 256, q + b * 256, &a.d[row * nb + b]);
-    int16_t* b16 = a.bs16 + (row * nb + b) * 16;
-    int16_t* b32 = a.bs32 + (row * nb + b) * 8;
+  const int64_t blocks = K / 256;
+  for (int64_t b = 0; b < blocks; ++b) {
+    block(x + b * 256, 256, q + b * 256, &a.d[row * blocks + b]);
+    int16_t* b16 = a.bs16 + (row * blocks + b) * 16;
+    int16_t* b32 = a.bs32 + (row * blocks + b) * 8;
     for (int j = 0; j < 16; ++j) {
       int s = 0;
       for (int e = 0; e < 16; ++e) s += q[b * 256 + 16 * j + e];

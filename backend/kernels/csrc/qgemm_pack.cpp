@@ -13,10 +13,10 @@ namespace {
 struct TypeInfo {
   GgmlType type;
   const char* name;
-  int64_t blk;   // inputs per GGUF block
-  size_t bytes;  // bytes per GGUF block
-  int nplanes;
-  size_t rec[4];  // bytes per (group, block) record of each plane
+  int64_t block_inputs;  // inputs per GGUF block
+  size_t bytes;          // bytes per GGUF block
+  int plane_count;
+  size_t record_bytes[4];  // bytes per (group, block) record of each plane
 };
 
 constexpr TypeInfo kTypes[] = {
@@ -161,25 +161,25 @@ void put_qh2(const Decoded* dec, int off, uint8_t* qh) {  // bits 4..5 of each c
         qh[32 * h + 4 * c + e] = byte;
       }
 }
-void put_h8(const Decoded* dec, bool min, uint8_t* rec) {
-  for (int c = 0; c < 8; ++c) std::memcpy(rec + 2 * c, min ? &dec[c].m : &dec[c].d, 2);
+void put_h8(const Decoded* dec, bool min, uint8_t* record) {
+  for (int c = 0; c < 8; ++c) std::memcpy(record + 2 * c, min ? &dec[c].m : &dec[c].d, 2);
 }
-void put_pairs(const uint8_t (*vals)[16], int pairs, uint8_t* rec) {  // [p][c][2] from per-column values
+void put_pairs(const uint8_t (*vals)[16], int pairs, uint8_t* record) {  // [p][c][2] from per-column values
   for (int p = 0; p < pairs; ++p)
     for (int c = 0; c < 8; ++c) {
-      rec[16 * p + 2 * c] = vals[c][2 * p];
-      rec[16 * p + 2 * c + 1] = vals[c][2 * p + 1];
+      record[16 * p + 2 * c] = vals[c][2 * p];
+      record[16 * p + 2 * c + 1] = vals[c][2 * p + 1];
     }
 }
 
 // Record (g, b) of every plane from the GGUF bytes of the group's columns.
-void pack_block(const TypeInfo& ti, const uint8_t* src, int64_t rows, int64_t nb, int64_t g, int64_t b,
-                uint8_t* const* rec) {
+void pack_block(const TypeInfo& ti, const uint8_t* src, int64_t rows, int64_t blocks, int64_t g, int64_t b,
+                uint8_t* const* record) {
   const GgmlType t = ti.type;
-  if (ti.blk == 1) {  // float types: one input of 8 columns
+  if (ti.block_inputs == 1) {  // float types: one input of 8 columns
     for (int c = 0; c < 8; ++c) {
       const int64_t n = 8 * g + c;
-      if (n < rows) std::memcpy(rec[0] + c * ti.bytes, src + (n * nb + b) * ti.bytes, ti.bytes);
+      if (n < rows) std::memcpy(record[0] + c * ti.bytes, src + (n * blocks + b) * ti.bytes, ti.bytes);
     }
     return;
   }
@@ -187,53 +187,53 @@ void pack_block(const TypeInfo& ti, const uint8_t* src, int64_t rows, int64_t nb
   std::memset(dec, 0, sizeof dec);
   for (int c = 0; c < 8; ++c) {
     const int64_t n = 8 * g + c;
-    if (n < rows) decode(t, src + (n * nb + b) * ti.bytes, dec[c]);
+    if (n < rows) decode(t, src + (n * blocks + b) * ti.bytes, dec[c]);
   }
   uint8_t pairs[8][16];
   switch (t) {
     case GgmlType::Q4_0:
     case GgmlType::Q4_1:
-      put_q4(dec, 0, rec[0]);
-      put_h8(dec, false, rec[1]);
-      if (t == GgmlType::Q4_1) put_h8(dec, true, rec[1] + 16);
+      put_q4(dec, 0, record[0]);
+      put_h8(dec, false, record[1]);
+      if (t == GgmlType::Q4_1) put_h8(dec, true, record[1] + 16);
       break;
     case GgmlType::Q5_0:
     case GgmlType::Q5_1:
-      put_q4(dec, 0, rec[0]);
-      put_qh1(dec, 0, rec[1]);
-      put_h8(dec, false, rec[2]);
-      if (t == GgmlType::Q5_1) put_h8(dec, true, rec[2] + 16);
+      put_q4(dec, 0, record[0]);
+      put_qh1(dec, 0, record[1]);
+      put_h8(dec, false, record[2]);
+      if (t == GgmlType::Q5_1) put_h8(dec, true, record[2] + 16);
       break;
     case GgmlType::Q8_0:
       for (int s = 0; s < 8; ++s)
-        for (int c = 0; c < 8; ++c) std::memcpy(rec[0] + 32 * s + 4 * c, dec[c].code + 4 * s, 4);
-      put_h8(dec, false, rec[1]);
+        for (int c = 0; c < 8; ++c) std::memcpy(record[0] + 32 * s + 4 * c, dec[c].code + 4 * s, 4);
+      put_h8(dec, false, record[1]);
       break;
     case GgmlType::Q4_K:
     case GgmlType::Q5_K: {
       const bool five = t == GgmlType::Q5_K;
       for (int j = 0; j < 8; ++j) {
-        put_q4(dec, 32 * j, rec[0] + 128 * j);
-        if (five) put_qh1(dec, 32 * j, rec[1] + 32 * j);
+        put_q4(dec, 32 * j, record[0] + 128 * j);
+        if (five) put_qh1(dec, 32 * j, record[1] + 32 * j);
       }
-      uint8_t* dm = rec[five ? 2 : 1];
-      uint8_t* scm = rec[five ? 3 : 2];
+      uint8_t* dm = record[five ? 2 : 1];
+      uint8_t* scales_mins = record[five ? 3 : 2];
       put_h8(dec, false, dm);
       put_h8(dec, true, dm + 16);
       for (int c = 0; c < 8; ++c) std::memcpy(pairs[c], dec[c].sc, 8);
-      put_pairs(pairs, 4, scm);
+      put_pairs(pairs, 4, scales_mins);
       for (int c = 0; c < 8; ++c) std::memcpy(pairs[c], dec[c].mn, 8);
-      put_pairs(pairs, 4, scm + 64);
+      put_pairs(pairs, 4, scales_mins + 64);
       break;
     }
     case GgmlType::Q6_K:
       for (int j = 0; j < 8; ++j) {
-        put_q4(dec, 32 * j, rec[0] + 128 * j);
-        put_qh2(dec, 32 * j, rec[1] + 64 * j);
+        put_q4(dec, 32 * j, record[0] + 128 * j);
+        put_qh2(dec, 32 * j, record[1] + 64 * j);
       }
-      put_h8(dec, false, rec[2]);
+      put_h8(dec, false, record[2]);
       for (int c = 0; c < 8; ++c) std::memcpy(pairs[c], dec[c].sc, 16);
-      put_pairs(pairs, 8, rec[3]);
+      put_pairs(pairs, 8, record[3]);
       break;
     default:
       break;
@@ -251,10 +251,10 @@ void pack_groups(void* ctx, int64_t g0, int64_t g1) {
   const PackCtx& k = *static_cast<const PackCtx*>(ctx);
   const detail::Packed& p = *k.p;
   for (int64_t g = g0; g < g1; ++g)
-    for (int64_t b = 0; b < p.nb; ++b) {
-      uint8_t* rec[4];
-      for (int i = 0; i < 4; ++i) rec[i] = k.base[i] + (g * p.nb + b) * p.rec[i];
-      pack_block(*k.ti, k.src, p.rows, p.nb, g, b, rec);
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      uint8_t* record[4];
+      for (int i = 0; i < 4; ++i) record[i] = k.base[i] + (g * p.blocks + b) * p.record_bytes[i];
+      pack_block(*k.ti, k.src, p.rows, p.blocks, g, b, record);
     }
 }
 
@@ -269,7 +269,7 @@ const char* type_name(GgmlType t) {
   const TypeInfo* found = find_type(static_cast<int32_t>(t));
   return found ? found->name : "?";
 }
-int64_t block_elems(GgmlType t) { return info(t).blk; }
+int64_t block_elems(GgmlType t) { return info(t).block_inputs; }
 size_t block_bytes(GgmlType t) { return info(t).bytes; }
 
 QMatrix QMatrix::from_blocks(GgmlType t, int64_t rows, int64_t cols, const uint8_t* data, size_t nbytes) {
@@ -281,9 +281,10 @@ QMatrix QMatrix::from_blocks(GgmlType t, int64_t rows, int64_t cols, const uint8
       std::string(ti->name) + " weight [" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
   if (rows <= 0 || cols <= 0 || rows > (int64_t{1} << 31) || cols > (int64_t{1} << 31))
     throw std::invalid_argument(what + ": rows and cols must be between 1 and 2^31");
-  if (cols % ti->blk != 0)
-    throw std::invalid_argument(what + ": cols must be a multiple of the type's block of " + std::to_string(ti->blk));
-  const size_t need = static_cast<size_t>(rows) * static_cast<size_t>(cols / ti->blk) * ti->bytes;
+  if (cols % ti->block_inputs != 0)
+    throw std::invalid_argument(what + ": cols must be a multiple of the type's block of " +
+                                std::to_string(ti->block_inputs));
+  const size_t need = static_cast<size_t>(rows) * static_cast<size_t>(cols / ti->block_inputs) * ti->bytes;
   if (nbytes != need)
     throw std::invalid_argument(what + ": the data holds " + std::to_string(nbytes) + " bytes, the shape needs " +
                                 std::to_string(need));
@@ -295,13 +296,13 @@ QMatrix QMatrix::from_blocks(GgmlType t, int64_t rows, int64_t cols, const uint8
   p.rows = rows;
   p.cols = cols;
   p.groups = (rows + detail::kGroup - 1) / detail::kGroup;
-  p.nb = cols / ti->blk;
-  p.nplanes = ti->nplanes;
+  p.blocks = cols / ti->block_inputs;
+  p.plane_count = ti->plane_count;
   size_t offset[4] = {0, 0, 0, 0}, total = 0;
   for (int i = 0; i < 4; ++i) {
-    p.rec[i] = ti->rec[i];
+    p.record_bytes[i] = ti->record_bytes[i];
     offset[i] = total;
-    total += (static_cast<size_t>(p.groups) * p.nb * p.rec[i] + 63) / 64 * 64;  // planes 64-byte aligned
+    total += (static_cast<size_t>(p.groups) * p.blocks * p.record_bytes[i] + 63) / 64 * 64;  // planes 64-byte aligned
   }
   uint8_t* mem = static_cast<uint8_t*>(std::aligned_alloc(64, total + 64));
   if (!mem) throw std::bad_alloc();
@@ -323,9 +324,9 @@ void QMatrix::dequantize_row(int64_t n, float* out) const {
   const int64_t g = n / kGroup;
   const int c = static_cast<int>(n % kGroup);
   const GgmlType t = p_.type;
-  for (int64_t b = 0; b < p_.nb; ++b) {
+  for (int64_t b = 0; b < p_.blocks; ++b) {
     const uint8_t* r[4];
-    for (int i = 0; i < 4; ++i) r[i] = p_.plane[i] + (g * p_.nb + b) * p_.rec[i];
+    for (int i = 0; i < 4; ++i) r[i] = p_.plane[i] + (g * p_.blocks + b) * p_.record_bytes[i];
     float* y = out + b * block_elems(t);
     switch (t) {
       case GgmlType::F32:
@@ -357,11 +358,11 @@ void QMatrix::dequantize_row(int64_t n, float* out) const {
       case GgmlType::Q5_K: {
         const bool five = t == GgmlType::Q5_K;
         const uint8_t* dm = r[five ? 2 : 1];
-        const uint8_t* scm = r[five ? 3 : 2];
+        const uint8_t* scales_mins = r[five ? 3 : 2];
         for (int j = 0; j < 8; ++j) {
           const int pi = 16 * (j / 2) + 2 * c + (j & 1);
-          const float d = h8(dm, c) * static_cast<float>(scm[pi]);
-          const float m = h8(dm + 16, c) * static_cast<float>(scm[64 + pi]);
+          const float d = h8(dm, c) * static_cast<float>(scales_mins[pi]);
+          const float m = h8(dm + 16, c) * static_cast<float>(scales_mins[64 + pi]);
           for (int i = 0; i < 32; ++i) {
             const int code = nib(r[0] + 128 * j, c, i) | (five ? bit4(r[1] + 32 * j, c, i) : 0);
             y[32 * j + i] = d * static_cast<float>(code) - m;

@@ -30,19 +30,19 @@ void quantize_block(const float* x, int n, int8_t* q, float* d) {
 struct Row {  // one activation row
   const Acts& a;
   int64_t i;
-  const int8_t* q(int64_t b, int64_t blk) const { return a.qs + i * a.K + b * blk; }
+  const int8_t* q(int64_t b, int64_t block_inputs) const { return a.qs + i * a.K + b * block_inputs; }
 };
 
 float dot_row(const Packed& w, int64_t g, int c, const Row& row) {
   const Acts& a = row.a;
-  const int64_t nb = w.nb, i = row.i;
+  const int64_t blocks = w.blocks, i = row.i;
   const GgmlType t = w.type;
-  auto rec = [&](int p, int64_t b) { return w.plane[p] + (g * nb + b) * w.rec[p]; };
+  auto record = [&](int p, int64_t b) { return w.plane[p] + (g * blocks + b) * w.record_bytes[p]; };
   if (a.fmt == ActFormat::F32) {  // 4 chains over k mod 4, as the vector kernels
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const float* x = a.x + i * a.K;
-    for (int64_t k = 0; k < nb; ++k) {
-      const uint8_t* r = rec(0, k);
+    for (int64_t k = 0; k < blocks; ++k) {
+      const uint8_t* r = record(0, k);
       float v;
       if (t == GgmlType::F32)
         std::memcpy(&v, r + 4 * c, 4);
@@ -55,7 +55,7 @@ float dot_row(const Packed& w, int64_t g, int c, const Row& row) {
     return (acc[0] + acc[1]) + (acc[2] + acc[3]);
   }
   float acc = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < blocks; ++b) {
     switch (t) {
       case GgmlType::Q4_0:
       case GgmlType::Q4_1:
@@ -65,56 +65,57 @@ float dot_row(const Packed& w, int64_t g, int c, const Row& row) {
         const bool min = t == GgmlType::Q4_1 || t == GgmlType::Q5_1;
         const int8_t* q = row.q(b, 32);
         int32_t isum = 0;
-        for (int e = 0; e < 32; ++e) isum += (nib(rec(0, b), c, e) | (five ? bit4(rec(1, b), c, e) : 0)) * q[e];
-        if (!min) isum -= a.sum[i * nb + b] * (five ? 16 : 8);
-        const uint8_t* dm = rec(five ? 2 : 1, b);
-        acc = std::fmaf(static_cast<float>(isum), h8(dm, c) * a.d[i * nb + b], acc);
-        if (min) acc = std::fmaf(h8(dm + 16, c), a.s[i * nb + b], acc);
+        for (int e = 0; e < 32; ++e) isum += (nib(record(0, b), c, e) | (five ? bit4(record(1, b), c, e) : 0)) * q[e];
+        if (!min) isum -= a.sum[i * blocks + b] * (five ? 16 : 8);
+        const uint8_t* dm = record(five ? 2 : 1, b);
+        acc = std::fmaf(static_cast<float>(isum), h8(dm, c) * a.d[i * blocks + b], acc);
+        if (min) acc = std::fmaf(h8(dm + 16, c), a.s[i * blocks + b], acc);
         break;
       }
       case GgmlType::Q8_0: {
         const int8_t* q = row.q(b, 32);
         int32_t isum = 0;
-        for (int e = 0; e < 32; ++e) isum += sbyte(rec(0, b), c, e) * q[e];
-        acc = std::fmaf(static_cast<float>(isum), h8(rec(1, b), c) * a.d[i * nb + b], acc);
+        for (int e = 0; e < 32; ++e) isum += sbyte(record(0, b), c, e) * q[e];
+        acc = std::fmaf(static_cast<float>(isum), h8(record(1, b), c) * a.d[i * blocks + b], acc);
         break;
       }
       case GgmlType::Q4_K:
       case GgmlType::Q5_K: {
         const bool five = t == GgmlType::Q5_K;
-        const uint8_t* scm = rec(five ? 3 : 2, b);
-        const uint8_t* dm = rec(five ? 2 : 1, b);
+        const uint8_t* scales_mins = record(five ? 3 : 2, b);
+        const uint8_t* dm = record(five ? 2 : 1, b);
         const int8_t* q = row.q(b, 256);
-        const int16_t* bs = a.bs32 + (i * nb + b) * 8;
+        const int16_t* bs = a.bs32 + (i * blocks + b) * 8;
         int32_t isum = 0, msum = 0;
         for (int j = 0; j < 8; ++j) {
           const int pi = 16 * (j / 2) + 2 * c + (j & 1);
           int32_t s = 0;
           for (int e = 0; e < 32; ++e)
-            s += (nib(rec(0, b) + 128 * j, c, e) | (five ? bit4(rec(1, b) + 32 * j, c, e) : 0)) * q[32 * j + e];
-          isum += scm[pi] * s;
-          msum += scm[64 + pi] * bs[j];
+            s += (nib(record(0, b) + 128 * j, c, e) | (five ? bit4(record(1, b) + 32 * j, c, e) : 0)) * q[32 * j + e];
+          isum += scales_mins[pi] * s;
+          msum += scales_mins[64 + pi] * bs[j];
         }
-        const float da = a.d[i * nb + b];
-        acc = std::fmaf(static_cast<float>(isum), h8(dm, c) * da, acc);
-        acc = std::fmaf(-static_cast<float>(msum), h8(dm + 16, c) * da, acc);
+        const float d_act = a.d[i * blocks + b];
+        acc = std::fmaf(static_cast<float>(isum), h8(dm, c) * d_act, acc);
+        acc = std::fmaf(-static_cast<float>(msum), h8(dm + 16, c) * d_act, acc);
         break;
       }
       case GgmlType::Q6_K: {
-        const uint8_t* sc = rec(3, b);
+        const uint8_t* sc = record(3, b);
         const int8_t* q = row.q(b, 256);
-        const int16_t* bs = a.bs16 + (i * nb + b) * 16;
+        const int16_t* bs = a.bs16 + (i * blocks + b) * 16;
         int32_t isum = 0, osum = 0;
         for (int j = 0; j < 16; ++j) {
           const int s8 = static_cast<int8_t>(sc[16 * (j / 2) + 2 * c + (j & 1)]);
           int32_t s = 0;
           for (int e = 16 * (j & 1); e < 16 * (j & 1) + 16; ++e)
-            s += (nib(rec(0, b) + 128 * (j / 2), c, e) | bits45(rec(1, b) + 64 * (j / 2), c, e)) * q[16 * j + e % 16];
+            s += (nib(record(0, b) + 128 * (j / 2), c, e) | bits45(record(1, b) + 64 * (j / 2), c, e)) *
+                 q[16 * j + e % 16];
           isum += s8 * s;
           osum += s8 * bs[j];
         }
         isum -= osum * 32;
-        acc = std::fmaf(static_cast<float>(isum), h8(rec(2, b), c) * a.d[i * nb + b], acc);
+        acc = std::fmaf(static_cast<float>(isum), h8(record(2, b), c) * a.d[i * blocks + b], acc);
         break;
       }
       default:

@@ -18,6 +18,7 @@ kept. Each :class:`~specchat.backend.speculative.drafters.base.Draft` says how m
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from specchat.backend.limits import PREFILL_CHUNK
 from specchat.backend.speculative.drafters.base import Draft
 from specchat.backend.speculative.sampling import GREEDY, SamplingRule, SeenIds, apply_repetition_penalty, pick
 
-Forward = Callable[..., torch.Tensor]  # (seq, ids, *, logits_to_keep) -> [logits_to_keep, V]: the model runner's
+Forward = Callable[..., Any]  # (seq, ids, *, logits_to_keep) -> a Pass (.logits [logits_to_keep, V]): the runner's
 
 
 class DraftModelDrafter:
@@ -82,7 +83,7 @@ class DraftModelDrafter:
         return len(ids)
 
     def _forward(self, ids: list[int]) -> torch.Tensor:  # [1, vocab_limit] the last id's logits
-        logits = self.forward(self.seq, ids, logits_to_keep=1)  # [1, V_draft]
+        logits: torch.Tensor = self.forward(self.seq, ids, logits_to_keep=1).logits  # [1, V_draft]
         self.seq.commit(len(ids))
         self.cached.extend(ids)
         return logits[:, : self.vocab_limit]

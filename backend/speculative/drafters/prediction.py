@@ -21,10 +21,10 @@ Where the reply stands (``configure`` gives where it starts in the context):
   request's own drafter (the conversation's n-grams, a loop the reply is in) does better. Near matches come
   first, then the longest; among equals the nearest at or after the anchor, else the nearest before it. The
   drafter drafts from ``j``; until a draft of it is accepted the anchor stays where the reply last followed.
-  (Measured on the 12 ``rewrite`` prompts of ``specchat bench``, replaying the embedded default's greedy replies
-  with a pass cost model: the longest match first with single-token matches anywhere gave 1.45x fewer pass-costs
-  than plain decoding, this rule 5.8x: wherever the reply is new text, single-token matches far away kept
-  drafting wrong tokens and left the repetitions the reply fell into to no drafter.)
+  (Why: the longest match first with single-token matches anywhere saved far fewer passes on the ``rewrite``
+  prompts than this rule — ``benchmarks/RESULTS.md``, "Figures moved out of the code": wherever the reply is new
+  text, single-token matches far away kept drafting wrong tokens and left the repetitions the reply fell into to
+  no drafter.)
 
 Draft length (variable, as llama.cpp's ``ngram-mod`` drafts up to 64): it starts at ``start_tokens``, doubles
 after a draft accepted whole (up to ``max_tokens``), and drops at once to ``min_tokens`` after a draft the target

@@ -9,12 +9,10 @@ overlap does).
 Draft length follows the match, as SuffixDecoding's does (``suffix.py``): the chosen occurrence's match is
 measured backwards past the n-gram (``m`` tokens equal the context's end, up to ``max_match``), and the draft
 is at most ``ceil(draft_factor · m + draft_offset)`` ids (and ``max_tokens``). A one-token match is a weak
-guess and drafts 2 ids; a passage matching for 20 tokens is being copied and drafts up to 21. Measured on the
-14 code-edit prompts of ``specchat bench`` (128 new tokens, greedy, one interleaved run each; the default
-pair): 29.6 → 34.8 tok/s with prefill over drafting ``max_tokens`` always (plain decoding 21.2), and on 16
-Spec-Bench chat prompts 20.9 → 22.0 (plain 18.8): a wrong long draft costs its rows in the target's pass
-(its int4 kernels stream the weights once per 4 rows on CPU). ``draft_factor=None`` drafts ``max_tokens``
-always (classic prompt lookup).
+guess and drafts 2 ids; a passage matching for 20 tokens is being copied and drafts up to 21. Why: a wrong long
+draft costs its rows in the target's pass, and drafting by the match was the faster on code edits and chat alike
+(``benchmarks/RESULTS.md``, "Machine A, Python loop"). ``draft_factor=None`` drafts ``max_tokens`` always
+(classic prompt lookup).
 
 EOS: the draft is cut *after* the first EOS id it contains; the EOS itself is kept (transformers cuts before
 it). A step that finishes copying a passage can then also end the reply in the same target pass, and nothing
@@ -25,7 +23,8 @@ The search is an index, not a rescan: one dict per n-gram length from the n-gram
 its latest occurrence, updated with the ids appended since the last call. Each call checks cheaply that the
 context only grew (its tail and head still equal what was indexed); if not (a new conversation, a re-rendered
 or truncated one) the index is rebuilt once. A change the spot check misses could only make drafts worse,
-never output wrong: every draft is verified. Cost: a few microseconds per call at 4k-token contexts.
+never output wrong: every draft is verified. Cost per call: the new ids indexed, one
+lookup per n-gram length and a backward match of at most ``max_match`` ids, whatever the context's length.
 
 Worked example (also run as a unit test):
 

@@ -48,8 +48,9 @@ class ReplyMemory:
 
     def remember(self, tokens: Sequence[int]) -> None:
         """Keep one finished reply (a reply longer than the whole budget keeps its end). When the budget is
-        exceeded the oldest replies go until a quarter of it is free: dropping rebuilds the index (~1 s for
-        200,000 tokens), so it happens once per quarter of the budget, not at every reply."""
+        exceeded the oldest replies go until a quarter of it is free: dropping rebuilds the index (seconds for a
+        full budget: ``benchmarks/RESULTS.md``, "Figures moved out of the code"), so it happens once per quarter
+        of the budget, not at every reply."""
         tokens = list(tokens)[-self.max_tokens :]
         if not tokens:
             return

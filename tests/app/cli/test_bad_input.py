@@ -27,8 +27,8 @@ from tiny_models import one_thread  # noqa: F401  (one_thread: autouse)
 from specchat.app.cli.main import main
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.errors import ConfigError, ModelLoadError, RequestError
-from specchat.backend.models.config import load_pairs_file
-from specchat.backend.models.loading import load_model
+from specchat.backend.models.catalog.config import load_pairs_file
+from specchat.backend.models.loading.pair import load_model
 
 WORDS = [f"w{i}" for i in range(40)]
 FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

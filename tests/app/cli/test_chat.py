@@ -101,7 +101,7 @@ def test_the_app_refuses_an_unknown_pair_even_when_a_last_pair_is_known(tmp_path
     from specchat.app.chat.settings import Settings, save_settings
     from specchat.app.tui.app import SpecchatApp
     from specchat.backend.errors import SpecchatError
-    from specchat.backend.models.config import load_pairs
+    from specchat.backend.models.catalog.config import load_pairs
 
     save_settings(Settings(last_pair="smollm2-135m"), tmp_path / "settings.json")
     with pytest.raises(SpecchatError, match="--pair nope: no such pair"):

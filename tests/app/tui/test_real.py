@@ -17,7 +17,7 @@ from specchat.app.chat.settings import Settings, save_settings
 from specchat.app.cli.wiring import default_engine_factory, default_pair_info
 from specchat.app.tui.app import SpecchatApp
 from specchat.app.tui.widgets.message_view import AssistantMessage
-from specchat.backend.models.config import load_pairs
+from specchat.backend.models.catalog.config import load_pairs
 
 pytestmark = pytest.mark.slow
 

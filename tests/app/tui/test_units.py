@@ -336,7 +336,7 @@ def test_a_failed_reply_totals_say_what_went_wrong_and_what_to_do():
 
 def test_sizes_use_the_binary_units_of_specchat_models():
     from specchat.app.tui.screens.picker import human_bytes
-    from specchat.backend.models.memory import format_bytes
+    from specchat.backend.models.facts.memory import format_bytes
 
     for n in (0, 512, 1023, 1024, 1_200_000_000, 1_191_182_336, 15_000_000_000, 2**40 * 3):
         assert human_bytes(n) == format_bytes(n)

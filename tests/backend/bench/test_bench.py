@@ -523,7 +523,7 @@ def test_llamacpp_modes_run_interleaved_on_the_pairs_gguf(tmp_path, fake_llama_c
     import engine_fixtures
 
     from specchat.app.cli import bench as cmd_bench
-    from specchat.backend.models.loading import packaged_gguf_path
+    from specchat.backend.models.loading.pair import packaged_gguf_path
 
     monkeypatch.setattr(cmd_bench, "_llamacpp_missing", lambda spec: None)
     engine = engine_fixtures.tiny_engine("llama", context_length=2048)

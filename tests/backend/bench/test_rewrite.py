@@ -49,8 +49,8 @@ def test_the_rewrite_family_is_whole_files_with_a_small_change_and_the_file_as_p
 
 def test_every_rewrite_prompt_and_its_reply_fit_the_embedded_defaults_context():
     from specchat.backend.engine.prompting import render
-    from specchat.backend.models.config import load_pairs
-    from specchat.backend.models.loading import load_tokenizer
+    from specchat.backend.models.catalog.config import load_pairs
+    from specchat.backend.models.loading.pair import load_tokenizer
 
     pair = load_pairs()["smollm2-135m"]
     tokenizer = load_tokenizer(pair.target)
@@ -160,7 +160,7 @@ def _records(log: Path) -> list[dict]:
 def test_llama_server_modes_run_interleaved_against_a_fake_server(tmp_path, fake_binary, monkeypatch):
     from specchat.app.cli import bench as cmd_bench
     from specchat.backend.engine.prompting import render
-    from specchat.backend.models.loading import packaged_gguf_path
+    from specchat.backend.models.loading.pair import packaged_gguf_path
 
     binary, log = fake_binary
     engine = tiny_engine("llama", context_length=2048)

@@ -26,11 +26,11 @@ def batch_vs_alone(runner: ModelRunner, ids: list[int], context: int, gamma: int
     try:
         runner.forward(seq, ids[:context], logits_to_keep=1)
         seq.commit(context)
-        batch = runner.forward(seq, ids[context : context + gamma + 1], logits_to_keep=gamma + 1).float()
+        batch = runner.forward(seq, ids[context : context + gamma + 1], logits_to_keep=gamma + 1).logits.float()
         seq.truncate(context)
         alone = []
         for token in ids[context : context + gamma + 1]:
-            alone.append(runner.forward(seq, [token], logits_to_keep=1).float()[0])
+            alone.append(runner.forward(seq, [token], logits_to_keep=1).logits.float()[0])
             seq.commit(1)
         rows = torch.stack(alone)
         return float((batch - rows).abs().max()), float(rows.abs().max())
@@ -49,7 +49,7 @@ def test_rows_alone_and_among_gamma_plus_one_agree_on_every_family(family, gamma
 @pytest.mark.slow
 def test_rows_alone_and_among_gamma_plus_one_agree_on_the_embedded_default():
     from specchat.backend.engine.engine import load_engine
-    from specchat.backend.models.config import load_pairs
+    from specchat.backend.models.catalog.config import load_pairs
 
     engine = load_engine(load_pairs()["smollm2-135m"], device="cpu")
     try:

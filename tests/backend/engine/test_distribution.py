@@ -28,6 +28,7 @@ from transformers.generation.logits_process import (
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine
 from specchat.backend.engine.request import RequestState
+from specchat.backend.engine.target_pass import TargetPasses
 from specchat.backend.speculative.sampling import SamplingRule
 
 TEMPERATURE, TOP_K, TOP_P, PENALTY = 0.7, 3, 0.95, 1.3
@@ -96,9 +97,9 @@ def chi2_pvalue(counts: dict, exact: dict[tuple[int, ...], float], n: int) -> fl
     )
 
 
-def shifted_penalty_context(self: RequestState) -> torch.Tensor:
+def shifted_penalty_context(self: TargetPasses) -> torch.Tensor:
     """Wrong on purpose: the penalty context lags one token behind (the pending token is left out)."""
-    return torch.tensor(self.context[:-1], dtype=torch.long)
+    return torch.tensor(self.seen._seq[:-1], dtype=torch.long)
 
 
 def step_keyed_positions(self: RequestState, rows: int) -> list[int]:
@@ -114,7 +115,7 @@ def exact() -> dict[tuple[int, ...], float]:
 @pytest.mark.parametrize("variant", ["right", "penalty shifted by one token", "noise keyed by step"])
 def test_two_verified_positions_follow_the_target(variant, exact, monkeypatch):
     if variant == "penalty shifted by one token":
-        monkeypatch.setattr(RequestState, "_penalty_context", shifted_penalty_context)
+        monkeypatch.setattr(TargetPasses, "penalty_context", shifted_penalty_context)
     elif variant == "noise keyed by step":
         monkeypatch.setattr(RequestState, "_positions", step_keyed_positions)
     engine = Engine(tiny_loaded("llama"), perturbed_twin(0.005), tiny_pair(drafter="draft-model", gamma=2))
@@ -165,20 +166,14 @@ def test_the_draft_models_own_drafts_follow_q():
     assert chi2_pvalue(counts, two_drafts(build_tiny("llama")), SAMPLES) < 1e-6, counts
 
 
-_RIGHT_TREE_DECIDER = RequestState._tree_decider
+_RIGHT_TREE_DECIDER = TargetPasses.tree_decider
 
 
-def depth_blind_tree_decider(self: RequestState, logits: torch.Tensor):
+def depth_blind_tree_decider(self: TargetPasses, logits: torch.Tensor, first: int):
     """Wrong on purpose: every node of a tree is decided with the noise of the step's first reply position."""
-    right = _RIGHT_TREE_DECIDER(self, logits)
 
     def decide(row: int, path: list[int]) -> int:
-        produced = self.produced
-        self.produced = produced - len(path)  # the position the right decider keys by is produced + depth
-        try:
-            return right(row, path)
-        finally:
-            self.produced = produced
+        return _RIGHT_TREE_DECIDER(self, logits, first - len(path))(row, path)  # the right one keys by first + depth
 
     return decide
 
@@ -190,10 +185,10 @@ def test_tree_drafts_of_a_head_follow_the_target(variant, exact, monkeypatch):
     p exactly; the wrong engine still fails."""
     from tiny_heads import TAPS, trained_eagle3
 
-    from specchat.backend.models.head_loading import LoadedHead
+    from specchat.backend.models.loading.head_loading import LoadedHead
 
     if variant == "noise blind to the depth":
-        monkeypatch.setattr(RequestState, "_tree_decider", depth_blind_tree_decider)
+        monkeypatch.setattr(TargetPasses, "tree_decider", depth_blind_tree_decider)
     engine = Engine(tiny_loaded("llama"), None, tiny_pair(drafter="eagle3", gamma=4))
     head = trained_eagle3(prompt=tuple(PROMPT), steps=150)  # it knows what the target says after PROMPT
     engine.attach_head(LoadedHead("eagle3", head, TAPS, "tiny"))

@@ -18,9 +18,9 @@ from tiny_models import one_thread, random_ids  # noqa: F401  (one_thread: autou
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine
-from specchat.backend.models.config_head import HeadSpec
-from specchat.backend.models.head_loading import LoadedHead, load_head
-from specchat.backend.models.quantized import quantize_model
+from specchat.backend.models.catalog.config_head import HeadSpec
+from specchat.backend.models.loading.head_loading import LoadedHead, load_head
+from specchat.backend.models.loading.quantized import quantize_model
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.1, seed=77, max_new_tokens=48)

@@ -19,10 +19,10 @@ from tiny_models import build_tiny, one_thread  # noqa: F401  (one_thread: autou
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.head_loading import LoadedHead
-from specchat.backend.models.loading import LoadedModel
-from specchat.backend.models.native_loading import from_safetensors
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.loading.head_loading import LoadedHead
+from specchat.backend.models.loading.native_loading import from_safetensors
+from specchat.backend.models.loading.pair import LoadedModel
 from specchat.backend.training import data
 
 # The tiny targets have two layers: the stream entering layer 1, and the final norm's output (transformers'

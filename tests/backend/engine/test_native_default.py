@@ -17,8 +17,8 @@ from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine, load_engine
 from specchat.backend.kernels import native_build
 from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.loading import load_model
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.loading.pair import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -93,10 +93,10 @@ def test_taps_come_with_the_logits(engine):
     seq = runner.cache.new_sequence()
     try:
         ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
-        logits = runner.forward(seq, ids, logits_to_keep=2)
-        again, taps = runner.forward_taps(seq, ids, taps=(2, 15, 29), logits_to_keep=2)
-        assert torch.equal(logits, again)
-        assert [tuple(t.shape) for t in taps] == [(len(ids), 576)] * 3
-        assert all(torch.isfinite(t).all() for t in taps)
+        logits = runner.forward(seq, ids, logits_to_keep=2).logits
+        again = runner.forward(seq, ids, taps=(3, 16, 30), logits_to_keep=2)
+        assert torch.equal(logits, again.logits)
+        assert again.hidden is not None and tuple(again.hidden.shape) == (len(ids), 3 * 576)
+        assert torch.isfinite(again.hidden).all()
     finally:
         seq.free()

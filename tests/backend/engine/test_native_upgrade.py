@@ -13,8 +13,8 @@ from specchat.backend.engine.engine import Engine
 from specchat.backend.kernels import native
 from specchat.backend.kernels.native_library import BUILDING
 from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.loading import load_model
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.loading.pair import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 from engine_fixtures import tiny_engine
+from paged import paged_forward
 from tiny_models import quantised_paged, random_ids, tiny_paged_cache
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.engine.runner import forward_paged
 from specchat.backend.kernels import compact
 from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.limits import PREFILL_CHUNK
@@ -66,13 +66,13 @@ def test_the_compact_forward_stops_between_layers_too():
     fast = compact.build(model)
     seq = tiny_paged_cache(model).new_sequence()
     cancel = threading.Event()
-    reference = forward_paged(model, seq, random_ids(40, seed=1), fast=fast, cancel=cancel)  # not set: runs
+    reference = paged_forward(model, seq, random_ids(40, seed=1), fast=fast, cancel=cancel)  # not set: runs
     cancel.set()
     with pytest.raises(PassCancelled):
-        forward_paged(model, seq, random_ids(40, seed=1), fast=fast, cancel=cancel)
+        paged_forward(model, seq, random_ids(40, seed=1), fast=fast, cancel=cancel)
     cancel.clear()
     seq.truncate(seq.length)  # what the request does after a cancelled pass
-    again = forward_paged(model, seq, random_ids(40, seed=1), fast=fast, cancel=cancel)
+    again = paged_forward(model, seq, random_ids(40, seed=1), fast=fast, cancel=cancel)
     assert torch.equal(again, reference)
 
 

@@ -34,8 +34,8 @@ from transformers.generation.logits_process import (
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine, load_engine
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.loading import load_model
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.loading.pair import load_model
 from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
 
 pytestmark = pytest.mark.slow

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged import paged_forward
 from tiny_models import build_tiny, random_ids
 from tiny_models import quantised_paged as _quantised
 from tiny_models import tiny_paged_cache as _cache
 
-from specchat.backend.engine.runner import forward_paged
 from specchat.backend.kernels import compact
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
@@ -34,9 +34,9 @@ def test_transformers_path_returns_its_hidden_states():
     expected = _reference_states(model, ids)
     attention.use_paged_attention(model)
     seq = _cache(model).new_sequence()
-    logits, hidden = forward_paged(model, seq, ids[:12], logits_to_keep=12, taps=TAPS)
+    logits, hidden = paged_forward(model, seq, ids[:12], logits_to_keep=12, taps=TAPS)
     seq.commit(12)
-    _, more = forward_paged(model, seq, ids[12:], logits_to_keep=1, taps=TAPS)
+    _, more = paged_forward(model, seq, ids[12:], logits_to_keep=1, taps=TAPS)
     hidden = torch.cat([hidden, more])  # [20, 3 * 64]
     assert hidden.shape == (20, 3 * 64) and logits.shape[0] == 12
     for k, tap in enumerate(TAPS):
@@ -52,12 +52,12 @@ def test_compact_taps_leave_the_logits_alone_and_match_transformers(parents):
     prompt, step = random_ids(30, seed=2), random_ids(5, seed=3)
     seqs = [_cache(model).new_sequence() for _ in range(3)]
     for seq in seqs:
-        forward_paged(model, seq, prompt, fast=fast)
+        paged_forward(model, seq, prompt, fast=fast)
         seq.commit(len(prompt))
-    plain = forward_paged(model, seqs[0], step, logits_to_keep=5, fast=fast, parents=parents)
-    logits, hidden = forward_paged(model, seqs[1], step, logits_to_keep=5, fast=fast, parents=parents, taps=TAPS)
+    plain = paged_forward(model, seqs[0], step, logits_to_keep=5, fast=fast, parents=parents)
+    logits, hidden = paged_forward(model, seqs[1], step, logits_to_keep=5, fast=fast, parents=parents, taps=TAPS)
     assert torch.equal(plain, logits)  # bit for bit: taps are copies taken between layers
-    ref_logits, ref_hidden = forward_paged(model, seqs[2], step, logits_to_keep=5, parents=parents, taps=TAPS)
+    ref_logits, ref_hidden = paged_forward(model, seqs[2], step, logits_to_keep=5, parents=parents, taps=TAPS)
     torch.testing.assert_close(hidden, ref_hidden, atol=2e-2, rtol=2e-2)
     assert hidden.shape == (5, 3 * 64)
 
@@ -67,4 +67,4 @@ def test_a_tap_the_model_lacks_is_refused():
     attention.use_paged_attention(model)
     seq = _cache(model).new_sequence()
     with pytest.raises(KVCacheUsageError, match="taps"):
-        forward_paged(model, seq, [5, 6], taps=(3,))
+        paged_forward(model, seq, [5, 6], taps=(3,))

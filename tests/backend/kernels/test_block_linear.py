@@ -14,8 +14,8 @@ from tiny_models import build_tiny, one_thread  # noqa: F401  (one_thread: autou
 from torch import nn
 
 from specchat.backend.kernels.block_linear import BlockLinear, quantize_linears
-from specchat.backend.models.config_head import HeadSpec
-from specchat.backend.models.head_loading import load_head
+from specchat.backend.models.catalog.config_head import HeadSpec
+from specchat.backend.models.loading.head_loading import load_head
 
 Q8_0 = GGMLQuantizationType.Q8_0
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged import paged_forward
 from tiny_models import SMOLLM_ATTENTION, build_tiny, random_ids
 from tiny_models import quantised_paged as _quantised
 from tiny_models import tiny_paged_cache as _cache
 
-from specchat.backend.engine.runner import forward_paged
 from specchat.backend.kernels import compact, quant_linear
-from specchat.backend.models.quantized import quantize_model
+from specchat.backend.models.loading.quantized import quantize_model
 
 # Projection widths in whole blocks of the int4 layout (32 rows with AVX2, 64 with AVX-512): q 128, k/v 64.
 JOINABLE = dict(head_dim=32)
@@ -26,8 +26,8 @@ def test_compact_forward_matches_transformers(family, quantization):
     caches = [_cache(model), _cache(model)]
     seqs = [c.new_sequence() for c in caches]
     for chunk, keep in [(prompt, 3), *[([t], 1) for t in steps], (random_ids(5, seed=3), 5)]:
-        ref = forward_paged(model, seqs[0], chunk, logits_to_keep=keep)
-        got = forward_paged(model, seqs[1], chunk, logits_to_keep=keep, fast=fast)
+        ref = paged_forward(model, seqs[0], chunk, logits_to_keep=keep)
+        got = paged_forward(model, seqs[1], chunk, logits_to_keep=keep, fast=fast)
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
         for seq in seqs:
@@ -45,12 +45,12 @@ def test_a_passs_rows_equal_one_token_passes(family, rows):
     prompt, draft = random_ids(85, seed=4), random_ids(rows, seed=5)
     together, alone = _cache(model).new_sequence(), _cache(model).new_sequence()
     for seq in (together, alone):
-        forward_paged(model, seq, prompt, fast=fast)
+        paged_forward(model, seq, prompt, fast=fast)
         seq.commit(len(prompt))
-    batch = forward_paged(model, together, draft, logits_to_keep=len(draft), fast=fast)
+    batch = paged_forward(model, together, draft, logits_to_keep=len(draft), fast=fast)
     rows = []
     for token in draft:
-        rows.append(forward_paged(model, alone, [token], fast=fast))
+        rows.append(paged_forward(model, alone, [token], fast=fast))
         alone.commit(1)
     assert torch.equal(batch, torch.cat(rows))
 
@@ -92,9 +92,9 @@ def test_a_tree_nodes_row_equals_plain_decoding_of_its_path(family):
     pending, tokens = 7, random_ids(6, seed=7)
     parents = [-1, 0, -1, 2, 3, 0]  # two branches from the pending token, one forking again at depth 2
     tree_seq = _cache(model).new_sequence()
-    forward_paged(model, tree_seq, prompt, fast=fast)
+    paged_forward(model, tree_seq, prompt, fast=fast)
     tree_seq.commit(len(prompt))
-    rows = forward_paged(
+    rows = paged_forward(
         model, tree_seq, [pending] + tokens, logits_to_keep=1 + len(tokens), fast=fast, parents=parents
     )
     for node in range(-1, len(tokens)):
@@ -104,9 +104,9 @@ def test_a_tree_nodes_row_equals_plain_decoding_of_its_path(family):
             path.insert(0, tokens[at])
             at = parents[at]
         seq = _cache(model).new_sequence()
-        forward_paged(model, seq, prompt, fast=fast)
+        paged_forward(model, seq, prompt, fast=fast)
         seq.commit(len(prompt))
         for token in [pending] + path:
-            last = forward_paged(model, seq, [token], fast=fast)
+            last = paged_forward(model, seq, [token], fast=fast)
             seq.commit(1)
         assert torch.equal(rows[node + 1], last[0]), f"node {node} (path {path})"

@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import tiny_engine
+from paged import paged_forward
 from tiny_models import FAMILIES, build_tiny, random_ids
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.engine.runner import forward_paged
+from specchat.backend.engine.forward_paths import GraphPath
 from specchat.backend.kernels import cuda_graphs
 from specchat.backend.kv.attention import use_paged_attention
 from specchat.backend.kv.kv_cache import PagedKVCache
@@ -40,16 +41,16 @@ def _scenario(model, seq, ids: list[int], graphs=None) -> list[torch.Tensor]:
     """Chunked prefill, single-token decode, a verification chunk with rollback (as test_attention)."""
     got = []
     for lo, hi, keep in ((0, 6, 1), (6, 17, 11), (17, 26, 9)):  # 6 -> bucket 8, 11 -> 16, 9 -> 16 (padded)
-        got.append(forward_paged(model, seq, ids[lo:hi], logits_to_keep=keep, graphs=graphs))  # keep 1: one row
+        got.append(paged_forward(model, seq, ids[lo:hi], logits_to_keep=keep, graphs=graphs))  # keep 1: one row
         seq.commit(hi - lo)
     for t in ids[26:30]:
-        got.append(forward_paged(model, seq, [t], graphs=graphs))
+        got.append(paged_forward(model, seq, [t], graphs=graphs))
         seq.commit(1)
     wrong = [(t + 1) % 100 + 3 for t in ids[34:37]]
-    got.append(forward_paged(model, seq, ids[30:34] + wrong, logits_to_keep=7, graphs=graphs)[:4])
+    got.append(paged_forward(model, seq, ids[30:34] + wrong, logits_to_keep=7, graphs=graphs)[:4])
     seq.commit(5)
     seq.truncate(34)
-    got.append(forward_paged(model, seq, torch.tensor(ids[34:40]), logits_to_keep=3, graphs=graphs))
+    got.append(paged_forward(model, seq, torch.tensor(ids[34:40]), logits_to_keep=3, graphs=graphs))
     seq.commit(6)
     return got
 
@@ -94,14 +95,14 @@ def test_buffers_are_reused_across_steps() -> None:
     runner = cuda_graphs.GraphRunner(model, cache, kv_step=64)
     seq = cache.new_sequence()
     ids = random_ids(30, seed=2)
-    forward_paged(model, seq, ids[:5], logits_to_keep=5, graphs=runner)
+    paged_forward(model, seq, ids[:5], logits_to_keep=5, graphs=runner)
     seq.commit(5)
     ptrs = (runner._dev.data_ptr(), runner._host.data_ptr())
     logits_ptr = runner._logits.data_ptr()
     shape = runner._shapes[(8, 64, 8)]
     ctx_ptrs = (shape.ctx.positions.data_ptr(), shape.ctx.write_slots.data_ptr(), shape.ctx.read_slots.data_ptr())
     for t in ids[5:25]:
-        forward_paged(model, seq, [t], graphs=runner)
+        paged_forward(model, seq, [t], graphs=runner)
         seq.commit(1)
         assert (runner._dev.data_ptr(), runner._host.data_ptr()) == ptrs
     step = runner._shapes[(1, 64, 1)]
@@ -125,22 +126,22 @@ def test_fallback_rules_and_trash_block() -> None:
     snapshot = cache.k[:, :, other.slot(0) : other.slot(7) + 1].clone()
     seq = cache.new_sequence()
     ids = random_ids(40, seed=5)
-    forward_paged(model, seq, ids[:20], logits_to_keep=1, graphs=runner)  # 20 > largest bucket: eager
+    paged_forward(model, seq, ids[:20], logits_to_keep=1, graphs=runner)  # 20 > largest bucket: eager
     seq.commit(20)
     assert runner.stats == {"replays": 0, "eager_static": 0, "captures": 0, "fallbacks": 1}
-    forward_paged(model, seq, ids[20:23], logits_to_keep=3, graphs=runner)  # bucket 4: one padded token, to trash
+    paged_forward(model, seq, ids[20:23], logits_to_keep=3, graphs=runner)  # bucket 4: one padded token, to trash
     seq.commit(3)
     assert runner.stats["eager_static"] == 1
-    forward_paged(model, seq, ids[23:33], logits_to_keep=1, graphs=runner)  # kv 33 > max_kv 32: eager
+    paged_forward(model, seq, ids[23:33], logits_to_keep=1, graphs=runner)  # kv 33 > max_kv 32: eager
     assert runner.stats["fallbacks"] == 2
     torch.testing.assert_close(cache.k[:, :, other.slot(0) : other.slot(7) + 1], snapshot, atol=0, rtol=0)
     # A sequence of another cache is not the runner's: eager.
     foreign = _cache(model, fragmented=False).new_sequence()
-    forward_paged(model, foreign, ids[:2], logits_to_keep=1, graphs=runner)
+    paged_forward(model, foreign, ids[:2], logits_to_keep=1, graphs=runner)
     assert runner.stats["fallbacks"] == 3
     runner.disabled_reason = "capture failed (test)"
     seq.truncate(23)
-    forward_paged(model, seq, ids[23:24], graphs=runner)
+    paged_forward(model, seq, ids[23:24], graphs=runner)
     assert runner.stats["fallbacks"] == 4 and runner.stats["eager_static"] == 1
     runner.release()
     assert runner.disabled_reason == "released"
@@ -172,6 +173,7 @@ def test_engine_tokens_identical_with_static_runner(drafter: str) -> None:
     runners = []
     for model_runner in filter(None, (engine.runner, engine.draft_runner)):  # the engine's runners, graphed
         model_runner.graphs = cuda_graphs.GraphRunner(model_runner.model, model_runner.cache, kv_step=16)
+        model_runner.forward_path = GraphPath(model_runner.model, model_runner.graphs)
         runners.append(model_runner.graphs)
     assert _greedy_tokens(engine, prompt, 24) == plain
     assert all(r.stats["eager_static"] > 0 for r in runners)
@@ -243,9 +245,9 @@ def test_cuda_plain_step_has_one_host_sync(monkeypatch) -> None:
     cache = _cache(model, fragmented=False, device="cuda")
     runner = cuda_graphs.GraphRunner(model, cache)
     seq = cache.new_sequence()
-    token = int(forward_paged(model, seq, random_ids(8), logits_to_keep=1, graphs=runner)[0].argmax())
+    token = int(paged_forward(model, seq, random_ids(8), logits_to_keep=1, graphs=runner)[0].argmax())
     seq.commit(8)
-    forward_paged(model, seq, [token], graphs=runner)  # capture the one-token shape outside the counted steps
+    paged_forward(model, seq, [token], graphs=runner)  # capture the one-token shape outside the counted steps
     seq.truncate(8)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
@@ -253,7 +255,7 @@ def test_cuda_plain_step_has_one_host_sync(monkeypatch) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(4):
-                token = int(forward_paged(model, seq, [token], graphs=runner)[0].argmax())
+                token = int(paged_forward(model, seq, [token], graphs=runner)[0].argmax())
                 seq.commit(1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -265,7 +267,7 @@ def test_cuda_plain_step_has_one_host_sync(monkeypatch) -> None:
 def test_static_bytes_no_longer_grow_with_shapes() -> None:
     """What a runner keeps outside its pool is one float32 logits buffer of the largest bucket's rows (plus the
     index buffers), whatever number of (token, key) shapes it captures: for Qwen2.5-7B at an 8k context the
-    former per-shape float32 logits were ~1.2 GB, now ~19 MB (backend/models/memory.py counts it)."""
+    former per-shape float32 logits were ~1.2 GB, now ~19 MB (backend/models/facts/memory.py counts it)."""
     vocab, context = 152064, 8192
     per_shape_before = sum(nb * vocab * 4 for nb in cuda_graphs.DEFAULT_TOKEN_BUCKETS)
     kv_buckets = context // cuda_graphs.DEFAULT_KV_STEP
@@ -276,7 +278,7 @@ def test_static_bytes_no_longer_grow_with_shapes() -> None:
     runner = cuda_graphs.GraphRunner(model, _cache(model, fragmented=False), kv_step=16)
     seq = runner.cache.new_sequence()
     for n in (1, 3, 7, 20):
-        forward_paged(model, seq, random_ids(n, seed=n), logits_to_keep=n, graphs=runner)
+        paged_forward(model, seq, random_ids(n, seed=n), logits_to_keep=n, graphs=runner)
         seq.commit(n)
     assert len(runner._shapes) >= 4
     assert not any(hasattr(shape, "logits") for shape in runner._shapes.values())  # no output per shape

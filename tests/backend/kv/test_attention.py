@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged import paged_forward
 from tiny_models import FAMILIES, build_tiny, random_ids, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specchat.backend.engine.runner import forward_paged
 from specchat.backend.errors import KVCacheFullError, ModelLoadError
 from specchat.backend.kv.attention import (
     ATTN_IMPLEMENTATION,
@@ -62,20 +62,20 @@ def test_paged_logits_equal_stock_model(family: str, fragmented: bool) -> None:
 
     # Prefill in three chunks (the first two shorter than, the last crossing, the window).
     for lo, hi in ((0, 6), (6, 17), (17, 26)):
-        got.append(forward_paged(model, seq, ids[lo:hi], logits_to_keep=hi - lo))
+        got.append(paged_forward(model, seq, ids[lo:hi], logits_to_keep=hi - lo))
         seq.commit(hi - lo)
     # Plain decoding, one token per forward.
     for t in ids[26:30]:
-        got.append(forward_paged(model, seq, [t]))
+        got.append(paged_forward(model, seq, [t]))
         seq.commit(1)
     # Verification chunk: 4 right tokens then 3 wrong drafts; keep one wrong, then roll it back.
     wrong = [(t + 1) % 100 + 3 for t in ids[34:37]]
-    logits = forward_paged(model, seq, ids[30:34] + wrong, logits_to_keep=7)
+    logits = paged_forward(model, seq, ids[30:34] + wrong, logits_to_keep=7)
     got.append(logits[:4])
     seq.commit(5)
     seq.truncate(34)
     # Re-forward the true continuation over the rolled-back slots (tensor input this time).
-    got.append(forward_paged(model, seq, torch.tensor(ids[34:40]), logits_to_keep=6))
+    got.append(paged_forward(model, seq, torch.tensor(ids[34:40]), logits_to_keep=6))
     seq.commit(6)
 
     assert seq.length == CONTEXT
@@ -104,9 +104,9 @@ def test_long_chunks_after_a_prefix(family: str, fragmented: bool) -> None:
     ref = reference_logits(model, ids)
     use_paged_attention(model)
     seq = make_cache(model, fragmented=fragmented, block_size=16, max_tokens=512).new_sequence()
-    first = forward_paged(model, seq, ids[:100], logits_to_keep=100)
+    first = paged_forward(model, seq, ids[:100], logits_to_keep=100)
     seq.commit(100)
-    second = forward_paged(model, seq, ids[100:], logits_to_keep=60)
+    second = paged_forward(model, seq, ids[100:], logits_to_keep=60)
     torch.testing.assert_close(torch.cat([first, second]), ref, atol=TOL, rtol=0)
 
 
@@ -154,15 +154,15 @@ def test_misuse_errors() -> None:
     cache = make_cache(model, fragmented=False)
     seq = cache.new_sequence()
     with pytest.raises(ModelLoadError, match=ATTN_IMPLEMENTATION):
-        forward_paged(model, seq, [5, 6])  # not switched to paged attention
+        paged_forward(model, seq, [5, 6])  # not switched to paged attention
     use_paged_attention(model)
     with pytest.raises(KVCacheUsageError, match="forward_paged"):
         with torch.no_grad():
             model(input_ids=torch.tensor([[5, 6]]))  # paged model called directly
     with pytest.raises(KVCacheUsageError, match="logits_to_keep"):
-        forward_paged(model, seq, [5, 6], logits_to_keep=3)
+        paged_forward(model, seq, [5, 6], logits_to_keep=3)
     with pytest.raises(KVCacheUsageError, match="empty"):
-        forward_paged(model, seq, [])
+        paged_forward(model, seq, [])
     assert (seq.length, seq.block_table) == (0, [])
 
 
@@ -172,12 +172,12 @@ def test_full_cache_is_reported_and_leaves_the_sequence_usable() -> None:
     cache = PagedKVCache.for_model(model.config, max_tokens=16, block_size=4, dtype=torch.float32, device="cpu")
     seq = cache.new_sequence()
     ids = random_ids(20, seed=1)
-    forward_paged(model, seq, ids[:12], logits_to_keep=1)
+    paged_forward(model, seq, ids[:12], logits_to_keep=1)
     seq.commit(12)
     with pytest.raises(KVCacheFullError, match="KV cache is full"):
-        forward_paged(model, seq, ids[12:20])
+        paged_forward(model, seq, ids[12:20])
     assert (seq.length, len(seq.block_table)) == (12, 3)
-    logits = forward_paged(model, seq, ids[12:16], logits_to_keep=4)
+    logits = paged_forward(model, seq, ids[12:16], logits_to_keep=4)
     torch.testing.assert_close(
         logits, reference_logits(model.set_attn_implementation("eager") or model, ids[:16])[12:], atol=TOL, rtol=0
     )

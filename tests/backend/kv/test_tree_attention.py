@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged import paged_forward
 from tiny_models import FAMILIES, WINDOW, build_tiny, random_ids
 
-from specchat.backend.engine.runner import forward_paged
 from specchat.backend.kv.attention import tree_tensors, use_paged_attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache
@@ -65,15 +65,15 @@ def test_tree_pass_equals_a_chain_per_path_and_the_accepted_path_moves_into_plac
     drafts = random_ids(len(PARENTS), seed=9)
     cache = _cache(model, fragmented=fragmented)
     seq = cache.new_sequence()
-    forward_paged(model, seq, prefix, logits_to_keep=1)
+    paged_forward(model, seq, prefix, logits_to_keep=1)
     seq.commit(len(prefix))
-    tree = forward_paged(model, seq, [pending] + drafts, logits_to_keep=1 + len(drafts), parents=PARENTS)
+    tree = paged_forward(model, seq, [pending] + drafts, logits_to_keep=1 + len(drafts), parents=PARENTS)
     for i in range(len(PARENTS)):
         chain_ids = [pending] + [drafts[j] for j in _path(PARENTS, i)]
         other = _cache(model, fragmented=False).new_sequence()
-        forward_paged(model, other, prefix, logits_to_keep=1)
+        paged_forward(model, other, prefix, logits_to_keep=1)
         other.commit(len(prefix))
-        chain = forward_paged(model, other, chain_ids, logits_to_keep=len(chain_ids))
+        chain = paged_forward(model, other, chain_ids, logits_to_keep=len(chain_ids))
         torch.testing.assert_close(tree[1 + i], chain[-1], atol=TOL, rtol=0)
     torch.testing.assert_close(tree[0], chain[0], atol=TOL, rtol=0)  # the pending token sees only the prefix
     # Accept the deepest path: move its K/V to consecutive positions, commit, and decode on.
@@ -82,9 +82,9 @@ def test_tree_pass_equals_a_chain_per_path_and_the_accepted_path_moves_into_plac
     cache.move(seq, [start + 1 + j for j in accepted], [start + 1 + k for k in range(len(accepted))])
     seq.commit(1 + len(accepted))
     nxt = random_ids(3, seed=5)
-    got = forward_paged(model, seq, nxt, logits_to_keep=3)
+    got = paged_forward(model, seq, nxt, logits_to_keep=3)
     ref_seq = _cache(model, fragmented=False).new_sequence()
-    want = forward_paged(model, ref_seq, prefix + [pending] + [drafts[j] for j in accepted] + nxt, logits_to_keep=3)
+    want = paged_forward(model, ref_seq, prefix + [pending] + [drafts[j] for j in accepted] + nxt, logits_to_keep=3)
     torch.testing.assert_close(got, want, atol=TOL, rtol=0)
 
 
@@ -93,10 +93,10 @@ def test_move_checks_its_positions() -> None:
     use_paged_attention(model)
     cache = _cache(model, fragmented=False)
     seq = cache.new_sequence()
-    forward_paged(model, seq, random_ids(5), logits_to_keep=1)
+    paged_forward(model, seq, random_ids(5), logits_to_keep=1)
     with pytest.raises(KVCacheUsageError, match="outside"):
         cache.move(seq, [100], [1])
     with pytest.raises(KVCacheUsageError, match="sources"):
         cache.move(seq, [1, 2], [0])
     with pytest.raises(KVCacheUsageError, match="parents"):
-        forward_paged(model, seq, [5, 6, 7], parents=[-1])
+        paged_forward(model, seq, [5, 6, 7], parents=[-1])

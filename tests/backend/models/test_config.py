@@ -11,7 +11,7 @@ import pytest
 
 from specchat.backend.errors import ConfigError
 from specchat.backend.limits import DEFAULT_PAIR
-from specchat.backend.models.config import (
+from specchat.backend.models.catalog.config import (
     ModelSpec,
     default_pair_name,
     get_pair,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from specchat.backend.errors import ConfigError
-from specchat.backend.models.config import load_pairs, load_pairs_file
+from specchat.backend.models.catalog.config import load_pairs, load_pairs_file
 
 TARGET = "      source: org/target-model\n" + "".join(
     f"      {k}: {v}\n" for k, v in dict(params=1000, num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64,

@@ -1,4 +1,4 @@
-"""The GGUF conversion cache heals (backend/models/convert.py, loading.py's retry): a damaged cache folder is
+"""The GGUF conversion cache heals (backend/models/gguf/convert.py, loading.py's retry): a damaged cache folder is
 noticed and made again on the next start, a full disk or an unwritable cache is named as such, a crafted
 hashes.json cannot steer a path, abandoned temporary folders go away, and kill -9 at any moment of a
 conversion or a load leaves a cache the next start uses without asking anyone."""
@@ -22,9 +22,10 @@ import torch
 from foundation_fixtures import write_tiny_gguf
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.models import cache_keys, convert, loading
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.loading import load_model
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.gguf import cache_keys, convert
+from specchat.backend.models.loading import pair as loading
+from specchat.backend.models.loading.pair import load_model
 
 
 @pytest.fixture(autouse=True)
@@ -201,8 +202,8 @@ def test_a_dead_writers_temporary_folder_is_removed(tmp_path):
 _CHILD = textwrap.dedent("""
     import sys, dataclasses
     from pathlib import Path
-    from specchat.backend.models.config import load_pairs
-    from specchat.backend.models.loading import load_model
+    from specchat.backend.models.catalog.config import load_pairs
+    from specchat.backend.models.loading.pair import load_model
     gguf, quantization = Path(sys.argv[1]), sys.argv[2]
     base = load_pairs()["smollm2-135m-f32"].target
     spec = dataclasses.replace(base, source=str(gguf), kind="gguf", path=str(gguf), quantization=quantization)

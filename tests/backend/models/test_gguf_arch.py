@@ -14,7 +14,7 @@ from gguf_fixtures import FAMILIES, LLAMA3_ROPE, QTYPES, build_source, gguf_pair
 from tiny_models import one_thread  # noqa: F401  (a fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from specchat.backend.models.gguf_arch import (
+from specchat.backend.models.gguf.gguf_arch import (
     ARCHS,
     GGUF_ARCH_OF,
     GgufArchError,
@@ -23,8 +23,8 @@ from specchat.backend.models.gguf_arch import (
     llama3_factors,
     unsupported,
 )
-from specchat.backend.models.gguf_file import dequantize, read_gguf
-from specchat.backend.models.gguf_tensors import hf_state_dict, roles_of, tensor_map
+from specchat.backend.models.gguf.gguf_file import dequantize, read_gguf
+from specchat.backend.models.gguf.gguf_tensors import hf_state_dict, roles_of, tensor_map
 
 # The fields that decide a model's forward and its stops (a config's to_dict() also holds bookkeeping).
 _FIELDS = (
@@ -249,7 +249,7 @@ def test_end_of_turn_ids_and_tables() -> None:
 
 
 def read_gguf_tensor_like(values: torch.Tensor):
-    from specchat.backend.models.gguf_file import F32, GgufTensor
+    from specchat.backend.models.gguf.gguf_file import F32, GgufTensor
 
     raw = values.numpy().astype(np.float32).view(np.uint8).reshape(values.shape[0], -1)
     return GgufTensor("t", F32, tuple(values.shape), raw)

@@ -1,5 +1,5 @@
 """The fast GGUF metadata reader (backend/models/gguf_file.MetadataReader) against the gguf package's reader,
-as transformers' load_gguf_checkpoint sees them (backend/models/convert.py swaps it in on a first start)."""
+as transformers' load_gguf_checkpoint sees them (backend/models/gguf/convert.py swaps it in on a first start)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 from foundation_fixtures import write_tiny_gguf
 
-from specchat.backend.models.convert import _gguf_metadata_read_once, _parse_with
-from specchat.backend.models.gguf_file import GgufFormatError, MetadataReader
+from specchat.backend.models.gguf.convert import _gguf_metadata_read_once, _parse_with
+from specchat.backend.models.gguf.gguf_file import GgufFormatError, MetadataReader
 
 
 def _checkpoint():
@@ -40,7 +40,7 @@ def test_the_first_start_parse_uses_it_once(tmp_path, monkeypatch):
             made.append(str(where))
             super().__init__(where)
 
-    monkeypatch.setattr("specchat.backend.models.gguf_file.MetadataReader", Counting)
+    monkeypatch.setattr("specchat.backend.models.gguf.gguf_file.MetadataReader", Counting)
     with _gguf_metadata_read_once():
         first, second = _checkpoint()(path), _checkpoint()(path)
     assert first == second and made == [str(path)]
@@ -59,7 +59,7 @@ def test_a_damaged_file_is_named(tmp_path):
 
 @pytest.mark.slow
 def test_the_embedded_files_metadata_parses_the_same_and_fast():
-    from specchat.backend.models.loading import packaged_gguf_path
+    from specchat.backend.models.loading.pair import packaged_gguf_path
 
     path = packaged_gguf_path()
     parse = _checkpoint()
@@ -78,7 +78,7 @@ def test_the_embedded_files_metadata_parses_the_same_and_fast():
 def test_the_block_sizes_known_here_are_ggmls():
     import gguf
 
-    from specchat.backend.models import gguf_file
+    from specchat.backend.models.gguf import gguf_file
 
     for ggml_type, sizes in gguf_file._BLOCKS.items():
         assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)] == sizes, gguf_file.TYPE_NAMES[ggml_type]

@@ -14,10 +14,10 @@ from gguf_fixtures import FAMILIES, build_source, gguf_pair, reference_model, wr
 from gguf_vocab import FAMILY_CHAT, ID
 from tiny_models import one_thread  # noqa: F401  (a fixture)
 
-from specchat.backend.models import loading
-from specchat.backend.models.chat_format import PLAIN_COMPLETION, plain_completion_note, stop_ids
-from specchat.backend.models.config import load_pairs_file
-from specchat.backend.models.light_tokenizer import _compiled
+from specchat.backend.models.catalog.config import load_pairs_file
+from specchat.backend.models.loading import pair as loading
+from specchat.backend.models.tokenizing.chat_format import PLAIN_COMPLETION, plain_completion_note, stop_ids
+from specchat.backend.models.tokenizing.light_tokenizer import _compiled
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

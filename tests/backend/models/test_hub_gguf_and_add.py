@@ -17,9 +17,10 @@ from tiny_models import one_thread  # noqa: F401  (a fixture)
 from specchat.app.cli import add as cmd_add
 from specchat.app.cli import models as cmd_models
 from specchat.backend.errors import ConfigError, ModelLoadError
-from specchat.backend.models import hub, hub_gguf
-from specchat.backend.models.config import load_pairs, load_pairs_file, user_models_file
-from specchat.backend.models.user_pairs import append_pair, default_name
+from specchat.backend.models.catalog.config import load_pairs, load_pairs_file, user_models_file
+from specchat.backend.models.catalog.user_pairs import append_pair, default_name
+from specchat.backend.models.hub import hub_gguf
+from specchat.backend.models.hub import repos as hub
 
 SOURCE = "hf:org/tiny-GGUF/tiny-q8_0.gguf"
 
@@ -93,7 +94,7 @@ def test_a_hub_gguf_is_sized_asked_for_fetched_with_progress_and_checked(tmp_pat
     assert path.read_bytes() == tiny.read_bytes() and fake.downloads == 1
     assert any(fraction == 1.0 and "tiny-q8_0.gguf" in message for message, fraction in seen)
     assert hub_gguf.download_size(pair.target) == 0 and hub_gguf.fetch(pair.target) == path  # cached now
-    from specchat.backend.models.fetch import fetch_sources
+    from specchat.backend.models.hub.fetch import fetch_sources
 
     refreshed = fetch_sources(pair, confirm_download=lambda size: True)
     assert refreshed.target.sizes_known and refreshed.target.num_layers == 2
@@ -156,7 +157,7 @@ def test_add_command_checks_tokenizers_and_shows_the_estimate(tmp_path, tiny):
 
 
 def test_models_listing_fits_80_columns_and_names_origins(tmp_path, tiny, monkeypatch):
-    monkeypatch.setattr("specchat.backend.models.memory.free_memory", lambda device: 4 * 2**30)
+    monkeypatch.setattr("specchat.backend.models.facts.memory.free_memory", lambda device: 4 * 2**30)
     append_pair(user_models_file(), "tiny", str(tiny))
     out = io.StringIO()
     assert cmd_models.run(SimpleNamespace(models=None, device="cpu", pair=None), out) == 0
@@ -169,7 +170,7 @@ def test_models_listing_fits_80_columns_and_names_origins(tmp_path, tiny, monkey
 
 
 def test_models_listing_says_where_each_number_and_the_weights_bytes_came_from(tmp_path, tiny, monkeypatch):
-    from specchat.backend.models.memory import as_stored, estimate_pair, format_bytes
+    from specchat.backend.models.facts.memory import as_stored, estimate_pair, format_bytes
 
     spec = load_pairs_file(_write(tmp_path / "probe.yaml", tiny, ""))["p"].target
     user = _write(user_models_file(), tiny, f"      num_layers: {spec.num_layers}\n")  # an override, checked

@@ -1,4 +1,5 @@
-"""The light tokenizer (backend/models/light_tokenizer.py) against transformers' tokenizer of the same folder."""
+"""The light tokenizer (backend/models/tokenizing/light_tokenizer.py) against transformers' tokenizer of the same
+folder."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from foundation_fixtures import save_tiny_llama, word_tokenizer, write_tiny_gguf
 from transformers import AutoTokenizer, GenerationConfig
 
 from specchat.backend.engine.prompting import render
-from specchat.backend.models import capture, convert, light_tokenizer, loading, skeleton
-from specchat.backend.models.config import ModelSpec
-from specchat.backend.models.light_tokenizer import LightTokenizer
-from specchat.backend.models.loading import packaged_gguf_path
+from specchat.backend.models.catalog.config import ModelSpec
+from specchat.backend.models.gguf import convert
+from specchat.backend.models.loading import capture, skeleton
+from specchat.backend.models.loading import pair as loading
+from specchat.backend.models.loading.pair import packaged_gguf_path
+from specchat.backend.models.tokenizing import light_tokenizer
+from specchat.backend.models.tokenizing.light_tokenizer import LightTokenizer
 
 TEXTS = (
     "",
@@ -208,7 +212,7 @@ def test_the_embedded_models_tokenizer_is_transformers(isolated_dirs):
 def test_the_default_starts_without_importing_transformers():
     script = (
         "import sys; from specchat.backend.engine.engine import load_engine; "
-        "from specchat.backend.models.config import load_pairs; "
+        "from specchat.backend.models.catalog.config import load_pairs; "
         "e = load_engine(load_pairs()['smollm2-135m'], device='cpu'); "
         "print(type(e.tokenizer).__name__, 'transformers' in sys.modules)"
     )

@@ -22,10 +22,12 @@ from foundation_fixtures import SPECIALS, local_spec, save_tiny_llama, word_toke
 
 from specchat.backend.errors import ConfigError, IncompatiblePairError, ModelLoadError
 from specchat.backend.limits import DEFAULT_PAIR
-from specchat.backend.models import cache_keys, convert, hub, loading
-from specchat.backend.models.capture import capture_library_output, progress_tqdm_class, user_callback
-from specchat.backend.models.config import PairConfig, load_pairs
-from specchat.backend.models.loading import (
+from specchat.backend.models.catalog.config import PairConfig, load_pairs
+from specchat.backend.models.gguf import cache_keys, convert
+from specchat.backend.models.hub import repos as hub
+from specchat.backend.models.loading import pair as loading
+from specchat.backend.models.loading.capture import capture_library_output, progress_tqdm_class, user_callback
+from specchat.backend.models.loading.pair import (
     check_tokenizers_compatible,
     load_model,
     load_pair,
@@ -372,7 +374,7 @@ def test_sigkill_during_conversion(tmp_path):
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from specchat.backend.models import convert
+        from specchat.backend.models.gguf import convert
         real = convert._convert_into
         def slow(*args):
             real(*args)

@@ -17,10 +17,10 @@ from foundation_fixtures import local_spec, save_tiny_llama, word_tokenizer
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
 from specchat.backend.limits import DEFAULT_PAIR, MAX_GAMMA
-from specchat.backend.models import memory
-from specchat.backend.models.config import PairConfig, load_pairs
-from specchat.backend.models.loading import load_model, load_pair
-from specchat.backend.models.memory import MemoryEstimate, check_fits, estimate_pair, free_memory
+from specchat.backend.models.catalog.config import PairConfig, load_pairs
+from specchat.backend.models.facts import memory
+from specchat.backend.models.facts.memory import MemoryEstimate, check_fits, estimate_pair, free_memory
+from specchat.backend.models.loading.pair import load_model, load_pair
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # estimates need no GPU: only the device type counts
 _CALLER_CACHE = os.environ.get("SPECCHAT_CACHE_DIR")
@@ -175,9 +175,9 @@ def test_embedded_default_estimate_matches_measured(monkeypatch):
         import gc, json, torch
         import transformers.models.llama.modeling_llama  # imports are code, not the model's memory
         from specchat.backend.limits import DEFAULT_PAIR
-        from specchat.backend.models.config import load_pairs
-        from specchat.backend.models.loading import load_pair
-        from specchat.backend.models.memory import estimate_pair
+        from specchat.backend.models.catalog.config import load_pairs
+        from specchat.backend.models.loading.pair import load_pair
+        from specchat.backend.models.facts.memory import estimate_pair
         def rss():
             return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
         pair = load_pairs()["smollm2-135m-f32"]  # float32: the weights dominate the process's growth

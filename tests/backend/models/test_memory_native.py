@@ -1,4 +1,4 @@
-"""The memory estimate of a model on the CPU native path (backend/models/memory.py): the weights are the file's
+"""The memory estimate of a model on the CPU native path (backend/models/facts/memory.py): the weights are the file's
 blocks as stored, the KV cache bfloat16 for a GGUF, as the loader and the runner really hold them (a GGUF written
 here); types without a kernel count at F16; paths that are not native keep their own arithmetic."""
 
@@ -20,11 +20,11 @@ from native_fixtures import native_ready  # noqa: F401  (a fixture)
 from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
 from specchat.backend.limits import DEFAULT_PAIR
-from specchat.backend.models import memory
-from specchat.backend.models.config import load_pairs, load_pairs_file
-from specchat.backend.models.gguf_file import read_gguf
-from specchat.backend.models.loading import load_model, packaged_gguf_path
-from specchat.backend.models.native_loading import NativeCausalLM
+from specchat.backend.models.catalog.config import load_pairs, load_pairs_file
+from specchat.backend.models.facts import memory
+from specchat.backend.models.gguf.gguf_file import read_gguf
+from specchat.backend.models.loading.native_loading import NativeCausalLM
+from specchat.backend.models.loading.pair import load_model, packaged_gguf_path
 
 CPU = torch.device("cpu")
 
@@ -121,9 +121,9 @@ def test_the_default_on_the_native_path_stays_within_its_estimate(native_ready):
         from specchat.backend.engine.engine import load_engine
         from specchat.backend.kernels import native
         from specchat.backend.limits import DEFAULT_PAIR
-        from specchat.backend.models.config import load_pairs
-        from specchat.backend.models.memory import estimate_pair
-        import specchat.backend.models.loading, specchat.backend.engine.runner  # code, not the model's memory
+        from specchat.backend.models.catalog.config import load_pairs
+        from specchat.backend.models.facts.memory import estimate_pair
+        import specchat.backend.models.loading.pair, specchat.backend.engine.runner  # code, not the model's memory
         def rss():
             return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
         assert native.ensure() is None

@@ -12,10 +12,10 @@ from gguf_fixtures import gguf_pair
 from tiny_models import build_tiny, one_thread  # noqa: F401  (a fixture)
 
 from specchat.backend.errors import ConfigError
-from specchat.backend.models import memory
-from specchat.backend.models.config import load_pairs_file
-from specchat.backend.models.gguf_file import read_gguf
-from specchat.backend.models.model_facts import facts_from_folder, facts_from_gguf
+from specchat.backend.models.catalog.config import load_pairs_file
+from specchat.backend.models.facts import memory
+from specchat.backend.models.facts.model_facts import facts_from_folder, facts_from_gguf
+from specchat.backend.models.gguf.gguf_file import read_gguf
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ from native_fixtures import native_ready  # noqa: F401  (a fixture)
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import load_engine
-from specchat.backend.models.config import load_pairs_file
+from specchat.backend.models.catalog.config import load_pairs_file
 
 pytestmark = pytest.mark.usefixtures("isolated_dirs")
 PROMPT = [{"role": "user", "content": "hello world, hello world, hello"}]

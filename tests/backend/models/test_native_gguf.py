@@ -1,4 +1,5 @@
-"""GGUF files into the native model (backend/models/native_loading.py, native_arch.py): tiny llama / mistral / qwen2
+"""GGUF files into the native model (backend/models/loading/native_loading.py, native_arch.py): tiny llama / mistral /
+qwen2
 files in each block type the kernels take, and a Q4_K_M-like mix, give the logits of transformers' forward over
 the file's own blocks (its projections through the same block kernels, so 8-bit activations on both sides) to
 float rounding, and the same greedy tokens; llama.cpp's permuted q/k
@@ -14,8 +15,8 @@ from tiny_models import build_tiny, random_ids
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kv.kv_cache import PagedKVCache
-from specchat.backend.models.gguf_file import read_gguf
-from specchat.backend.models.native_loading import from_gguf
+from specchat.backend.models.gguf.gguf_file import read_gguf
+from specchat.backend.models.loading.native_loading import from_gguf
 
 # K-quants take rows of 256 weights: a wider tiny model for them.
 WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
@@ -131,7 +132,7 @@ def test_every_gguf_architecture_runs_natively_from_the_files_config(family, nat
     from gguf_fixtures import gguf_pair, reference_model
     from transformers import AutoConfig
 
-    from specchat.backend.models.gguf_tensors import config_of
+    from specchat.backend.models.gguf.gguf_tensors import config_of
 
     _, path = gguf_pair(family, "F16", tmp_path)
     parsed = read_gguf(path)
@@ -144,10 +145,10 @@ def test_every_gguf_architecture_runs_natively_from_the_files_config(family, nat
 
 
 def test_native_taps_are_transformers_hidden_states_by_the_runners_indices(native_ready, tmp_path):  # noqa: F811
-    """Draft heads ask for taps by transformers' ``output_hidden_states`` index (runner.check_taps); the native
-    model taps the stream after a layer: runner.native_taps maps one onto the other, the final norm's output
+    """Draft heads ask for taps by transformers' ``output_hidden_states`` index (forward_paths.check_taps); the
+    native model taps the stream after a layer: NativePath.native_taps maps one onto the other, the final norm's output
     included, and refuses the embeddings (tap 0)."""
-    from specchat.backend.engine.runner import native_taps
+    from specchat.backend.engine.forward_paths import NativePath
 
     model = build_tiny("llama")
     path = tmp_path / "tiny-F16.gguf"
@@ -159,17 +160,15 @@ def test_native_taps_are_transformers_hidden_states_by_the_runners_indices(nativ
     loaded.native.bind(cache)
     ids = random_ids(12, seed=5)
 
-    class Holder:
-        config = model.config
-
-    _, tapped = loaded.native.forward(cache.new_sequence(), torch.tensor(ids), 1, None, native_taps(taps, Holder))
+    native_path = NativePath(model, loaded.native)
+    _, tapped = loaded.native.forward(cache.new_sequence(), torch.tensor(ids), 1, None, native_path.native_taps(taps))
     with torch.no_grad():
         hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
     for tap, got in zip(taps, tapped, strict=True):
         want = hidden[tap][0].float()
         assert float((got - want).abs().max()) < 1e-3 * float(want.std()) + 1e-5, tap
     with pytest.raises(ModelLoadError, match="tap 0"):
-        native_taps((0, layers), Holder)
+        native_path.native_taps((0, layers))
 
 
 def test_a_qwen2_files_light_config_is_transformers_own(tmp_path):
@@ -181,10 +180,10 @@ def test_a_qwen2_files_light_config_is_transformers_own(tmp_path):
     from gguf_fixtures import gguf_pair
     from transformers import AutoConfig
 
-    from specchat.backend.models import skeleton
-    from specchat.backend.models.gguf_tensors import config_of
-    from specchat.backend.models.native_arch import architecture
-    from specchat.backend.models.native_loading import light_defaults
+    from specchat.backend.models.gguf.gguf_tensors import config_of
+    from specchat.backend.models.loading import skeleton
+    from specchat.backend.models.loading.native_arch import architecture
+    from specchat.backend.models.loading.native_loading import light_defaults
 
     _, path = gguf_pair("qwen2", "F16", tmp_path)
     values = config_of(read_gguf(path))
@@ -205,7 +204,7 @@ def test_a_qwen2_files_light_config_is_transformers_own(tmp_path):
 def test_train_head_starts_from_the_files_output_layer_and_final_norm(tied, native_ready, tmp_path):  # noqa: F811
     """train-head's frozen output layer: the stored rows of the draft ids (the embedding's when tied), de-quantised
     from the file's blocks, and the final norm as the pass multiplies by it (it was None for native models)."""
-    from specchat.backend.models.gguf_file import dequantize
+    from specchat.backend.models.gguf.gguf_file import dequantize
     from specchat.backend.training.pipeline import _output_layer
 
     model = build_tiny("llama", tie_word_embeddings=tied)

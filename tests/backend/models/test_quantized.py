@@ -1,4 +1,4 @@
-"""GGUF read directly into int4 / int8 layers (backend/models/gguf_file.py, quantized.py)."""
+"""GGUF read directly into int4 / int8 layers (backend/models/gguf/gguf_file.py, quantized.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from foundation_fixtures import write_tiny_gguf
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import int4_layout
 from specchat.backend.kernels.quant_linear import Int4Linear, Int8Linear, Q8Embedding
-from specchat.backend.models import gguf_file
-from specchat.backend.models.gguf_file import GgufFormatError, read_gguf
-from specchat.backend.models.quantized import from_gguf
+from specchat.backend.models.gguf import gguf_file
+from specchat.backend.models.gguf.gguf_file import GgufFormatError, read_gguf
+from specchat.backend.models.loading.quantized import from_gguf
 
 CPU = torch.device("cpu")
 
@@ -119,7 +119,7 @@ def test_the_embedded_files_q4_1_blocks_are_kept_exactly(capsys):
     float32 scale and zero; with the bfloat16 ones the kernels take, each weight stays within 2^-8 of its
     block's |(q - 8)·d| + |m + 8·d| (the error is printed, for benchmarks/RESULTS.md). The tied Q8_0
     embedding re-quantised to an int8 head per row: within half a row step plus the scale's rounding."""
-    from specchat.backend.models.loading import packaged_gguf_path
+    from specchat.backend.models.loading.pair import packaged_gguf_path
 
     g = read_gguf(packaged_gguf_path())
     worst = total = count = 0.0

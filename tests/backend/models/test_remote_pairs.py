@@ -1,4 +1,4 @@
-"""Remote pairs in models.yaml (backend/models/config.py): the minimal entry works; every mistake names the
+"""Remote pairs in models.yaml (backend/models/catalog/config.py): the minimal entry works; every mistake names the
 field."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from specchat.backend.errors import ConfigError
-from specchat.backend.models.config import REMOTE_DRAFTER, RemoteSpec, load_pairs, load_pairs_file
+from specchat.backend.models.catalog.config import REMOTE_DRAFTER, RemoteSpec, load_pairs, load_pairs_file
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -27,8 +27,8 @@ from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine, load_engine
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.limits import DEFAULT_PAIR
-from specchat.backend.models.config import PairConfig, load_pairs
-from specchat.backend.models.loading import load_model, load_pair
+from specchat.backend.models.catalog.config import PairConfig, load_pairs
+from specchat.backend.models.loading.pair import load_model, load_pair
 
 WORDS = [f"w{i}" for i in range(40)]
 

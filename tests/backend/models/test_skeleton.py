@@ -1,4 +1,4 @@
-"""The light int4 model (backend/models/skeleton.py) against transformers' model classes it stands in for."""
+"""The light int4 model (backend/models/loading/skeleton.py) against transformers' model classes it stands in for."""
 
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ import sys
 import pytest
 import torch
 from foundation_fixtures import write_tiny_gguf
+from paged import paged_forward
 from tiny_models import SMOLLM_ATTENTION, build_tiny, one_thread, random_ids, tiny_config  # noqa: F401  (one_thread: a fixture)
 from transformers import AutoConfig, AutoTokenizer
 
-from specchat.backend.engine.runner import ModelRunner, forward_paged
+from specchat.backend.engine.runner import ModelRunner
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import compact
 from specchat.backend.kv.attention import ATTN_IMPLEMENTATION
 from specchat.backend.kv.kv_cache import PagedKVCache, kv_geometry
-from specchat.backend.models import capture, convert, quantized, skeleton
-from specchat.backend.models.config import load_pairs
-from specchat.backend.models.gguf_file import read_gguf
-from specchat.backend.models.loading import LoadedModel, packaged_gguf_path
-from specchat.backend.models.quantized import from_gguf, quantize_model
+from specchat.backend.models.catalog.config import load_pairs
+from specchat.backend.models.gguf import convert
+from specchat.backend.models.gguf.gguf_file import read_gguf
+from specchat.backend.models.loading import capture, quantized, skeleton
+from specchat.backend.models.loading.pair import LoadedModel, packaged_gguf_path
+from specchat.backend.models.loading.quantized import from_gguf, quantize_model
 
 CPU = torch.device("cpu")
 FIELDS = (
@@ -106,8 +108,8 @@ def _same_compact_logits(reference, light) -> None:
         *[([t], 1) for t in random_ids(6, seed=2)],
         (random_ids(5, seed=3), 5),
     ]:
-        want = forward_paged(reference, seqs[0], chunk, logits_to_keep=keep, fast=fast_ref)
-        got = forward_paged(light, seqs[1], chunk, logits_to_keep=keep, fast=fast_light)
+        want = paged_forward(reference, seqs[0], chunk, logits_to_keep=keep, fast=fast_ref)
+        got = paged_forward(light, seqs[1], chunk, logits_to_keep=keep, fast=fast_light)
         assert torch.equal(got, want)
         for seq in seqs:
             seq.commit(len(chunk))
@@ -240,7 +242,7 @@ def test_the_default_starts_without_transformers_model_code(native, monkeypatch)
     monkeypatch.setenv("SPECCHAT_NATIVE", native)
     script = (
         "import sys; from specchat.backend.engine.engine import load_engine; "
-        "from specchat.backend.models.config import load_pairs; "
+        "from specchat.backend.models.catalog.config import load_pairs; "
         "e = load_engine(load_pairs()['smollm2-135m'], device='cpu'); "
         "print(type(e.target.model).__name__, e.runner.path, "
         "[m for m in ('transformers.modeling_utils', 'transformers.modeling_gguf_pytorch_utils', "

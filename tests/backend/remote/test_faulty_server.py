@@ -217,7 +217,7 @@ def test_a_faulty_server_ends_in_one_line_or_a_marked_reply(faulty, tmp_path, na
 
 @pytest.mark.parametrize("name", [n for n in BEHAVIOURS if "endless" not in n and "silent" not in n])
 def test_the_reachability_check_never_raises(faulty, name) -> None:
-    from specchat.backend.models.config import RemoteSpec
+    from specchat.backend.models.catalog.config import RemoteSpec
 
     faulty.behaviour = BEHAVIOURS[name]
     spec = RemoteSpec(server=f"http://u:{PASSWORD}@127.0.0.1:{faulty.port}/v1", model="m")

@@ -10,8 +10,8 @@ from tiny_heads import eagle3_config, eagle3_folder, eagle3_head, medusa_folder,
 from tiny_models import build_tiny, one_thread  # noqa: F401  (one_thread: autouse)
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.models.config_head import HeadSpec
-from specchat.backend.models.head_loading import load_head, plan_head
+from specchat.backend.models.catalog.config_head import HeadSpec
+from specchat.backend.models.loading.head_loading import load_head, plan_head
 from specchat.backend.speculative.heads import trees
 from specchat.backend.speculative.heads.drafter import Eagle3Drafter, MedusaDrafter, head_drafter
 from specchat.backend.speculative.heads.eagle3 import Eagle3Config, Eagle3Head, default_taps

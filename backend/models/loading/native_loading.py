@@ -32,12 +32,12 @@ import torch
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import native
 from specchat.backend.kernels.native_model import GGML_TYPES, TYPE_NAMES, NativeModel, float_qweight, qweight
-from specchat.backend.models import gguf_file
-from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec
-from specchat.backend.models.gguf_arch import ARCHS, GgufArchError
-from specchat.backend.models.gguf_file import GgufFile
-from specchat.backend.models.gguf_tensors import CONFIG_ROLES, config_of, roles_of
-from specchat.backend.models.native_arch import (
+from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec
+from specchat.backend.models.gguf import gguf_file
+from specchat.backend.models.gguf.gguf_arch import ARCHS, GgufArchError
+from specchat.backend.models.gguf.gguf_file import GgufFile
+from specchat.backend.models.gguf.gguf_tensors import CONFIG_ROLES, config_of, roles_of
+from specchat.backend.models.loading.native_arch import (
     HF_NAMES,
     LAYER_VECTORS,
     MATRICES,
@@ -124,7 +124,7 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
          gguf: Path | None):  # fmt: skip
     """The native model of ``spec`` from ``folder`` (its converted metadata, for a GGUF) as ``(model, dtype,
     generation values, folder, tokenizer)``, or why the native model does not cover it (one line)."""
-    from specchat.backend.models import skeleton
+    from specchat.backend.models.loading import skeleton
 
     try:
         if gguf is not None:
@@ -171,8 +171,8 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
 def light_defaults(values: dict[str, Any]) -> dict[str, Any]:
     """``values`` (a GGUF's configuration) with the fields a qwen2 file does not state set as transformers'
     Qwen2Config sets them (no sliding window: ``use_sliding_window`` defaults to False, so every layer is full
-    attention), so that the light config covers it and the native path need not import transformers (~3.7 s of a
-    start on this machine)."""
+    attention), so that the light config covers it and the native path need not import transformers (seconds of a
+    start: ``benchmarks/RESULTS.md``, "A qwen2 GGUF on the native path")."""
     if values.get("model_type") != "qwen2" or "layer_types" in values or values.get("use_sliding_window"):
         return values
     layers = values.get("num_hidden_layers")

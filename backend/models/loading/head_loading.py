@@ -25,8 +25,8 @@ from torch import nn
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import block_linear, blocks
 from specchat.backend.limits import HEAD_DRAFTERS
-from specchat.backend.models.config import ModelSpec, PairConfig
-from specchat.backend.models.config_head import HeadSpec
+from specchat.backend.models.catalog.config import ModelSpec, PairConfig
+from specchat.backend.models.catalog.config_head import HeadSpec
 from specchat.backend.speculative.heads.eagle3 import Eagle3Config, Eagle3Head, default_taps
 from specchat.backend.speculative.heads.medusa import MedusaConfig, MedusaHeads, medusa_state
 
@@ -56,8 +56,8 @@ def head_folder(spec: HeadSpec, confirm_download: Callable[[int], bool] | None, 
         return folder
     if spec.kind == "local":
         return Path(spec.path or spec.source)
-    from specchat.backend.models import hub
-    from specchat.backend.models.config import ModelSpec
+    from specchat.backend.models.catalog.config import ModelSpec
+    from specchat.backend.models.hub import repos as hub
 
     model = ModelSpec(
         source=spec.source,

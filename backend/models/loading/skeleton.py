@@ -1,11 +1,11 @@
 """A light model object for the compact forward: the modules ``compact.build`` reads, no transformers model code.
 
 Why: the int4 default runs on CPU through the compact forward (``backend/kernels/compact.py``), which reads the
-model's tensors and never calls its modules' ``forward``. Building transformers' model classes for it (and
-registering the paged attention with ``transformers.AttentionInterface``) imports ``transformers.modeling_utils``
-and, through it, ``torch.distributed.tensor`` and ``torch._dynamo``: ~1.5-4 s of a start spent on code that
-never runs. Even transformers' config classes (``LlamaConfig``) import its weight-conversion machinery; so
-this module reads ``config.json`` itself as well.
+model's tensors and never calls its modules' ``forward``. Building transformers' model classes for it (and registering
+the paged attention with ``transformers.AttentionInterface``) imports ``transformers.modeling_utils`` and, through it,
+``torch.distributed.tensor`` and ``torch._dynamo``: seconds of a start spent on code that never runs
+(``benchmarks/RESULTS.md``, "Start time and memory"). Even transformers' config classes (``LlamaConfig``) import its
+weight-conversion machinery; so this module reads ``config.json`` itself as well.
 
 Contract:
 
@@ -156,7 +156,7 @@ def _head_dim(config: LightConfig) -> int:
 class Placeholder(nn.Module):
     """Where ``quantized.from_gguf`` puts a layer: a meta tensor of the layer's shape until then, so a layer it
     does not fill is noticed. Not ``nn.Linear`` / ``nn.Embedding``: their random initialisation, even on the
-    meta device, imports ``torch._dynamo`` (~3.5 s)."""
+    meta device, imports ``torch._dynamo`` (seconds: ``benchmarks/RESULTS.md``, "Figures moved out of the code")."""
 
     def __init__(self, rows: int, columns: int) -> None:
         super().__init__()

@@ -20,9 +20,9 @@ import re
 from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.models.capture import Progress, progress_tqdm_class
-from specchat.backend.models.model_spec import ModelSpec
-from specchat.backend.models.spec_facts import cached_hub_file, offline
+from specchat.backend.models.catalog.model_spec import ModelSpec
+from specchat.backend.models.facts.spec_facts import cached_hub_file, offline
+from specchat.backend.models.loading.capture import Progress, progress_tqdm_class
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -100,7 +100,7 @@ def _expected(spec: ModelSpec) -> tuple[int | None, str | None]:
 
 
 def _check(spec: ModelSpec, path: Path, progress: Progress | None) -> None:
-    from specchat.backend.models.cache_keys import file_sha256
+    from specchat.backend.models.gguf.cache_keys import file_sha256
 
     size, sha256 = _expected(spec)
     actual = path.stat().st_size

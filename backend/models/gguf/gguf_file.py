@@ -9,7 +9,7 @@ Contract:
   what is wrong; it never reads past the end.
 - Tensor shapes are in torch order (``[out_features, in_features]`` for a weight); ``raw`` is the bytes of
   the tensor as stored, ``[rows, bytes per row]``.
-- Block formats the int4/int8 path keeps as they are (``backend/models/quantized.py``): :func:`q4_blocks`
+- Block formats the int4/int8 path keeps as they are (``backend/models/loading/quantized.py``): :func:`q4_blocks`
   splits Q4_0 / Q4_1 rows (32 weights a block: fp16 scale ``d``, for Q4_1 an fp16 minimum ``m``, then 16
   bytes whose low nibbles are weights 0-15 and high nibbles weights 16-31; ``w = d·q + m``, Q4_0
   ``w = d·(q - 8)``) into codes and scales; :func:`q8_0_blocks` splits Q8_0 rows (fp16 ``d``, 32 int8 codes,
@@ -42,7 +42,8 @@ DEFAULT_ALIGNMENT = 32
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
 # (weights, bytes) per block of the types above, as ggml defines them: the common files need no ``gguf`` import
-# (its enums cost ~0.2 s of a start); other types ask the ``gguf`` package.
+# (its enums' import is a noticeable part of a start: benchmarks/RESULTS.md, "Figures moved out of the code"); other
+# types ask the ``gguf`` package.
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _NUMPY = {
@@ -276,10 +277,11 @@ class MetadataReader:
     return_tensors=False)`` uses it: ``fields`` (every metadata value, :class:`ReaderField`) and ``tensors``
     (their names).
 
-    Why: ``GGUFReader`` builds a numpy view for each element of every array (the tokenizer's 49,152 tokens and
-    48,900 merges in the embedded file): ~5 s on 2 cores, most of a first start. This reads the same bytes with
-    ``struct`` and keeps them raw (bytes, not decoded), so transformers parses exactly what it parses from
-    ``GGUFReader`` (``backend/models/convert.py`` swaps it in for that one call; a test compares the two)."""
+    Why: ``GGUFReader`` builds a numpy view for each element of every array (the tokenizer's 49,152 tokens and 48,900
+    merges in the embedded file): most of a first start (``benchmarks/RESULTS.md``, "Start time and memory"). This
+    reads the same bytes with ``struct`` and keeps them raw (bytes, not decoded), so transformers parses exactly what
+    it parses from ``GGUFReader`` (``backend/models/gguf/convert.py`` swaps it in for that one call; a test compares
+    the two)."""
 
     def __init__(self, path: str | Path) -> None:
         try:  # the map goes with its last reference: every value kept is a copy (bytes, Python numbers)

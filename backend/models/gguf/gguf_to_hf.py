@@ -27,9 +27,9 @@ def mapped_config(gguf_path: str | Path) -> Any:
     """See the module docstring."""
     from transformers import AutoConfig
 
-    from specchat.backend.models.gguf_arch import unsupported
-    from specchat.backend.models.gguf_file import read_gguf
-    from specchat.backend.models.gguf_tensors import config_of
+    from specchat.backend.models.gguf.gguf_arch import unsupported
+    from specchat.backend.models.gguf.gguf_file import read_gguf
+    from specchat.backend.models.gguf.gguf_tensors import config_of
 
     file = read_gguf(gguf_path)
     if unsupported(file.metadata) is not None:
@@ -42,8 +42,8 @@ def mapped_model(gguf_path: str | Path, config: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specchat.backend.models.gguf_file import read_gguf
-    from specchat.backend.models.gguf_tensors import hf_state_dict
+    from specchat.backend.models.gguf.gguf_file import read_gguf
+    from specchat.backend.models.gguf.gguf_tensors import hf_state_dict
 
     file = read_gguf(gguf_path)
     state = hf_state_dict(file, config.to_dict())
@@ -51,7 +51,7 @@ def mapped_model(gguf_path: str | Path, config: Any) -> Any:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if not (name == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        from specchat.backend.models.gguf_arch import GgufArchError
+        from specchat.backend.models.gguf.gguf_arch import GgufArchError
 
         raise GgufArchError(f"{gguf_path}: the model lacks {missing[:3]} / does not expect {unexpected[:3]}")
     if config.tie_word_embeddings:

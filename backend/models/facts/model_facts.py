@@ -56,19 +56,11 @@ class ModelFacts:
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in SIZE_FIELDS}
 
-    def types_line(self) -> str:
-        """The stored types by share of bytes, e.g. ``Q4_K 71%, Q6_K 21%, F32 8%``."""
-        total = sum(self.weight_types.values())
-        if not total:
-            return ""
-        ranked = sorted(self.weight_types.items(), key=lambda item: -item[1])
-        return ", ".join(f"{name} {100 * size / total:.0f}%" for name, size in ranked if 100 * size / total >= 0.5)
-
 
 def facts_from_gguf(path: str | Path) -> ModelFacts:
     """See the module docstring."""
-    from specchat.backend.models.gguf_arch import GgufArchError, config_from_gguf, unsupported
-    from specchat.backend.models.gguf_file import GgufFormatError, read_gguf
+    from specchat.backend.models.gguf.gguf_arch import GgufArchError, config_from_gguf, unsupported
+    from specchat.backend.models.gguf.gguf_file import GgufFormatError, read_gguf
 
     path = Path(path)
     try:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.models.capture import Progress, progress_tqdm_class
-from specchat.backend.models.config import ModelSpec
-from specchat.backend.models.spec_facts import offline
+from specchat.backend.models.catalog.config import ModelSpec
+from specchat.backend.models.facts.spec_facts import offline
+from specchat.backend.models.loading.capture import Progress, progress_tqdm_class
 
 _TOKENIZER_FILES = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 _WEIGHTS = ["*.safetensors"]
@@ -153,7 +153,7 @@ def snapshot(spec: ModelSpec, *, tokenizer_only: bool = False, progress: Progres
 def confirm_download(specs: list[ModelSpec], confirm: Callable[[int], bool] | None, label: str) -> None:
     """Ask ``confirm(bytes)`` once for the total hub download of ``specs`` (the loader, ``loading.py``, before
     anything loads); raise ModelLoadError if refused, or if a download is needed and no one can be asked."""
-    from specchat.backend.models import hub_gguf
+    from specchat.backend.models.hub import hub_gguf
 
     unique = {(s.source, s.revision): s for s in specs if s.kind in ("hub", "hub-gguf")}
     total = sum(

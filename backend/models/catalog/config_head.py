@@ -6,7 +6,7 @@
 ``org/name`` (downloaded into the HF cache after asking, like a model). A head folder holds ``config.json`` and
 ``model.safetensors`` (or ``pytorch_model.bin`` / ``medusa_lm_head.pt`` when ``allow_pickle`` is set: they are
 read with ``torch.load(weights_only=True)``, which refuses code, but stay opt-in as for models).
-``backend/models/head_loading.py`` checks a head against its target and loads it.
+``backend/models/loading/head_loading.py`` checks a head against its target and loads it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class HeadSpec:
     def packaged_folder(self) -> Path:
         """The folder of a packaged head (it may be missing from a build that left the weights out)."""
         name = PACKAGED_HEADS[self.source.removeprefix("packaged:")]
-        return Path(__file__).resolve().parent.parent / "speculative" / "heads" / "data" / name
+        return Path(__file__).resolve().parents[2] / "speculative" / "heads" / "data" / name
 
 
 def parse_head(node: Any, base_dir: Path, error, resolve, revision_ok) -> HeadSpec:

@@ -81,7 +81,7 @@ def progress_tqdm_class(progress: Progress | None) -> type[_std_tqdm]:
             total = self.total or 0
             desc = (self.desc or "").strip().rstrip(":.").strip() or "Working"
             if self.unit == "B":
-                from specchat.backend.models.memory import format_bytes
+                from specchat.backend.models.facts.memory import format_bytes
 
                 done, whole = format_bytes(self.n), format_bytes(total)
                 text = f"{desc}: {done} of {whole}" if total else f"{desc}: {done}"
@@ -182,7 +182,7 @@ def routed_gguf_progress(gguf_utils: Any) -> Iterator[None]:
     directly, not transformers' hookable tqdm) go where the innermost open capture block sends progress.
 
     The conversion (``convert.py``) calls it where it imports that module: importing it in every capture block
-    cost ~1.5-2 s of every start (it runs transformers' lazy-import scan of all its models), though only a first
+    cost seconds of every start (it runs transformers' lazy-import scan of all its models), though only a first
     start converts."""
     if not _blocks or not hasattr(gguf_utils, "tqdm"):
         yield
@@ -198,9 +198,9 @@ def routed_gguf_progress(gguf_utils: Any) -> Iterator[None]:
 def transformers_imported() -> None:
     """Route transformers' progress bars to the innermost open capture block (undone when it closes).
 
-    A block does this when it opens if transformers is already imported; code that imports transformers inside
-    a block calls it afterwards. Importing transformers only for this cost ~1 s of every start, which the int4
-    default (``light_tokenizer.py``, ``skeleton.py``) never needs."""
+    A block does this when it opens if transformers is already imported; code that imports transformers inside a block
+    calls it afterwards. Importing transformers only for this cost a second of every start (``benchmarks/RESULTS.md``,
+    "Figures moved out of the code"), which the int4 default (``light_tokenizer.py``, ``skeleton.py``) never needs."""
     if not _blocks or _blocks[-1].hooked:
         return
     block = _blocks[-1]

@@ -1,6 +1,7 @@
 """The files a model block's sizes are read from, found without the network (``model_spec.parse_spec``).
 
-Contract: :func:`facts_for(spec)` returns the :class:`~specchat.backend.models.model_facts.ModelFacts` of the spec's
+Contract: :func:`facts_for(spec)` returns the :class:`~specchat.backend.models.facts.model_facts.ModelFacts` of the
+spec's
 files, or None where they are not here yet: a ``gguf`` file and a ``local`` folder holding config.json are read
 directly; ``packaged`` models (:data:`PACKAGED_MODELS`) through the installed distribution's file list (None when
 it is not installed: loading says how to install it); ``hub`` ids and ``hf:`` GGUF files from the Hugging Face cache
@@ -16,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from specchat.backend.models.model_facts import ModelFacts, facts_from_folder, facts_from_gguf
+from specchat.backend.models.facts.model_facts import ModelFacts, facts_from_folder, facts_from_gguf
 
 
 class ModelSpec(Protocol):

@@ -42,7 +42,7 @@ estimate: ``MemoryEstimate.known`` is False, ``check_fits`` does not refuse it, 
 the download has brought its files (``engine.load_engine``).
 
 On CPU the engine also keeps a oneDNN-packed copy of the float32 linear weights when that copy fits in the
-memory still free after loading (``cpu_linear.py``; ~1.6x faster verification passes). It is optional, so it
+memory still free after loading (``cpu_linear.py``: faster verification passes). It is optional, so it
 is not part of the estimate that decides whether a pair fits.
 
 ``dtype: auto`` counts float32 on CPU and 2 bytes on CUDA, as loading does. The scratch term assumes the
@@ -60,8 +60,8 @@ import torch
 from specchat.backend.errors import InsufficientMemoryError
 from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
 from specchat.backend.limits import MAX_GAMMA, PREFILL_CHUNK
-from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
-from specchat.backend.models.model_spec import GGUF_KINDS
+from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
+from specchat.backend.models.catalog.model_spec import GGUF_KINDS
 
 HEADROOM = 0.08
 # Resident memory of a specchat process before it loads a model (Python, torch 2.13's CPU build, the engine's
@@ -153,7 +153,7 @@ def as_stored(spec: ModelSpec, device: torch.device) -> bool:
     are not turned off with ``SPECCHAT_NATIVE=0``). Its weights are then the files' own blocks
     (:func:`native_weight_bytes`), its KV cache :func:`kv_dtype_bytes`, its scratch :func:`native_scratch_bytes`."""
     from specchat.backend.kernels import native_build
-    from specchat.backend.models.native_arch import FAMILIES
+    from specchat.backend.models.loading.native_arch import FAMILIES
 
     if torch.device(device).type != "cpu" or spec.quantization in ("nf4", "int8") or spec.trust_remote_code:
         return False

@@ -6,7 +6,7 @@ Contract: ``ensure_converted(gguf_path, progress=None, *, weights=True) -> Path`
 de-quantisation of the file's weights: the ``quantization: none`` path; for the architectures of
 ``gguf_arch.ARCHS`` the configuration and weights are the file's own, read by ``gguf_to_hf.py``, else transformers'
 GGUF loader's). Without ``weights`` only the metadata is written (the int4/int8 path reads the weights from the
-GGUF itself, ``backend/models/quantized.py``). Folder names:
+GGUF itself, ``backend/models/loading/quantized.py``). Folder names:
 ``<stem>-<sha256[:16]>[-map<N>][-meta]-transformers-<version>`` (``-map<N>``: the mapping's version), keyed
 by the GGUF's content hash (sha256,
 streamed; remembered in ``hashes.json`` per path + size + mtime, so an unchanged file is hashed once; a value
@@ -46,9 +46,9 @@ from pathlib import Path
 from types import ModuleType
 
 from specchat.backend.errors import ModelLoadError
-from specchat.backend.models.cache_keys import file_sha256, transformers_version
-from specchat.backend.models.capture import Progress, routed_gguf_progress, transformers_imported
-from specchat.backend.models.gguf_to_hf import MAPPING_VERSION
+from specchat.backend.models.gguf.cache_keys import file_sha256, transformers_version
+from specchat.backend.models.gguf.gguf_to_hf import MAPPING_VERSION
+from specchat.backend.models.loading.capture import Progress, routed_gguf_progress, transformers_imported
 from specchat.backend.paths import cache_dir
 
 MARKER = "specchat-conversion.json"
@@ -160,10 +160,12 @@ def _gguf_metadata_read_once():
 
     Why: for architectures its fast metadata reader does not cover (llama, qwen2, mistral, ... in transformers
     5.x), both ``AutoTokenizer`` and ``AutoConfig`` call it, and its reader walks every element of the
-    vocabulary arrays: 6-8 s each for the embedded file's 49,152 tokens on 2 cores, most of a first start.
+    vocabulary arrays: seconds each for the embedded file's 49,152 tokens, most of a first start
+    (``benchmarks/RESULTS.md``, "Figures moved out of the code").
     The callers import the function from its module when they run, so replacing the module's attribute for
     the block reaches them; each gets its own deep copy of the one result. That one parse reads the file
-    with ``gguf_file.MetadataReader`` instead of the ``gguf`` package's reader (~5 s less)."""
+    with ``gguf_file.MetadataReader`` instead of the ``gguf`` package's reader (``benchmarks/RESULTS.md``, "Start
+    time and memory")."""
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:  # another transformers layout: nothing to share
@@ -180,7 +182,7 @@ def _gguf_metadata_read_once():
             return original(path, return_tensors, *args, **kwargs)
         key = os.fspath(path)
         if key not in parsed:
-            from specchat.backend.models.gguf_file import MetadataReader
+            from specchat.backend.models.gguf.gguf_file import MetadataReader
 
             parsed[key] = _parse_with(MetadataReader, original, path)
         return copy.deepcopy(parsed[key])
@@ -253,7 +255,7 @@ def _convert_into(gguf_path: Path, folder: Path, progress: Progress | None) -> N
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:
         pass
-    from specchat.backend.models.gguf_to_hf import mapped_config, mapped_model
+    from specchat.backend.models.gguf.gguf_to_hf import mapped_config, mapped_model
 
     with _gguf_metadata_read_once():
         tokenizer = _gguf_tokenizer(gguf_path, progress)
@@ -279,7 +281,7 @@ def _needed_bytes(gguf_path: Path, weights: bool) -> int:
     """Disk space the conversion writes: float32 weights (4 bytes a parameter) plus the metadata."""
     if not weights:
         return _METADATA_BYTES
-    from specchat.backend.models.gguf_file import read_gguf
+    from specchat.backend.models.gguf.gguf_file import read_gguf
 
     try:
         params = sum(int(max(1, t.raw.shape[0])) * t.shape[-1] for t in read_gguf(gguf_path).tensors.values())

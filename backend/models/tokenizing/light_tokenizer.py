@@ -1,10 +1,10 @@
 """A tokenizer read with the ``tokenizers`` library alone, for folders this app converted itself.
 
-Why: transformers' ``AutoTokenizer`` imports transformers, whose lazy-import scan of its model files costs
-~1.5-2 s of every start; the int4 / int8 default (``skeleton.LightCausalLM``) needs nothing else from it. A
-folder that ``convert.py`` wrote from a GGUF holds ``tokenizer.json`` (the fast tokenizer transformers saved),
-``tokenizer_config.json`` and the chat template; this class reads them and does what the engine asks of a
-tokenizer the way transformers' ``TokenizersBackend`` (transformers 5) does it:
+Why: transformers' ``AutoTokenizer`` imports transformers, whose lazy-import scan of its model files costs seconds of
+every start (``benchmarks/RESULTS.md``, "Start time and memory"); the int4 / int8 default (``skeleton.LightCausalLM``)
+needs nothing else from it. A folder that ``convert.py`` wrote from a GGUF holds ``tokenizer.json`` (the fast
+tokenizer transformers saved), ``tokenizer_config.json`` and the chat template; this class reads them and does what
+the engine asks of a tokenizer the way transformers' ``TokenizersBackend`` (transformers 5) does it:
 
 - ``tok(text, add_special_tokens=True)["input_ids"]`` and ``encode``: the backend's ``encode``, whose
   post-processor adds the special tokens, as transformers' fast tokenizer calls it;
@@ -134,10 +134,6 @@ class LightTokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
-
-    @property
-    def special_tokens_map(self) -> dict[str, str]:
-        return dict(self._special)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)

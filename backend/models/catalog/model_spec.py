@@ -21,13 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specchat.backend.models.config_fields import Where, bounded_int, choice, reject_unknown, take
-from specchat.backend.models.config_yaml import shown
-from specchat.backend.models.spec_facts import PACKAGED_MODELS, facts_for  # noqa: F401 - PACKAGED_MODELS re-exported
+from specchat.backend.models.catalog.config_fields import Where, bounded_int, choice, reject_unknown, take
+from specchat.backend.models.catalog.config_yaml import shown
+from specchat.backend.models.facts.spec_facts import PACKAGED_MODELS, facts_for  # noqa: F401 - PACKAGED_MODELS re-exported
 from specchat.backend.paths import expand
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-TORCH_QUANTIZATIONS = ("int4-torch", "int8-torch")  # PyTorch's own int4/int8 kernels (backend/models/quantized.py)
+TORCH_QUANTIZATIONS = (
+    "int4-torch",
+    "int8-torch",
+)  # PyTorch's own int4/int8 kernels (backend/models/loading/quantized.py)
 QUANTIZATIONS = ("none", "nf4", "int8", *TORCH_QUANTIZATIONS)
 GGUF_KINDS = ("packaged", "gguf", "hub-gguf")  # sources that are one GGUF file
 # huggingface_hub's own rule for each half of org/name (validate_repo_id): 1-96 of letters, digits, '_', '.', '-',

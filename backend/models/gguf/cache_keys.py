@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.files import write_atomic
-from specchat.backend.models.capture import Progress
+from specchat.backend.models.loading.capture import Progress
 from specchat.backend.paths import cache_dir
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -64,9 +64,9 @@ def file_sha256(path: Path, progress: Progress | None = None) -> str:
 
 @functools.lru_cache(maxsize=1)
 def transformers_version() -> str:
-    """The installed transformers' version, without importing it (~1-2 s, which a start that finds its conversion
-    cached does not otherwise pay) or parsing its metadata file (~60 ms): the name of its ``.dist-info`` folder
-    beside the package, else the metadata, else the package itself."""
+    """The installed transformers' version, without importing it (seconds, which a start that finds its conversion
+    cached does not otherwise pay) or parsing its metadata file (``benchmarks/RESULTS.md``, "Figures moved out of the
+    code"): the name of its ``.dist-info`` folder beside the package, else the metadata, else the package itself."""
     spec = importlib.util.find_spec("transformers")
     if spec is not None and spec.origin:
         site = Path(spec.origin).parent.parent

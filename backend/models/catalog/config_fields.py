@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from specchat.backend.errors import ConfigError
-from specchat.backend.models.config_yaml import _Map, shown
+from specchat.backend.models.catalog.config_yaml import _Map, shown
 
 
 class Where:

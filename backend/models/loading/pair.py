@@ -47,20 +47,14 @@ import torch
 from specchat.backend.errors import InsufficientMemoryError, ModelLoadError
 from specchat.backend.kernels import switched_off
 from specchat.backend.kv import attention
-from specchat.backend.models import (
-    capture,
-    convert,
-    hub,
-    light_tokenizer,
-    native_loading,
-    skeleton,
-)
-from specchat.backend.models.capture import Progress, capture_library_output, user_callback
-from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
-from specchat.backend.models.convert import ensure_converted
-from specchat.backend.models.light_tokenizer import LightTokenizer
-from specchat.backend.models.loaded import _GENERATION_KEYS as _GENERATION_KEYS
-from specchat.backend.models.loaded import (
+from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
+from specchat.backend.models.gguf import convert
+from specchat.backend.models.gguf.convert import ensure_converted
+from specchat.backend.models.hub import repos as hub
+from specchat.backend.models.loading import capture, native_loading, skeleton
+from specchat.backend.models.loading.capture import Progress, capture_library_output, user_callback
+from specchat.backend.models.loading.loaded import _GENERATION_KEYS as _GENERATION_KEYS
+from specchat.backend.models.loading.loaded import (
     CacheDamage,
     LoadedModel,
     _failure,
@@ -74,7 +68,9 @@ from specchat.backend.models.loaded import (
     resolve_device,
     resolve_dtype,
 )
-from specchat.backend.models.tokenizer_check import check_tokenizers_compatible
+from specchat.backend.models.tokenizing import light_tokenizer
+from specchat.backend.models.tokenizing.light_tokenizer import LightTokenizer
+from specchat.backend.models.tokenizing.tokenizer_check import check_tokenizers_compatible
 
 __all__ = ["CacheDamage", "LoadedModel", "gguf_path", "load_model", "load_pair", "load_tokenizer",
            "packaged_gguf_path", "resolve_device", "resolve_dtype"]  # fmt: skip
@@ -119,9 +115,10 @@ def _load_tokenizer_from(
     from transformers import AutoTokenizer
 
     capture.transformers_imported()
-    # AutoTokenizer reads the model's config only to choose the tokenizer's class; given none it loads
-    # transformers' config class, whose module imports transformers' weight-loading code (~1.4 s). The light
-    # config (same model type, same folder name) leads it to the same class (tests/backend/models/test_skeleton.py).
+    # AutoTokenizer reads the model's config only to choose the tokenizer's class; given none it loads transformers'
+    # config class, whose module imports transformers' weight-loading code (seconds: benchmarks/RESULTS.md, "Figures
+    # moved out of the code"). The light config (same model type, same folder name) leads it to the same class
+    # (tests/backend/models/test_skeleton.py).
     config = skeleton.read_config(folder) if _reads_gguf_directly(spec, native) else None
     kwargs = {"config": config} if config is not None else {}
     try:
@@ -292,7 +289,7 @@ def _load_weights_from(
     model.eval()
     model.requires_grad_(False)  # inference only: never build autograd graphs
     if spec.quantization in TORCH_QUANTIZATIONS:
-        from specchat.backend.models.quantized import compute_dtype, quantize_model
+        from specchat.backend.models.loading.quantized import compute_dtype, quantize_model
 
         notes = quantize_model(model, spec.quantization, device)
         if progress is not None:

@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specchat.backend.errors import ConfigError, ModelLoadError
-from specchat.backend.models import hub_gguf, skeleton, spec_facts
-from specchat.backend.models.capture import Progress
-from specchat.backend.models.config import TORCH_QUANTIZATIONS, ModelSpec
-from specchat.backend.models.model_spec import GGUF_KINDS
+from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec
+from specchat.backend.models.catalog.model_spec import GGUF_KINDS
+from specchat.backend.models.facts import spec_facts
+from specchat.backend.models.hub import hub_gguf
+from specchat.backend.models.loading import skeleton
+from specchat.backend.models.loading.capture import Progress
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -41,7 +43,7 @@ class CacheDamage(ModelLoadError):
 
 @dataclass
 class LoadedModel:
-    # eval mode, on device; a LightCausalLM runs only through the compact forward (backend/models/skeleton.py)
+    # eval mode, on device; a LightCausalLM runs only through the compact forward (backend/models/loading/skeleton.py)
     model: PreTrainedModel | skeleton.LightCausalLM
     tokenizer: PreTrainedTokenizerBase
     spec: ModelSpec
@@ -49,7 +51,7 @@ class LoadedModel:
     dtype: torch.dtype  # compute dtype (for nf4/int8: the dtype activations run in)
     generation_config: dict  # non-default sampling/eos settings of the model's generation_config (may be empty)
     path: Path | None = None  # the folder the weights came from
-    # Why the native model (backend/models/native_loading.py) does not run this model on CPU, in one line; None
+    # Why the native model (backend/models/loading/native_loading.py) does not run this model on CPU, in one line; None
     # when it runs it, or when it was never in question (CUDA).
     native_reason: str | None = None
 
@@ -162,8 +164,8 @@ def _load_gguf_quantized(
     progress: Progress | None,
 ) -> LoadedModel:
     """The GGUF's weights as stored, in PyTorch's int4/int8 kernels (``quantized.from_gguf``)."""
-    from specchat.backend.models.gguf_file import read_gguf
-    from specchat.backend.models.quantized import compute_dtype, from_gguf
+    from specchat.backend.models.gguf.gguf_file import read_gguf
+    from specchat.backend.models.loading.quantized import compute_dtype, from_gguf
 
     path = gguf_path(spec)
     assert path is not None  # noqa: S101 - _reads_gguf_directly checked the kind

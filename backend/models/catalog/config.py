@@ -40,15 +40,15 @@ from specchat.backend.limits import (
     SAMPLING_LIMITS,
     is_gamma,
 )
-from specchat.backend.models.config_fields import MISSING as _MISSING
-from specchat.backend.models.config_fields import Where as _Where
-from specchat.backend.models.config_fields import bounded_int as _bounded_int
-from specchat.backend.models.config_fields import choice as _choice
-from specchat.backend.models.config_fields import reject_unknown as _reject_unknown
-from specchat.backend.models.config_fields import take as _take
-from specchat.backend.models.config_head import HEAD_DRAFTERS, HeadSpec, parse_head
-from specchat.backend.models.config_yaml import read_yaml, shown
-from specchat.backend.models.model_spec import (  # noqa: F401 - re-exported: the names importers use
+from specchat.backend.models.catalog.config_fields import MISSING as _MISSING
+from specchat.backend.models.catalog.config_fields import Where as _Where
+from specchat.backend.models.catalog.config_fields import bounded_int as _bounded_int
+from specchat.backend.models.catalog.config_fields import choice as _choice
+from specchat.backend.models.catalog.config_fields import reject_unknown as _reject_unknown
+from specchat.backend.models.catalog.config_fields import take as _take
+from specchat.backend.models.catalog.config_head import HEAD_DRAFTERS, HeadSpec, parse_head
+from specchat.backend.models.catalog.config_yaml import read_yaml, shown
+from specchat.backend.models.catalog.model_spec import (  # noqa: F401 - re-exported: the names importers use
     DTYPES,
     PACKAGED_MODELS,
     QUANTIZATIONS,
@@ -298,7 +298,7 @@ def load_pairs_file(file: Path) -> dict[str, PairConfig]:
 
 def packaged_models_file() -> Path:
     """The models.yaml shipped with specchat."""
-    return Path(__file__).with_name("models.yaml")
+    return Path(__file__).resolve().parent.parent / "models.yaml"
 
 
 def user_models_file() -> Path:

@@ -9,7 +9,7 @@ Contract:
   rotary factors that become configuration, not weights). :data:`FAMILY_ROWS` override the common rows per GGUF
   architecture (gemma's four norms a layer, phi3's fused ``attn_qkv`` and ``ffn_up`` holding gate then up).
 - :func:`tensor_map(arch, layers)` resolves them for one file: ``{gguf name: TensorRole}``; :func:`roles_of(file)`
-  maps the tensors a :class:`~specchat.backend.models.gguf_file.GgufFile` holds and raises :class:`GgufArchError`
+  maps the tensors a :class:`~specchat.backend.models.gguf.gguf_file.GgufFile` holds and raises :class:`GgufArchError`
   naming any tensor the table does not know, or a required one the file lacks.
 - :func:`config_of(file)`: the file's transformers config dict (``gguf_arch.config_from_gguf``, its ``rope_freqs``
   and phi3's ``rope_factors_long`` / ``_short`` read), errors prefixed with the file's path.
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from specchat.backend.models.gguf_arch import ARCHS, GgufArchError, config_from_gguf
-from specchat.backend.models.gguf_file import GgufFile, dequantize, unpermute_rows
+from specchat.backend.models.gguf.gguf_arch import ARCHS, GgufArchError, config_from_gguf
+from specchat.backend.models.gguf.gguf_file import GgufFile, dequantize, unpermute_rows
 
 _L = "model.layers.{i}."
 # (gguf name, role, transformers name or "" where it is configuration)

@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from specchat.backend.errors import ConfigError
-from specchat.backend.models import hub, hub_gguf
-from specchat.backend.models.capture import Progress, capture_library_output, user_callback
-from specchat.backend.models.config import PairConfig
-from specchat.backend.models.model_spec import SIZE_FIELDS, ModelSpec, with_facts
-from specchat.backend.models.spec_facts import facts_for
+from specchat.backend.models.catalog.config import PairConfig
+from specchat.backend.models.catalog.model_spec import SIZE_FIELDS, ModelSpec, with_facts
+from specchat.backend.models.facts.spec_facts import facts_for
+from specchat.backend.models.hub import hub_gguf
+from specchat.backend.models.hub import repos as hub
+from specchat.backend.models.loading.capture import Progress, capture_library_output, user_callback
 
 
 def _refreshed(pair: PairConfig, role: str, spec: ModelSpec) -> ModelSpec:

@@ -34,10 +34,10 @@ from torch import nn
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels.decoder_layout import layout
 from specchat.backend.kernels.quant_linear import Int4Linear, Int8Linear, Q8Embedding, quantize_int4
-from specchat.backend.models import gguf_file
-from specchat.backend.models.config import TORCH_QUANTIZATIONS as QUANTIZATIONS
-from specchat.backend.models.gguf_file import GgufFile, GgufTensor
-from specchat.backend.models.skeleton import LightCausalLM, LightConfig
+from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS as QUANTIZATIONS
+from specchat.backend.models.gguf import gguf_file
+from specchat.backend.models.gguf.gguf_file import GgufFile, GgufTensor
+from specchat.backend.models.loading.skeleton import LightCausalLM, LightConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -25,8 +25,8 @@ from pathlib import Path
 
 from specchat.backend.errors import ConfigError
 from specchat.backend.files import write_atomic
-from specchat.backend.models.config import PairConfig, load_pairs_file
-from specchat.backend.models.model_spec import resolve_source
+from specchat.backend.models.catalog.config import PairConfig, load_pairs_file
+from specchat.backend.models.catalog.model_spec import resolve_source
 from specchat.backend.paths import expand
 
 HEADER = (
