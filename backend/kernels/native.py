@@ -18,13 +18,14 @@ import threading
 import time
 from pathlib import Path
 
-from specchat.backend.kernels import native_build
+from specchat.backend.kernels import native_build, native_cache
 from specchat.backend.kernels.native_library import BUILDING, Library
 
 _lock = threading.Lock()
 _library: Library | None = None
 _reason: str | None = None
 _checked = False
+_in_process: str | None = None  # the sha256 of the library loaded into this process (one at most)
 BUILD_MODE = "SPECCHAT_NATIVE_BUILD"  # "wait": a start that must build waits for it (no background build)
 
 
@@ -35,15 +36,23 @@ def background_builds() -> bool:
 
 def load(path: Path) -> None:
     """Load a checked library into this process and confirm it registers the native model's and the weight
-    kernels' classes."""
+    kernels' classes. Once one has, the same bytes again (another copy: ``CacheFolder.stage``) are not loaded a
+    second time (their classes would register twice, which aborts the process), and other bytes are refused."""
     import torch
 
+    global _in_process
+    digest = native_cache.sha256_of(path)[0]
+    if _in_process is not None:
+        if digest != _in_process:
+            raise RuntimeError("another build of the library is loaded in this process already; restart specchat")
+        return
     torch.ops.load_library(str(path))
     for name in ("NativeModel", "QWeight"):
         try:
             getattr(torch.classes.specchat, name)
         except (RuntimeError, AttributeError) as error:
             raise RuntimeError(f"{path.name} does not register torch.classes.specchat.{name}") from error
+    _in_process = digest
 
 
 def library() -> Library | None:

@@ -164,3 +164,21 @@ def test_a_crashed_background_builder_is_noted(libraries, tmp_path):
     lib.ensure(wait=False)
     reason = _poll_until_done(lib)
     assert reason is not None and "status" in reason and lib.folder.failure_record() is not None
+
+
+def test_one_build_of_the_library_per_process(tmp_path, monkeypatch):
+    """A library loaded once is not loaded again from another copy (its classes would register twice, which
+    aborts the process); another build is refused with a line saying to restart."""
+    from specchat.backend.kernels import native
+
+    copy = tmp_path / "specchat_native.1.0.so"
+    copy.write_bytes(b"not a library: loading it would fail")
+    monkeypatch.setattr(native, "_in_process", native_cache.sha256_of(copy)[0])
+    native.load(copy)  # the same bytes: nothing is loaded
+    monkeypatch.setattr(native, "_in_process", "0" * 64)
+    try:
+        native.load(copy)
+    except RuntimeError as error:
+        assert "another build" in str(error) and "restart" in str(error)
+    else:
+        raise AssertionError("loaded a second build into the process")
