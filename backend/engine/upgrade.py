@@ -70,6 +70,7 @@ def between_replies(engine: Engine) -> str | None:
     target = fresh.get(id(engine.target), engine.target)
     draft = fresh.get(id(engine.draft), engine.draft) if engine.draft is not None else None
     engine.use_models(target, draft)
+    log.info("%s now runs on %s", engine.pair.name, engine.start_line)
     return engine.start_line
 
 

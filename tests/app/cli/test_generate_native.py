@@ -81,3 +81,15 @@ def test_a_first_start_replies_while_the_kernels_build_in_the_background(capsys,
     assert record["text"] and time.monotonic() - started < 25 and fake.child is not None
     fake.child.kill()
     fake.child.wait()
+
+
+def test_doctor_names_a_failed_build_and_when_a_start_tries_again(capsys, monkeypatch, tmp_path):
+    if native_build.unavailable() is not None:
+        pytest.skip(native_build.unavailable())
+    monkeypatch.setenv("SPECCHAT_NATIVE_CACHE", str(tmp_path / "native"))
+    folder = native_build.folder_for(native_build.compiler())
+    folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
+    folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "something broke" in out and "2 failed build(s) in a row" in out and "tries again after" in out
