@@ -238,6 +238,9 @@ class RequestStats:
     tree_nodes: int = 0
     tree_depth: int = 0
     tree_width: int = 0
+    # False: a remote server reported neither a token count nor token ids, so new_tokens is not a count: the views
+    # show "—" for it (never a guessed 0).
+    tokens_counted: bool = True
     tree_accepted: int = 0
     tree_branch: int = 0
     prediction_tokens: int | None = None
@@ -297,6 +300,10 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         return value
     if isinstance(default, str) or name == "drafter":
         if not isinstance(value, str):
+            raise TypeError(name)
+        return value
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
             raise TypeError(name)
         return value
     if value is None:

@@ -48,13 +48,50 @@ SERVE_PREFIX_CACHE_BYTES = 512 * 2**20
 # least this long; a shorter tail (a reply the client re-encoded differently, a retried turn) is given up.
 PREFIX_FORK_TOKENS = 64
 
+# -- a model's sizes -----------------------------------------------------------------------------------------
+# What a model's files (GGUF metadata, config.json) or models.yaml may state: a value outside is not a real model's
+# (2**32 - 1 layers, 0 heads: a corrupt or hostile file), refused when the pair is read or added, not at load.
+# Generous: the largest published models have ~130 layers, 128 heads, head_dim 256, hidden 32k, vocab 262k.
+MODEL_SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "num_layers": (1, 1024),
+    "num_attention_heads": (1, 4096),
+    "num_kv_heads": (1, 4096),
+    "head_dim": (1, 4096),
+    "hidden_size": (1, 1 << 18),
+    "vocab_size": (1, 1 << 24),
+}
+
+
+def model_size_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be a model's ``name`` (a key of :data:`MODEL_SIZE_LIMITS`), or None."""
+    low, high = MODEL_SIZE_LIMITS[name]
+    if not is_int(value) or not low <= value <= high:
+        return f"{name} = {value!r} is not a real model's (expected {low} to {high:,})"
+    return None
+
+
+# -- remote pairs ------------------------------------------------------------------------------------------
+# A remote request ends with a clear error when its server sends no new token for REMOTE_NO_PROGRESS_S (the first
+# token included: a long prompt's prefill on a large model; keep-alive comments and empty chunks do not count), or
+# has not finished within REMOTE_DEADLINE_S. Both per pair (models.yaml target.no_progress_s / deadline_s).
+REMOTE_NO_PROGRESS_S = 120.0
+REMOTE_DEADLINE_S = 900.0
+MIN_REMOTE_TIMEOUT_S, MAX_REMOTE_TIMEOUT_S = 0.1, 86400.0  # what models.yaml may set for either
+
 # -- sampling ------------------------------------------------------------------------------------------------
 MAX_TEMPERATURE = 10.0  # 0 is greedy
 # Temperatures below this are greedy: the argmax, lowest id on ties (as vLLM's _SAMPLING_EPS). At such a temperature
 # p' holds every id tied at the largest logit with equal mass and nothing else (a logit 1e-3 lower weighs
-# e^-100); sampling would break those ties by noise, where a user asking for 1e-6 means "greedy".
+# e^-100); sampling would break those ties by noise. A request must say 0 for that: a temperature in (0, this)
+# (1e-320, a denormal) is refused rather than quietly read as greedy.
 GREEDY_TEMPERATURE = 1e-5
+MIN_TEMPERATURE = GREEDY_TEMPERATURE  # the smallest temperature above 0 a request may give
 MAX_REPETITION_PENALTY = 10.0  # 1 is none; values in (0, 1) favour repeats
+# Below this a penalty multiplies a repeated token's odds past anything else's (1e-320 repeats one token forever):
+# the same extreme as MAX_REPETITION_PENALTY the other way.
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
+MIN_TOP_P = 1e-5  # a smaller top-p keeps only the most likely token, as this one does (1e-320 is a denormal)
+MAX_TOP_K = MODEL_SIZE_LIMITS["vocab_size"][1]  # past any vocabulary: 2**70 is no top-k, mistyped
 MAX_SEED = 2**64 - 1  # seeds are 0 .. MAX_SEED
 
 # -- new tokens per reply ------------------------------------------------------------------------------------
@@ -89,14 +126,14 @@ def is_int(value: Any) -> bool:
 # name -> (check, what to use instead); a value None is "unset" and never checked here.
 SAMPLING_LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "temperature": (
-        lambda v: is_number(v) and 0 <= v <= MAX_TEMPERATURE,
-        f"a number from 0 (greedy) to {MAX_TEMPERATURE:g}",
+        lambda v: is_number(v) and (v == 0 or MIN_TEMPERATURE <= v <= MAX_TEMPERATURE),
+        f"0 (greedy) or a number from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}",
     ),
-    "top_k": (lambda v: is_int(v) and v >= 0, "a whole number >= 0 (0: no top-k)"),
-    "top_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1] (1: no top-p)"),
+    "top_k": (lambda v: is_int(v) and 0 <= v <= MAX_TOP_K, f"a whole number from 0 (no top-k) to {MAX_TOP_K}"),
+    "top_p": (lambda v: is_number(v) and MIN_TOP_P <= v <= 1, f"a number from {MIN_TOP_P:g} to 1 (1: no top-p)"),
     "repetition_penalty": (
-        lambda v: is_number(v) and 0 < v <= MAX_REPETITION_PENALTY,
-        f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1: no penalty)",
+        lambda v: is_number(v) and MIN_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+        f"a number from {MIN_REPETITION_PENALTY:g} to {MAX_REPETITION_PENALTY:g} (1: no penalty)",
     ),
     "max_new_tokens": (lambda v: is_int(v) and 1 <= v <= MAX_NEW_TOKENS, f"a whole number from 1 to {MAX_NEW_TOKENS}"),
     "seed": (lambda v: is_int(v) and 0 <= v <= MAX_SEED, "a whole number from 0 to 2**64 - 1"),

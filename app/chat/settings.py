@@ -39,7 +39,6 @@ from specchat.backend.limits import (
     CHAT_MAX_NEW_TOKENS_LIMIT,
     DRAFTERS,
     MAX_GAMMA,
-    MAX_TEMPERATURE,
     SAMPLING_LIMITS,
     DrafterName,
     Gamma,
@@ -64,7 +63,7 @@ class SettingsError(SpecchatError):
 @dataclass(slots=True)
 class Settings:
     temperature: float | None = None  # None: pair default; 0: greedy
-    top_p: float | None = None  # None: pair default; (0, 1]
+    top_p: float | None = None  # None: pair default; else limits.SAMPLING_LIMITS' range
     top_k: int | None = None  # None: pair default; 0: no top-k
     max_new_tokens: int = CHAT_MAX_NEW_TOKENS
     drafters: dict[str, DrafterChoice] = field(default_factory=dict)  # pair name -> its drafter (absent: "pair")
@@ -163,11 +162,12 @@ def _number(name: str, value: Any, kind: type) -> Any:
     return float(value)
 
 
-def _sampling(name: str, kind: type, expected: str) -> Callable[[Any], Any]:
+def _sampling(name: str, kind: type) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
         value = _number(name, value, kind)
-        if value is not None and not SAMPLING_LIMITS[name][0](value):
-            raise SettingsError(f"setting {name!r}: {shown(value)} is {expected}")
+        ok, what = SAMPLING_LIMITS[name]  # the engine's ranges (backend/limits.py), said as it says them
+        if value is not None and not ok(value):
+            raise SettingsError(f"setting {name!r}: {shown(value)} is out of range: use {what}")
         return value
 
     return check
@@ -238,9 +238,9 @@ def _flag(name: str) -> Callable[[Any], bool]:
 
 # One check per field: the value normalised, or SettingsError naming the field, the value and the accepted form.
 _CHECKS: dict[str, Callable[[Any], Any]] = {
-    "temperature": _sampling("temperature", float, f"outside 0 (greedy) .. {MAX_TEMPERATURE:g}"),
-    "top_p": _sampling("top_p", float, "outside (0, 1] (1 turns top-p off)"),
-    "top_k": _sampling("top_k", int, "negative (0 turns top-k off)"),
+    "temperature": _sampling("temperature", float),
+    "top_p": _sampling("top_p", float),
+    "top_k": _sampling("top_k", int),
     "max_new_tokens": _max_new_tokens,
     "drafters": _drafters,
     "gamma": _gamma,

@@ -1,7 +1,9 @@
 """`specchat add SOURCE [--draft SOURCE] [--name NAME]`: put a model (and its draft) into the user's models.yaml.
 
 Contract: ``run(args) -> int`` with ``args.source``, ``args.draft`` (or None), ``args.name`` (or None: made from
-the source) and ``args.device``. In order: the pair is checked as it would be written (sources resolve, sizes read
+the source), ``args.replace`` and ``args.device``. In order: the device is resolved (a bad one refused); a folder
+source must hold a checkpoint; a name that a packaged (or ``--models``) pair has is refused unless ``--replace``
+(the user's pair would replace it); the pair is checked as it would be written (sources resolve, sizes read
 from the files, ``user_pairs.append_pair`` parses the whole file first); with a draft, both tokenizers are loaded
 (a hub source fetches its tokenizer files only, a few MB) and must split text alike (``tokenizer_check``); then the
 pair is appended to ``config.user_models_file()`` (atomically, the file's comments and pairs kept) and its memory
@@ -21,21 +23,35 @@ def _progress(message: str, fraction: float | None) -> None:
 
 
 def run(args: Any, out: TextIO | None = None) -> int:
-    from specchat.backend.models.catalog.config import PairConfig, user_models_file
+    from specchat.backend.models.catalog.config import (
+        PairConfig,
+        load_pairs_file,
+        packaged_models_file,
+        user_models_file,
+    )
     from specchat.backend.models.catalog.model_spec import ModelSpec, resolve_source
-    from specchat.backend.models.catalog.user_pairs import append_pair, default_name
+    from specchat.backend.models.catalog.user_pairs import append_pair, check_folder, default_name
     from specchat.backend.models.facts.memory import estimate_pair, format_bytes, free_memory
+    from specchat.backend.models.loading.loaded import resolve_device
+    from specchat.backend.paths import expand
+    from specchat.backend.redact import terminal_safe
 
     out = out or sys.stdout
     name = args.name or default_name(args.source)
     file = user_models_file()
+    device = resolve_device(getattr(args, "device", None))  # a bad --device is refused before anything is written
+    base = expand(args.models) if getattr(args, "models", None) else packaged_models_file()
+    taken = {n: str(base) for n in load_pairs_file(base)} if base.is_file() else {}
+    for role, source in (("target", args.source), ("draft", args.draft)):
+        if source is not None:
+            check_folder(source, role)
     if args.draft is not None:
         _check_tokenizers(args.source, args.draft, ModelSpec, resolve_source)
-    pair: PairConfig = append_pair(file, name, args.source, args.draft)
-    print(f"Added pair '{pair.name}' to {file}", file=out)
-    from specchat.backend.models.loading.pair import resolve_device
-
-    device = resolve_device(getattr(args, "device", None))
+    pair: PairConfig = append_pair(
+        file, name, args.source, args.draft, taken=taken, replace_taken=bool(getattr(args, "replace", False))
+    )
+    replaced = f" (it replaces the pair of that name in {taken[name]})" if name in taken else ""
+    print(terminal_safe(f"Added pair '{pair.name}' to {file}{replaced}"), file=out)
     estimate = estimate_pair(pair, device)
     for role, spec in (("target", pair.local_target), ("draft", pair.draft)):
         if spec is None:
@@ -44,7 +60,7 @@ def run(args: Any, out: TextIO | None = None) -> int:
             sizes = f"{_count(spec.params)} params, {spec.num_layers} layers, context up to {spec.context_max or '?'}"
         else:
             sizes = "sizes read once its files are downloaded"
-        print(f"  {role}: {spec.source} ({sizes})", file=out)
+        print(terminal_safe(f"  {role}: {spec.source} ({sizes})"), file=out)
     if estimate.known:
         free = free_memory(device)
         verdict = "fits in" if estimate.total <= free else "does NOT fit in"

@@ -22,12 +22,16 @@ from __future__ import annotations
 import argparse
 import codecs
 import json
+import re
 import sys
 
 from specchat.app.tui.bridge import step_name
 from specchat.backend.api import EngineAPI, RequestStats
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
+from specchat.backend.redact import terminal_safe
+
+_C1 = re.compile("[\x7f-\x9f]")  # not escaped by json.dumps(ensure_ascii=False); a terminal may act on them
 
 MAX_LINE_CHARS = 64 << 20  # one --prompts line: more text than any context holds
 MAX_FILE_BYTES = 1 << 30
@@ -124,8 +128,12 @@ class _Stdout:
         except LookupError:
             self.encoding, self.utf = "ascii", False
         self.replaced = False
+        self.terminal = sys.stdout.isatty()
 
-    def write(self, text: str) -> None:
+    def write(self, text: str, *, exact: bool = False) -> None:
+        # A reply may echo escapes (from a prompt file, a model's output): none reaches a terminal; a pipe gets all.
+        if self.terminal and not exact:
+            text = terminal_safe(text)
         try:
             text.encode(self.encoding)
         except UnicodeEncodeError:
@@ -135,7 +143,8 @@ class _Stdout:
         sys.stdout.flush()
 
     def json_line(self, record: dict) -> None:
-        self.write(json.dumps(record, ensure_ascii=not self.utf) + "\n")
+        line = json.dumps(record, ensure_ascii=not self.utf)  # escapes C0 controls; DEL and C1 too, below
+        self.write(_C1.sub(lambda m: f"\\u{ord(m.group()):04x}", line) + "\n", exact=True)
 
     def notice(self) -> None:
         if self.replaced:
@@ -207,6 +216,14 @@ def run(args: argparse.Namespace) -> int:
     from specchat.backend.models.catalog.config import PREDICTION_KINDS, get_pair, load_pairs
 
     check_seed_range(args.seed, args.samples)  # sample i uses seed + i: refused before anything loads
+    SamplingParams(  # the sampling options' ranges (backend/limits.py), checked before the model loads
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
 
     pair = get_pair(load_pairs(args.models), DEFAULT_PAIR if args.pair is None else args.pair)
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
@@ -283,7 +300,7 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         token_ids.extend(event.token_ids)
         text.append(event.text)
         if event.message:
-            print(f"specchat: {event.message}", file=sys.stderr)
+            print(f"specchat: {terminal_safe(event.message)}", file=sys.stderr)
         if not as_json and event.text:
             out.write(event.text)
         last = event
@@ -306,7 +323,8 @@ def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) ->
         out.write("\n")
         rate = stats.acceptance_rate
         print(
-            f"[{last.finish_reason}] {stats.new_tokens} tokens, {stats.tok_s or 0:.1f} tok/s, "
+            f"[{last.finish_reason}] {stats.new_tokens if stats.tokens_counted else '—'} tokens, "
+            f"{f'{stats.tok_s:.1f}' if stats.tok_s is not None else '—'} tok/s, "
             f"drafter {stats.drafter}, acceptance "
             f"{'n/a' if rate is None else f'{rate:.0%}'}, "
             f"τ {stats.mean_accepted_length or 0:.2f} per speculating step, "

@@ -241,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("source", help="a .gguf file, a model folder, a hub id org/name, or hf:ORG/NAME/FILE.gguf")
     add.add_argument("--draft", metavar="SOURCE", default=None, help="a smaller model of the same family")
     add.add_argument("--name", metavar="NAME", type=_pair_name, default=None, help="the pair's name")
+    add.add_argument(
+        "--replace",
+        action="store_true",
+        help="let the new pair replace a packaged pair of the same name (else that name is refused)",
+    )
 
     add_serve_parser(sub)
     doctor = sub.add_parser(

@@ -18,6 +18,7 @@ and exits with 2.
 
 from __future__ import annotations
 
+import glob
 import shutil
 import sys
 import textwrap
@@ -32,10 +33,13 @@ def _width(out: TextIO) -> int:
 
 
 def _fold(label: str, text: str, width: int) -> list[str]:
-    """``text`` under a left label, folded at spaces (long words such as paths broken where they must be)."""
+    """``text`` under a left label, folded at spaces (long words such as paths broken where they must be); the
+    text of models.yaml, a model's files or a server, so stripped of terminal escapes first."""
+    from specchat.backend.redact import terminal_safe
+
     lead = f"    {label:<{_LABEL}}"
     return textwrap.wrap(
-        text, width=width, initial_indent=lead, subsequent_indent=" " * len(lead), break_on_hyphens=False
+        terminal_safe(text), width=width, initial_indent=lead, subsequent_indent=" " * len(lead), break_on_hyphens=False
     ) or [lead.rstrip()]
 
 
@@ -124,7 +128,7 @@ def _remote_block(pair: Any, default: str, width: int) -> list[str]:
     return lines
 
 
-def _pair_block(pair: Any, default: str, device: Any, free: int, width: int) -> list[str]:
+def _pair_block(pair: Any, default: str, device: Any, free: int, width: int, measured: dict) -> list[str]:
     from specchat.backend.bench.measured import expected_speed
     from specchat.backend.models.facts.memory import estimate_pair, format_bytes, weights_basis
 
@@ -148,17 +152,32 @@ def _pair_block(pair: Any, default: str, device: Any, free: int, width: int) -> 
         whole = f"; the whole process about {format_bytes(estimate.process)}" if estimate.runtime else ""
         lines += _fold("memory", f"{estimate.describe(pair.context_length)}{whole} ({basis})", width)
     lines += _fold("drafter", f"{pair.drafter}, gamma {pair.gamma}", width)
-    lines += _fold("speed", expected_speed(pair.name, target.source), width)
+    lines += _fold("speed", expected_speed(pair.name, target.source, measured), width)
     if any(s is not None and s.gated for s in (target, pair.draft)):
         lines += _fold("gated", "accept the licence on huggingface.co, then run `hf auth login`", width)
     return lines
 
 
+def _device(name: str | None) -> Any:
+    """The device to estimate for: "cpu" without importing torch (most of a listing's time: RESULTS.md) when asked
+    for, or when no GPU device node exists (so torch could find no CUDA device); else torch decides (cuda when
+    available)."""
+    if name == "cpu" or (name in (None, "auto") and not any(glob.glob(pattern) for pattern in GPU_NODES)):
+        return "cpu"
+    from specchat.backend.models.loading.loaded import resolve_device
+
+    return resolve_device(name)
+
+
+GPU_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")  # NVIDIA, ROCm, WSL's GPU
+
+
 def run(args: Any, out: TextIO | None = None) -> int:
     """Print the pair listing; returns 0 (errors raise SpecchatError)."""
+    from specchat.backend.bench.measured import read_measured
     from specchat.backend.models.catalog.config import default_pair_name, get_pair, load_pairs, user_models_file
     from specchat.backend.models.facts.memory import format_bytes, free_memory
-    from specchat.backend.models.loading.pair import resolve_device
+    from specchat.backend.redact import terminal_safe
 
     out = out or sys.stdout
     width = _width(out)
@@ -166,24 +185,25 @@ def run(args: Any, out: TextIO | None = None) -> int:
     default = default_pair_name(pairs)
     name = getattr(args, "pair", None)
     shown = [get_pair(pairs, name)] if name else list(pairs.values())
-    device = resolve_device(getattr(args, "device", None))
+    device = _device(getattr(args, "device", None))
     free = free_memory(device)
+    measured = read_measured()
 
     files = sorted({p.source_file for p in pairs.values()})
     user = user_models_file()
     note = "" if user.is_file() else f"; add your own with `specchat add SOURCE` (written to {user})"
     for line in textwrap.wrap(f"Model pairs from {', '.join(files)}{note}", width=width, subsequent_indent="  "):
-        print(line, file=out)
+        print(terminal_safe(line), file=out)
     print(f"Device {device}: {format_bytes(free)} free. * = default pair.", file=out)
     for pair in shown:
         print(file=out)
         block = (
             _remote_block(pair, default, width)
             if pair.remote is not None
-            else _pair_block(pair, default, device, free, width)
+            else _pair_block(pair, default, device, free, width, measured)
         )
         for line in block:
-            print(line, file=out)
+            print(terminal_safe(line), file=out)  # every line: a value of a file or a server never acts on the terminal
     print(file=out)
     legend = (
         f"Memory: weights + KV caches for each pair's context + scratch + 8% headroom, on {device}. Sizes say where "

@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import os
 import sys
+from typing import Any
 
 from specchat.backend.errors import RequestError
 
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         guard=Guard(max_connections=args.max_connections),
         share_state=args.share_state,
         log_prompts=args.log_prompts,
+        spec_tokens=spec_tokens(pair),
     )
     try:
         server = make_server(engine, config, host=args.host, port=args.port)
@@ -144,3 +146,13 @@ def run(args: argparse.Namespace) -> int:
         server.close()
         engine.close()
     return 0
+
+
+def spec_tokens(pair: Any) -> int:
+    """The pair's configured γ as vLLM's ``num_spec_tokens`` says it: its gamma, or for auto the most the γ policy
+    may draft (limits.MAX_GAMMA); 0 when the pair does not speculate."""
+    from specchat.backend.limits import MAX_GAMMA
+
+    if pair.drafter == "none":
+        return 0
+    return MAX_GAMMA if pair.gamma == "auto" else int(pair.gamma)

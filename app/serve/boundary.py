@@ -284,7 +284,7 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
     if model not in served:
         raise ApiError(
             404,
-            f"model '{model[:100]}' is not served here; models: {', '.join(served)} (GET /v1/models)",
+            f"model {_shown(model[:100])} is not served here; models: {', '.join(served)} (GET /v1/models)",
             "model",
             "model_not_found",
         )

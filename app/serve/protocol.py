@@ -26,8 +26,10 @@ Each refusal here is one access-log line (``guard.refused``); nothing here print
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +61,46 @@ def error_body(status: int, message: str, kind: str = "invalid_request_error") -
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
 
 
+_BYTES = re.compile(r"""(?:bytearray\()?(b'(?:[^'\\]|\\.)*'|b"(?:[^"\\]|\\.)*")\)?""")
+
+
+def _as_text(match: re.Match[str]) -> str:
+    """A ``bytearray(b'...')`` or ``b'...'`` repr in h11's reason as the quoted text it holds (bytes that are not
+    printable ASCII as \\xNN; a CRLF as CRLF)."""
+    try:
+        raw = ast.literal_eval(match.group(1))
+    except (ValueError, SyntaxError):
+        return match.group(0)
+    shown = "".join(chr(b) if 32 <= b < 127 else "CRLF" if b == 13 else "" if b == 10 else f"\\x{b:02x}" for b in raw)
+    return f"'{shown}'" if raw else "nothing"
+
+
 def _printable(text: str, most: int = 120) -> str:
+    text = _BYTES.sub(_as_text, text)
     text = "".join(c if c.isprintable() else "?" for c in text)
     return text if len(text) <= most else text[: most - 1] + "…"
+
+
+def _hint(reason: str) -> str:
+    """What to send instead, for the part of the request h11 could not parse."""
+    lowered = reason.lower()
+    if "chunk" in lowered:
+        return (
+            "send a chunked body as chunks of HEX-SIZE CRLF DATA CRLF ending with 0 CRLF CRLF, or send the body "
+            "with a Content-Length instead"
+        )
+    if "request line" in lowered:
+        if reason.startswith("illegal request line: '\\x16\\x03"):
+            return "this server speaks plain HTTP: use http://, not https://"
+        return "start with a request line such as 'POST /v1/chat/completions HTTP/1.1' (ASCII, single spaces)"
+    if "content-length" in lowered or "transfer-encoding" in lowered:
+        return "send one Content-Length of up to 19 digits, or Transfer-Encoding: chunked, for a body"
+    if "header" in lowered or "host" in lowered:
+        return "send each header as one 'Name: value' line (a name without spaces or controls) and one Host header"
+    return (
+        "send a GET or POST to /v1/... with a Host header and, for a body, one Content-Length of up to 19 digits "
+        "or chunked encoding"
+    )
 
 
 class _Transport:
@@ -168,10 +207,7 @@ class GuardedProtocol(H11Protocol):
         if status == 431:
             message = f"the request head is larger than {self.guard.max_head_bytes} bytes; send shorter headers"
         else:
-            message = (
-                f"the request is not valid HTTP/1.1 ({reason}); send a GET or POST to /v1/... with a "
-                "Host header and, for a body, one Content-Length of up to 19 digits or chunked encoding"
-            )
+            message = f"the request is not valid HTTP/1.1 ({reason}); {_hint(reason)}"
         self._refuse(status if status in (400, 431, 501) else 400, message)
 
     def shutdown(self) -> None:

@@ -79,7 +79,7 @@ class _JSON(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return wire.dumps(content).encode()
+        return wire.encode(content)
 
 
 def _error(error: ApiError, headers: dict[str, str] | None = None) -> Response:
@@ -148,8 +148,9 @@ class Routes:
         key = self.server.config.api_key
         if key is None:
             return None
-        given = request.headers.get("authorization", "")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].strip().encode(), key.encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # An auth scheme is case-insensitive (RFC 9110 11.1): "bearer" and "BEARER" are Bearer.
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
             return None
         self.metrics.count("unauthorised")
         _entry(request).outcome = "unauthorised"
@@ -298,7 +299,12 @@ class Routes:
             return self._failed(entry, reply, None if reply.left else SpecchatError("the engine stopped early"))
         self.finish(entry, last)
         token_ids = ids if call.return_token_ids else None
-        return _JSON(wire.completion(wire.new_id(), call.model, "".join(text), token_ids, last))
+        spec_tokens = self.spec_tokens(call)
+        return _JSON(wire.completion(wire.new_id(), call.model, "".join(text), token_ids, last, spec_tokens))
+
+    def spec_tokens(self, call: ChatCall) -> int | None:
+        """vLLM's ``num_spec_tokens`` for ``call`` (``wire.configured_gamma``)."""
+        return wire.configured_gamma(call.request, self.server.config.spec_tokens)
 
     def finish(self, entry: Entry, last: StepEvent) -> None:
         stats = last.stats
@@ -363,7 +369,7 @@ class _Stream(Response):
             self.entry.status, self.entry.outcome = 499, "client-left"
             return
         if call.include_usage:
-            yield wire.sse(wire.usage_chunk(call_id, call.model, created, last))
+            yield wire.sse(wire.usage_chunk(call_id, call.model, created, last, routes.spec_tokens(call)))
         yield wire.sse("[DONE]")
         routes.finish(self.entry, last)
 

@@ -16,7 +16,9 @@ Contract:
   ``draft_n_accepted``: tools/server/server-common.cpp's names; the draft counts are 0 when the reply drafted
   nothing); vLLM's ``metrics.speculative_decoding`` (``mean_acceptance_length``, ``draft_acceptance_rate``,
   ``acceptance_histogram``, ``num_spec_steps``, ``num_accepted_draft_tokens``, ``num_draft_tokens``,
-  ``num_spec_tokens``: vllm/v1/metrics/stats.py; counts 0 and the rates null when nothing was drafted). A
+  ``num_spec_tokens``: vllm/v1/metrics/stats.py, the configured γ as vLLM means it (``spec_tokens``: the
+  request's, else the pair's; auto is the most the γ policy drafts); counts 0 and the rates null when nothing was
+  drafted). A
   stream sends them on a last chunk with empty ``choices`` when ``include_usage`` is asked; a non-streaming
   reply always carries them in its object.
 """
@@ -29,7 +31,8 @@ import time
 import uuid
 from typing import Any
 
-from specchat.backend.api import RequestStats, StepEvent
+from specchat.backend.api import GenerationRequest, RequestStats, StepEvent
+from specchat.backend.limits import MAX_GAMMA
 
 OPENAI_FINISH = {
     "eos": "stop",
@@ -89,7 +92,7 @@ def chunk(call_id: str, model: str, created: int, event: StepEvent, *, token_ids
     }
 
 
-def speculation_fields(stats: RequestStats) -> dict[str, Any]:
+def speculation_fields(stats: RequestStats, spec_tokens: int | None = None) -> dict[str, Any]:
     """usage, llama-server's timings and vLLM's metrics.speculative_decoding for a finished reply."""
     prompt, new = stats.prompt_tokens, stats.new_tokens
     out: dict[str, Any] = {"usage": {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new}}
@@ -111,11 +114,11 @@ def speculation_fields(stats: RequestStats) -> dict[str, Any]:
     timings.update(draft_n=drafted, draft_n_accepted=accepted)
     out["timings"] = timings
     histogram: list[int] = []
-    k = 0
-    if drafted:  # steps by accepted length, 0 .. the largest γ
-        k = stats.gamma.max or 0
+    used = (stats.gamma.max or 0) if drafted else 0
+    k = spec_tokens if spec_tokens is not None else used  # vLLM's num_spec_tokens: the configured γ
+    if drafted:  # steps by accepted length, 0 .. the larger of the configured and the largest used γ
         histogram = list(stats.accepted_length_histogram)
-        histogram += [0] * (k + 1 - len(histogram))
+        histogram += [0] * (max(k, used) + 1 - len(histogram))
     out["metrics"] = {
         "speculative_decoding": {
             "mean_acceptance_length": stats.mean_accepted_length if drafted else None,
@@ -130,16 +133,20 @@ def speculation_fields(stats: RequestStats) -> dict[str, Any]:
     return out
 
 
-def usage_chunk(call_id: str, model: str, created: int, last: StepEvent) -> dict[str, Any]:
+def usage_chunk(
+    call_id: str, model: str, created: int, last: StepEvent, spec_tokens: int | None = None
+) -> dict[str, Any]:
     """The stream's last chunk (``include_usage``): empty choices, the totals in every server's shape."""
     stats = last.stats or RequestStats()
     out = {"id": call_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": []}
-    out.update(speculation_fields(stats))
+    out.update(speculation_fields(stats, spec_tokens))
     out["specchat"] = {"stats": stats.to_dict(), "finish_reason": last.finish_reason}
     return out
 
 
-def completion(call_id: str, model: str, text: str, token_ids: list[int] | None, last: StepEvent) -> dict[str, Any]:
+def completion(
+    call_id: str, model: str, text: str, token_ids: list[int] | None, last: StepEvent, spec_tokens: int | None = None
+) -> dict[str, Any]:
     """A whole (non-streaming) chat.completion."""
     stats = last.stats or RequestStats()
     choice: dict[str, Any] = {
@@ -157,7 +164,7 @@ def completion(call_id: str, model: str, text: str, token_ids: list[int] | None,
         "model": model,
         "choices": [choice],
     }
-    out.update(speculation_fields(stats))
+    out.update(speculation_fields(stats, spec_tokens))
     out["specchat"] = {"stats": stats.to_dict(), "finish_reason": last.finish_reason}
     return out
 
@@ -180,7 +187,23 @@ def dumps(payload: Any) -> str:
         return json.dumps(_finite(payload), ensure_ascii=False, allow_nan=False)
 
 
+def encode(payload: Any) -> bytes:
+    """:func:`dumps` as UTF-8. A lone surrogate (JSON's ``"\\ud800"`` decodes to one, and an error may echo it)
+    has no UTF-8 form: it is written back as that same JSON escape, so every body encodes whatever came in."""
+    return dumps(payload).encode("utf-8", "backslashreplace")
+
+
 def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event."""
     data = payload if isinstance(payload, str) else dumps(payload)
-    return f"data: {data}\n\n".encode()
+    return f"data: {data}\n\n".encode("utf-8", "backslashreplace")
+
+
+def configured_gamma(request: GenerationRequest, pair_gamma: int | None) -> int | None:
+    """vLLM's ``num_spec_tokens``: the γ a request was configured with (its own, else the pair's ``pair_gamma``;
+    auto: the most the γ policy may draft; 0 without a drafter), not the largest it used. None: not known."""
+    if request.drafter == "none":
+        return 0
+    if request.gamma is not None:
+        return MAX_GAMMA if request.gamma == "auto" else int(request.gamma)
+    return pair_gamma

@@ -43,6 +43,7 @@ from specchat.app.tui.seams import EngineFactory, PairInfo
 from specchat.app.tui.widgets.message_view import warm_highlighting
 from specchat.backend.errors import InsufficientMemoryError, SpecchatError
 from specchat.backend.limits import DEFAULT_PAIR
+from specchat.backend.redact import terminal_safe
 
 if TYPE_CHECKING:
     from specchat.app.chat.history.store import ChatStore
@@ -155,6 +156,8 @@ class SpecchatApp(App[int]):
         statistics (styles.tcss), and last at most :data:`NOTIFY_MAX_S` for their severity."""
         limit = NOTIFY_MAX_S.get(severity, NOTIFY_MAX_S["error"])
         shown_for = limit if timeout is None else min(timeout, limit)
+        # Terminal escapes an error may quote (a models.yaml value, a server's text) never reach the terminal.
+        message, title = terminal_safe(message), terminal_safe(title)
         super().notify(message, title=title, severity=severity, timeout=shown_for, markup=False)
 
     def _theme_changed(self, theme: Theme) -> None:

@@ -69,9 +69,14 @@ def record(aggs: Iterable[Any], meta: dict[str, Any], sources: dict[str, str]) -
         pass
 
 
-def expected_speed(pair_name: str, source: str) -> str:
-    """See the module docstring."""
-    entry = _read().get(pair_name)
+def read_measured() -> dict[str, Any]:
+    """Every pair's stored speeds, for :func:`expected_speed`'s ``measured`` (a listing reads the file once)."""
+    return _read()
+
+
+def expected_speed(pair_name: str, source: str, measured: dict[str, Any] | None = None) -> str:
+    """See the module docstring; ``measured``: :func:`read_measured`'s, else the file is read now."""
+    entry = (_read() if measured is None else measured).get(pair_name)
     hint = f"not measured (specchat bench --pair {pair_name})"
     if not isinstance(entry, dict) or entry.get("source") != source:
         return hint

@@ -26,11 +26,10 @@ from typing import Any
 
 import torch
 
+from specchat.backend.kernels.native_types import GGML_TYPES as GGML_TYPES  # re-exported: its loader reads it here
 from specchat.backend.kernels.rope import cos_sin_tables
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
 
-GGML_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
-              "Q6_K": 14, "BF16": 30}  # fmt: skip
 TYPE_NAMES = {value: name for name, value in GGML_TYPES.items()}
 _FLOAT_TYPES = {torch.float32: GGML_TYPES["F32"], torch.float16: GGML_TYPES["F16"], torch.bfloat16: GGML_TYPES["BF16"]}
 

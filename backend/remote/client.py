@@ -22,10 +22,16 @@ Contract:
 - Limits: an error answer is read up to :data:`MAX_ERROR_BYTES`, a stream line up to
   ``reply.MAX_LINE_BYTES``, a whole answer up to :data:`MAX_ANSWER_BYTES`; the reply ends at the request's
   ``max_new_tokens`` (else the pair's, else the engine's default) whatever the server sends (``reply.py``).
-  Server text reaching the caller (the reply, error messages, names) has terminal control characters stripped.
-- Timeouts: connect :data:`CONNECT_TIMEOUT_S`, then :data:`READ_TIMEOUT_S` between two chunks (a large model's
-  first token may take long); a failed connect is retried :data:`CONNECT_RETRIES` times, nothing else is. The
-  server is addressed directly: proxy settings from the environment are not used.
+  Server text reaching the caller (the reply, error messages, names) has terminal control characters stripped
+  and the pair's secrets (its API key, its URL's password and query values) masked, whatever the server echoes.
+- Deadlines (``watchdog.py``): a reply ends with an error naming the server and the field to change when no new
+  token came for the pair's ``no_progress_s`` (the first token included; keep-alive comments, empty chunks and a
+  lying Content-Length's silence do not count as progress) or it has not finished within its ``deadline_s``
+  (models.yaml, defaults in ``backend/limits.py``): before the first token a RemoteError, after it a last event
+  ``finish_reason="error"`` keeping the partial reply. ``GET /models`` and ``/metrics`` get
+  :data:`LIST_DEADLINE_FACTOR` times their timeout in all. Connect :data:`CONNECT_TIMEOUT_S`; a failed connect
+  is retried :data:`CONNECT_RETRIES` times, nothing else is. The server is addressed directly: proxy settings
+  from the environment are not used.
 - ``cancel.set()`` closes the stream within :data:`CANCEL_POLL_S` even while a chunk is awaited (the socket is
   shut down), and the reply ends with ``finish_reason="cancelled"``.
 """
@@ -33,8 +39,8 @@ Contract:
 from __future__ import annotations
 
 import json
+import math
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -47,17 +53,28 @@ from specchat.backend.engine.prompting import validate_messages
 from specchat.backend.errors import RemoteError, RequestError
 from specchat.backend.limits import DEFAULT_MAX_NEW_TOKENS
 from specchat.backend.models.catalog.config import PREDICTION_KINDS, PairConfig, RemoteSpec
-from specchat.backend.remote.faults import describe, error_text, http_error, network_error, one_line, shown_url
+from specchat.backend.redact import terminal_safe
+from specchat.backend.remote.faults import (
+    describe,
+    error_text,
+    http_error,
+    network_error,
+    one_line,
+    pair_secrets,
+    redact,
+    shown_url,
+)
 from specchat.backend.remote.reply import MAX_LINE_BYTES, ReplyState, TooLarge, capped_lines, sse_data
+from specchat.backend.remote.watchdog import POLL_S, Reason, Watchdog
 
 CONNECT_TIMEOUT_S = 5.0
-READ_TIMEOUT_S = 600.0  # between two chunks: a 70B model's prefill of a long prompt may take minutes
 WRITE_TIMEOUT_S = 60.0
 CONNECT_RETRIES = 2
-CANCEL_POLL_S = 0.05
+CANCEL_POLL_S = POLL_S
 MAX_ERROR_BYTES = 64 << 10  # of an error answer (or a JSON one): the rest is not read
 MAX_ANSWER_BYTES = 64 << 20  # of one streamed answer (specchat's chunks carry ~2 kB of statistics per step)
 MAX_LIST_BYTES = 4 << 20  # of GET /models and /metrics
+LIST_DEADLINE_FACTOR = 3  # GET /models and /metrics end after this many of their timeouts in all
 
 
 def api_key(spec: RemoteSpec, pair_name: str) -> str | None:
@@ -73,11 +90,12 @@ def api_key(spec: RemoteSpec, pair_name: str) -> str | None:
     return key
 
 
-def make_client(spec: RemoteSpec, pair_name: str, *, read_timeout_s: float = READ_TIMEOUT_S) -> httpx.Client:
+def make_client(spec: RemoteSpec, pair_name: str) -> httpx.Client:
     key = api_key(spec, pair_name)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    # The watchdog ends a silent request after no_progress_s; the read timeout, a little later, is its fallback.
     timeout = httpx.Timeout(
-        connect=CONNECT_TIMEOUT_S, read=read_timeout_s, write=WRITE_TIMEOUT_S, pool=CONNECT_TIMEOUT_S
+        connect=CONNECT_TIMEOUT_S, read=spec.no_progress_s + 1.0, write=WRITE_TIMEOUT_S, pool=CONNECT_TIMEOUT_S
     )
     return httpx.Client(
         base_url=spec.server + "/",
@@ -88,41 +106,18 @@ def make_client(spec: RemoteSpec, pair_name: str, *, read_timeout_s: float = REA
     )
 
 
-class _CancelWatch:
-    """Shuts the response's socket down when ``cancel`` is set, so a blocked read returns at once."""
-
-    def __init__(self, cancel: threading.Event, response: httpx.Response) -> None:
-        self._cancel, self._done = cancel, threading.Event()
-        stream = response.extensions.get("network_stream")
-        self._socket = stream.get_extra_info("socket") if stream is not None else None
-        self._thread = threading.Thread(target=self._watch, name="specchat-remote-cancel", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._done.is_set():
-            if self._cancel.wait(CANCEL_POLL_S):
-                if not self._done.is_set() and self._socket is not None:
-                    try:
-                        self._socket.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                return
-
-    def stop(self) -> None:
-        self._done.set()
-
-
 class RemoteEngine:
-    """A remote pair's engine (see the module docstring). ``read_timeout_s`` is for tests."""
+    """A remote pair's engine (see the module docstring)."""
 
-    def __init__(self, pair: PairConfig, *, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+    def __init__(self, pair: PairConfig) -> None:
         spec = pair.remote
         if spec is None:
             raise RequestError(f"pair '{pair.name}' is not a remote pair")
         self.pair, self.spec = pair, spec
         self.draft = None
         self.context_length: int | None = None  # the server's; not known here
-        self._client = make_client(spec, pair.name, read_timeout_s=read_timeout_s)
+        self._client = make_client(spec, pair.name)
+        self._secrets = pair_secrets(spec)
 
     # -- EngineAPI --------------------------------------------------------------------------------------
 
@@ -146,13 +141,19 @@ class RemoteEngine:
     def metrics_text(self) -> str | None:
         """The server's Prometheus ``/metrics`` (at the root beside ``/v1``), or None when it has none."""
         root = self.spec.server.removesuffix("/v1")
+        watchdog = Watchdog(threading.Event(), math.inf, CONNECT_TIMEOUT_S * LIST_DEADLINE_FACTOR)
         try:
-            with self._client.stream("GET", root + "/metrics", timeout=CONNECT_TIMEOUT_S) as response:
+            with self._client.stream(
+                "GET", root + "/metrics", timeout=CONNECT_TIMEOUT_S, extensions={"trace": watchdog.trace}
+            ) as response:
+                watchdog.watch_response(response)
                 if response.status_code != 200:
                     return None
                 return read_capped(response, MAX_LIST_BYTES).decode("utf-8", "replace")
         except (httpx.HTTPError, httpx.StreamError, OSError, TooLarge):
             return None
+        finally:
+            watchdog.stop()
 
     # -- internals --------------------------------------------------------------------------------------
 
@@ -225,11 +226,15 @@ class RemoteEngine:
             self._notice(request),
             self._max_new_tokens(request),
             predicted="prediction" in body,
+            clean=self._clean,
         )
+        watchdog = Watchdog(cancel, self.spec.no_progress_s, self.spec.deadline_s)
         try:
-            with self._client.stream("POST", "chat/completions", json=body) as response:
+            with self._client.stream(
+                "POST", "chat/completions", json=body, extensions={"trace": watchdog.trace}
+            ) as response:
+                watchdog.watch_response(response)
                 chunks = self._answer(response)
-                watch = _CancelWatch(cancel, response)
                 try:
                     lines = capped_lines(chunks, max_line=MAX_LINE_BYTES, max_total=MAX_ANSWER_BYTES)
                     for data in sse_data(state.watch(lines)):
@@ -237,21 +242,54 @@ class RemoteEngine:
                             break
                         event = state.chunk(data)
                         if event is not None:
+                            watchdog.progress()
                             yield event
+                            watchdog.progress()  # the wait for the next token starts now
                         if state.done:
                             break
                 except TooLarge as error:
                     state.broken(f"sent too much ({error})")
                 except (httpx.HTTPError, httpx.StreamError, OSError, ValueError) as error:
-                    if not cancel.is_set():
+                    if watchdog.reason is None and not cancel.is_set():
                         state.broken(describe(error))
-                finally:
-                    watch.stop()
+                if watchdog.reason in ("deadline", "no_progress"):  # the shut socket ended the stream
+                    if state.t_first is None:
+                        raise self._expired_error(watchdog.reason)
+                    state.broken(self._expired(watchdog.reason))
         except RemoteError:
-            raise
+            if watchdog.reason not in ("deadline", "no_progress"):
+                raise
+            raise self._expired_error(watchdog.reason) from None
         except (httpx.HTTPError, httpx.StreamError, OSError, ValueError) as error:
+            if watchdog.reason == "cancelled":
+                yield state.last(True)
+                return
+            if watchdog.reason is not None:
+                raise self._expired_error(watchdog.reason) from None
             raise network_error(self.spec, self.pair.name, error) from None
+        finally:
+            watchdog.stop()
         yield state.last(cancel.is_set())
+
+    def _expired(self, reason: Reason) -> str:
+        """What a passed deadline was, naming the field that sets it."""
+        field = "target.no_progress_s" if reason == "no_progress" else "target.deadline_s"
+        where = f"{field} of pair '{self.pair.name}'" + (
+            f" in {self.pair.source_file}" if self.pair.source_file else ""
+        )
+        if reason == "no_progress":
+            return f"sent no new token for {self.spec.no_progress_s:g} s ({where})"
+        return f"did not finish the reply within {self.spec.deadline_s:g} s ({where})"
+
+    def _expired_error(self, reason: Reason) -> RemoteError:
+        return RemoteError(
+            f"pair '{self.pair.name}': {shown_url(self.spec.server)} {self._expired(reason)}; check that the server "
+            "is up and not overloaded, or raise that value for a slow server"
+        )
+
+    def _clean(self, text: str) -> str:
+        """A server's text as shown: terminal-safe, the pair's secrets masked."""
+        return self._secrets.mask(terminal_safe(text))
 
     def _answer(self, response: httpx.Response) -> Iterator[bytes]:
         """The answer's body as an event stream's bytes; RemoteError for an error answer or one that is not a
@@ -264,8 +302,9 @@ class RemoteEngine:
                 raise http_error(self.spec, self.pair.name, response.status_code, text)
             if "json" in kind and b'"choices"' in body:
                 return iter([b"data: " + body.replace(b"\n", b" ") + b"\n\n"])
+            said, kind = one_line(redact(text, self.spec), 200), one_line(kind, 60) or "no type"
             raise RemoteError(
-                f"pair '{self.pair.name}': {shown_url(self.spec.server)} answered {text[:200]} ({kind or 'no type'}) "
+                f"pair '{self.pair.name}': {shown_url(self.spec.server)} answered {said} ({kind}) "
                 "instead of an event stream; check that the pair's server URL is the API's, ending in /v1, and "
                 "that no proxy or login page is in between"
             )
@@ -293,17 +332,23 @@ def check_server(spec: RemoteSpec, pair_name: str, *, timeout_s: float = 3.0) ->
     except RemoteError as error:
         return {"reachable": False, "model_listed": None, "error": str(error)}
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    watchdog = Watchdog(threading.Event(), math.inf, timeout_s * LIST_DEADLINE_FACTOR)
     try:
         with (
             httpx.Client(timeout=timeout_s, trust_env=False, headers=headers) as client,
-            client.stream("GET", spec.server + "/models") as response,
+            client.stream("GET", spec.server + "/models", extensions={"trace": watchdog.trace}) as response,
         ):
             status, kind = response.status_code, response.headers.get("content-type", "")
             body = read_capped(response, MAX_LIST_BYTES, truncate=status != 200)
     except TooLarge:
         return {"reachable": True, "model_listed": None, "error": "GET /models answered more than 4 MiB"}
     except (httpx.HTTPError, httpx.StreamError, OSError, ValueError) as error:
+        if watchdog.reason == "deadline":
+            late = f"GET {shown_url(spec.server)}/models did not finish within {timeout_s * LIST_DEADLINE_FACTOR:g} s"
+            return {"reachable": False, "model_listed": None, "error": late}
         return {"reachable": False, "model_listed": None, "error": str(network_error(spec, pair_name, error))}
+    finally:
+        watchdog.stop()
     if status != 200:
         text = error_text(body, kind, "")
         return {"reachable": True, "model_listed": None, "error": str(http_error(spec, pair_name, status, text))}
@@ -313,6 +358,6 @@ def check_server(spec: RemoteSpec, pair_name: str, *, timeout_s: float = 3.0) ->
     except (ValueError, AttributeError, TypeError, RecursionError):
         return {"reachable": True, "model_listed": None, "error": "GET /models did not answer a model list"}
     listed = spec.model in ids
-    names = one_line(", ".join(map(str, list(ids)[:20])), 300)
+    names = one_line(redact(", ".join(map(str, list(ids)[:20])), spec), 300)
     problem = None if listed else f"model '{one_line(spec.model, 80)}' is not listed (the server has: {names})"
     return {"reachable": True, "model_listed": listed, "error": problem}

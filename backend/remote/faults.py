@@ -4,11 +4,10 @@ Contract:
 
 - :func:`shown_url` is a server URL fit for any message: a password in it (``user:password@``) and the values
   of its query string become ``***``; :func:`redact` does the same to any text that may quote the URL or the
-  password (an exception's message). No message of backend/remote shows a URL or a server's text otherwise.
-- :func:`terminal_safe` strips what a terminal would act on from a server's text: C0 control characters except
-  tab and newline (so ESC, the start of every escape sequence, and carriage return), DEL, and the C1 controls
-  (U+0080-U+009F, whose U+009B is an 8-bit CSI). It works character by character, so pieces of a text stay
-  consistent with the whole. :func:`one_line` also folds line breaks and bounds the length.
+  password (an exception's message) and the pair's API key (:func:`pair_secrets`: a server may echo it in an
+  error). No message of backend/remote shows a URL or a server's text otherwise.
+- Server text is made terminal-safe by the shared helper (``backend/redact.terminal_safe``: escape sequences and
+  control characters stripped); :func:`one_line` also folds line breaks and bounds the length.
 - :func:`http_error` and :func:`network_error` build the :class:`RemoteError` for a non-2xx answer and for a
   fault of the network or the HTTP exchange (connect, TLS, DNS, timeouts, a reset, a broken or lying answer, a
   body that does not decompress), naming the server (:func:`shown_url`) and what to check; never a traceback.
@@ -17,20 +16,19 @@ Contract:
 from __future__ import annotations
 
 import json
-import re
+import os
 import socket
 import ssl
 from collections.abc import Mapping
-from urllib.parse import urlsplit
 
 import httpx
 
 from specchat.backend.errors import RemoteError
 from specchat.backend.models.catalog.config import RemoteSpec
-from specchat.backend.redact import mask_url
+from specchat.backend.redact import Secrets, mask_url, terminal_safe, url_secrets
+from specchat.backend.redact import one_line as _one_line
 
 MAX_SHOWN = 400  # characters of a server's text in one message
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def shown_url(url: str) -> str:
@@ -38,33 +36,22 @@ def shown_url(url: str) -> str:
     return terminal_safe(mask_url(url))
 
 
-def _secrets(url: str) -> list[str]:
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return []
-    found = [parts.password] if parts.password else []
-    found += [p.partition("=")[2] for p in parts.query.split("&") if "=" in p and len(p.partition("=")[2]) >= 4]
-    return [s for s in found if s]
+def pair_secrets(spec: RemoteSpec) -> Secrets:
+    """What a remote pair must never show: its API key (read from ``api_key_env`` now), its URL's password and
+    query values."""
+    key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+    return Secrets([key, *url_secrets(spec.server)])
 
 
-def redact(text: str, url: str) -> str:
-    """``text`` with ``url`` shown masked and any secret of it (password, query values) replaced by ***."""
-    text = text.replace(url, shown_url(url))
-    for secret in _secrets(url):
-        text = text.replace(secret, "***")
-    return text
-
-
-def terminal_safe(text: str) -> str:
-    """``text`` without the characters a terminal acts on (see the module docstring)."""
-    return _CONTROLS.sub("", text)
+def redact(text: str, spec: RemoteSpec) -> str:
+    """``text`` terminal-safe, with the pair's URL shown masked and every secret of the pair replaced by ***."""
+    text = terminal_safe(text).replace(spec.server, shown_url(spec.server))
+    return pair_secrets(spec).mask(text)
 
 
 def one_line(text: str, most: int = MAX_SHOWN) -> str:
     """A server's text for a one-line message: terminal-safe, line breaks folded, at most ``most`` characters."""
-    text = " ".join(terminal_safe(text.replace("\t", " ")).split())
-    return text if len(text) <= most else text[: most - 1] + "…"
+    return _one_line(text, most)
 
 
 def error_text(body: bytes, content_type: str, reason: str) -> str:
@@ -76,20 +63,25 @@ def error_text(body: bytes, content_type: str, reason: str) -> str:
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):
-        return one_line(text) or reason
+        return _capped(text) or reason
     if isinstance(data, Mapping):
         error = data.get("error", data.get("detail", data.get("message")))
         if isinstance(error, Mapping):
             error = error.get("message", error)
         if error is not None:
-            return one_line(str(error))
-    return one_line(str(data)) or reason
+            return _capped(str(error))
+    return _capped(str(data)) or reason
+
+
+def _capped(text: str) -> str:
+    """A server's text bounded, but not yet cut to a message's length: the caller masks secrets first."""
+    return " ".join(terminal_safe(text[: MAX_SHOWN * 8]).split())
 
 
 def http_error(spec: RemoteSpec, pair_name: str, status: int, text: str) -> RemoteError:
     """A RemoteError for a non-2xx answer, saying what to do about each common status."""
     server = shown_url(spec.server)
-    text = redact(text, spec.server)
+    text = one_line(redact(text, spec))
     where = f"pair '{pair_name}': {server} answered {status}"
     if status in (401, 403):
         env = spec.api_key_env
@@ -134,7 +126,7 @@ def network_error(spec: RemoteSpec, pair_name: str, error: BaseException) -> Rem
     """A fault before the answer came (see the module docstring), as one line naming what to check."""
     server = shown_url(spec.server)
     where = f"pair '{pair_name}': {server}"
-    detail = one_line(redact(str(error), spec.server), 160) or type(error).__name__
+    detail = one_line(redact(str(error), spec), 160) or type(error).__name__
     if _cause(error, ssl.SSLError) is not None:
         return RemoteError(
             f"{where}: the TLS handshake failed ({detail}); check http:// against https:// in the URL and the "

@@ -8,7 +8,7 @@ Contract:
   nothing a server sends can grow memory past those. :func:`sse_data` joins ``data:`` lines into events up to
   ``[DONE]``.
 - :class:`ReplyState` reads each event (untrusted JSON: wrong types are ignored, never raised): text and token
-  ids with terminal control characters stripped (``faults.terminal_safe``), the server's statistics, the finish
+  ids through ``clean`` (terminal-safe, the pair's secrets masked), the server's statistics, the finish
   reason, an error chunk. It counts the reply's tokens (ids when the server gives them, else one per chunk with
   text, which is never more than the tokens) and marks the reply over once they pass ``max_new_tokens``: a
   server that streams on regardless is cut there (finish ``length``, with a message saying so).
@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from specchat.backend.api import FinishReason, PolicyState, RequestStats, StepEvent, TokenSource
-from specchat.backend.remote.faults import one_line, terminal_safe
+from specchat.backend.redact import terminal_safe
+from specchat.backend.remote.faults import one_line
 from specchat.backend.remote.stats import PREDICTION_FIELDS, remote_stats, server_figures
 
 MAX_LINE_BYTES = 1 << 20  # one server-sent event line
@@ -102,7 +103,9 @@ class ReplyState:
         max_new_tokens: int,
         *,
         predicted: bool = False,
+        clean: Callable[[str], str] = terminal_safe,
     ) -> None:
+        self.clean = clean  # every text of the server passes here: terminal-safe, the pair's secrets masked
         self.pair_name, self.server, self.t0, self.notice = pair_name, server, t0, notice
         self.predicted = predicted  # a prediction was sent: its usage counts are kept (OpenAI reports 0s always)
         self.max_new_tokens = max_new_tokens
@@ -133,12 +136,13 @@ class ReplyState:
             figures = {k: v for k, v in figures.items() if k != "new_tokens"}
         if not self.predicted:
             figures = {k: v for k, v in figures.items() if k not in PREDICTION_FIELDS}
+        figures = {k: one_line(self.clean(v), 80) if isinstance(v, str) else v for k, v in figures.items()}
         return remote_stats(
             figures,
             wall_s=wall,
             ttft_s=ttft,
             counted_tokens=self.counted,
-            drafter=one_line(str(figures.get("drafter", self.drafter)), 40),
+            drafter=one_line(self.clean(str(figures.get("drafter", self.drafter))), 40),
         )
 
     @property
@@ -150,13 +154,13 @@ class ReplyState:
         try:
             chunk = json.loads(data)
         except (json.JSONDecodeError, RecursionError):
-            self.failed = f"{self.server} sent a chunk that is not JSON: {one_line(repr(data[:120]), 140)}"
+            self.failed = f"{self.server} sent a chunk that is not JSON: {one_line(self.clean(repr(data[:120])), 140)}"
             return None
         if not isinstance(chunk, dict):
             return None
         if "error" in chunk:  # vLLM and others report a failure mid-stream as a chunk
             error = chunk["error"]
-            text = one_line(str(error.get("message", error) if isinstance(error, Mapping) else error))
+            text = one_line(self.clean(str(error.get("message", error) if isinstance(error, Mapping) else error)))
             self.failed = f"{self.server} reported an error: {text}"
             return None
         self.figures.update(server_figures(chunk))
@@ -166,7 +170,7 @@ class ReplyState:
         content = _mapping(choice.get("delta")).get("content")
         if content is None:  # a whole (non-streamed) completion answered to a stream request
             content = _mapping(choice.get("message")).get("content")
-        text = terminal_safe(content) if isinstance(content, str) else ""
+        text = self.clean(content) if isinstance(content, str) else ""
         raw_ids = choice.get("token_ids")
         ids = [t for t in raw_ids if type(t) is int] if isinstance(raw_ids, list) else []
         if choice.get("finish_reason") is not None:
@@ -208,14 +212,13 @@ class ReplyState:
             verify_s=0.0,
             overhead_s=0.0,
             policy=PolicyState(policy) if policy in ("speculating", "paused", "off") else PolicyState.OFF,
-            drafter=one_line(str(self.figures.get("drafter", self.drafter)), 40),
+            drafter=one_line(self.clean(str(self.figures.get("drafter", self.drafter))), 40),
             is_prefill=first,
             message=message,
             stats=self.stats(),
         )
 
-    @staticmethod
-    def _tokens(own: Mapping[str, Any], ids: list[int], text: str) -> tuple[list[TokenSource], list[str]]:
+    def _tokens(self, own: Mapping[str, Any], ids: list[int], text: str) -> tuple[list[TokenSource], list[str]]:
         sources, texts = own.get("sources"), own.get("token_texts")
         if (
             isinstance(sources, list)
@@ -223,9 +226,9 @@ class ReplyState:
             and len(sources) == len(texts) == len(ids)
             and all(s in (0, 1, 2, 3) for s in sources)
             and all(isinstance(t, str) for t in texts)
-            and "".join(terminal_safe(t) for t in texts) == text
+            and "".join(self.clean(t) for t in texts) == text
         ):
-            return [TokenSource(s) for s in sources], [terminal_safe(t) for t in texts]
+            return [TokenSource(s) for s in sources], [self.clean(t) for t in texts]
         return [TokenSource.TARGET] * len(ids), [""] * (len(ids) - 1) + [text] if ids else []
 
     def broken(self, what: str) -> None:
@@ -264,7 +267,7 @@ class ReplyState:
             verify_s=0.0,
             overhead_s=0.0,
             policy=PolicyState.OFF,
-            drafter=one_line(str(self.figures.get("drafter", self.drafter)), 40),
+            drafter=one_line(self.clean(str(self.figures.get("drafter", self.drafter))), 40),
             finish_reason=reason,
             message=message,
             stats=self.stats(),

@@ -253,6 +253,7 @@ def remote_stats(
     values["drafter"] = drafter
     values.update({k: v for k, v in figures.items() if k not in CLIENT_FIELDS})
     new_tokens = values.get("new_tokens")
+    values["tokens_counted"] = new_tokens is not None or counted_tokens > 0  # else "—", never a guessed 0
     new_tokens = counted_tokens if new_tokens is None else max(int(new_tokens), counted_tokens)
     values["new_tokens"] = new_tokens
     values["wall_s"] = round(wall_s, 6)

@@ -1,7 +1,7 @@
 """The app's layers point one way: cli -> tui -> chat -> the backend's API. Read from the source (every import,
 including those inside functions): app/tui and app/chat import from the backend only ``api``, ``limits``, ``errors``,
-``paths``, ``files`` and ``inputs`` (and ``models.config`` for annotations, under TYPE_CHECKING); everything else of the
-backend (loading, memory, hub, the engine) reaches the UI through the callables app/cli passes in
+``paths``, ``files``, ``inputs`` and ``redact`` (and ``models.config`` for annotations, under TYPE_CHECKING);
+everything else of the backend (loading, memory, hub, the engine) reaches the UI through the callables app/cli passes in
 (app/tui/seams.py). No package __init__ imports its submodules."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ BACKEND_FOR_THE_UI = {
     "specchat.backend.paths",
     "specchat.backend.files",
     "specchat.backend.inputs",
+    "specchat.backend.redact",  # a leaf: secrets masked and terminal escapes stripped from what is shown
 }
 ANNOTATIONS_ONLY = {"specchat.backend.models.catalog.config"}
 

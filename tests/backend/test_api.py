@@ -36,6 +36,15 @@ from specchat.backend.limits import check_gamma
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
         ("repetition_penalty", limits.MAX_REPETITION_PENALTY * 2),
+        # values that passed but meant nothing (issue 47, class 8)
+        ("temperature", 1e-320),
+        ("temperature", 5e-324),
+        ("temperature", limits.MIN_TEMPERATURE / 2),
+        ("repetition_penalty", 1e-320),
+        ("repetition_penalty", limits.MIN_REPETITION_PENALTY / 2),
+        ("top_p", 1e-320),
+        ("top_k", 2**70),
+        ("top_k", limits.MAX_TOP_K + 1),
         ("max_new_tokens", 0),
         ("max_new_tokens", 2.0),
         ("max_new_tokens", limits.MAX_NEW_TOKENS + 1),
@@ -54,11 +63,13 @@ def test_sampling_params_accept_the_limits_themselves() -> None:
     SamplingParams(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, seed=0)
     SamplingParams(
         temperature=limits.MAX_TEMPERATURE,
-        top_p=1e-9,
+        top_p=limits.MIN_TOP_P,
+        top_k=limits.MAX_TOP_K,
         repetition_penalty=limits.MAX_REPETITION_PENALTY,
         max_new_tokens=limits.MAX_NEW_TOKENS,
         seed=limits.MAX_SEED,
     )
+    SamplingParams(temperature=limits.MIN_TEMPERATURE, repetition_penalty=limits.MIN_REPETITION_PENALTY)
     SamplingParams()  # every field unset: the pair's defaults
 
 

@@ -157,3 +157,68 @@ def endless(make: Callable[[int], bytes], pause_s: float = 0.0) -> Behaviour:
                 time.sleep(pause_s)
 
     return run
+
+
+# -- stalls: each would hold a client for STALL_S without its deadlines (issue 47) --------------------------------
+
+STALL_S = 15.0
+
+
+def _headers_then_silence(conn: Conn) -> None:
+    conn.send(response(200, b"", SSE))
+    time.sleep(STALL_S)
+
+
+def _no_response(conn: Conn) -> None:
+    time.sleep(STALL_S)
+
+
+def _one_chunk_then_stall(conn: Conn) -> None:
+    conn.send(response(200, sse(chunk("hello")), SSE))
+    time.sleep(STALL_S)
+
+
+def _lying_length(conn: Conn) -> None:
+    conn.send(response(200, sse(chunk("hi")), {"Content-Type": "text/event-stream"}, length=99999))
+    time.sleep(STALL_S)
+
+
+def _keep_alive(conn: Conn) -> None:
+    if conn.send(response(200, b"", SSE)):
+        end = time.monotonic() + STALL_S
+        while time.monotonic() < end and conn.send(b": keep-alive\n\n"):
+            time.sleep(0.1)
+
+
+def _empty_chunks(conn: Conn) -> None:
+    if conn.send(response(200, b"", SSE)):
+        end = time.monotonic() + STALL_S
+        while time.monotonic() < end and conn.send(sse({"choices": [{"delta": {}}]})):
+            time.sleep(0.1)
+
+
+def _trickled_head(conn: Conn) -> None:
+    for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 1000:
+        if not conn.send(bytes([byte])):
+            return
+        time.sleep(0.1)
+
+
+def _tokens_forever(conn: Conn) -> None:
+    if conn.send(response(200, b"", SSE)):
+        end = time.monotonic() + STALL_S
+        while time.monotonic() < end and conn.send(sse(chunk("w", ids=[1]))):
+            time.sleep(0.1)
+
+
+# name -> (behaviour, the deadline that ends it, whether a token came first)
+STALLS = {
+    "headers with no body": (_headers_then_silence, "no_progress", False),
+    "no response": (_no_response, "no_progress", False),
+    "stall after one chunk": (_one_chunk_then_stall, "no_progress", True),
+    "lying Content-Length": (_lying_length, "no_progress", True),
+    "keep-alive comment every 0.1 s": (_keep_alive, "no_progress", False),
+    "empty chunks every 0.1 s": (_empty_chunks, "no_progress", False),
+    "head trickled a byte at a time": (_trickled_head, "no_progress", False),
+    "tokens past the deadline": (_tokens_forever, "deadline", True),
+}

@@ -168,3 +168,22 @@ def through_kernels(model: torch.nn.Module, stored: dict[str, tuple[np.ndarray, 
         kernel = blocks.qweight(data, type_name, rows, cols)
         parent, _, child = owner.rpartition(".")
         setattr(modules[parent] if parent else model, child, _KernelLinear(kernel, heads, module.bias))
+
+
+def absurd_gguf(path, **sizes: int):
+    """A GGUF whose metadata states ``sizes`` (block_count, head_count ...) over one small tensor."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    values = {"block_count": 2, "embedding_length": 8, "head_count": 2, "head_count_kv": 2, **sizes}
+    writer.add_block_count(values["block_count"])
+    writer.add_embedding_length(values["embedding_length"])
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(values["head_count"])
+    writer.add_head_count_kv(values["head_count_kv"])
+    writer.add_context_length(64)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -69,9 +69,11 @@ def remote_pair(
     api_key_env: str | None = None,
     name: str = "remote",
     extra: str = "",
+    **target: Any,
 ) -> PairConfig:
-    """A remote pair parsed from a real models.yaml entry (the same path as a user's file)."""
-    fields = [f"server: {url}", f"model: {model}"]
+    """A remote pair parsed from a real models.yaml entry (the same path as a user's file); ``target``: more
+    fields of its target block (no_progress_s=1.0 ...)."""
+    fields = [f"server: {url}", f"model: {model}", *(f"{k}: {v}" for k, v in target.items())]
     if kind is not None:
         fields.append(f"kind: {kind}")
     if api_key_env is not None:

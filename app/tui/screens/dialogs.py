@@ -13,6 +13,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
+from specchat.backend.redact import terminal_safe
+
 
 class ConfirmScreen(ModalScreen[bool]):
     BINDINGS = [
@@ -83,7 +85,9 @@ class DiffScreen(ModalScreen[bool]):
 
     def __init__(self, sections: list[tuple[str, str]], notes: list[str] | None = None) -> None:
         super().__init__(classes="dialog-screen")
-        self.sections, self.notes = sections, list(notes or [])
+        # file names and contents are the user's files: shown without terminal escapes (the write uses the plan)
+        sections = [(terminal_safe(heading), terminal_safe(diff)) for heading, diff in sections]
+        self.sections, self.notes = sections, [terminal_safe(note) for note in notes or []]
         self.diff = "".join(diff for _, diff in sections)
 
     def compose(self) -> ComposeResult:

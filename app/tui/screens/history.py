@@ -25,6 +25,7 @@ from specchat.app.chat.history.export import export_markdown, suggested_path
 from specchat.app.chat.history.records import format_time
 from specchat.app.tui.screens.dialogs import ConfirmScreen, TextPromptScreen
 from specchat.backend.errors import SpecchatError
+from specchat.backend.redact import terminal_safe
 
 if TYPE_CHECKING:
     from textual.widgets.data_table import RowKey
@@ -118,7 +119,7 @@ class HistoryScreen(ModalScreen[HistoryResult]):
         for chat in chats:
             marker = "● " if chat.id == self.current_chat else "  "
             # Text cells: titles are user text and must not be parsed as markup
-            title = marker + chat.title
+            title = marker + terminal_safe(chat.title)
             if len(title) > self.title_width:
                 title = title[: self.title_width - 1] + "…"
             table.add_row(

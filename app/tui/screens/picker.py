@@ -32,6 +32,7 @@ from textual.widgets import DataTable, Label, Static
 from specchat.app.tui.messages import PairInfoReady
 from specchat.app.tui.screens.dialogs import ConfirmScreen
 from specchat.app.tui.seams import PairInfo
+from specchat.backend.redact import terminal_safe
 
 if TYPE_CHECKING:
     from specchat.backend.models.catalog.config import PairConfig
@@ -158,12 +159,15 @@ class PairPickerScreen(ModalScreen[str | None]):
         if not 0 <= row < len(names):
             return
         pair = self.pairs[names[row]]
-        info = self.info.get(names[row], {})
+        # models.yaml's text and the estimates' (a server's error) shown without terminal escapes
+        info: dict[str, Any] = {
+            k: terminal_safe(v) if isinstance(v, str) else v for k, v in self.info.get(names[row], {}).items()
+        }
         # Text, not markup: descriptions come from models.yaml and may contain [brackets]
         text = Text.assemble(
             (names[row], "bold"),
-            f" — {pair.description}\n",
-            f"target {pair.target.source} · drafter {drafter_label(pair, long=True)} · γ {pair.gamma}",
+            f" — {terminal_safe(pair.description)}\n",
+            f"target {terminal_safe(pair.target.source)} · drafter {drafter_label(pair, long=True)} · γ {pair.gamma}",
         )
         if info.get("gated"):
             text.append(" · gated: accept its licence on the Hugging Face hub first", style="yellow")

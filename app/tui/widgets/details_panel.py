@@ -84,7 +84,7 @@ def render_details(live: LiveView) -> Text:
         )
     text.append("\nCounters\n", style="bold")
     for label, value in (
-        ("tokens", str(stats.new_tokens)),
+        ("tokens", str(stats.new_tokens) if stats.tokens_counted else "—"),
         ("steps", count(stats.steps)),
         ("drafted", count(stats.drafted)),
         ("accepted", count(stats.accepted)),

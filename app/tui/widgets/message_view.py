@@ -29,6 +29,7 @@ from textual.widgets._markdown import MarkdownBlock, MarkdownFence
 from specchat.app.tui.widgets.edit_block import TOKEN_TYPE, ApplyEdit, EditBlockView
 from specchat.app.tui.widgets.stream_tail import StreamTail, parser, split_finished
 from specchat.backend.api import TokenSource
+from specchat.backend.redact import terminal_safe
 
 if TYPE_CHECKING:
     from markdown_it.token import Token
@@ -60,7 +61,7 @@ def render_tokens(tokens: list[tuple[str, TokenSource]]) -> Text:
     text = Text()
     for piece, source in tokens:
         if piece:
-            text.append(piece, style=SOURCE_STYLES.get(source, ""))
+            text.append(terminal_safe(piece), style=SOURCE_STYLES.get(source, ""))
     return text
 
 
@@ -151,7 +152,7 @@ class MessageView(Vertical, can_focus=True):
 class UserMessage(MessageView):
     def __init__(self, display: str, content: str) -> None:
         super().__init__(classes="message user")
-        self.display_text, self.content = display, content
+        self.display_text, self.content = terminal_safe(display), content  # shown: no terminal escapes
 
     def message_text(self) -> str:
         return self.content
@@ -188,7 +189,9 @@ class AssistantMessage(MessageView):
 
     def __init__(self, *, header: str, text: str = "", totals: str = "", token_view: bool = False) -> None:
         super().__init__(classes="message assistant")
-        self.header, self.text, self.totals = header, text, totals
+        # What is shown never carries terminal escapes (a reply loaded from the history file, a model's output);
+        # /edit applies the stored reply (the conversation's turns), not this text.
+        self.header, self.text, self.totals = terminal_safe(header), terminal_safe(text), terminal_safe(totals)
         self.tokens: list[tuple[str, TokenSource]] = []
         self.token_view = token_view
         self.streaming = False
@@ -219,6 +222,7 @@ class AssistantMessage(MessageView):
     def append(self, text: str, tokens: list[tuple[str, TokenSource]]) -> None:
         """Take new text and tokens; they are drawn at the next :meth:`show_pending` (the screen paces that)."""
         self.tokens.extend(tokens)
+        text = terminal_safe(text)
         self.text += text
         self._unshown += text
         self._tokens_unshown = self._tokens_unshown or bool(tokens)

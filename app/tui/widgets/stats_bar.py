@@ -123,7 +123,8 @@ def reply_totals(
     if finish_reason == "cancelled" and not stats.new_tokens:
         read = f" ({prefill[0]:,} of {prefill[1]:,} tokens)" if prefill is not None else ""
         return f"stopped during prefill{read}" + (f" · {seconds(elapsed_s)}" if elapsed_s is not None else "")
-    parts = [f"{stats.new_tokens} tokens", f"{num(stats.wall_s, 2)} s", rates_text(stats)]
+    tokens = f"{stats.new_tokens} tokens" if stats.tokens_counted else "— tokens"  # a server that reported none
+    parts = [tokens, f"{num(stats.wall_s, 2)} s", rates_text(stats)]
     if stats.drafted:
         parts.append(f"acceptance {pct(stats.acceptance_rate)}")
         parts.append(f"τ {num(stats.mean_accepted_length, 2)}")

@@ -35,8 +35,12 @@ from specchat.backend.limits import (
     DEFAULT_PAIR,
     MAX_CONTEXT,
     MAX_GAMMA,
+    MAX_REMOTE_TIMEOUT_S,
     MIN_CONTEXT,
+    MIN_REMOTE_TIMEOUT_S,
     PAIR_DRAFTERS,
+    REMOTE_DEADLINE_S,
+    REMOTE_NO_PROGRESS_S,
     SAMPLING_LIMITS,
     is_gamma,
 )
@@ -82,6 +86,8 @@ class RemoteSpec:
     model: str  # the server's model id (`GET {server}/models`)
     server_kind: str = "openai"  # one of REMOTE_KINDS
     api_key_env: str | None = None  # environment variable holding the API key (sent as a Bearer token)
+    no_progress_s: float = REMOTE_NO_PROGRESS_S  # no new token for this long ends the request (limits.py)
+    deadline_s: float = REMOTE_DEADLINE_S  # a request not finished by then ends
 
     @property
     def kind(self) -> str:
@@ -127,7 +133,7 @@ _SAMPLING = {  # key -> (types, check, message): the engine's own limits (backen
 }
 _PAIR_FIELDS = {"name", "description", "target", "drafter", "draft", "gamma", "context_length", "sampling", "head"}
 _REMOTE_PAIR_FIELDS = {"name", "description", "target", "sampling"}
-_REMOTE_FIELDS = {"server", "model", "kind", "api_key_env"}
+_REMOTE_FIELDS = {"server", "model", "kind", "api_key_env", "no_progress_s", "deadline_s"}
 
 
 def _parse_remote(file: Path, pair: str, node: Any) -> RemoteSpec:
@@ -151,7 +157,27 @@ def _parse_remote(file: Path, pair: str, node: Any) -> RemoteSpec:
         raise where.error(
             "api_key_env", key_env, "not an environment variable name", "use letters, digits and '_', e.g. VLLM_API_KEY"
         )
-    return RemoteSpec(server=server, model=model, server_kind=kind, api_key_env=key_env)
+    no_progress_s, deadline_s = (
+        _seconds(where, key, default)
+        for key, default in (("no_progress_s", REMOTE_NO_PROGRESS_S), ("deadline_s", REMOTE_DEADLINE_S))
+    )
+    return RemoteSpec(
+        server=server,
+        model=model,
+        server_kind=kind,
+        api_key_env=key_env,
+        no_progress_s=no_progress_s,
+        deadline_s=deadline_s,
+    )
+
+
+def _seconds(where: _Where, key: str, default: float) -> float:
+    """A remote pair's timeout field: seconds in [MIN_REMOTE_TIMEOUT_S, MAX_REMOTE_TIMEOUT_S]."""
+    fix = f"seconds from {MIN_REMOTE_TIMEOUT_S:g} to {MAX_REMOTE_TIMEOUT_S:g}, e.g. {default:g}"
+    value = _take(where, key, (int, float), fix, default)
+    if not MIN_REMOTE_TIMEOUT_S <= value <= MAX_REMOTE_TIMEOUT_S:  # NaN fails too
+        raise where.error(key, value, "out of range", f"use {fix}")
+    return float(value)
 
 
 def _parse_pair(file: Path, node: Any, index: int) -> PairConfig:

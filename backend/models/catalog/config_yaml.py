@@ -103,9 +103,14 @@ def _construct_timestamp(loader: _Loader, node: yaml.ScalarNode) -> Any:
         ) from None
 
 
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
-_Loader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
+# libyaml's parser and composer (C) where PyYAML has it: faster (`specchat models`, benchmarks/RESULTS.md); it
+# refuses nesting past its own limit (1,000) before any recursion, and _too_deep checks ours after composing.
+_FastLoader: Any = type("_FastLoader", (yaml.CSafeLoader,), {}) if getattr(yaml, "__with_libyaml__", False) else None
+for _loader in (_Loader, _FastLoader):
+    if _loader is not None:
+        _loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+        _loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+        _loader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
 
 
 def _too_deep(root: yaml.Node, limit: int) -> yaml.Node | None:
@@ -144,7 +149,7 @@ def read_yaml(file: Path) -> Any:
     except UnicodeDecodeError:
         raise ConfigError(f"{file}: not UTF-8 text; save the file as UTF-8") from None
     try:
-        loader = _Loader(text)
+        loader = (_FastLoader or _Loader)(text)
         try:
             node = loader.get_single_node()  # the node graph first: its depth is checked before building values
             deep = None if node is None else _too_deep(node, MAX_DEPTH)

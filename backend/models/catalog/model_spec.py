@@ -16,11 +16,14 @@ Contract:
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specchat.backend.limits import MODEL_SIZE_LIMITS
 from specchat.backend.models.catalog.config_fields import Where, bounded_int, choice, reject_unknown, take
 from specchat.backend.models.catalog.config_yaml import shown
 from specchat.backend.models.facts.spec_facts import PACKAGED_MODELS, facts_for  # noqa: F401 - PACKAGED_MODELS re-exported
@@ -95,6 +98,35 @@ class ModelSpec:
         return dict(self.origins).get(name, "override")
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISREG, "a file"),
+)
+
+
+def what_is(path: Path) -> str:
+    """What is at ``path``, for an error: "does not exist", "is a named pipe (FIFO), not ...", "is a symlink to a
+    character device (/dev/null)", "is a broken symlink (to x)". Reads nothing (a FIFO would block a read)."""
+    try:
+        link = path.is_symlink()
+        mode = path.stat().st_mode
+    except OSError:
+        if link:
+            try:
+                return f"is a broken symlink (to {shown(os.readlink(path))})"
+            except OSError:
+                return "is a broken symlink"
+        return "does not exist"
+    kind = next((name for test, name in _KINDS if test(mode)), "not a file or folder")
+    if link:
+        return f"is a symlink to {kind} ({shown(str(path.resolve()))})"
+    return f"is {kind}"
+
+
 def resolve_source(source: str, *, base_dir: Path | None = None) -> tuple[str, str | None]:
     """Classify a source string: returns (kind, absolute path or None). Raises ValueError with the reason."""
     if source.startswith("packaged:"):
@@ -116,12 +148,12 @@ def resolve_source(source: str, *, base_dir: Path | None = None) -> tuple[str, s
     where = str(path) if str(path).isprintable() else shown(str(path))  # a newline in a path stays on one line
     if source.lower().endswith(".gguf"):
         if not path.is_file():
-            raise ValueError(f"GGUF file {where} does not exist")
+            raise ValueError(f"GGUF file {where} {what_is(path)}; name a GGUF model file")
         return "gguf", str(path.resolve())
     if path.is_dir():
         return "local", str(path.resolve())
     if source.startswith(("/", "~", ".", "\\")) or re.match(r"^[A-Za-z]:[\\/]", source):
-        raise ValueError(f"local directory {where} does not exist")
+        raise ValueError(f"local directory {where} {what_is(path)}; name a model's folder")
     if HUB_ID.fullmatch(source) and "--" not in source and ".." not in source and not source.endswith(".git"):
         return "hub", None
     raise ValueError(
@@ -180,7 +212,8 @@ def parse_spec(file: Path, pair: str, role: str, node: Any, parent: dict[str, An
             "revision", revision, f"only hub sources have revisions (this one is {kind})", "remove revision"
         )
     given: dict[str, Any] = {
-        k: bounded_int(where, k, low, None, fix, None) for k, (low, fix) in _SPEC_INT_FIELDS.items()
+        k: bounded_int(where, k, low, MODEL_SIZE_LIMITS.get(k, (0, None))[1], fix, None)
+        for k, (low, fix) in _SPEC_INT_FIELDS.items()
     }
     flags: dict[str, Any] = {
         k: take(where, k, (bool,), "true or false", False) for k in ("gated", "allow_pickle", "trust_remote_code")

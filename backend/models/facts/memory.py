@@ -51,17 +51,28 @@ engine prefills long prompts in chunks of at most PREFILL_CHUNK tokens (backend/
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Union
 
 from specchat.backend.errors import InsufficientMemoryError
-from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
 from specchat.backend.limits import MAX_GAMMA, PREFILL_CHUNK
 from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.catalog.model_spec import GGUF_KINDS
+
+if TYPE_CHECKING:
+    import torch
+
+# A device is a torch.device or its name ("cpu", "cuda:1"): `specchat models` estimates without importing torch.
+Device = Union["torch.device", str]
+
+
+def device_type(device: Device) -> str:
+    """ "cpu" or "cuda" (a torch.device's ``type``, or the part of a name before its index)."""
+    return device.type if not isinstance(device, str) else device.partition(":")[0]
+
 
 HEADROOM = 0.08
 # Resident memory of a specchat process before it loads a model (Python, torch 2.13's CPU build, the engine's
@@ -120,16 +131,16 @@ def format_bytes(n: int | float) -> str:
     return f"{value:.3g} TiB"
 
 
-def dtype_bytes(spec: ModelSpec, device: torch.device) -> int:
+def dtype_bytes(spec: ModelSpec, device: Device) -> int:
     """Bytes per element of the compute dtype (activations, KV cache, unquantised weights)."""
     if spec.dtype != "auto":
         return _DTYPE_BYTES[spec.dtype]
     if spec.quantization in TORCH_QUANTIZATIONS:
         return 2  # bfloat16: the int4/int8 kernels' activations and the KV cache (loading.py)
-    return 2 if device.type == "cuda" else 4
+    return 2 if device_type(device) == "cuda" else 4
 
 
-def _torch_quantized_bytes(spec: ModelSpec, device: torch.device) -> int:
+def _torch_quantized_bytes(spec: ModelSpec, device: Device) -> int:
     """int4-torch / int8-torch (``quantized.py``): decoder linears int4 with a bfloat16 scale and zero per 32
     weights, or int8 with a bfloat16 scale per row; the head an int8 copy of its own (tied or not); the token
     embedding GGUF Q8_0 (a byte plus a float32 scale per 32) from a GGUF, else float at load dtype."""
@@ -140,32 +151,43 @@ def _torch_quantized_bytes(spec: ModelSpec, device: torch.device) -> int:
     embed_bytes = embedding * (
         1 + 4 / 32
         if from_gguf
-        else (4 if spec.dtype == "auto" and device.type == "cpu" else _DTYPE_BYTES.get(spec.dtype, 2))
+        else (4 if spec.dtype == "auto" and device_type(device) == "cpu" else _DTYPE_BYTES.get(spec.dtype, 2))
     )
     head_bytes = embedding * (1 + 2 / spec.hidden_size)
     return int(linear * per_linear + embed_bytes + head_bytes)
 
 
-def as_stored(spec: ModelSpec, device: torch.device) -> bool:
+def as_stored(spec: ModelSpec, device: Device) -> bool:
     """Whether the engine will run ``spec`` on the CPU native model (``native_loading.native_reason``'s conditions,
     read offline: CPU; no bitsandbytes quantization, no remote code; an architecture it covers; a GGUF of any
     ``quantization``, or a safetensors checkpoint with ``quantization: none``; kernels that can be built here and
     are not turned off with ``SPECCHAT_NATIVE=0``). Its weights are then the files' own blocks
     (:func:`native_weight_bytes`), its KV cache :func:`kv_dtype_bytes`, its scratch :func:`native_scratch_bytes`."""
     from specchat.backend.kernels import native_build
-    from specchat.backend.models.loading.native_arch import FAMILIES
+    from specchat.backend.kernels.native_types import FAMILIES
 
-    if torch.device(device).type != "cpu" or spec.quantization in ("nf4", "int8") or spec.trust_remote_code:
+    if device_type(device) != "cpu" or spec.quantization in ("nf4", "int8") or spec.trust_remote_code:
         return False
     if spec.architecture not in FAMILIES or (spec.kind not in GGUF_KINDS and spec.quantization != "none"):
         return False
-    return native_build.unavailable() is None
+    return (
+        _native_unavailable(os.environ.get("CXX"), os.environ.get("PATH"), os.environ.get(native_build.SWITCH)) is None
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _native_unavailable(cxx: str | None, path: str | None, switch: str | None) -> str | None:  # noqa: ARG001 - the key
+    """``native_build.unavailable()`` once per environment that decides it: it searches PATH for a compiler and
+    ninja, and a listing of 1,000 pairs asks four times a pair."""
+    from specchat.backend.kernels import native_build
+
+    return native_build.unavailable()
 
 
 def native_weight_bytes(spec: ModelSpec) -> int:
     """The native model's weight bytes: the files' bytes per stored type (``spec.weight_types``), except types its
     kernels lack (e.g. Q3_K, IQ4_XS), which the loader de-quantises to F16: 2 bytes per weight of those."""
-    from specchat.backend.kernels.native_model import GGML_TYPES
+    from specchat.backend.kernels.native_types import GGML_TYPES
 
     total = 0
     for name, size in spec.weight_types:
@@ -184,7 +206,7 @@ def _ggml_block(name: str) -> tuple[int, int] | None:
         return None
 
 
-def kv_dtype_bytes(spec: ModelSpec, device: torch.device) -> int:
+def kv_dtype_bytes(spec: ModelSpec, device: Device) -> int:
     """Bytes per cached K/V value: the native model keeps a GGUF's cache in bfloat16 and a checkpoint's in its
     dtype (bfloat16, else float32), as ``native_loading.load`` chooses; other paths the compute dtype."""
     if as_stored(spec, device):
@@ -216,7 +238,7 @@ def _stored_16bit(spec: ModelSpec) -> bool:
     return bool(types) and set(types) <= {"BF16", "F16", "F32"} and types.get("F32", 0) * 10 < sum(types.values())
 
 
-def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
+def weight_bytes(spec: ModelSpec, device: Device) -> int:
     per = dtype_bytes(spec, device)
     if spec.weight_bytes and spec.quantization not in ("nf4", "int8"):
         if as_stored(spec, device):
@@ -236,7 +258,7 @@ def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
     return int(quantised + embeddings * per)
 
 
-def weights_basis(spec: ModelSpec, device: torch.device) -> str:
+def weights_basis(spec: ModelSpec, device: Device) -> str:
     """How :func:`weight_bytes` counted ``spec``'s weights, in a few words for `specchat models`."""
     if spec.quantization in ("nf4", "int8"):
         return f"{spec.quantization} (bitsandbytes)"
@@ -249,13 +271,11 @@ def weights_basis(spec: ModelSpec, device: torch.device) -> str:
     return f"{dtype_bytes(spec, device) * 8}-bit floats"
 
 
-def kv_bytes(spec: ModelSpec, device: torch.device, tokens: int) -> int:
+def kv_bytes(spec: ModelSpec, device: Device, tokens: int) -> int:
     return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * kv_dtype_bytes(spec, device) * tokens
 
 
-def _forward_bytes(
-    spec: ModelSpec, device: torch.device, context_length: int, tokens: int, rows: int, per_logit: int
-) -> int:
+def _forward_bytes(spec: ModelSpec, device: Device, context_length: int, tokens: int, rows: int, per_logit: int) -> int:
     """Activations of one forward over ``tokens`` new tokens against ``context_length`` keys, keeping ``rows``
     logits rows of ``per_logit`` bytes each."""
     heads = max(spec.hidden_size // max(spec.head_dim, 1), spec.num_kv_heads)
@@ -265,7 +285,7 @@ def _forward_bytes(
     return activations + scores + gathered_kv + rows * spec.vocab_size * per_logit
 
 
-def scratch_bytes(spec: ModelSpec, device: torch.device, context_length: int) -> int:
+def scratch_bytes(spec: ModelSpec, device: Device, context_length: int) -> int:
     if as_stored(spec, device):
         return native_scratch_bytes(spec, context_length)
     tokens = min(context_length, PREFILL_CHUNK)
@@ -274,10 +294,12 @@ def scratch_bytes(spec: ModelSpec, device: torch.device, context_length: int) ->
     return _forward_bytes(spec, device, context_length, tokens, LOGIT_ROWS, per_logit) + noise
 
 
-def graph_bytes(spec: ModelSpec, device: torch.device, context_length: int) -> int:
+def graph_bytes(spec: ModelSpec, device: Device, context_length: int) -> int:
     """What one model's CUDA-graph runner holds (0 off CUDA): static buffers plus its private pool."""
-    if torch.device(device).type != "cuda":
+    if device_type(device) != "cuda":
         return 0
+    from specchat.backend.kernels.cuda_graphs import DEFAULT_TOKEN_BUCKETS, static_bytes
+
     nb = DEFAULT_TOKEN_BUCKETS[-1]
     pool = _forward_bytes(spec, device, context_length, nb, nb, dtype_bytes(spec, device))
     return static_bytes(spec.vocab_size, context_length) + pool
@@ -288,9 +310,8 @@ def runtime_bytes(spec: ModelSpec) -> int:
     return RUNTIME_BYTES + spec.vocab_size * TOKENIZER_BYTES_PER_TOKEN
 
 
-def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | None = None) -> MemoryEstimate:
+def estimate_pair(pair: PairConfig, device: Device, context_length: int | None = None) -> MemoryEstimate:
     """The footprint of ``pair`` on ``device`` (``context_length`` defaults to the pair's)."""
-    device = torch.device(device)
     tokens = context_length or pair.context_length
     draft = pair.draft if pair.drafter == "draft-model" else None
     target = pair.local_target
@@ -316,7 +337,7 @@ def estimate_pair(pair: PairConfig, device: torch.device, context_length: int | 
         headroom=headroom,
         total=subtotal + headroom,
         known=known,
-        runtime=runtime_bytes(target) if device.type == "cpu" else 0,
+        runtime=runtime_bytes(target) if device_type(device) == "cpu" else 0,
     )
 
 
@@ -331,11 +352,12 @@ def _cgroup_available() -> int | None:
         return None
 
 
-def free_memory(device: torch.device) -> int:
+def free_memory(device: Device) -> int:
     """Bytes free for a new allocation: CUDA ``mem_get_info``; CPU MemAvailable (and the cgroup limit)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+    if device_type(device) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
     available = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -350,9 +372,8 @@ def free_memory(device: torch.device) -> int:
     return min(available, limited) if limited is not None else available
 
 
-def check_fits(pair: PairConfig, device: torch.device, context_length: int | None = None) -> MemoryEstimate:
+def check_fits(pair: PairConfig, device: Device, context_length: int | None = None) -> MemoryEstimate:
     """The estimate, or InsufficientMemoryError with the numbers and what to do when it exceeds free memory."""
-    device = torch.device(device)
     estimate = estimate_pair(pair, device, context_length)
     free = free_memory(device)
     if estimate.known and estimate.total > free:

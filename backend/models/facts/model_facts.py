@@ -75,8 +75,9 @@ def facts_from_gguf(path: str | Path) -> ModelFacts:
             config = config_from_gguf(metadata, shapes)  # rope_freqs (a rope, not a size) is not read here
         else:
             config = _generic_config(metadata, arch, shapes)
-    except (GgufArchError, TypeError, ValueError) as error:
+    except (GgufArchError, TypeError, ValueError, ArithmeticError) as error:
         raise FactsError(f"{path}: {error}") from None
+    _check_sizes(path, config, "its GGUF metadata")
     kinds: Counter[str] = Counter()
     params = 0
     for name, tensor in file.tensors.items():
@@ -102,6 +103,25 @@ def facts_from_gguf(path: str | Path) -> ModelFacts:
         chat_template=bool(metadata.get("tokenizer.chat_template")),
         where=str(path),
     )
+
+
+_SIZE_KEYS = {  # ModelFacts' name -> config.json's
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "hidden_size": "hidden_size",
+    "vocab_size": "vocab_size",
+}
+
+
+def _check_sizes(path: Path, config: dict[str, Any], source: str) -> None:
+    """FactsError naming the file and the field when a stated size is not a real model's (limits.py)."""
+    from specchat.backend.limits import model_size_problem
+
+    for name, key in _SIZE_KEYS.items():
+        if key in config and (problem := model_size_problem(name, config[key])):
+            raise FactsError(f"{path}: {source} says {problem}; the file is damaged or not a model: use another file")
 
 
 def _generic_config(metadata: dict[str, Any], arch: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
@@ -184,6 +204,8 @@ def facts_from_folder(folder: str | Path) -> ModelFacts:
         layers, vocab = int(text["num_hidden_layers"]), int(text["vocab_size"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
         raise FactsError(f"{config_file}: no usable {error} (hidden_size, num_attention_heads, ...)") from None
+    sizes = {"num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    _check_sizes(config_file, {**sizes, "head_dim": head_dim, "hidden_size": hidden, "vocab_size": vocab}, "it")
     kinds: Counter[str] = Counter()
     params = 0
     for file in sorted(folder.glob("*.safetensors")):

@@ -6,7 +6,9 @@ files, or None where they are not here yet: a ``gguf`` file and a ``local`` fold
 directly; ``packaged`` models (:data:`PACKAGED_MODELS`) through the installed distribution's file list (None when
 it is not installed: loading says how to install it); ``hub`` ids and ``hf:`` GGUF files from the Hugging Face cache
 only (its ``refs`` and ``snapshots`` folders, looked up on disk; nothing is downloaded and huggingface_hub's download
-code is not imported). An unreadable GGUF raises ``FactsError`` naming it. :func:`packaged_gguf_path` finds a
+code is not imported). Each file (a folder: its config.json and weights) is read once per process while its size
+and modification time stay (1,000 pairs naming one file open it once). An unreadable GGUF raises ``FactsError``
+naming it. :func:`packaged_gguf_path` finds a
 packaged model's file; :func:`offline` says whether the hub may be asked.
 """
 
@@ -111,29 +113,67 @@ def cached_hub_file(repo: str, filename: str, revision: str | None = None) -> Pa
     return candidate if candidate.is_file() else None
 
 
+_LOCATED: dict[str, Path] = {}  # a packaged model's file, found by facts_for
+_READ: dict[tuple[str, int, int], ModelFacts] = {}  # (path, size, mtime): a file named by many pairs is read once
+
+
+def _gguf_facts(path: str | Path) -> ModelFacts:
+    """:func:`facts_from_gguf`, once per file and version in this process (``specchat models`` with 1,000 pairs
+    naming one file opens it once)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return facts_from_gguf(path)  # says what is wrong with the path
+    key = (os.path.realpath(path), info.st_size, info.st_mtime_ns)
+    if key not in _READ:
+        if len(_READ) > 4096:
+            _READ.clear()
+        _READ[key] = facts_from_gguf(path)
+    return _READ[key]
+
+
+def _folder_facts(folder: str | Path) -> ModelFacts:
+    """:func:`facts_from_folder`, once per folder and version of its config.json and weights in this process."""
+    try:
+        stats = [os.stat(Path(folder) / "config.json")]
+        stats += [p.stat() for p in sorted(Path(folder).glob("*.safetensors*"))]
+    except OSError:
+        return facts_from_folder(folder)
+    key = (os.path.realpath(folder), sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats))
+    if key not in _READ:
+        if len(_READ) > 4096:
+            _READ.clear()
+        _READ[key] = facts_from_folder(folder)
+    return _READ[key]
+
+
 def facts_for(spec: ModelSpec) -> ModelFacts | None:
     """See the module docstring."""
     if spec.kind == "gguf" and spec.path:
-        return facts_from_gguf(spec.path)
+        return _gguf_facts(spec.path)
     if spec.kind == "packaged":
+        name = spec.source.removeprefix("packaged:")
+        located = _LOCATED.get(name)
         try:
-            return facts_from_gguf(packaged_gguf_path(spec.source.removeprefix("packaged:")))
+            if located is None or not located.is_file():  # the distribution's file list is parsed once
+                located = _LOCATED[name] = packaged_gguf_path(name)
+            return _gguf_facts(located)
         except PackagedMissing:
             return None
     if spec.kind == "local" and spec.path:
         if not (Path(spec.path) / "config.json").is_file():
             return None  # loading says what the folder lacks
-        return facts_from_folder(spec.path)
+        return _folder_facts(spec.path)
     repo = spec.hub_repo
     if repo is None:
         return None
     if spec.kind == "hub-gguf":
         cached = cached_hub_file(repo, spec.hub_filename or "", spec.revision)
-        return facts_from_gguf(cached) if cached is not None else None
+        return _gguf_facts(cached) if cached is not None else None
     config = cached_hub_file(repo, "config.json", spec.revision)
     if config is None:
         return None
     try:
-        return facts_from_folder(config.parent)
+        return _folder_facts(config.parent)
     except ValueError:  # a half-cached snapshot: the download will complete it
         return None

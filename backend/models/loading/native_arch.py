@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from specchat.backend.kernels.native_model import Architecture, Rotary
+from specchat.backend.kernels.native_types import FAMILIES
 from specchat.backend.kernels.rope import RopeUnsupported, rope_frequencies
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 _GEMMA = ("gemma2", "gemma3_text")
 _SILU = ("silu", "swish")
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")

@@ -55,10 +55,12 @@ def step(
 @pytest.mark.parametrize(
     "field, value, words",
     [
-        ("temperature", -0.1, "outside 0"),
+        ("temperature", -0.1, "out of range: use 0 (greedy) or a number from 1e-05 to 10"),
+        ("temperature", 1e-320, "out of range: use 0 (greedy)"),
         ("temperature", "hot", "expected a number"),
-        ("top_p", 0.0, "(0, 1]"),
-        ("top_k", -1, "negative"),
+        ("top_p", 0.0, "from 1e-05 to 1"),
+        ("top_k", -1, "a whole number from 0"),
+        ("top_k", 2**30, "to 16777216"),
         ("top_k", 2.5, "whole number"),
         ("max_new_tokens", 0, "1 .. 32768"),
         ("drafters", {"smollm2-135m": "fast"}, "not one of"),

@@ -100,8 +100,8 @@ def test_a_slow_first_token_is_waited_for_and_measured(tmp_path: Path) -> None:
 
 def test_a_server_that_never_answers_within_the_read_timeout_is_a_clear_error(tmp_path: Path) -> None:
     with running_server(SlowEngine(tiny_engine(), first_s=3.0)) as (_, url):
-        remote = RemoteEngine(remote_pair(tmp_path, url), read_timeout_s=0.5)
-        with pytest.raises(RemoteError, match="did not answer in time"):
+        remote = RemoteEngine(remote_pair(tmp_path, url, no_progress_s=0.5))
+        with pytest.raises(RemoteError, match=r"sent no new token for 0.5 s \(target.no_progress_s of pair 'remote'"):
             list(remote.generate(_request()))
 
 
