@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
+from specchat.backend.constraint_spec import ConstraintSpec as ConstraintSpec
+from specchat.backend.constraint_spec import check_logprobs
 from specchat.backend.errors import RequestError
 from specchat.backend.limits import (
     DRAFTERS,
@@ -34,6 +36,8 @@ from specchat.backend.limits import (
     is_int,
     is_number,
 )
+from specchat.backend.stats_fields import JSON_STATS_FIELDS as JSON_STATS_FIELDS
+from specchat.backend.stats_fields import OPTIONAL_NUMBERS
 
 
 class TokenSource(enum.IntEnum):
@@ -106,8 +110,12 @@ class GenerationRequest:
     keep_all_messages: bool = False
     prediction: str | None = None
     prefix_cache: str | None = None
+    constraint: ConstraintSpec | None = None  # what the reply must match (None: free text)
+    tools: list[dict[str, Any]] | None = None  # OpenAI tools (tool_calls.py); messages: tool_calls, tool_call_id
+    logprobs: int | None = None  # None: none; k (0-20): each token's log-probability and the k likeliest (StepEvent)
 
     def __post_init__(self) -> None:
+        check_logprobs(self.logprobs)
         if self.prefix_cache is not None and (not isinstance(self.prefix_cache, str) or self.conversation is not None):
             raise RequestError("prefix_cache must be a scope name (text), and a request with a conversation has none")
         if self.prediction is not None and (
@@ -129,32 +137,6 @@ class GammaSummary:
     mode: int | None = None
     mean: float | None = None
     max: int | None = None
-
-
-# The `specchat generate --json` "stats" object: these fields, in this order, and no others.
-JSON_STATS_FIELDS = (
-    "new_tokens",
-    "wall_s",
-    "prefill_s",
-    "ttft_s",
-    "prefill_tokens",
-    "tok_s",
-    "steps",
-    "spec_paused_steps",
-    "drafted",
-    "accepted",
-    "rejected",
-    "discarded",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "per_position_acceptance",
-    "gamma",
-    "no_draft_steps",
-    "draft_prefill_tokens",
-    "draft_reused_tokens",
-    "accepted_prediction_tokens",
-    "rejected_prediction_tokens",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +228,9 @@ class RequestStats:
     prediction_tokens: int | None = None
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    mask_s: float | None = None  # with a constraint (else None): seconds on masks, masks, forced drafts (jump-forward)
+    masks: int | None = None
+    forced_tokens: int | None = None
 
     def to_json_stats(self) -> dict[str, Any]:
         """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""
@@ -290,7 +275,7 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(v is None or is_number(v) for v in value):
             raise TypeError(name)
         return tuple(value)
-    if name == "seed" or name.endswith("prediction_tokens"):  # a whole number (JSON: exact below 2**53)
+    if name in ("seed", "masks", "forced_tokens") or name.endswith("prediction_tokens"):  # whole (JSON: exact < 2**53)
         if value is not None and not is_int(value):
             raise TypeError(name)
         return value
@@ -307,39 +292,12 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
             raise TypeError(name)
         return value
     if value is None:
-        if default is not None and name not in _OPTIONAL_NUMBERS:
+        if default is not None and name not in OPTIONAL_NUMBERS:
             raise TypeError(name)
         return None
     if not is_number(value):
         raise TypeError(name)
     return int(value) if isinstance(default, int) and not isinstance(default, bool) else float(value)
-
-
-_OPTIONAL_NUMBERS = {
-    "ttft_s",
-    "tok_s",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "tokens_per_step",
-    "alpha_hat",
-    "expected_speedup",
-    "spec_tok_s",
-    "plain_tok_s",
-    "prefill_s",
-    "prefill_tokens",
-    "steps",
-    "spec_paused_steps",
-    "drafted",
-    "accepted",
-    "rejected",
-    "discarded",
-    "draft_s",
-    "verify_s",
-    "overhead_s",
-    "last_gamma",
-    "accepted_prediction_tokens",
-    "rejected_prediction_tokens",
-}
 
 
 @dataclass(slots=True)
@@ -350,7 +308,6 @@ class StepEvent:
     tokens completed (never a split UTF-8 character; may be "" when a token is held back for a stop string or
     an incomplete character). Times are seconds of this step. ``stats`` is the request's statistics after this
     step; the last event of a request has ``finish_reason`` set and ``stats`` holds the totals.
-
     A *prefill progress event* (only for a request with ``prefill_progress``) comes before each prefill pass:
     ``prefill_done`` prompt tokens read so far of ``prefill_tokens``, no tokens, ``stats`` None. It is not a
     step: it changes no statistics.
@@ -373,6 +330,7 @@ class StepEvent:
     message: str | None = None  # a user-facing notice (context full, drafter failed and was switched off, ...)
     stats: RequestStats | None = None
     prefill_done: int | None = None  # a prefill progress event: prompt tokens read so far (None otherwise)
+    logprobs: list[dict[str, Any]] | None = None  # per token {token, id, logprob, top}: backend/engine/target_pass.py
 
     @classmethod
     def empty(cls, policy: PolicyState, drafter: str, **fields: Any) -> StepEvent:

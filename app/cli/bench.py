@@ -47,6 +47,11 @@ def run(args) -> int:
         from specchat.app.cli.bench_replay import run as run_replay
 
         return run_replay(args)
+    if getattr(args, "structured", False):
+        # Constrained decoding on JSON schemas and tool calls (issue 46): its own report.
+        from specchat.app.cli.bench_structured import run as run_structured
+
+        return run_structured(args)
     if getattr(args, "synthetic", None):
         # Random-weight models with real shapes on the device (issue 8): a separate measurement, its own table.
         from specchat.backend.bench.synthetic import run_synthetic

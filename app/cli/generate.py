@@ -24,6 +24,7 @@ import codecs
 import json
 import re
 import sys
+from typing import Any
 
 from specchat.app.tui.bridge import step_name
 from specchat.backend.api import EngineAPI, RequestStats
@@ -210,6 +211,51 @@ def _history_replies() -> list[str] | None:
         return []
 
 
+def read_constraint(schema_path: str | None, grammar_path: str | None, jump_forward: bool = True) -> Any:
+    """The ``--json-schema`` / ``--grammar`` file as a checked ConstraintSpec (None without either); RequestError
+    naming the file and what is wrong (not UTF-8, not JSON, a schema or grammar the engine cannot take)."""
+    from specchat.backend.api import ConstraintSpec
+    from specchat.backend.constraint_spec import check_grammar
+
+    path, flag = (schema_path, "--json-schema") if schema_path is not None else (grammar_path, "--grammar")
+    if path is None:
+        return None
+    name = path if path.isprintable() and len(path) <= 300 else shown(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONSTRAINT_BYTES + 1)
+    except FileNotFoundError:
+        raise RequestError(f"{flag} file {name} does not exist") from None
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or error
+        raise RequestError(f"cannot read {flag} file {name}: {reason}; check the path") from None
+    if len(data) > MAX_CONSTRAINT_BYTES:
+        raise RequestError(f"{flag} file {name} is larger than {MAX_CONSTRAINT_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RequestError(
+            f"{flag} file {name} is not UTF-8 text (byte offset {error.start}); save it as UTF-8"
+        ) from None
+    if schema_path is not None:
+        try:
+            schema = parse_json(text, max_chars=MAX_CONSTRAINT_BYTES)
+        except InputError as error:
+            raise RequestError(f"{flag} file {name} is not valid JSON ({error.reason}); give a JSON schema") from None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"{flag} file {name} holds a JSON {type(schema).__name__}; a JSON schema is an object")
+        text = json.dumps(schema)
+    try:
+        spec = ConstraintSpec("json_schema" if schema_path is not None else "grammar", text, jump_forward)
+        check_grammar(spec)
+    except RequestError as error:
+        raise RequestError(f"{flag} file {name}: {error}") from None
+    return spec
+
+
+MAX_CONSTRAINT_BYTES = 1 << 20
+
+
 def run(args: argparse.Namespace) -> int:
     from specchat.backend.api import GenerationRequest, SamplingParams
     from specchat.backend.limits import DEFAULT_PAIR, check_seed_range
@@ -229,6 +275,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts) if args.prompts else [("prompt", [{"role": "user", "content": args.prompt}])]
     given = getattr(args, "prediction_file", None)
     prediction = read_prediction(given) if given is not None else None
+    constraint = read_constraint(
+        getattr(args, "json_schema", None), getattr(args, "grammar", None), not getattr(args, "no_jump_forward", False)
+    )
     if prediction is not None and pair.remote is not None and pair.remote.server_kind not in PREDICTION_KINDS:
         raise RequestError(
             f"--prediction-file: pair {pair.name!r} runs on a {pair.remote.server_kind} server, which takes no "
@@ -277,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
                     gamma=args.gamma,
                     conversation=f"generate:{pid}",
                     prediction=prediction,
+                    constraint=constraint,
                 )
                 try:
                     failed = _one(engine, request, pid, sample, args.json, out) or failed

@@ -121,6 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="the expected reply (e.g. a file to rewrite): drafted from, the reply is still the model's own; "
         "--json reports accepted/rejected prediction tokens",
     )
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        default=None,
+        help="constrain the reply to JSON matching this JSON schema (every reply that ends parses and validates)",
+    )
+    shape.add_argument(
+        "--grammar",
+        metavar="FILE",
+        default=None,
+        help="constrain the reply to this grammar (Lark, or llama.cpp's GBNF)",
+    )
+    gen.add_argument(
+        "--no-jump-forward",
+        action="store_true",
+        help="with --json-schema / --grammar: do not draft the tokens the grammar forces (to measure it)",
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object per sample on stdout, nothing else")
 
     from specchat.app.cli.bench import DEFAULT_LIMIT, DEFAULT_REPEATS
@@ -224,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specchat.app.cli import bench_replay
 
     bench_replay.add_options(bench, _positive_int)
+    from specchat.app.cli import bench_structured
+
+    bench_structured.add_options(bench)
 
     models = sub.add_parser("models", help="list model pairs", description="List the pairs of models.yaml.")
     _add_global_options(models, suppress_defaults=True)

@@ -7,9 +7,10 @@ a message that names the field and what to send, ``param`` = the field's path) f
 JSON (400), a top level that is not an object (400), a missing or unknown ``model`` (400 / 404 with the served
 list), ``messages`` that are not a non-empty list of ``{"role": system|user|assistant, "content": text or text
 parts}`` (400), sampling values out of the engine's range (``specchat.backend.limits.SAMPLING_LIMITS``: 400),
-``max_tokens`` over the server's limit (400), and OpenAI features the server does not offer when asked for
-(``n`` > 1, ``tools``, ``logprobs``, non-text ``response_format``: 400), and more than ``limits.max_messages``
-messages (413, before any message is read). Other unknown fields are ignored, as OpenAI-compatible servers do.
+``max_tokens`` over the server's limit (400), OpenAI features the server does not offer when asked for (``n`` >
+1, ``functions``, ``logit_bias``: 400; ``tools``, ``response_format`` and ``logprobs`` are read by
+app/serve/structured.py and here), and more than ``limits.max_messages`` messages (413, before any message is
+read). Other unknown fields are ignored, as OpenAI-compatible servers do.
 The spellings common clients send for "off" or "default" are accepted (:func:`_normalise`): ``top_k`` -1
 (vLLM, SGLang), ``seed`` -1 and ``max_tokens`` -1 (llama.cpp's "none"), the role ``developer`` (OpenAI's newer
 name for ``system``), an empty ``stop``, ``logit_bias`` {}, ``min_p`` 0, ``top_logprobs`` 0, ``tool_choice``
@@ -28,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specchat.app.serve.structured import FieldError, ToolPlan, message_fields, parse_structured
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.errors import RequestError
 from specchat.backend.limits import (
@@ -37,13 +39,14 @@ from specchat.backend.limits import (
     check_gamma,
     check_sampling_value,
 )
+from specchat.backend.tool_calls import ToolSyntax
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
 DEFAULT_QUEUE = 8  # requests waiting for the engine; one more is refused (429)
 DEFAULT_MAX_MESSAGES = 2048  # messages in one request (OpenAI's own limit); more are refused (413)
 DEFAULT_MAX_CONNECTIONS = 64  # open at once; more are refused (503: app/serve/protocol.py)
 MAX_STOP_STRINGS = 16
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer clients send "developer" for the system message
 
 
@@ -76,6 +79,8 @@ class ChatCall:
     include_usage: bool
     return_token_ids: bool
     cache_key: str = ""  # prompt_cache_key, else user, else "" (see the module docstring)
+    tools: ToolPlan | None = None  # tools offered: the reply's calls are read back (app/serve/structured.py)
+    text: bool = False  # a /v1/completions call (app/serve/completions.py)
 
 
 def _shown(value: Any) -> str:
@@ -127,7 +132,7 @@ def _content(index: int, content: Any) -> str:
     raise _bad(param, content, "must be a string or a list of text parts")
 
 
-def _messages(value: Any, most: int) -> list[dict[str, str]]:
+def _messages(value: Any, most: int) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise _bad("messages", value, 'must be a non-empty list of {"role": ..., "content": ...} objects')
     if len(value) > most:
@@ -145,10 +150,15 @@ def _messages(value: Any, most: int) -> list[dict[str, str]]:
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
             raise _bad(f"messages[{i}].role", role, "must be one of " + ", ".join(ROLES) + " (or developer)")
-        if "content" not in message or message["content"] is None:
+        try:
+            fields = message_fields(i, message, str(role))  # an assistant's tool_calls, a tool's tool_call_id
+        except FieldError as error:
+            raise _bad(error.param, error.value, error.what) from None
+        if message.get("content") is None and "tool_calls" not in fields:
             raise _bad(f"messages[{i}].content", None, "is required (text)")
-        text = _content(i, message["content"]).encode("utf-8", "replace").decode("utf-8")  # lone surrogates
-        out.append({"role": str(role), "content": text})
+        content = message.get("content")
+        text = "" if content is None else _content(i, content).encode("utf-8", "replace").decode("utf-8")
+        out.append({"role": str(role), "content": text, **fields})
     if not any(m["role"] == "user" for m in out):
         raise _bad("messages", f"{len(out)} message(s)", "has no user message; add one")
     if out[-1]["role"] == "user" and not out[-1]["content"].strip():
@@ -202,25 +212,23 @@ def _unsupported(body: Mapping[str, Any]) -> None:
     n = body.get("n", 1)
     if n not in (None, 1) or isinstance(n, bool):
         raise _bad("n", n, "this server returns one choice per request; send n: 1 or leave it out")
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise _bad(key, body[key], "this server does not call tools; leave it out")
-    if body.get("tools") in (None, []) and body.get("tool_choice") not in (None, "none", "auto"):
-        raise _bad("tool_choice", body["tool_choice"], 'this server does not call tools; send "none" or leave it out')
-    if body.get("logprobs") not in (None, False):
-        raise _bad("logprobs", body["logprobs"], "this server does not return log-probabilities; leave it out")
-    if body.get("top_logprobs") not in (None, 0) or isinstance(body.get("top_logprobs"), bool):
-        raise _bad("top_logprobs", body["top_logprobs"], "this server does not return log-probabilities; send 0")
     if body.get("logit_bias") not in (None, {}):
         raise _bad("logit_bias", body["logit_bias"], "is not supported; send {} or leave it out")
     min_p = body.get("min_p")
     if min_p is not None and (not isinstance(min_p, (int, float)) or isinstance(min_p, bool) or min_p != 0):
         raise _bad("min_p", min_p, "is not supported; send 0 or leave it out (top_p and top_k are)")
-    response_format = body.get("response_format")
-    if response_format is not None and (
-        not isinstance(response_format, Mapping) or response_format.get("type") != "text"
-    ):
-        raise _bad("response_format", response_format, 'only {"type": "text"} is supported; leave it out')
+
+
+def _logprobs(body: Mapping[str, Any]) -> int | None:
+    """``logprobs`` true: the request's number of ``top_logprobs`` (0-20); None without logprobs."""
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+        raise _bad("top_logprobs", top, "must be a whole number from 0 to 20")
+    if not _flag(body, "logprobs"):
+        if top:
+            raise _bad("top_logprobs", top, "needs logprobs: true")
+        return None
+    return top or 0
 
 
 def _specchat(value: Any) -> tuple[Any, Any]:
@@ -273,8 +281,10 @@ def _cache_key(data: Mapping[str, Any]) -> str:
     return user[:MAX_CACHE_KEY_CHARS] if isinstance(user, str) else ""
 
 
-def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limits()) -> ChatCall:
-    """Check one chat completions body (see the module docstring)."""
+def parse_chat_request(
+    body: bytes, served: Sequence[str], limits: Limits = Limits(), tool_syntax: ToolSyntax = "default"
+) -> ChatCall:
+    """Check one chat completions body (see the module docstring); ``tool_syntax``: the model's (tool_calls.py)."""
     data = decode_json(body)
     if not isinstance(data, dict):
         raise _bad("body", data, "must be a JSON object with model and messages")
@@ -290,6 +300,10 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
         )
     messages = _messages(data.get("messages"), limits.max_messages)
     _unsupported(data)
+    try:
+        constraint, tools, plan = parse_structured(data, tool_syntax)
+    except FieldError as error:
+        raise _bad(error.param, error.value, error.what) from None
     max_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = data.get(max_key)
     if max_tokens == -1 and not isinstance(max_tokens, bool):  # llama.cpp's "no limit": the server's default
@@ -332,7 +346,12 @@ def parse_chat_request(body: bytes, served: Sequence[str], limits: Limits = Limi
             gamma=gamma,
             keep_all_messages=True,
             prediction=_prediction(data.get("prediction")),
+            constraint=constraint,
+            tools=tools,
+            logprobs=_logprobs(data),
         )
     except RequestError as error:  # the checks above cover every field; this keeps the contract if they drift
         raise ApiError(400, str(error), None) from None
-    return ChatCall(model, request, stream, include_usage, _flag(data, "return_token_ids"), _cache_key(data))
+    return ChatCall(
+        model, request, stream, include_usage, _flag(data, "return_token_ids"), _cache_key(data), tools=plan
+    )

@@ -1,6 +1,7 @@
 """`specchat serve`'s routes (a Starlette app): the OpenAI chat completions API over the engine's one owner.
 
-Routes: ``POST /v1/chat/completions`` (also ``/chat/completions``: server-sent events or one JSON object),
+Routes: ``POST /v1/chat/completions`` (also ``/chat/completions``: server-sent events or one JSON object) and
+``POST /v1/completions`` (also ``/completions``: a prompt continued, app/serve/completions.py),
 ``GET /v1/models`` (also ``/models``), ``GET /metrics`` (Prometheus text; a reply's counts are added when it
 ends, from its RequestStats), ``GET /health``; any other path or method is a JSON 404 / 405. Every error is the
 OpenAI-style JSON object (app/serve/boundary.py), never a traceback; a bug is answered 500 and logged once.
@@ -33,9 +34,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from specchat.app.serve import wire
+from specchat.app.serve import structured, wire
 from specchat.app.serve.access import ENTRY, AccessLog, Entry
-from specchat.app.serve.boundary import ApiError, ChatCall, parse_chat_request
+from specchat.app.serve.boundary import ApiError, ChatCall
+from specchat.app.serve.completions import parse_call
 from specchat.app.serve.config import ServeConfig
 from specchat.app.serve.owner import END, Busy, EngineOwner, Job, Metrics
 from specchat.backend.api import StepEvent
@@ -224,12 +226,13 @@ class Routes:
             ) from None
         return b"".join(chunks)
 
-    async def chat(self, request: Request) -> Response:
+    async def chat(self, request: Request, text: bool = False) -> Response:
         entry = _entry(request)
         if denied := self._denied(request):
             return denied
         try:
-            call = parse_chat_request(await self._body(request), self.server.served, self.server.config.limits)
+            body, limits = await self._body(request), self.server.config.limits
+            call = parse_call(body, self.server.served, limits, self.server.owner.engine, text)
         except ClientDisconnect:
             entry.status, entry.outcome = 499, "client-left"
             return Response(status_code=400)  # never sent: the client is gone
@@ -269,6 +272,9 @@ class Routes:
         finally:
             reply.close()
 
+    async def text(self, request: Request) -> Response:
+        return await self.chat(request, text=True)
+
     def _failed(self, entry: Entry, reply: _Reply, error: BaseException | None) -> Response:
         if reply.left or error is None:
             self.metrics.finished(None, "cancelled")
@@ -286,21 +292,18 @@ class Routes:
         return ApiError(500, f"internal error ({type(error).__name__}); see the server's log", None, "server_error")
 
     async def _whole(self, call: ChatCall, reply: _Reply, first: StepEvent, entry: Entry) -> Response:
-        text, ids, last, item = [], [], None, first
+        events: list[StepEvent] = []
+        last, item = None, first
         while item is not END:
             if isinstance(item, BaseException):
                 return self._failed(entry, reply, item)
-            event: StepEvent = item
-            last = event if event.finish_reason is not None else last
-            text.append(event.text)
-            ids.extend(event.token_ids)
+            events.append(item)
+            last = item if item.finish_reason is not None else last
             item = await reply.next()
         if last is None or reply.left:
             return self._failed(entry, reply, None if reply.left else SpecchatError("the engine stopped early"))
         self.finish(entry, last)
-        token_ids = ids if call.return_token_ids else None
-        spec_tokens = self.spec_tokens(call)
-        return _JSON(wire.completion(wire.new_id(), call.model, "".join(text), token_ids, last, spec_tokens))
+        return _JSON(structured.completion(wire.new_id(), call, events, last, self.spec_tokens(call)))
 
     def spec_tokens(self, call: ChatCall) -> int | None:
         """vLLM's ``num_spec_tokens`` for ``call`` (``wire.configured_gamma``)."""
@@ -351,6 +354,7 @@ class _Stream(Response):
     async def _events(self) -> AsyncIterator[bytes]:
         call, reply, routes = self.call, self.reply, self.routes
         call_id, created, first, last, item = wire.new_id(), int(time.time()), True, None, self.first
+        out = structured.Chunks(call.tools, call.text)  # tool calls read back, logprobs
         while item is not END:
             if isinstance(item, BaseException):
                 routes.metrics.finished(None, "error")
@@ -360,7 +364,7 @@ class _Stream(Response):
             event: StepEvent = item
             last = event if event.finish_reason is not None else last
             if event.text or event.token_ids or event.finish_reason is not None:
-                payload = wire.chunk(call_id, call.model, created, event, token_ids=call.return_token_ids, first=first)
+                payload = out.chunk(call_id, call.model, created, event, token_ids=call.return_token_ids, first=first)
                 first = False
                 yield wire.sse(payload)
             item = await reply.next()
@@ -369,7 +373,7 @@ class _Stream(Response):
             self.entry.status, self.entry.outcome = 499, "client-left"
             return
         if call.include_usage:
-            yield wire.sse(wire.usage_chunk(call_id, call.model, created, last, routes.spec_tokens(call)))
+            yield wire.sse(out.usage(call_id, call.model, created, last, routes.spec_tokens(call)))
         yield wire.sse("[DONE]")
         routes.finish(self.entry, last)
 
@@ -388,6 +392,7 @@ def build_app(server: SpecchatServer) -> AccessLog:
     routes = Routes(server)
     chat = ("/v1/chat/completions", "/chat/completions")
     table = [Route(path, routes.chat, methods=["POST"]) for path in chat]
+    table += [Route(path, routes.text, methods=["POST"]) for path in ("/v1/completions", "/completions")]
     table += [Route(path, routes.models, methods=["GET"]) for path in ("/v1/models", "/models")]
     table += [Route("/metrics", routes.prometheus, methods=["GET"]), Route("/health", routes.health, methods=["GET"])]
     app = Starlette(routes=table, exception_handlers={HTTPException: routes.http_error})

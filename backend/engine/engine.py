@@ -40,6 +40,7 @@ from specchat.backend.models.loading.capture import Progress, user_callback
 from specchat.backend.models.loading.head_loading import LoadedHead, plan_pair_head
 from specchat.backend.models.loading.pair import ConfirmDownload, LoadedModel
 from specchat.backend.models.tokenizing.chat_format import plain_completion_note, stop_ids
+from specchat.backend.speculative.constraint import constraint_for
 from specchat.backend.speculative.drafters.base import Drafter
 from specchat.backend.speculative.drafters.draft_model import DraftModelDrafter
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
@@ -286,8 +287,9 @@ class Engine:
                 f"pair {self.pair.name!r} has no {drafter_name} head; use --drafter prompt-lookup, suffix, auto or "
                 "none, or give the pair a head (models.yaml: head:, or `specchat train-head`)"
             )
-        gamma = request.gamma if request.gamma is not None else self.pair.gamma
-        gamma = check_gamma(gamma)
+        gamma = check_gamma(request.gamma if request.gamma is not None else self.pair.gamma)
+        spec = request.constraint  # a schema the grammar engine refuses: RequestError before any cache is touched
+        constraint = constraint_for(spec, self.tokenizer, self.vocab_limit, self.eos_ids) if spec else None
         budget = self.context_length - 1
         scope = request.prefix_cache
         if scope is not None:  # the prompt first: it picks the entry (a refused prompt touches no entry)
@@ -326,7 +328,18 @@ class Engine:
                 self.drafters, self.policies, self.disabled_drafters, self.disabled_drafters.__setitem__
             )
             state = RequestState(
-                target, speculation, conv, prompt, sampling, drafter_name, gamma, cancel, t_start, prediction
+                target,
+                speculation,
+                conv,
+                prompt,
+                sampling,
+                drafter_name,
+                gamma,
+                cancel,
+                t_start,
+                prediction,
+                constraint,
+                request.logprobs,
             )
             yield from state.run(notice, request.prefill_progress)
         finally:

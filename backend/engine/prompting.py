@@ -15,10 +15,11 @@ would be quadratic): about log2(turns) + 2 renders, whatever the conversation's 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
+from specchat.backend.tool_calls import prepare, syntax_of
 
 if TYPE_CHECKING:
     from specchat.backend.api import GenerationRequest
@@ -27,9 +28,10 @@ if TYPE_CHECKING:
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def validate_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
-    """Check roles and contents; returns clean copies. Control characters are kept (the tokenizer copes)."""
-    clean: list[dict[str, str]] = []
+def validate_messages(messages: Sequence[dict]) -> list[dict[str, Any]]:
+    """Check roles and contents; returns clean copies. Control characters are kept (the tokenizer copes). An
+    assistant's OpenAI ``tool_calls`` (a list) and a tool result's ``tool_call_id`` (a text) are kept."""
+    clean: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise RequestError(f"message {i} must be an object with 'role' and 'content', got {shown(message)}")
@@ -40,7 +42,12 @@ def validate_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
             raise RequestError(f"message {i} content must be text, got {type(content).__name__}")
         # Lone surrogates (from invalid UTF-8 decoded with surrogateescape) cannot be tokenised: replace them.
         content = content.encode("utf-8", "replace").decode("utf-8")
-        clean.append({"role": role, "content": content})
+        item: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant" and isinstance(message.get("tool_calls"), list) and message["tool_calls"]:
+            item["tool_calls"] = message["tool_calls"]
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            item["tool_call_id"] = message["tool_call_id"]
+        clean.append(item)
     if not any(m["role"] == "user" for m in clean):
         raise RequestError("the conversation has no user message: type something to send")
     if clean[-1]["role"] == "user" and not clean[-1]["content"].strip():
@@ -48,10 +55,11 @@ def validate_messages(messages: Sequence[dict]) -> list[dict[str, str]]:
     return clean
 
 
-def render(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
-    """The chat template applied to ``messages`` with the generation prompt, as token ids."""
+def render(tokenizer, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The chat template applied to ``messages`` (and ``tools``, when given) with the generation prompt, as ids."""
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        extra = {"tools": tools} if tools else {}
+        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return [int(t) for t in out]
@@ -62,7 +70,7 @@ def render(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
 
 def fit_to_context(
     tokenizer,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     budget: int,
     already_dropped: int = 0,
@@ -130,8 +138,9 @@ def prompt_ids(
     if not request.messages:
         raise RequestError("the request has no messages: type something to send")
     messages = validate_messages(request.messages)
+    messages, tools = prepare(messages, request.tools, syntax_of(getattr(tokenizer, "chat_template", None)))
     if request.keep_all_messages:
-        ids = render(tokenizer, messages)
+        ids = render(tokenizer, messages, tools)
         if len(ids) > budget:
             raise RequestError(
                 f"the messages come to {len(ids)} tokens; the context holds {budget} for the prompt "

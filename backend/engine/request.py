@@ -33,6 +33,7 @@ from specchat.backend.engine.target_pass import TargetPasses
 from specchat.backend.errors import KVCacheFullError
 from specchat.backend.kv.attention import PassCancelled
 from specchat.backend.limits import PREFILL_CHUNK, Gamma
+from specchat.backend.speculative.constraint import JUMP_FORWARD, Constraint, plan_draft
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.request_stats import SpecStats
 from specchat.backend.speculative.sampling import SeenIds
@@ -79,6 +80,8 @@ class RequestState:
         cancel: threading.Event,
         t_start: float,
         prediction: PredictionDrafter | None = None,
+        constraint: Constraint | None = None,
+        logprobs: int | None = None,
     ) -> None:
         self.target, self.spec, self.conv, self.prompt, self.s = target, spec, conv, prompt, sampling
         self.cancel, self.t_start = cancel, t_start
@@ -91,6 +94,8 @@ class RequestState:
         self.proposer = Proposer(spec, drafter, gamma, sampling.rule, len(prompt), self.stats, prediction)
         self.feed = FeatureFeed.of(spec.drafters, self.proposer.candidates)  # draft heads: the taps passes return
         self.passes = TargetPasses(target, conv, sampling, self.seen, self.feed)
+        self.constraint = self.passes.constraint = constraint  # the reply's grammar (None: free text)
+        self.passes.top_logprobs = logprobs  # each token's log-probability from the row that decided it
 
     @property
     def drafter_used(self) -> str:
@@ -118,6 +123,8 @@ class RequestState:
         return StepEvent(tokens, sources, texts, "".join(texts), overhead_s=max(spent, 0.0), **fields)
 
     def _report(self) -> RequestStats:
+        if (c := self.constraint) is not None:
+            self.stats.constraint = (c.mask_s, c.masks, c.forced_tokens)
         return self.stats.report(
             prompt_tokens=len(self.prompt), drafter=self.drafter_used if self.drafter_used != "auto" else "none"
         )
@@ -165,8 +172,13 @@ class RequestState:
         else:  # the engine leaves the prompt's last token to prefill unless it kept this row
             raise RuntimeError("prefill fed no token and no row was kept for the cached prompt")
         prefill_s = time.perf_counter() - t0
-        pending = self.passes.decide(self.passes.penalised(logits, []), self._positions(1))[0]
+        first = self.passes.penalised(logits, [])
+        if self.constraint is not None:
+            first = self.constraint.mask(first)
+        pending = self.passes.decide(first, self._positions(1))[0]
         tokens, sources, texts = self._cut([pending], [TokenSource.TARGET])
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
         self.context.append(pending)
         self.seen.add([pending])
         self.produced = 1
@@ -187,7 +199,7 @@ class RequestState:
             prefill_tokens=len(todo),
             message=" ".join(m for m in (notice, *self.proposer.notices) if m) or None,
         )
-        event.stats = self._report()
+        event.stats, event.logprobs = self._report(), self.passes.take_logprobs(tokens, 0)
         while (reason := self._finish_reason(pending)) is None:
             yield event
             if self.cancel.is_set():  # the consumer may have cancelled while handling the event
@@ -216,30 +228,43 @@ class RequestState:
     def plan(self, pending: int) -> StepPlan:
         """Propose: the drafter, γ and draft of the step after ``pending``, capped so that it overshoots neither
         the token limit nor the context. A tree's first γ nodes are a tree too (a parent comes before its
-        children)."""
+        children). Under a constraint the grammar's forced tokens come first (jump-forward) and the drafter
+        continues after them; drafts the grammar refuses are cut (:func:`plan_draft`)."""
         if self.target.threads is not None:
             self.target.threads.step()  # between passes: the drafter's and the target's
         t_step = time.perf_counter()
         room = self.target.context_length - self.conv.seq.length - 1  # positions left after the pending token
         cap = min(self.s.max_new_tokens - self.produced, room) - 1
-        proposal = self.proposer.propose(self.context, cap, self.target.runner.device)
+        forced = self.constraint.forced(cap) if self.constraint is not None else []
+        proposal = self.proposer.propose(self.context + forced, cap - len(forced), self.target.runner.device)
         draft, gamma = proposal.draft, proposal.gamma
         draft_ids = list(draft.token_ids[:gamma]) if draft is not None else []
         parents = None
         if draft is not None and draft.parents is not None and draft.is_tree and draft_ids:
             parents = list(draft.parents[:gamma])
+        drafter = proposal.drafter
+        if self.constraint is not None:
+            drafter, draft_ids, parents = plan_draft(self.constraint, drafter, draft_ids, parents, forced)
         draft_s = time.perf_counter() - t_step
-        return StepPlan(pending, proposal.drafter, gamma, draft_ids, parents, proposal.message, t_step, draft_s)
+        return StepPlan(pending, drafter, gamma, draft_ids, parents, proposal.message, t_step, draft_s)
 
     def finish(self, plan: StepPlan, logits: torch.Tensor, verify_s: float) -> tuple[int, StepEvent]:
         """Verify, commit and account the step ``plan`` from its pass's ``logits`` (one row per plan row, penalised
         for a chain); the new pending token and the step's event."""
         result = self._verify(plan, logits)
+        first = self.produced
         tokens, sources, texts = self._commit(plan, result)
-        return tokens[-1], self._account(plan, result, tokens, sources, texts, verify_s)
+        event = self._account(plan, result, tokens, sources, texts, verify_s)
+        event.logprobs = self.passes.take_logprobs(tokens, first)
+        return tokens[-1], event
 
     def _verify(self, plan: StepPlan, logits: torch.Tensor) -> VerifyResult:
         """The target's own token at every row; the drafts kept are those equal to it (a tree: along the path)."""
+        if self.constraint is not None and plan.parents is None:  # row by row: each masked after its prefix
+            chain = list(range(-1, len(plan.draft_ids) - 1))
+            result = verify_tree(self.passes.tree_decider(logits, self.produced, False), plan.draft_ids, chain)
+            result.path, result.tried = [], None
+            return result
         if plan.parents is None:
             return verify_tokens(self.passes.decide(logits, self._positions(len(plan.rows))), plan.draft_ids)
         return verify_tree(self.passes.tree_decider(logits, self.produced), plan.draft_ids, plan.parents)
@@ -258,6 +283,8 @@ class RequestState:
             self.feed.give(len(conv.cached), accepted, [0] + [1 + node for node in path])
         conv.cached.extend(accepted)
         tokens, sources, texts = self._cut(list(result.tokens), list(result.sources))
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
         self.produced += len(tokens)
         self.context.extend(tokens)
         self.seen.add(tokens)
@@ -274,7 +301,8 @@ class RequestState:
     ) -> StepEvent:
         """The step's outcome to its drafter's policy and the request's statistics; the step's event."""
         proposed = len(plan.draft_ids)
-        self.proposer.observe(
+        observe = self.proposer.observe if plan.drafter != JUMP_FORWARD else _no_policy  # the grammar's drafts
+        observe(
             plan.drafter,
             gamma=plan.gamma,
             proposed=proposed,
@@ -331,3 +359,7 @@ class RequestState:
         event.finish_reason, event.stats = reason, self._report()
         event.message = " ".join(m for m in (event.message, message) if m) or None
         return event
+
+
+def _no_policy(name: str | None, **outcome: Any) -> None:
+    """A jump-forward step: its drafts are the grammar's, so no drafter's policy learns from it."""

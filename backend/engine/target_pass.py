@@ -11,8 +11,10 @@ trace probe first; :meth:`~TargetPasses.tree_decider` does both for a tree's row
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,6 +22,7 @@ from specchat.backend.engine.features import FeatureFeed
 from specchat.backend.engine.parts import Conversation, Target, describe_error, is_out_of_memory
 from specchat.backend.engine.resolve import Sampling
 from specchat.backend.errors import InsufficientMemoryError
+from specchat.backend.speculative.constraint import Constraint
 from specchat.backend.speculative.sampling import SeenIds, apply_repetition_penalty, pick
 
 
@@ -27,10 +30,34 @@ class TargetPasses:
     """The target's passes of one request: the model, the conversation's cache slot, the sampling settings, the
     ids the penalty sees (the request's context, grown by the request) and the draft heads' feed."""
 
+    constraint: Constraint | None = None  # the reply's grammar: a row decided here is masked after its prefix
+    top_logprobs: int | None = None  # a request's logprobs: the rows decided are kept until take_logprobs
+
     def __init__(
         self, target: Target, conv: Conversation, sampling: Sampling, seen: SeenIds, feed: FeatureFeed | None
     ) -> None:
         self.target, self.conv, self.s, self.seen, self.feed = target, conv, sampling, seen, feed
+        self.rows: dict[int, torch.Tensor] = {}  # reply position -> the row that decided it (with top_logprobs)
+
+    def take_logprobs(self, tokens: list[int], first: int) -> list[dict[str, Any]] | None:
+        """Each of ``tokens`` (at reply positions ``first``, ``first + 1``, ...): its log-probability under the row
+        that decided it (penalised and masked as ``pick`` saw it; softmax at temperature 1, in float64, so a row
+        computed in any pass gives the same figure) and the ``top_logprobs`` likeliest ids (ties: the lower id).
+        None without logprobs; the rows kept are dropped."""
+        if self.top_logprobs is None:
+            return None
+        decode, out = self.target.tokenizer.decode, []
+        for i, token in enumerate(tokens):
+            row = torch.log_softmax(self.rows[first + i].double(), dim=-1)
+            top: list[tuple[str, int, float]] = []
+            if self.top_logprobs:
+                least = torch.topk(row, min(self.top_logprobs, row.shape[0])).values[-1]  # ties at it: all kept
+                ids = ((row >= least) & (row > -math.inf)).nonzero()[:, 0].tolist()  # never an id a mask refused
+                order = sorted(ids, key=lambda j: (-float(row[j]), j))[: self.top_logprobs]
+                top = [(decode([j]), j, float(row[j])) for j in order]
+            out.append({"token": decode([token]), "id": token, "logprob": float(row[token]), "top": top})
+        self.rows.clear()
+        return out
 
     def penalty_context(self) -> torch.Tensor:
         """The ids every row of a pass sees as the penalty's context (the pending token included); row j of a
@@ -49,6 +76,8 @@ class TargetPasses:
     def decide(self, rows: torch.Tensor, positions: range | list[int]) -> list[int]:
         if self.target.trace is not None:
             self.target.trace(positions, rows)
+        if self.top_logprobs is not None:
+            self.rows.update(zip(positions, rows))
         return pick(rows, self.s.rule, positions)
 
     def penalised(self, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
@@ -81,14 +110,19 @@ class TargetPasses:
             self.feed.hidden = out.hidden
         return out.logits[:, : self.target.vocab_limit].float()  # over the tokenizer's ids only
 
-    def tree_decider(self, logits: torch.Tensor, first: int) -> Callable[[int, list[int]], int]:
+    def tree_decider(self, logits: torch.Tensor, first: int, penalise: bool = True) -> Callable[[int, list[int]], int]:
         """The target's token at a row of a tree pass, given the accepted tokens before it: the row's penalty
         sees the context plus exactly those tokens (its ancestors), its reply position is ``first`` (the step's
-        first reply position) plus their number (its depth)."""
+        first reply position) plus their number (its depth). With a constraint the row is masked by the grammar's
+        state after those tokens (a chain is decided here too then, its rows already penalised: ``penalise``
+        False)."""
 
         def decide(row: int, path: list[int]) -> int:
             rows = logits[row : row + 1]
-            if self.s.repetition_penalty:
+            if self.constraint is not None:
+                self.constraint.at(path)
+                rows = self.constraint.mask(rows)
+            if penalise and self.s.repetition_penalty:
                 context = self.penalty_context()
                 if path:
                     context = torch.cat([context, torch.tensor(path, dtype=context.dtype, device=context.device)])

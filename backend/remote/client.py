@@ -64,6 +64,7 @@ from specchat.backend.remote.faults import (
     redact,
     shown_url,
 )
+from specchat.backend.remote.passthrough import structured_fields
 from specchat.backend.remote.reply import MAX_LINE_BYTES, ReplyState, TooLarge, capped_lines, sse_data
 from specchat.backend.remote.watchdog import POLL_S, Reason, Watchdog
 
@@ -191,6 +192,7 @@ class RemoteEngine:
             body["timings_per_token"] = True
         if request.prediction is not None and kind in PREDICTION_KINDS:
             body["prediction"] = {"type": "content", "content": request.prediction}
+        body.update(structured_fields(request, kind, self.pair.name))  # constraints, logprobs: passthrough.py
         if kind == "specchat" and (request.drafter is not None or request.gamma is not None):
             body["specchat"] = {
                 k: v for k, v in (("drafter", request.drafter), ("gamma", request.gamma)) if v is not None

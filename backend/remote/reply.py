@@ -28,6 +28,7 @@ from typing import Any
 from specchat.backend.api import FinishReason, PolicyState, RequestStats, StepEvent, TokenSource
 from specchat.backend.redact import terminal_safe
 from specchat.backend.remote.faults import one_line
+from specchat.backend.remote.passthrough import read_logprobs
 from specchat.backend.remote.stats import PREDICTION_FIELDS, remote_stats, server_figures
 
 MAX_LINE_BYTES = 1 << 20  # one server-sent event line
@@ -189,7 +190,9 @@ class ReplyState:
             self.over = True
         self.emitted += len(ids) or 1
         self.since_token = 0
-        return self._event(own, ids, text)
+        event = self._event(own, ids, text)
+        event.logprobs = read_logprobs(choice, ids)
+        return event
 
     def _event(self, own: Mapping[str, Any], ids: list[int], text: str) -> StepEvent:
         now = time.perf_counter()

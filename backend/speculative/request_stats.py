@@ -42,6 +42,7 @@ class SpecStats:
         self.policy_estimates: Mapping[str, Any] | None = None
         self.tree = (0, 0, 0, 0, 0)  # the latest tree draft: nodes, depth, leaves, accepted depth, branch
         self.prediction: tuple[str, int] | None = None  # (its drafter's name, its tokens) with a prediction
+        self.constraint: tuple[float, int, int] | None = None  # (mask seconds, masks, forced drafts) with a grammar
 
     def _emit(self, n: int) -> None:
         if n <= 0:
@@ -173,4 +174,7 @@ class SpecStats:
             prediction_tokens=predicted,
             accepted_prediction_tokens=c.kept[name] if predicted is not None else None,
             rejected_prediction_tokens=c.drafted_by(name) - c.kept[name] if predicted is not None else None,
+            mask_s=round(self.constraint[0], 6) if self.constraint is not None else None,
+            masks=self.constraint[1] if self.constraint is not None else None,
+            forced_tokens=self.constraint[2] if self.constraint is not None else None,
         )

@@ -20,6 +20,10 @@ BACKEND_FOR_THE_UI = {
     "specchat.backend.files",
     "specchat.backend.inputs",
     "specchat.backend.redact",  # a leaf: secrets masked and terminal escapes stripped from what is shown
+    # What a request may ask for beyond api.py (issue 46): a constraint's spec and grammar check, tool-call syntaxes.
+    # Pure Python (llguidance loaded only to build a grammar), no engine.
+    "specchat.backend.constraint_spec",
+    "specchat.backend.tool_calls",
 }
 ANNOTATIONS_ONLY = {"specchat.backend.models.catalog.config"}
 

@@ -46,6 +46,7 @@ from textual import work
 from textual.widget import Widget
 from textual.worker import Worker, WorkerCancelled, WorkerError, WorkerFailed
 
+from specchat.app.chat.edit_grammar import edit_constraint
 from specchat.app.chat.editing import edit_prediction
 from specchat.app.tui.bridge import LiveView, ReplyBuffer, ReplyOutcome, run_generation
 from specchat.app.tui.messages import ReplyProgress
@@ -146,6 +147,11 @@ class ReplyController(Widget):
         return self._active.live if self._active else self._last
 
     # -- starting ----------------------------------------------------------------------------------------------
+    def _local(self) -> bool:
+        """Whether the pair decodes here (a constraint's grammar goes to llguidance; a server's API takes none)."""
+        pair = self._host.current_pair
+        return pair is not None and getattr(pair, "remote", None) is None
+
     async def start(self, edit: EditRequest | None = None) -> None:
         """Answer the conversation's last message (``edit``: the /edit files and request it carries); when the
         pair is still loading, the reply starts once it is ready."""
@@ -173,6 +179,7 @@ class ReplyController(Widget):
             conversation=self._conv.key,
             prefill_progress=True,
             prediction=edit_prediction(edit[0]) if edit else None,  # a whole-file /edit: drafted from the file
+            constraint=edit_constraint(edit[0]) if edit and self._local() else None,  # blocks: SEARCH from the file
         )
         turn, saver = self._conv.start_reply()
         view = await self._views.conversation.add_reply(f"Assistant · {self._host.current_pair_name}")

@@ -33,6 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+_MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id"}  # what backend/tool_calls.py passes on
 SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # The tokenizer classes whose saved tokenizer.json is all there is to them (no Python-side pre-processing).
 _CLASSES = (
@@ -133,6 +134,12 @@ class LightTokenizer:
     def __len__(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The ``tokenizers`` library's tokenizer (transformers' fast tokenizers' name for it): what a grammar
+        engine reads the vocabulary from (backend/speculative/constraint.py)."""
+        return self._backend
+
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
 
@@ -159,6 +166,7 @@ class LightTokenizer:
         add_generation_prompt: bool = False,
         tokenize: bool = True,
         return_dict: bool = True,
+        tools: list[dict] | None = None,
     ) -> dict[str, list[int]] | list[int] | str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
@@ -166,13 +174,14 @@ class LightTokenizer:
         for i, message in enumerate(messages):
             if (
                 not isinstance(message, dict)
-                or set(message) != {"role", "content"}
-                or not all(isinstance(v, str) for v in message.values())
+                or not {"role", "content"} <= set(message) <= _MESSAGE_KEYS
+                or not isinstance(message["role"], str)
+                or not isinstance(message["content"], str)
             ):
-                raise ValueError(f"message {i}: only role and content strings can be rendered here")
+                raise ValueError(f"message {i}: only role and content strings (and tool calls) can be rendered here")
             plain.append(dict(message))
         text = _compiled(self.chat_template).render(
-            messages=plain, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **self._special
+            messages=plain, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **self._special
         )
         if not tokenize:
             return text
