@@ -231,6 +231,9 @@ class RequestStats:
     mask_s: float | None = None  # with a constraint (else None): seconds on masks, masks, forced drafts (jump-forward)
     masks: int | None = None
     forced_tokens: int | None = None
+    # In a batch (backend/engine/batch.py): streams in its latest pass, its γ cap (None: its own policy's choice).
+    batch_streams: int | None = None
+    batch_gamma_cap: int | None = None
 
     def to_json_stats(self) -> dict[str, Any]:
         """The `specchat generate --json` "stats" object (:data:`JSON_STATS_FIELDS`)."""

@@ -35,6 +35,9 @@ MAX_GAMMA = 31  # drafted tokens per step: n = γ + 1 <= 32, the largest CUDA-gr
 MAX_PREDICTION_GAMMA = 63
 MAX_PREDICTION_CHARS = 1 << 22  # a prediction's text: more than any context holds
 KV_BLOCK_SIZE = 16  # tokens per KV cache block (the paged cache's unit of allocation and of rollback)
+# `specchat serve --parallel` / `generate --parallel` when not given: streams batched at once (measured on a 2-core
+# Zen 4 with the embedded default: benchmarks/RESULTS.md, "Continuous batching").
+DEFAULT_PARALLEL = 8
 PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scratch of long prompts
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
 # A pair's context_length when models.yaml gives none: this, or less where the target model states a shorter one.

@@ -26,8 +26,9 @@ import re
 import sys
 from typing import Any
 
+from specchat.app.cli.generate_batch import run_batched, show_reply
 from specchat.app.tui.bridge import step_name
-from specchat.backend.api import EngineAPI, RequestStats
+from specchat.backend.api import EngineAPI
 from specchat.backend.errors import RequestError, SpecchatError
 from specchat.backend.inputs import InputError, parse_json, shown
 from specchat.backend.redact import terminal_safe
@@ -298,7 +299,13 @@ def run(args: argparse.Namespace) -> int:
         from specchat.backend.models.loading.pair import capture_library_output
 
         with capture_library_output(progress=_progress):
-            engine = load_engine(pair, device=args.device, progress=_progress, confirm_download=_confirm_download)
+            engine = load_engine(
+                pair,
+                device=args.device,
+                progress=_progress,
+                confirm_download=_confirm_download,
+                parallel=getattr(args, "parallel", 1),
+            )
         from specchat.app.cli.wiring import seed_reply_memory, start_line
 
         print(start_line(pair.name, engine), file=sys.stderr, flush=True)
@@ -306,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
         seed_reply_memory(engine, None if getattr(args, "no_history", False) else _history_replies, _progress)
     failed = False
     out = _Stdout()
+    batch: list[tuple[str, int, GenerationRequest]] = []  # --parallel: run together once all are built
+    parallel = getattr(args, "parallel", 1)
     try:
         for pid, messages in prompts:
             for sample in range(args.samples):
@@ -324,10 +333,14 @@ def run(args: argparse.Namespace) -> int:
                     sampling=sampling,
                     drafter=args.drafter,
                     gamma=args.gamma,
-                    conversation=f"generate:{pid}",
+                    # Batched replies run side by side: none shares a conversation's cache with another.
+                    conversation=f"generate:{pid}" if parallel == 1 else None,
                     prediction=prediction,
                     constraint=constraint,
                 )
+                if parallel > 1 and pair.remote is None:
+                    batch.append((pid, sample, request))
+                    continue
                 try:
                     failed = _one(engine, request, pid, sample, args.json, out) or failed
                 except SpecchatError as error:  # name the prompt that failed (a file may hold thousands)
@@ -335,6 +348,10 @@ def run(args: argparse.Namespace) -> int:
                         raise
                     raise type(error)(f"{args.prompts}: prompt {shown(pid)}: {error}") from None
             engine.forget(f"generate:{pid}")
+        if batch:
+            failed = run_batched(
+                engine, batch, parallel, args.prompts, lambda ev, pid, n: show_reply(ev, pid, n, args.json, out)
+            )
     finally:
         engine.close()
         out.notice()
@@ -342,49 +359,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _one(engine, request, pid: str, sample: int, as_json: bool, out: _Stdout) -> bool:
-    """Print one reply; returns whether it ended in an error."""
-    token_ids: list[int] = []
-    text: list[str] = []
-    last = None
-    for event in engine.generate(request):
-        token_ids.extend(event.token_ids)
-        text.append(event.text)
-        if event.message:
-            print(f"specchat: {terminal_safe(event.message)}", file=sys.stderr)
-        if not as_json and event.text:
-            out.write(event.text)
-        last = event
-    assert last is not None  # generate() always ends with the event that carries finish_reason
-    stats = last.stats or RequestStats()
-    if as_json:
-        record = {
-            "id": pid,
-            "sample": sample,
-            "seed": stats.seed,
-            "text": "".join(text),
-            "token_ids": token_ids,
-            "prompt_tokens": stats.prompt_tokens,
-            "finish_reason": last.finish_reason,
-            "drafter": stats.drafter,
-            "stats": stats.to_json_stats(),
-        }
-        out.json_line(record)
-    else:
-        out.write("\n")
-        rate = stats.acceptance_rate
-        print(
-            f"[{last.finish_reason}] {stats.new_tokens if stats.tokens_counted else '—'} tokens, "
-            f"{f'{stats.tok_s:.1f}' if stats.tok_s is not None else '—'} tok/s, "
-            f"drafter {stats.drafter}, acceptance "
-            f"{'n/a' if rate is None else f'{rate:.0%}'}, "
-            f"τ {stats.mean_accepted_length or 0:.2f} per speculating step, "
-            f"seed {stats.seed}"
-            + (
-                f", prediction tokens accepted {stats.accepted_prediction_tokens}, rejected "
-                f"{stats.rejected_prediction_tokens}"
-                if stats.accepted_prediction_tokens is not None
-                else ""
-            ),
-            file=sys.stderr,
-        )
-    return last.finish_reason == "error"
+    """Run and print one reply; returns whether it ended in an error."""
+    return show_reply(engine.generate(request), pid, sample, as_json, out)

@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="end the reply where TEXT appears (repeatable; the text is cut there)",
     )
     gen.add_argument(
+        "--parallel",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="decode N replies at once (--prompts, --samples): their tokens in one pass of the model; each reply "
+        "is the one it gets alone (default 1)",
+    )
+    gen.add_argument(
         "--samples",
         type=_positive_int,
         default=1,

@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from specchat.backend.inputs import shown
-from specchat.backend.limits import MAX_GAMMA, SERVE_MAX_TOKENS, SERVE_PREFIX_CACHE_BYTES, is_gamma
+from specchat.backend.limits import DEFAULT_PARALLEL, MAX_GAMMA, SERVE_MAX_TOKENS, SERVE_PREFIX_CACHE_BYTES, is_gamma
 
 
 def add_global_options(parser: argparse.ArgumentParser, *, suppress_defaults: bool) -> None:
@@ -126,6 +126,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_QUEUE,
         metavar="N",
         help=f"requests that may wait for the engine; more get 429 (default {DEFAULT_QUEUE})",
+    )
+    serve.add_argument(
+        "--parallel",
+        type=positive_int,
+        default=DEFAULT_PARALLEL,
+        metavar="N",
+        help=f"requests decoded at once, their tokens in one pass of the model (continuous batching; default "
+        f"{DEFAULT_PARALLEL}; 1: one at a time); more wait in the queue",
     )
     serve.add_argument(
         "--max-tokens",

@@ -2,14 +2,14 @@
 
 Contract: ``run(args)`` (``args.pair``, ``models``, ``device``, ``host``, ``port``, ``api_key_env``, ``queue``,
 ``max_tokens``, ``max_body_bytes``, ``max_messages``, ``max_connections``, ``log``, ``log_prompts``,
-``share_state``, ``prefix_cache_mb``) loads the pair's engine (its target's pool holding that much more K/V for
-the prompts kept per client: backend/engine/prefix_cache.py), binds ``host:port`` (127.0.0.1 by default: only this
-machine can connect) and serves until Ctrl+C (then returns 0) or SIGTERM, closing the engine. A remote pair cannot
-be served (RequestError: it already is, by its server). The API key is read from the environment variable
-``--api-key-env`` names, else from ``SPECCHAT_API_KEY``, never from the command line (which other users of the
-machine can read); binding an address other than loopback without a key is refused before the model loads.
-The access log (one line per request, app/serve/access.py) goes to stderr, to the file ``--log`` names, or
-nowhere (``--log off``).
+``share_state``, ``prefix_cache_mb``, ``parallel``: streams batched at once) loads the pair's engine (its target's
+pool holding that much more K/V for the prompts kept per client: backend/engine/prefix_cache.py), binds
+``host:port`` (127.0.0.1 by default: only this machine can connect) and serves until Ctrl+C (then returns 0) or
+SIGTERM, closing the engine. A remote pair cannot be served (RequestError: it already is, by its server). The API
+key is read from the environment variable ``--api-key-env`` names, else from ``SPECCHAT_API_KEY``, never from the
+command line (which other users of the machine can read); binding an address other than loopback without a key is
+refused before the model loads. The access log (one line per request, app/serve/access.py) goes to stderr, to the
+file ``--log`` names, or nowhere (``--log off``).
 """
 
 from __future__ import annotations
@@ -105,10 +105,16 @@ def run(args: argparse.Namespace) -> int:
             progress=_progress,
             confirm_download=_confirm_download,
             prefix_cache_bytes=args.prefix_cache_mb << 20,
+            parallel=args.parallel,
         )
     from specchat.app.cli.wiring import start_line
 
     print(start_line(pair.name, engine), file=sys.stderr, flush=True)
+    batch = None
+    if args.parallel > 1:  # continuous batching: the requests' tokens in one pass (backend/engine/batch.py)
+        from specchat.backend.engine.batch import BatchScheduler
+
+        batch = BatchScheduler(engine, args.parallel, share=args.share_state).start()
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens, max_messages=args.max_messages)
     config = ServeConfig(
         model=pair.name,
@@ -119,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         guard=Guard(max_connections=args.max_connections),
         share_state=args.share_state,
         log_prompts=args.log_prompts,
+        batch=batch,
         spec_tokens=spec_tokens(pair),
     )
     try:
@@ -133,8 +140,9 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     sharing = "; requests share what they learn (--share-state)" if args.share_state else ""
     print(
-        f"specchat serve: pair {pair.name} on http://{shown}:{port}/v1 (model id '{pair.name}'; queue "
-        f"{args.queue}; {'API key required' if key else 'no API key'}{sharing}; Ctrl+C stops)",
+        f"specchat serve: pair {pair.name} on http://{shown}:{port}/v1 (model id '{pair.name}'; "
+        f"{args.parallel} at once, queue {args.queue}; {'API key required' if key else 'no API key'}{sharing}; "
+        "Ctrl+C stops)",
         file=sys.stderr,
         flush=True,
     )

@@ -30,6 +30,7 @@ class ServeConfig:
     # prompts are one prefix-cache scope (off: one scope per client, app/serve/routes.py).
     share_state: bool = False
     log_prompts: bool = False  # the access log shows each request's last user message
+    batch: Any = None  # an owner.Batch (`--parallel N` > 1, built by app/cli/serve.py); None: one at a time
     # The served pair's configured γ (vLLM's num_spec_tokens; auto: limits.MAX_GAMMA; 0 without a drafter); None:
     # unknown, and a reply reports the largest γ it used.
     spec_tokens: int | None = None

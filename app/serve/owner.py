@@ -1,5 +1,6 @@
 """The one owner of the engine behind `specchat serve`: a worker thread that runs requests one at a time, in
-arrival order, from a bounded queue; and the counters ``/metrics`` shows.
+arrival order, from a bounded queue (or, with a :class:`Batch`, `serve --parallel N`, the batch's slots, its own
+queue bounded the same way); and the counters ``/metrics`` shows.
 
 Contract: :meth:`EngineOwner.submit` puts a request in the queue and returns its :class:`Job` at once, or raises
 :class:`Busy` when ``queue_size`` requests are already waiting (the server answers 429). The worker iterates
@@ -22,11 +23,31 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from specchat.backend.api import EngineAPI, GenerationRequest, RequestStats
 
 END = object()  # the last item of a job's event queue
+
+
+class Batch(Protocol):
+    """Continuous batching (`serve --parallel N`: backend/engine/batch.py's BatchScheduler): up to ``slots``
+    requests at once; ``submit`` hands it a request whose events (then an exception, if any, then None) go to
+    ``sink``."""
+
+    slots: int
+
+    def submit(self, request: GenerationRequest, cancel: threading.Event, sink: Callable[[Any], None]) -> None: ...
+
+    @property
+    def waiting(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self, timeout_s: float = 10.0) -> None: ...
 
 
 class Busy(Exception):
@@ -97,8 +118,11 @@ class EngineOwner:
         queue_size: int,
         metrics: Metrics | None = None,
         before_job: Callable[[], None] | None = None,
+        batch: Batch | None = None,
     ) -> None:
         self.engine, self.queue_size, self.before_job = engine, queue_size, before_job
+        self.batch = batch  # None: one request at a time in the worker thread
+        self._batched: dict[int, Job] = {}  # jobs handed to the batch (by id), until their END
         self.metrics = metrics or Metrics()
         self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
         self._running = 0
@@ -109,16 +133,59 @@ class EngineOwner:
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        return self.batch.waiting if self.batch is not None else self._jobs.qsize()
 
     @property
     def running(self) -> int:
-        return self._running
+        return self.batch.running if self.batch is not None else self._running
+
+    def metrics_lines(self) -> list[str]:
+        """/metrics' lines of the batch (none without one): its slots, streams, rows per pass and the policy's
+        choice (streams allowed to draft, and each one's γ cap)."""
+        if self.batch is None:
+            return []
+        s = self.batch.stats()
+        passes = s["passes"]
+        gauges = {
+            "specchat_batch_slots": s["slots"],
+            "specchat_batch_streams": s["running"],
+            "specchat_batch_last_pass_streams": s["last_streams"],
+            "specchat_batch_last_pass_rows": s["last_rows"],
+            "specchat_batch_rows_per_pass": round(s["rows"] / passes, 3) if passes else 0,
+            "specchat_batch_speculating_streams": s["speculating_streams"],
+        }
+        lines = [f"# TYPE {name} gauge\n{name} {value}" for name, value in gauges.items()]
+        lines += ["# TYPE specchat_batch_passes_total counter", f"specchat_batch_passes_total {passes}"]
+        lines.append("# TYPE specchat_batch_gamma_cap gauge")
+        lines += [
+            f'specchat_batch_gamma_cap{{stream="{i}"}} {-1 if c is None else c}' for i, c in enumerate(s["gamma_caps"])
+        ]
+        return lines
+
+    def _submit_batched(self, job: Job) -> Job:
+        assert self.batch is not None
+        with self._lock:
+            if self.batch.waiting >= self.queue_size:
+                raise Busy()
+            self._batched[id(job)] = job
+
+        def sink(item: Any) -> None:
+            if item is None:
+                with self._lock:
+                    self._batched.pop(id(job), None)
+                job.put(END)
+            else:
+                job.put(item)
+
+        self.batch.submit(job.request, job.cancel, sink)
+        return job
 
     def submit(
         self, request: GenerationRequest, notify: Callable[[], None] | None = None, *, wake_each: bool = True
     ) -> Job:
         job = Job(request, notify=notify, wake_each=wake_each)
+        if self.batch is not None:
+            return self._submit_batched(job)
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -152,12 +219,17 @@ class EngineOwner:
         with self._lock:
             if self._current is not None:
                 self._current.cancel.set()
+            for job in self._batched.values():
+                job.cancel.set()
         for job in list(self._jobs.queue):
             if job is not None:
                 job.cancel.set()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop: waiting jobs end at once, the running one is cancelled (the engine stops at its next step)."""
+        if self.batch is not None:
+            self.cancel_all()
+            self.batch.close(timeout_s)
         with self._lock:
             if self._current is not None:
                 self._current.cancel.set()

@@ -41,7 +41,7 @@ from specchat.app.serve.completions import parse_call
 from specchat.app.serve.config import ServeConfig
 from specchat.app.serve.owner import END, Busy, EngineOwner, Job, Metrics
 from specchat.backend.api import StepEvent
-from specchat.backend.errors import SpecchatError
+from specchat.backend.errors import InsufficientMemoryError, SpecchatError
 
 log = logging.getLogger("specchat.serve")
 OUTCOMES = ("ok", "error", "cancelled", "rejected", "invalid", "unauthorised")
@@ -286,6 +286,8 @@ class Routes:
 
     def engine_error(self, error: BaseException) -> ApiError:
         """The engine's exception as an API error: the user's (SpecchatError) 400, a bug 500 (logged)."""
+        if isinstance(error, InsufficientMemoryError):  # no memory for the request's K/V now: retry later
+            return ApiError(503, str(error), None, "server_busy")
         if isinstance(error, SpecchatError):
             return ApiError(400, str(error), None)
         log.error("unexpected error in a reply", exc_info=error)
@@ -336,6 +338,7 @@ class Routes:
             lines.append(f"# TYPE specchat_spec_decode_num_{name}_per_pos_total counter")
             for pos, value in sorted(snap[key].items()):
                 lines.append(f'specchat_spec_decode_num_{name}_per_pos_total{{position="{pos}"}} {value}')
+        lines += owner.metrics_lines()
         blocks = self.server.config.blocks_in_use
         if blocks is not None:
             lines += ["# TYPE specchat_kv_blocks_in_use gauge", f"specchat_kv_blocks_in_use {blocks()}"]

@@ -93,7 +93,7 @@ class SpecchatServer:
             if use_memory is not None:
                 use_memory(False)  # no reply is remembered for another request's drafts
             before_job = forget
-        self.owner = EngineOwner(engine, queue_size=config.queue_size, before_job=before_job)
+        self.owner = EngineOwner(engine, queue_size=config.queue_size, before_job=before_job, batch=config.batch)
         self.metrics: Metrics = self.owner.metrics
         self.started = int(time.time())
         guard = config.guard if config.guard.refused is not None else _with_log(config.guard)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.limits import Gamma, check_seed_range
+from specchat.backend.limits import MIN_TEMPERATURE, MIN_TOP_P, Gamma, check_seed_range
 
 GAMMAS: tuple[Gamma, ...] = (1, 4, 16, "auto")
 TOP_CANDIDATES = 5  # candidates shown per row of a difference
@@ -68,9 +68,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(1.0, top_k=40, top_p=0.5),
     Setting(0.7, top_k=40, repetition_penalty=1.1),
     Setting(1.3, top_p=0.9, repetition_penalty=1.1),
-    Setting(1e-6),
+    Setting(MIN_TEMPERATURE),
     Setting(0.8, top_k=1),
-    Setting(0.8, top_p=1e-9),
+    Setting(0.8, top_p=MIN_TOP_P),
 )
 
 

@@ -24,7 +24,7 @@ from specchat.backend.api import GenerationRequest, StepEvent
 from specchat.backend.engine import upgrade
 from specchat.backend.engine.heap import settle_heap as settle_heap
 from specchat.backend.engine.heap import start_heap as start_heap
-from specchat.backend.engine.parts import Conversation, Speculation, Target
+from specchat.backend.engine.parts import Conversation, Lane, Speculation, Target
 from specchat.backend.engine.prefix_cache import PrefixCache
 from specchat.backend.engine.prompting import prompt_ids
 from specchat.backend.engine.request import RequestState
@@ -62,6 +62,7 @@ class Engine:
     the device's fast path). ``kv_tokens`` sizes each pool (default: the pair's context length plus room for
     one verification step). ``prefix_cache_bytes``: the K/V memory the target's pool holds on top of that for
     prompts kept across requests (``GenerationRequest.prefix_cache``; `specchat serve`); 0 keeps none.
+    ``parallel``: the streams a batch (backend/engine/batch.py) may run at once; the pools hold that many.
     """
 
     def __init__(
@@ -73,13 +74,16 @@ class Engine:
         kv_tokens: int | None = None,
         head: LoadedHead | None = None,
         prefix_cache_bytes: int = 0,
+        parallel: int = 1,
     ) -> None:
         self.pair = pair
         self.tokenizer = target.tokenizer
         self.context_length = pair.context_length
         self.vocab_limit = len(self.tokenizer)  # p and q are compared over the tokenizer's ids only
         self.eos_ids = _eos_ids(target)
-        self.kv_tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
+        self.parallel = max(int(parallel), 1)  # streams a batch scheduler may run at once (backend/engine/batch.py)
+        # Each stream may reach the whole context (pages take memory only where written: kv_cache.lazy_zeros).
+        self.stream_tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
         self.prefix_cache_bytes = prefix_cache_bytes
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()
         self._lock = threading.Lock()
@@ -101,15 +105,15 @@ class Engine:
 
     def _runners(self, target: LoadedModel, draft: LoadedModel | None) -> None:
         """The models' runners and caches, the draft model's drafter, fresh γ policies."""
-        self.target, self.draft = target, draft
-        per_block = kv_bytes_per_token(target.model.config, target.dtype) * KV_BLOCK_SIZE
-        prefix_blocks = max(self.prefix_cache_bytes, 0) // per_block
-        self.runner = ModelRunner(target, kv_tokens=self.kv_tokens, kept_tokens=prefix_blocks * KV_BLOCK_SIZE)
+        self.target, self.draft, tokens = target, draft, self.stream_tokens
+        block = kv_bytes_per_token(target.model.config, target.dtype) * KV_BLOCK_SIZE
+        prefix_blocks, others = max(self.prefix_cache_bytes, 0) // block, (self.parallel - 1) * tokens
+        self.runner = ModelRunner(target, kv_tokens=tokens, kept_tokens=others + prefix_blocks * KV_BLOCK_SIZE)
         self.cache = self.runner.cache
         self.prefix = PrefixCache(self.cache, prefix_blocks)
         self.draft_runner: ModelRunner | None = None
         if draft is not None:
-            self.draft_runner = ModelRunner(draft, kv_tokens=self.kv_tokens)
+            self.draft_runner = ModelRunner(draft, kv_tokens=tokens, kept_tokens=others)
             self.drafters["draft-model"] = DraftModelDrafter(
                 self.draft_runner.forward,
                 self.draft_runner.cache,
@@ -120,9 +124,8 @@ class Engine:
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
 
     def use_models(self, target: LoadedModel, draft: LoadedModel | None) -> None:
-        """Run ``target`` and ``draft`` (the same specs on another path: ``upgrade.py``) from the next reply on;
-        called with the lock held. Cached conversations and prefix entries go (another path's K/V)."""
-        self._release()
+        """From the next reply on, ``target`` and ``draft`` (the same specs on another path: upgrade.py), lock held."""
+        self._release()  # cached conversations and prefix entries go: another path's K/V
         self._runners(target, draft)
         if self.head is not None:
             self._attach(self.head)
@@ -239,8 +242,8 @@ class Engine:
 
     def _prompt_ids(
         self, request: GenerationRequest, conv: Conversation | None, budget: int
-    ) -> tuple[list[int], str | None]:  # (ids, a notice of messages left out)
-        return prompt_ids(self.tokenizer, request, conv, budget, self.pair.name, self.context_length)
+    ) -> tuple[list[int], str | None]:
+        return prompt_ids(self.tokenizer, self.pair.name, self.context_length, request, conv, budget)
 
     def _conversation(self, key: str | None) -> Conversation:
         if key is None:
@@ -273,7 +276,10 @@ class Engine:
         cap = min(MAX_PREDICTION_GAMMA, self.runner.exact_rows - 1)
         return PredictionDrafter(ids, eos_token_ids=self.eos_ids, max_tokens=cap)
 
-    def _generate(self, request: GenerationRequest, cancel: threading.Event) -> Iterator[StepEvent]:
+    def _generate(
+        self, request: GenerationRequest, cancel: threading.Event, lane: Lane | None = None
+    ) -> Iterator[StepEvent]:
+        """One reply, the lock held; ``lane``: a stream of a batch (its own runner, drafters, policies)."""
         t_start = time.perf_counter()
         sampling = resolve_sampling(request.sampling, self.pair, self.target.generation_config)
         drafter_name = request.drafter or self.pair.drafter
@@ -316,7 +322,7 @@ class Engine:
                 self.prefix.make_run(-(-expected // self.cache.pool.block_size))
                 conv.seq.expect(expected)
             target = Target(
-                self.runner,
+                self.runner if lane is None else lane.runner,
                 self.tokenizer,
                 self.eos_ids,
                 self.vocab_limit,
@@ -324,9 +330,8 @@ class Engine:
                 self.threads,
                 self.trace,
             )
-            speculation = Speculation(
-                self.drafters, self.policies, self.disabled_drafters, self.disabled_drafters.__setitem__
-            )
+            drafters, policies = (self.drafters, self.policies) if lane is None else (lane.drafters, lane.policies)
+            speculation = Speculation(drafters, policies, self.disabled_drafters, self.disabled_drafters.__setitem__)
             state = RequestState(
                 target,
                 speculation,
@@ -341,6 +346,8 @@ class Engine:
                 constraint,
                 request.logprobs,
             )
+            if lane is not None:
+                lane.state = state
             yield from state.run(notice, request.prefill_progress)
         finally:
             if scope is not None:
@@ -358,9 +365,10 @@ def load_engine(
     progress: Progress | None = None,
     confirm_download: ConfirmDownload | None = None,
     prefix_cache_bytes: int = 0,
+    parallel: int = 1,
 ) -> Engine:
     """Load the pair's models (checking memory and tokenizer compatibility first) and build an engine
-    (``prefix_cache_bytes``: see :class:`Engine`)."""
+    (``prefix_cache_bytes``, ``parallel``: see :class:`Engine`)."""
     from specchat.backend.models.facts.memory import check_fits
     from specchat.backend.models.loading.pair import load_pair, resolve_device
 
@@ -387,7 +395,7 @@ def load_engine(
         from specchat.backend.models.loading.head_loading import load_planned
 
         head = load_planned(plan, target.model.config, dev, target_name=pair.target.source)
-    engine = Engine(target, draft, pair, head=head, prefix_cache_bytes=prefix_cache_bytes)
+    engine = Engine(target, draft, pair, head=head, prefix_cache_bytes=prefix_cache_bytes, parallel=parallel)
     note = plain_completion_note(target.tokenizer)
     report = user_callback(progress)  # reaches the terminal through a caller's capture of library output
     if note is not None and report is not None:

@@ -32,7 +32,7 @@ import torch
 
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import compact, cuda_graphs
-from specchat.backend.kernels.native_model import NativeModel
+from specchat.backend.kernels.native_model import NativeModel, PassPart
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import Sequence
@@ -115,6 +115,11 @@ class NativePath:
     def run(self, seq, ids, keep, parents, cancel, taps) -> Pass:
         logits, tapped = self.native.forward(seq, ids, keep, parents, self.native_taps(taps) if taps else ())
         return Pass(logits, torch.cat(tapped, dim=1) if taps else None)
+
+    def run_batch(self, parts: list[PassPart], taps: Taps | None) -> list[Pass]:
+        """Several sequences' rows in one native pass, each part's Pass what :meth:`run` gives it alone."""
+        out = self.native.forward_batch(parts, self.native_taps(taps) if taps else ())
+        return [Pass(logits, torch.cat(tapped, dim=1) if taps else None) for logits, tapped in out]
 
 
 class EagerPath:

@@ -57,6 +57,17 @@ class Speculation:
     disable: Callable[[str, str], None]  # switch a drafter off for the engine's life, with the reason
 
 
+@dataclass
+class Lane:
+    """One stream of a batch as the engine's request code sees it (backend/engine/batch.py): the runner its
+    passes go through, its own drafters and policies; ``state`` the request once made (its live figures)."""
+
+    runner: Any  # a ModelRunner, or what stands in for one (the same forward)
+    drafters: Mapping[str, Drafter]
+    policies: Mapping[str, GammaPolicy]
+    state: Any = None  # the RequestState, set by the engine
+
+
 @dataclass(frozen=True)
 class Target:
     """The target model as a request sees it: its runner, and what decides where a reply ends."""

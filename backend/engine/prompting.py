@@ -121,7 +121,7 @@ def fit_to_context(
 
 
 def prompt_ids(
-    tokenizer, request: GenerationRequest, conv: Conversation | None, budget: int, pair_name: str, context_length: int
+    tokenizer, pair_name: str, context_length: int, request: GenerationRequest, conv: Conversation | None, budget: int
 ) -> tuple[list[int], str | None]:
     """A request's prompt as token ids, at most ``budget`` of them (older messages left out where they do not fit,
     unless the request keeps them all), and a notice of what was left out."""

@@ -17,6 +17,9 @@ Contract:
   why the native model does not run, the line the UI, ``generate`` and ``serve`` show).
 - :meth:`ModelRunner.forward` is the one dispatch point: one forward of the chosen path, a
   :class:`~specchat.backend.engine.forward_paths.Pass` (logits, and the hidden-state taps asked for).
+- :meth:`ModelRunner.forward_batch` runs several sequences' passes (each a ``PassPart``) together, one ``Pass``
+  each, what ``forward`` gives it alone: one pass over all their rows on the native path, one forward each on
+  the others (continuous batching: backend/engine/batch.py).
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ from specchat.backend.engine.forward_paths import (
     NativePath,
     Pass,
     Taps,
+    check_taps,
+    checked_ids,
     forward_paged,
 )
 from specchat.backend.errors import ModelLoadError
 from specchat.backend.kernels import compact, cpu_linear, cuda_graphs, native, quant_linear, switched_off
-from specchat.backend.kernels.native_model import NativeModel
+from specchat.backend.kernels.native_model import NativeModel, PassPart
 from specchat.backend.kv import attention
+from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
 from specchat.backend.limits import KV_BLOCK_SIZE, MAX_GAMMA
 from specchat.backend.models.facts.memory import format_bytes, free_memory
@@ -154,6 +160,18 @@ class ModelRunner:
             taps=taps,
             config=self.model.config,
         )
+
+    def forward_batch(self, parts: list[PassPart], taps: Taps | None = None) -> list[Pass]:
+        """Several sequences' passes at once (see the module docstring); ``offset`` (a pass in pieces): native only."""
+        if taps is not None:
+            check_taps(taps, self.model.config)
+        for part in parts:
+            checked_ids(part.seq, part.ids, part.keep, part.parents)
+        if isinstance(self.forward_path, NativePath):
+            return self.forward_path.run_batch(parts, taps)
+        if any(part.offset for part in parts):
+            raise KVCacheUsageError(f"a pass in pieces needs the CPU native model; this model runs {self.path}")
+        return [self.forward(p.seq, p.ids, logits_to_keep=p.keep, parents=p.parents, taps=taps) for p in parts]
 
     def require_taps(self) -> bool:
         """Every pass of this runner may ask for taps from now on (a draft head reads them). Every path returns

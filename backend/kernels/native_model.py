@@ -15,7 +15,11 @@ Contract:
   per tap])``. ``parents`` (a tree of drafts after the pending token ``ids[0]``, ``parents[i]`` draft i's
   parent among the drafts, -1 for the pending token) as ``runner.forward_paged`` defines it; a tap ``l`` is the
   residual stream after layer ``l`` for every row, ``layers`` the final norm's output (what the head reads).
-- A row's logits (and taps) are bit for bit those a one-token pass gives it, whatever the pass around it.
+- :meth:`forward_batch(parts, taps=())` runs the rows of several sequences (each a :class:`PassPart`, its rows as
+  :meth:`forward` takes them) in one pass, so the weights are read once for all of them; it returns each
+  part's ``(logits, taps)`` as :meth:`forward` would have, bit for bit.
+- A row's logits (and taps) are bit for bit those a one-token pass gives it, whatever the pass around it: other
+  rows of its sequence, or other sequences' rows.
 """
 
 from __future__ import annotations
@@ -80,6 +84,19 @@ def float_qweight(weight: torch.Tensor) -> torch.ScriptObject:
     if weight.dtype not in _FLOAT_TYPES:
         raise ValueError(f"a {weight.dtype} weight (float32, float16 or bfloat16 only)")
     return qweight(weight.detach().contiguous(), _FLOAT_TYPES[weight.dtype], weight.shape[0], weight.shape[1])
+
+
+@dataclass(frozen=True)
+class PassPart:
+    """One sequence's rows in a batched pass: ``ids`` [n] long after ``seq``'s committed tokens and ``offset``
+    more (written by an earlier piece of the same long pass, not committed), the logits of its last ``keep``,
+    ``parents`` a tree of drafts as :meth:`NativeModel.forward` takes it."""
+
+    seq: Sequence
+    ids: torch.Tensor
+    keep: int
+    parents: list[int] | None = None
+    offset: int = 0
 
 
 class NativeModel:
@@ -198,6 +215,32 @@ class NativeModel:
             list(taps),
         )
         return logits, list(tapped)
+
+    def forward_batch(self, parts: Seq[PassPart], taps: Seq[int] = ()) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Several sequences' rows in one pass (see the module docstring); each sequence at most once."""
+        if len({id(part.seq) for part in parts}) != len(parts):
+            raise ValueError("NativeModel.forward_batch: a sequence appears twice in one pass")
+        layout, slots, trees, ids = [], [], [], []
+        empty = torch.empty(0, dtype=torch.long)
+        for part in parts:
+            n = part.ids.numel()
+            part.seq.reserve(part.offset + n)
+            plan = part.seq.plan(n, part.offset)
+            run = plan.read_start is not None
+            layout.append((n, plan.start, plan.read_start if run else -1, part.keep))
+            slots.append(empty if run else plan.read_slots)
+            parents = part.parents
+            trees.append(empty if parents is None else torch.tensor([-1, *(p + 1 for p in parents)], dtype=torch.long))
+            ids.append(part.ids.reshape(-1))
+        logits, tapped = self.obj.forward_batch(
+            torch.cat(ids), torch.tensor(layout, dtype=torch.long), slots, trees, list(taps)
+        )
+        out: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        kept = rows = 0
+        for n, _, _, keep in layout:
+            out.append((logits[kept : kept + keep], [t[rows : rows + n] for t in tapped]))
+            kept, rows = kept + keep, rows + n
+        return out
 
     def profile(self) -> dict[str, float]:
         """Seconds spent in kernels, attention and elementwise steps since :meth:`reset_profile` (while

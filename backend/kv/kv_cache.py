@@ -308,10 +308,11 @@ class Sequence:
         bs = self.cache.block_size
         return self.block_table[position // bs] * bs + position % bs
 
-    def plan(self, n: int) -> SlotPlan:
-        """Slots for a forward over ``n`` new tokens at ``length ..``; call after ``reserve(n)``."""
+    def plan(self, n: int, offset: int = 0) -> SlotPlan:
+        """Slots for a forward over ``n`` new tokens at ``length + offset ..``; call after ``reserve(offset + n)``.
+        ``offset``: the tokens before them are written but not committed (a long pass run in pieces)."""
         self._check_live("plan")
-        start, kv_len = self.length, self.length + n
+        start, kv_len = self.length + offset, self.length + offset + n
         if n < 1 or kv_len > self.capacity:
             raise KVCacheUsageError(
                 f"Sequence.plan({n}): needs 1 <= n and length {start} + n <= capacity {self.capacity}; reserve first"

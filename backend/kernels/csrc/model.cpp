@@ -303,6 +303,7 @@ TORCH_LIBRARY_FRAGMENT(specchat, m) {
       .def("check", &specchat::NativeModel::check)
       .def("finish", &specchat::NativeModel::finish)
       .def("forward", &specchat::NativeModel::forward)
+      .def("forward_batch", &specchat::NativeModel::forward_batch)
       .def("profile", &specchat::NativeModel::profile)
       .def("reset_profile", &specchat::NativeModel::reset_profile);
 }

@@ -66,6 +66,20 @@ struct Profile {  // seconds per part of the pass, while profiling is on
   int64_t passes = 0, rows = 0;
 };
 
+// One sequence's rows in a pass (model_batch.cpp builds and checks them): its own block table, positions, and
+// chain or tree of drafts; rows of several sequences share a pass's weight kernels, each row still its own.
+struct Segment {
+  int64_t first = 0, rows = 0;         // the pass's rows [first, first + rows)
+  int64_t start = 0;                   // the position of its first row (the sequence's committed length)
+  int64_t read_start = -1;             // position p in slot read_start + p, unless map
+  at::Tensor slot_map;                 // owns map's values
+  const int64_t* map = nullptr;        // position p in slot map[p]
+  bool tree = false;                   // parent / depth from a tree of drafts (else a chain: depth = row)
+  std::vector<int64_t> parent, depth;  // per row of the segment
+  int64_t keep = 1;                    // logits of its last keep rows
+  int64_t slot(int64_t position) const { return map ? map[position] : read_start + position; }
+};
+
 struct NativeModel : torch::CustomClassHolder {
   void set(const std::string& name, const c10::IValue& value);
   c10::IValue get(const std::string& name) const;
@@ -86,8 +100,21 @@ struct NativeModel : torch::CustomClassHolder {
                                                           const std::optional<at::Tensor>& slots,
                                                           const std::optional<at::Tensor>& parents, int64_t keep,
                                                           const std::vector<int64_t>& taps);
+  // Several sequences in one pass: ids [N] int64, the rows of segment 0 first; layout [S, 4] int64, per segment
+  // (rows, start, read_start or -1, keep); slots / parents: one tensor per segment, empty when read_start is
+  // given / for a chain. Returns (logits [sum of keep, vocab] float32, segment by segment; taps [N, hidden]).
+  std::tuple<at::Tensor, std::vector<at::Tensor>> forward_batch(const at::Tensor& ids, const at::Tensor& layout,
+                                                                const std::vector<at::Tensor>& slots,
+                                                                const std::vector<at::Tensor>& parents,
+                                                                const std::vector<int64_t>& taps);
   c10::Dict<std::string, double> profile() const;
   void reset_profile();
+
+  // -- the pass (model_batch.cpp checks its arguments; model_forward.cpp runs it, with `busy` held) --
+  Segment segment(int64_t first, int64_t rows, int64_t start, int64_t read_start,
+                  const std::optional<at::Tensor>& slots, const std::optional<at::Tensor>& parents, int64_t keep) const;
+  std::tuple<at::Tensor, std::vector<at::Tensor>> run(const at::Tensor& tokens, const std::vector<Segment>& segments,
+                                                      const std::vector<int64_t>& taps);
 
   // -- state (model.cpp fills it; model_forward.cpp runs it) --
   std::map<std::string, c10::IValue> settings;
@@ -101,7 +128,7 @@ struct NativeModel : torch::CustomClassHolder {
   bool finished = false, profiling = false;
   Profile spent;
   std::mutex busy;  // one pass at a time: the workspace below is shared
-  std::vector<float> h, x, qkv, attn, o, gate_up, act, down, normed, scores;
+  std::vector<float> h, x, qkv, attn, o, gate_up, act, down, normed, kept, scores;
 };
 
 }  // namespace specchat

@@ -104,64 +104,33 @@ std::vector<std::vector<int64_t>> tree_keys(const std::vector<int64_t>& parent, 
 
 }  // namespace
 
-std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::Tensor& ids, int64_t start,
-                                                                     int64_t read_start,
-                                                                     const std::optional<at::Tensor>& slots,
-                                                                     const std::optional<at::Tensor>& parents,
-                                                                     int64_t keep, const std::vector<int64_t>& taps) {
-  std::lock_guard<std::mutex> guard(busy);
-  if (!finished) finish();
+std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::run(const at::Tensor& tokens,
+                                                                 const std::vector<Segment>& segments,
+                                                                 const std::vector<int64_t>& taps) {
   const Shape& s = shape;
-  const at::Tensor tokens = ids.to(at::kLong).contiguous().view({-1});
-  const int64_t n = tokens.numel(), kv_len = start + n, layer_count = static_cast<int64_t>(layers.size());
-  TORCH_CHECK(n >= 1 && start >= 0 && keep >= 1 && keep <= n, "NativeModel.forward: ", n, " tokens after ", start,
-              ", keeping ", keep);
+  const int64_t n = tokens.numel(), layer_count = static_cast<int64_t>(layers.size());
   for (int64_t t : taps) {
     TORCH_CHECK(t >= 0 && t <= layer_count, "NativeModel.forward: tap ", t, " (layers 0..", layer_count - 1, ", or ",
                 layer_count, " for the final norm's output)");
   }
   const int64_t pool_slots = k_pool.size(2);
-  at::Tensor slot_map;
-  const int64_t* map = nullptr;
-  if (slots) {
-    slot_map = slots->to(at::kLong).contiguous();
-    TORCH_CHECK(slot_map.numel() >= kv_len, "NativeModel.forward: ", slot_map.numel(), " slots for ", kv_len, " keys");
-    map = slot_map.const_data_ptr<int64_t>();
-    for (int64_t p = 0; p < kv_len; ++p) {
-      TORCH_CHECK(map[p] >= 0 && map[p] < pool_slots, "NativeModel.forward: slot ", map[p], " outside the cache");
-    }
-  } else {
-    TORCH_CHECK(read_start >= 0 && read_start + kv_len <= pool_slots, "NativeModel.forward: slots ", read_start, "..",
-                read_start + kv_len, " outside the cache's ", pool_slots);
-  }
-  // Rows' positions (start + depth in a tree) and, for a tree, each row's parent.
-  std::vector<int64_t> parent(static_cast<size_t>(n), -1), depth(static_cast<size_t>(n));
-  const bool tree = parents.has_value();
-  if (tree) {
-    const at::Tensor p = parents->to(at::kLong).contiguous();
-    TORCH_CHECK(p.numel() == n, "NativeModel.forward: ", p.numel(), " parents for ", n, " rows");
-    const int64_t* pp = p.const_data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK((i == 0 && pp[i] == -1) || (i > 0 && pp[i] >= 0 && pp[i] < i), "NativeModel.forward: row ", i,
-                  "'s parent ", pp[i], " (row 0: -1; others an earlier row)");
-      parent[static_cast<size_t>(i)] = pp[i];
-      depth[static_cast<size_t>(i)] = i == 0 ? 0 : depth[static_cast<size_t>(pp[i])] + 1;
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) depth[static_cast<size_t>(i)] = i;
-  }
   const int64_t* tok = tokens.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(tok[i] >= 0 && tok[i] < s.vocab, "NativeModel.forward: token id ", tok[i], " (vocabulary ", s.vocab,
                 ")");
   }
+  // Each row's position and the slot its K/V go to; the rows whose logits are kept, segment by segment.
+  std::vector<int64_t> position(static_cast<size_t>(n)), write_slot(static_cast<size_t>(n)), kept_rows;
+  for (const Segment& g : segments) {
+    for (int64_t i = 0; i < g.rows; ++i) {
+      position[static_cast<size_t>(g.first + i)] = g.start + g.depth[static_cast<size_t>(i)];
+      write_slot[static_cast<size_t>(g.first + i)] = g.slot(g.start + i);
+    }
+    for (int64_t i = g.rows - g.keep; i < g.rows; ++i) kept_rows.push_back(g.first + i);
+  }
+  const int64_t keep = static_cast<int64_t>(kept_rows.size());
   const int64_t hidden = s.hidden, d = s.head_dim, q_width = s.heads * d, kv_width = s.kv_heads * d;
   const int64_t qkv_width = q_width + 2 * kv_width, inter = s.inter, rep = s.heads / s.kv_heads, half = s.rot_dim / 2;
-  for (const Layer& l : layers) {
-    const Rope& rope = ropes[static_cast<size_t>(l.rope)];
-    TORCH_CHECK(start + depth.back() < rope.positions && kv_len <= rope.positions, "NativeModel.forward: position ",
-                kv_len - 1, " is beyond the rotary table's ", rope.positions, " positions");
-  }
   auto grow = [](std::vector<float>& v, int64_t size) {
     if (static_cast<int64_t>(v.size()) < size) v.resize(static_cast<size_t>(size));
     return v.data();
@@ -195,7 +164,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
   };
   const bool bf16 = k_pool.scalar_type() == at::kBFloat16;
   const bool vector = specchat_attention::vector_ok(d);
-  std::map<int64_t, std::vector<std::vector<int64_t>>> tree_cache;  // window -> each row's key positions
+  // (segment, window) -> each row's key positions
+  std::map<std::pair<size_t, int64_t>, std::vector<std::vector<int64_t>>> tree_cache;
   for (int64_t li = 0; li < layer_count; ++li) {
     const Layer& l = layers[static_cast<size_t>(li)];
     const Rope& rope = ropes[static_cast<size_t>(l.rope)];
@@ -229,9 +199,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
           for (int64_t j = 0; j < kv_width; ++j) row[q_width + j] = row[q_width + j] + kb[j];
         if (vb)
           for (int64_t j = 0; j < kv_width; ++j) row[q_width + kv_width + j] = row[q_width + kv_width + j] + vb[j];
-        const int64_t position = start + depth[static_cast<size_t>(i)];
-        const float* cos = rope.cos.data() + position * half;
-        const float* sin = rope.sin.data() + position * half;
+        const float* cos = rope.cos.data() + position[static_cast<size_t>(i)] * half;
+        const float* sin = rope.sin.data() + position[static_cast<size_t>(i)] * half;
         for (int64_t hd = 0; hd < s.heads + s.kv_heads; ++hd) {
           float* head = row + hd * d;
           const float* norm = hd < s.heads ? qn : kn;
@@ -247,7 +216,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
       auto write = [&](auto* kp, auto* vp) {
         using T = std::remove_pointer_t<decltype(kp)>;
         for (int64_t i = 0; i < n; ++i) {
-          const int64_t slot = map ? map[start + i] : read_start + start + i;
+          const int64_t slot = write_slot[static_cast<size_t>(i)];
           const float* row = qkvp + i * qkv_width;
           for (int64_t g = 0; g < s.kv_heads; ++g) {
             T* kd = kp + layer_offset + (g * pool_slots + slot) * d;
@@ -259,43 +228,52 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
           }
         }
       };
-      // Each row's keys (attention.h's RowKeys): its window of the committed prefix, then its own among the new
-      // rows (a chain: every row up to itself; a tree: its ancestors and itself).
+      // Each row's keys (attention.h's RowKeys), within its segment: its window of the committed prefix, then its
+      // own among the new rows (a chain: every row up to itself; a tree: its ancestors and itself).
       std::vector<specchat_attention::RowKeys> seen(static_cast<size_t>(n));
-      if (tree) {
-        auto found = tree_cache.find(l.window);
-        if (found == tree_cache.end())
-          found = tree_cache.emplace(l.window, tree_keys(parent, depth, start, l.window)).first;
-        for (int64_t i = 0; i < n; ++i) {
-          const std::vector<int64_t>& keys = found->second[static_cast<size_t>(i)];
-          auto& r = seen[static_cast<size_t>(i)];
-          r.committed = std::lower_bound(keys.begin(), keys.end(), start) - keys.begin();
-          r.low = r.committed > 0 ? keys[0] : 0;
-          r.index = keys.data() + r.committed;
-          r.extra = static_cast<int64_t>(keys.size()) - r.committed;
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t low = l.window > 0 ? std::max<int64_t>(0, start + i - l.window + 1) : 0;
-          auto& r = seen[static_cast<size_t>(i)];
-          r.low = std::min(low, start);
-          r.committed = start - r.low;
-          r.fresh = std::max(low, start);
-          r.extra = start + i + 1 - r.fresh;
+      for (size_t gi = 0; gi < segments.size(); ++gi) {
+        const Segment& g = segments[gi];
+        const int64_t start = g.start;
+        specchat_attention::RowKeys* rk = seen.data() + g.first;
+        if (g.tree) {
+          auto found = tree_cache.find({gi, l.window});
+          if (found == tree_cache.end())
+            found =
+                tree_cache.emplace(std::make_pair(gi, l.window), tree_keys(g.parent, g.depth, start, l.window)).first;
+          for (int64_t i = 0; i < g.rows; ++i) {
+            const std::vector<int64_t>& keys = found->second[static_cast<size_t>(i)];
+            auto& r = rk[i];
+            r.committed = std::lower_bound(keys.begin(), keys.end(), start) - keys.begin();
+            r.low = r.committed > 0 ? keys[0] : 0;
+            r.index = keys.data() + r.committed;
+            r.extra = static_cast<int64_t>(keys.size()) - r.committed;
+          }
+        } else {
+          for (int64_t i = 0; i < g.rows; ++i) {
+            const int64_t low = l.window > 0 ? std::max<int64_t>(0, start + i - l.window + 1) : 0;
+            auto& r = rk[i];
+            r.low = std::min(low, start);
+            r.committed = start - r.low;
+            r.fresh = std::max(low, start);
+            r.extra = start + i + 1 - r.fresh;
+          }
         }
       }
       const specchat_attention::Scoring scoring{s.attn_scale, s.attn_cap};
       auto attend = [&](const auto* kp, const auto* vp) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-        specchat_attention::Pools<T> pools;
-        pools.k = kp + layer_offset;
-        pools.v = vp + layer_offset;
-        pools.slots = pool_slots;
-        pools.d = d;
-        pools.map = map;
-        pools.read_start = read_start;
-        specchat_attention::attend_rows(vector, pools, seen.data(), n, s.kv_heads, rep, scoring, qkvp, qkv_width, attnp,
-                                        q_width, scores);
+        for (const Segment& g : segments) {  // each sequence over its own slots
+          specchat_attention::Pools<T> pools;
+          pools.k = kp + layer_offset;
+          pools.v = vp + layer_offset;
+          pools.slots = pool_slots;
+          pools.d = d;
+          pools.map = g.map;
+          pools.read_start = g.read_start;
+          specchat_attention::attend_rows(vector, pools, seen.data() + g.first, g.rows, s.kv_heads, rep, scoring,
+                                          qkvp + g.first * qkv_width, qkv_width, attnp + g.first * q_width, q_width,
+                                          scores);
+        }
       };
       if (bf16) {
         auto* kp = reinterpret_cast<uint16_t*>(k_pool.mutable_data_ptr<c10::BFloat16>());
@@ -362,26 +340,34 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::forward(const at::T
     }
     tap(li);
   }
-  // The final norm over the rows whose logits are kept (every row when the final norm's output is tapped).
+  // The final norm over the rows whose logits are kept (every row when the final norm's output is tapped), then
+  // the head over the kept rows, gathered in segment order.
   const bool tap_final = std::find(taps.begin(), taps.end(), layer_count) != taps.end();
-  const int64_t first = tap_final ? 0 : n - keep;
-  float* np = grow(normed, (n - first) * hidden);
+  const int64_t normed_rows = tap_final ? n : keep;
+  float* np = grow(normed, normed_rows * hidden);
   {
     Timer t(on, &spent.elementwise);
-    each_row(n - first, [&](int64_t i) {
-      rms_norm(hp + (first + i) * hidden, final_norm.data(), np + i * hidden, hidden, s.eps);
+    each_row(normed_rows, [&](int64_t i) {
+      const int64_t row = tap_final ? i : kept_rows[static_cast<size_t>(i)];
+      rms_norm(hp + row * hidden, final_norm.data(), np + i * hidden, hidden, s.eps);
     });
   }
+  const float* head_in = np;
   if (tap_final) {
     for (size_t t = 0; t < taps.size(); ++t) {
       if (taps[t] == layer_count) tapped[t] = at::from_blob(np, {n, hidden}, at::kFloat).clone();
     }
+    float* kp = grow(kept, keep * hidden);
+    for (int64_t i = 0; i < keep; ++i) {
+      std::copy_n(np + kept_rows[static_cast<size_t>(i)] * hidden, hidden, kp + i * hidden);
+    }
+    head_in = kp;
   }
   at::Tensor logits = at::empty({keep, s.vocab}, at::kFloat);
   float* lp = logits.mutable_data_ptr<float>();
   {
     Timer t(on, &spent.kernels);
-    matmul(head ? head->matrix() : embed->matrix(), np + (n - keep - first) * hidden, keep, lp, s.vocab);
+    matmul(head ? head->matrix() : embed->matrix(), head_in, keep, lp, s.vocab);
   }
   if (s.final_cap > 0.0f) {
     Timer t(on, &spent.elementwise);

@@ -10,7 +10,8 @@
 - prefill asks for one logits row; the draft model applies the penalty (a twin accepts everything) and keeps
   its cache across a chat turn (counted as reused), prefilling in chunks;
 - the seed: drawn and reported when absent, and the reported seed replays the reply;
-- temperatures of 1e-38 and 1e-30 are greedy, a penalty of 1e-30 is transformers' own, never NaN garbage.
+- the smallest temperature a request may give is greedy on loud logits, the smallest penalty is transformers'
+  own, never NaN garbage; values below them are refused naming the field.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from tiny_models import FAMILIES, one_thread, random_ids  # noqa: F401  (one_thr
 
 from specchat.backend.api import GenerationRequest, PolicyState, SamplingParams
 from specchat.backend.engine.engine import Engine
+from specchat.backend.errors import RequestError
+from specchat.backend.limits import MIN_REPETITION_PENALTY, MIN_TEMPERATURE
 from specchat.backend.speculative.drafters.base import Draft, StatelessHooks
 
 SAMPLED = dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1)
@@ -230,10 +233,16 @@ def loud_engine(drafter: str, gamma="auto"):
     return Engine(target, None, tiny_pair(drafter=drafter, gamma=gamma))
 
 
-@pytest.mark.parametrize(("temperature", "penalty"), [(1e-38, None), (1e-30, None), (1e-8, 1e-30)])
+@pytest.mark.parametrize(
+    ("temperature", "penalty"), [(MIN_TEMPERATURE, None), (MIN_TEMPERATURE, MIN_REPETITION_PENALTY)]
+)
 def test_tiny_temperatures_are_greedy_through_the_engine(temperature, penalty):
-    """The old engine divided logits by the temperature: 1e-38 (or 1e-8 after a penalty of 1e-30 multiplied
-    them by 1e30) overflowed to NaN probabilities, and it emitted the last token id for every position."""
+    """The old engine divided logits by the temperature: a tiny one (or one after a tiny penalty multiplied
+    them) overflowed to NaN probabilities, and it emitted the last token id for every position. The smallest
+    values a request may give decode as greedy does; smaller ones are refused (backend/limits.py)."""
+    for field, value in (("temperature", 1e-38), ("repetition_penalty", 1e-30)):
+        with pytest.raises(RequestError, match=field):
+            SamplingParams(**{field: value})
     prompt = repetitive_prompt(5)
     greedy, _ = run(
         loud_engine("none"),
@@ -254,13 +263,13 @@ def test_tiny_temperatures_are_greedy_through_the_engine(temperature, penalty):
 
 def test_a_tiny_repetition_penalty_is_transformers_own():
     prompt = repetitive_prompt(6)
-    greedy = SamplingParams(temperature=0, repetition_penalty=1e-30, max_new_tokens=20)
+    greedy = SamplingParams(temperature=0, repetition_penalty=MIN_REPETITION_PENALTY, max_new_tokens=20)
     for drafter in ("none", "prompt-lookup"):
         ids, _ = run(tiny_engine("llama", drafter=drafter, gamma=4), prompt_ids=prompt, sampling=greedy)
-        assert ids == hf_greedy("llama", prompt, 20, repetition_penalty=1e-30), drafter
+        assert ids == hf_greedy("llama", prompt, 20, repetition_penalty=MIN_REPETITION_PENALTY), drafter
     ids, events = run(
         loud_engine("prompt-lookup", gamma=4),
         prompt_ids=prompt,
-        sampling=SamplingParams(temperature=0.7, repetition_penalty=1e-30, max_new_tokens=20, seed=2),
+        sampling=SamplingParams(temperature=0.7, repetition_penalty=MIN_REPETITION_PENALTY, max_new_tokens=20, seed=2),
     )
     assert len(ids) == 20 and events[-1].finish_reason == "length"
