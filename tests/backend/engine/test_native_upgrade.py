@@ -66,3 +66,23 @@ def test_a_build_that_fails_meanwhile_is_named_and_nothing_swaps(native_ready, m
     _reply(engine)
     assert engine.runner.path == "cpu-compact"
     assert "the CPU kernels are unavailable: the build failed: c++: error" in engine.start_line
+
+
+def test_the_batch_scheduler_swaps_between_replies_too(native_ready, monkeypatch):  # noqa: F811
+    """`specchat serve` with several streams: the scheduler swaps when no stream is active, and its replies then
+    run on the native model."""
+    from batch_fixtures import batched
+
+    from specchat.backend.engine.batch import BatchScheduler
+
+    engine = _waiting_engine(monkeypatch)
+    monkeypatch.setattr(native, "poll", lambda: True)
+    monkeypatch.setattr(native, "building", lambda: False)
+    scheduler = BatchScheduler(engine, 2).start()
+    try:
+        got = batched(scheduler, [GenerationRequest(messages=CHAT, sampling=SEEDED)] * 2)
+    finally:
+        scheduler.close()
+    assert [c.errors for c in got] == [[], []] and engine.runner.path == "cpu-native"
+    alone = [t for e in engine.generate(GenerationRequest(messages=CHAT, sampling=SEEDED)) for t in e.token_ids]
+    assert [[t for e in c.events for t in e.token_ids] for c in got] == [alone, alone]
