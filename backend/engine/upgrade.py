@@ -5,8 +5,8 @@ Why: building the kernels takes minutes on a small machine; a first start replie
 no compiler (the int4 compact forward for llama-family Q4_0 / Q4_1 files with ``quantization: int4-torch``,
 transformers' forward otherwise) and moves to the native model when it can.
 
-Contract: :func:`between_replies(engine)` is called by ``Engine.generate`` with the engine's lock held, before a
-reply starts. While a model of the engine waits for the kernels (its ``native_reason`` starts with
+Contract: :func:`between_replies(engine)` is called with the engine's lock held before a reply starts: by
+``Engine.generate``, and by the batch scheduler (``batch.py``) while no stream is active. While a model of the engine waits for the kernels (its ``native_reason`` starts with
 ``native_library.BUILDING``) it asks ``native.poll()``; once the library is loaded it loads the native model of
 each such spec (the tokenizer kept), and if it fits in the memory free now, replaces the engine's runners,
 caches and drafters with ones over it: cached conversations and prefix-cache entries are dropped (their K/V came
