@@ -6,15 +6,15 @@ no compiler (the int4 compact forward for llama-family Q4_0 / Q4_1 files with ``
 transformers' forward otherwise) and moves to the native model when it can.
 
 Contract: :func:`between_replies(engine)` is called with the engine's lock held before a reply starts: by
-``Engine.generate``, and by the batch scheduler (``batch.py``) while no stream is active. While a model of the engine waits for the kernels (its ``native_reason`` starts with
-``native_library.BUILDING``) it asks ``native.poll()``; once the library is loaded it loads the native model of
-each such spec (the tokenizer kept), and if it fits in the memory free now, replaces the engine's runners,
-caches and drafters with ones over it: cached conversations and prefix-cache entries are dropped (their K/V came
-from the other path), a draft head is attached again over the new embedding, the γ policies start afresh (their
-pass costs were the other path's). Returns the new start line when it swapped. A build that failed meanwhile
-leaves the models as they are with the failure as their reason; a native load that fails is logged and keeps them.
-Replies on the two paths may differ (another summation order): seeded replay is exact within one path
-(``docs/determinism.md``).
+``Engine.generate``, and by the batch scheduler (``batch.py``) while no stream is active. While a model of the
+engine waits for the kernels (its ``native_reason`` starts with ``native_library.BUILDING``) it asks
+``native.poll()``; once the library is loaded it loads the native model of each such spec (the tokenizer kept), and
+if it fits in the memory free now, replaces the engine's runners, caches and drafters with ones over it: cached
+conversations and prefix-cache entries are dropped (their K/V came from the other path), a draft head is attached
+again over the new embedding, the γ policies start afresh (their pass costs were the other path's). Returns the new
+start line when it swapped. A build that failed meanwhile leaves the models as they are with the failure as their
+reason; a native load that fails is logged and keeps them. Replies on the two paths may differ (another summation
+order): seeded replay is exact within one path (``docs/determinism.md``).
 """
 
 from __future__ import annotations
