@@ -22,6 +22,7 @@ through every layer; norms are 1. Types:
     python benchmarks/make_gguf.py --type q4_0 --out /tmp/bench-1b-q4_0.gguf
     python benchmarks/make_gguf.py --type q4_k_m --out /tmp/bench-1b-q4_k_m.gguf
     python benchmarks/make_gguf.py --arch qwen2 --type f16 --out /tmp/bench-qwen2-f16.gguf
+    python benchmarks/make_gguf.py --arch qwen2 --type q8_0 --vocab 151936 --out /tmp/bench-qwen2-152k-q8_0.gguf
     llama-quantize /tmp/bench-qwen2-f16.gguf /tmp/bench-qwen2-q4_k_m.gguf Q4_K_M
 """
 
@@ -101,24 +102,32 @@ def shape_of(name: str) -> tuple[int, int]:
     }[short]
 
 
-def copy_tokenizer(writer: gguf.GGUFWriter, source: Path) -> None:
-    """Every ``tokenizer.*`` value of ``source`` (the embedded model's GGUF) into ``writer``."""
+def copy_tokenizer(writer: gguf.GGUFWriter, source: Path, vocab: int | None = None) -> None:
+    """Every ``tokenizer.*`` value of ``source`` (the embedded model's GGUF) into ``writer``; with ``vocab``, the
+    token list padded to that many with ordinary tokens (``x<i>``: entries of the BPE vocabulary that no merge
+    makes, so the tokenizer's tables are a large vocabulary's while encoding is the source's)."""
     reader = gguf.GGUFReader(str(source))
     for key, field in reader.fields.items():
         if not key.startswith("tokenizer."):
             continue
         kind = field.types[0]
+        value = field.contents()
+        if vocab is not None and key == "tokenizer.ggml.tokens":
+            value = [*value, *(f"x{i}" for i in range(vocab - len(value)))]
+        elif vocab is not None and key == "tokenizer.ggml.token_type":
+            value = [*value, *([int(gguf.TokenType.NORMAL)] * (vocab - len(value)))]
         if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), kind, field.types[-1])
+            writer.add_key_value(key, value, kind, field.types[-1])
         else:
-            writer.add_key_value(key, field.contents(), kind)
+            writer.add_key_value(key, value, kind)
 
 
 QWEN2 = {"hidden": 896, "inter": 4864, "layers": 24, "heads": 14, "kv_heads": 2}
 
 
-def write_qwen2(out: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
-    """Qwen2.5-0.5B's shapes in F16 (see the module docstring)."""
+def write_qwen2(out: Path, tokenizer_gguf: Path, seed: int = 0, vocab: int = VOCAB, kind: str = "f16") -> None:
+    """Qwen2.5-0.5B's shapes in F16 or Q8_0 (see the module docstring); ``vocab`` rows of the embedding (Qwen2.5's
+    own 151,936: the tokenizer padded to it)."""
     rng = np.random.default_rng(seed)
     hidden, inter, layers = QWEN2["hidden"], QWEN2["inter"], QWEN2["layers"]
     heads, kv_heads = QWEN2["heads"], QWEN2["kv_heads"]
@@ -133,26 +142,34 @@ def write_qwen2(out: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    copy_tokenizer(writer, tokenizer_gguf)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if kind == "f16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    copy_tokenizer(writer, tokenizer_gguf, vocab if vocab != VOCAB else None)
 
     def normal(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+        weights = rng.standard_normal((rows, cols), dtype=np.float32) * 0.02
+        if kind == "f16":
+            return weights.astype(np.float16)
+        return gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
+
+    def add(name: str, rows: int, cols: int) -> None:
+        data = normal(rows, cols)
+        raw = None if kind == "f16" else gguf.GGMLQuantizationType.Q8_0
+        writer.add_tensor(name, data, raw_dtype=raw)
 
     ones = np.ones(hidden, dtype=np.float32)
-    writer.add_tensor("token_embd.weight", normal(VOCAB, hidden))
+    add("token_embd.weight", vocab, hidden)
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        writer.add_tensor(f"blk.{i}.attn_q.weight", normal(heads * head_dim, hidden))
+        add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
         writer.add_tensor(f"blk.{i}.attn_q.bias", np.zeros(heads * head_dim, dtype=np.float32))
         for name in ("attn_k", "attn_v"):
-            writer.add_tensor(f"blk.{i}.{name}.weight", normal(kv_heads * head_dim, hidden))
+            add(f"blk.{i}.{name}.weight", kv_heads * head_dim, hidden)
             writer.add_tensor(f"blk.{i}.{name}.bias", np.zeros(kv_heads * head_dim, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", normal(hidden, heads * head_dim))
+        add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", normal(inter, hidden))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", normal(inter, hidden))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", normal(hidden, inter))
+        add(f"blk.{i}.ffn_gate.weight", inter, hidden)
+        add(f"blk.{i}.ffn_up.weight", inter, hidden)
+        add(f"blk.{i}.ffn_down.weight", hidden, inter)
     writer.add_tensor("output_norm.weight", ones)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -194,8 +211,10 @@ def write(kind: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
-    parser.add_argument("--type", choices=("q4_0", "q4_k_m", "f16"), required=True,
-                        help="llama: q4_0 or q4_k_m; qwen2: f16 (quantise it with llama-quantize)")  # fmt: skip
+    parser.add_argument("--type", choices=("q4_0", "q4_k_m", "f16", "q8_0"), required=True,
+                        help="llama: q4_0 or q4_k_m; qwen2: f16 (quantise it with llama-quantize) or q8_0")  # fmt: skip
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="qwen2: the vocabulary (151936: Qwen2.5's own; "
+                        "the tokenizer is padded to it)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="the file to write (under /tmp: ~0.6-0.7 GB)")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a GGUF to copy the tokenizer from "
                         "(default: the embedded model's)")  # fmt: skip
@@ -205,10 +224,10 @@ def main(argv: list[str]) -> int:
         from specchat.backend.models.loading.pair import packaged_gguf_path
 
         source = packaged_gguf_path()
-    if (args.arch == "qwen2") != (args.type == "f16"):
-        parser.error("--arch qwen2 writes --type f16 only; --arch llama writes q4_0 or q4_k_m")
+    if (args.arch == "qwen2") != (args.type in ("f16", "q8_0")):
+        parser.error("--arch qwen2 writes --type f16 or q8_0; --arch llama writes q4_0 or q4_k_m")
     if args.arch == "qwen2":
-        write_qwen2(args.out, source)
+        write_qwen2(args.out, source, vocab=args.vocab, kind=args.type)
     else:
         write(args.type, args.out, source)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB)")

@@ -14,6 +14,9 @@ import pytest
 # (.native-cache/, ignored by git), so a clean clone (CI) builds it once per run and a working copy once per
 # change of the C++ sources; the tests then run the native path wherever specchat would.
 os.environ.setdefault("SPECCHAT_NATIVE_CACHE", str(Path(__file__).resolve().parents[1] / ".native-cache"))
+# A start that must build the library waits for it in tests (the background build and the swap between replies
+# have tests of their own: tests/backend/engine/test_native_upgrade.py).
+os.environ.setdefault("SPECCHAT_NATIVE_BUILD", "wait")
 
 
 @pytest.fixture(autouse=True)

@@ -27,11 +27,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"specchat doctor: CPU kernels for this machine: {folder.library}")
     if not getattr(args, "rebuild_native", False):
         state = folder.verified()
-        failed = folder.failure()
+        failed = folder.failure_record()
+        holder = folder.holder()
         if state is None:
             print("specchat doctor: built, and its sha256 matches its build's record")
+        elif holder is not None:
+            print(f"specchat doctor: {holder} is building it now (log: {folder.log})")
         elif failed is not None and state == "not built yet":
-            print(f"specchat doctor: {failed} (log: {folder.log}); `specchat doctor --rebuild-native` tries again")
+            print(
+                f"specchat doctor: {failed.reason} (log: {folder.log}; {failed.count} failed build(s) in a row); a "
+                f"start tries again after {failed.when_retried()}, `specchat doctor --rebuild-native` now"
+            )
         else:
             print(f"specchat doctor: {state}; the next start builds it (or run `specchat doctor --rebuild-native`)")
         return 0

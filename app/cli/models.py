@@ -149,7 +149,8 @@ def _pair_block(pair: Any, default: str, device: Any, free: int, width: int, mea
     if estimate.known:
         basis = f"weights: target {weights_basis(target, device)}"
         basis += f"; draft {weights_basis(draft, device)}" if draft is not None else ""
-        lines += _fold("memory", f"{estimate.describe(pair.context_length)} ({basis})", width)
+        whole = f"; the whole process about {format_bytes(estimate.process)}" if estimate.runtime else ""
+        lines += _fold("memory", f"{estimate.describe(pair.context_length)}{whole} ({basis})", width)
     lines += _fold("drafter", f"{pair.drafter}, gamma {pair.gamma}", width)
     lines += _fold("speed", expected_speed(pair.name, target.source, measured), width)
     if any(s is not None and s.gated for s in (target, pair.draft)):

@@ -238,8 +238,11 @@ class SpecchatApp(App[int]):
         path = getattr(message.engine, "start_line", None)  # how it runs (backend: Engine.start_line)
         note = f"ready in {message.seconds:.1f} s" + (f" · {path}" if path else "")
         self.chat.stats_bar.show_ready(message.pair_name, note)
+        self.chat.stats_bar.set_path(path)
         fallback = getattr(message.engine, "fallback_reason", None)
-        if fallback:  # the CPU native model does not run it: the same line generate and serve print
+        if fallback and "being built in the background" in fallback:  # replies now; the kernels take over later
+            self.notify(f"{message.pair_name} runs on {path}", title="Building the CPU kernels", timeout=10)
+        elif fallback:  # the CPU native model does not run it: the same line generate and serve print
             self.notify(f"{message.pair_name} runs on {path}", title="Slower path", severity="warning", timeout=10)
         self.chat.update_title()
         if self.settings.last_pair != message.pair_name:

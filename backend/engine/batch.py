@@ -34,6 +34,7 @@ import greenlet
 import torch
 
 from specchat.backend.api import GenerationRequest, StepEvent
+from specchat.backend.engine import upgrade
 from specchat.backend.engine.batch_lanes import kv_need, lane_for, lane_rows, release_lane
 from specchat.backend.engine.forward_paths import Pass
 from specchat.backend.engine.parts import Lane
@@ -200,6 +201,8 @@ class BatchScheduler:
                     self._waiting.clear()
                     return
             with self.engine._lock:
+                if not self.active:  # between replies: the native model, once kernels built meanwhile are ready
+                    upgrade.between_replies(self.engine)
                 self._admit()
                 if self.active:
                     self._pass()

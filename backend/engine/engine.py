@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from specchat.backend.api import GenerationRequest, StepEvent
+from specchat.backend.engine import upgrade
 from specchat.backend.engine.heap import settle_heap as settle_heap
 from specchat.backend.engine.heap import start_heap as start_heap
 from specchat.backend.engine.parts import Conversation, Lane, Speculation, Target
 from specchat.backend.engine.prefix_cache import PrefixCache
-from specchat.backend.engine.prompting import fit_to_context, render, validate_messages
+from specchat.backend.engine.prompting import prompt_ids
 from specchat.backend.engine.request import RequestState
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
@@ -47,7 +48,6 @@ from specchat.backend.speculative.drafters.prompt_lookup import PromptLookupDraf
 from specchat.backend.speculative.drafters.suffix import ReplyMemory, SuffixDrafter
 from specchat.backend.speculative.heads.drafter import head_drafter
 from specchat.backend.speculative.policy import GammaPolicy
-from specchat.backend.tool_calls import prepare, syntax_of
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
@@ -76,22 +76,15 @@ class Engine:
         prefix_cache_bytes: int = 0,
         parallel: int = 1,
     ) -> None:
-        self.target, self.draft, self.pair = target, draft, pair
+        self.pair = pair
         self.tokenizer = target.tokenizer
         self.context_length = pair.context_length
         self.vocab_limit = len(self.tokenizer)  # p and q are compared over the tokenizer's ids only
         self.eos_ids = _eos_ids(target)
-        tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
         self.parallel = max(int(parallel), 1)  # streams a batch scheduler may run at once (backend/engine/batch.py)
         # Each stream may reach the whole context (pages take memory only where written: kv_cache.lazy_zeros).
-        self.stream_tokens = tokens
-        per_block = kv_bytes_per_token(target.model.config, target.dtype) * KV_BLOCK_SIZE
-        prefix_blocks = max(prefix_cache_bytes, 0) // per_block
-        self.runner = ModelRunner(
-            target, kv_tokens=tokens, kept_tokens=(self.parallel - 1) * tokens + prefix_blocks * KV_BLOCK_SIZE
-        )
-        self.cache = self.runner.cache
-        self.prefix = PrefixCache(self.cache, prefix_blocks)
+        self.stream_tokens = kv_tokens or self.context_length + MAX_GAMMA + 2
+        self.prefix_cache_bytes = prefix_cache_bytes
         self._conversations: OrderedDict[str, Conversation] = OrderedDict()
         self._lock = threading.Lock()
         # Earlier replies the suffix drafter matches against (bounded; empty when history is off).
@@ -101,9 +94,26 @@ class Engine:
             "prompt-lookup": PromptLookupDrafter(eos_token_ids=self.eos_ids),
             "suffix": SuffixDrafter(memory=self.reply_memory, eos_token_ids=self.eos_ids),
         }
+        self.head: LoadedHead | None = None
+        self._runners(target, draft)
+        self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
+        if head is not None:
+            self.attach_head(head)
+        # On CPU: the compute threads follow what other programs leave free (backend/engine/threads.py).
+        self.threads = ThreadGovernor() if target.device.type == "cpu" else None
+        self.trace: Callable[[range | list[int], torch.Tensor], None] | None = None  # parts.Target.trace
+
+    def _runners(self, target: LoadedModel, draft: LoadedModel | None) -> None:
+        """The models' runners and caches, the draft model's drafter, fresh γ policies."""
+        self.target, self.draft, tokens = target, draft, self.stream_tokens
+        block = kv_bytes_per_token(target.model.config, target.dtype) * KV_BLOCK_SIZE
+        prefix_blocks, others = max(self.prefix_cache_bytes, 0) // block, (self.parallel - 1) * tokens
+        self.runner = ModelRunner(target, kv_tokens=tokens, kept_tokens=others + prefix_blocks * KV_BLOCK_SIZE)
+        self.cache = self.runner.cache
+        self.prefix = PrefixCache(self.cache, prefix_blocks)
         self.draft_runner: ModelRunner | None = None
         if draft is not None:
-            self.draft_runner = ModelRunner(draft, kv_tokens=tokens, kept_tokens=(self.parallel - 1) * tokens)
+            self.draft_runner = ModelRunner(draft, kv_tokens=tokens, kept_tokens=others)
             self.drafters["draft-model"] = DraftModelDrafter(
                 self.draft_runner.forward,
                 self.draft_runner.cache,
@@ -112,13 +122,13 @@ class Engine:
             )
         # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}
-        self.disabled_drafters: dict[str, str] = {}  # drafter -> why it was switched off (out of memory)
-        self.head: LoadedHead | None = None
-        if head is not None:
-            self.attach_head(head)
-        # On CPU: the compute threads follow what other programs leave free (backend/engine/threads.py).
-        self.threads = ThreadGovernor() if target.device.type == "cpu" else None
-        self.trace: Callable[[range | list[int], torch.Tensor], None] | None = None  # parts.Target.trace
+
+    def use_models(self, target: LoadedModel, draft: LoadedModel | None) -> None:
+        """From the next reply on, ``target`` and ``draft`` (the same specs on another path: upgrade.py), lock held."""
+        self._release()  # cached conversations and prefix entries go: another path's K/V
+        self._runners(target, draft)
+        if self.head is not None:
+            self._attach(self.head)
 
     @property
     def start_line(self) -> str:
@@ -139,16 +149,19 @@ class Engine:
         return taps from then on (``ModelRunner.require_taps``), so cached conversations, whose K/V another path
         may have computed, are dropped."""
         with self._lock:
-            self.head = head
-            embedding = self.target.model.get_input_embeddings()
-            self.drafters[head.drafter] = head_drafter(head.drafter, head.module, head.taps, embedding, self.eos_ids)
-            self.policies[head.drafter] = GammaPolicy(max_gamma=MAX_GAMMA)
-            self.disabled_drafters.pop(head.drafter, None)
-            if self.runner.require_taps():
-                for conv in self._conversations.values():
-                    conv.seq.free()
-                self._conversations.clear()
-                self.prefix.clear()
+            self._attach(head)
+
+    def _attach(self, head: LoadedHead) -> None:
+        self.head = head
+        embedding = self.target.model.get_input_embeddings()
+        self.drafters[head.drafter] = head_drafter(head.drafter, head.module, head.taps, embedding, self.eos_ids)
+        self.policies[head.drafter] = GammaPolicy(max_gamma=MAX_GAMMA)
+        self.disabled_drafters.pop(head.drafter, None)
+        if self.runner.require_taps():
+            for conv in self._conversations.values():
+                conv.seq.free()
+            self._conversations.clear()
+            self.prefix.clear()
 
     @property
     def draft_cache(self) -> PagedKVCache | None:
@@ -159,6 +172,7 @@ class Engine:
     def generate(self, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[StepEvent]:
         """Stream one reply. Raises RequestError for invalid requests before anything is computed."""
         with self._lock:
+            upgrade.between_replies(self)  # the native model, once the kernels built in the background are ready
             yield from self._generate(request, cancel or threading.Event())
 
     def forget(self, conversation: str) -> None:
@@ -169,14 +183,17 @@ class Engine:
 
     def close(self) -> None:
         with self._lock:
-            for conv in self._conversations.values():
-                conv.seq.free()
-            self._conversations.clear()
-            self.prefix.clear()
-            for drafter in self.drafters.values():
-                drafter.reset()  # the draft model's cache blocks go back too
-            for runner in filter(None, (self.runner, self.draft_runner)):
-                runner.close()  # frees the CUDA graphs' memory pool
+            self._release()
+
+    def _release(self) -> None:
+        for conv in self._conversations.values():
+            conv.seq.free()
+        self._conversations.clear()
+        self.prefix.clear()
+        for drafter in self.drafters.values():
+            drafter.reset()  # the draft model's cache blocks go back too
+        for runner in filter(None, (self.runner, self.draft_runner)):
+            runner.close()  # frees the CUDA graphs' memory pool
 
     def forget_requests(self) -> None:
         """Forget what earlier requests taught the engine, so the next reply depends on nothing but its own
@@ -225,35 +242,8 @@ class Engine:
 
     def _prompt_ids(
         self, request: GenerationRequest, conv: Conversation | None, budget: int
-    ) -> tuple[list[int], str | None]:  # (ids, a notice of messages left out)
-        if request.prompt_ids is not None:
-            ids = [int(t) for t in request.prompt_ids]
-            if not ids:
-                raise RequestError("the prompt is empty: give at least one token")
-            if len(ids) > budget:
-                raise RequestError(
-                    f"the prompt has {len(ids)} tokens but the context allows {budget}; "
-                    "shorten it or raise the pair's context_length"
-                )
-            return ids, None
-        if not request.messages:
-            raise RequestError("the request has no messages: type something to send")
-        messages = validate_messages(request.messages)
-        messages, tools = prepare(messages, request.tools, syntax_of(getattr(self.tokenizer, "chat_template", None)))
-        if request.keep_all_messages:
-            ids = render(self.tokenizer, messages, tools)
-            if len(ids) > budget:
-                raise RequestError(
-                    f"the messages come to {len(ids)} tokens; the context holds {budget} for the prompt "
-                    f"(pair {self.pair.name!r}, context_length {self.context_length}): send fewer or shorter messages"
-                )
-            return ids, None
-        ids, dropped, notice = fit_to_context(
-            self.tokenizer, messages, budget=budget, already_dropped=conv.dropped if conv else 0
-        )
-        if conv is not None:
-            conv.dropped = dropped
-        return ids, notice
+    ) -> tuple[list[int], str | None]:
+        return prompt_ids(self.tokenizer, self.pair.name, self.context_length, request, conv, budget)
 
     def _conversation(self, key: str | None) -> Conversation:
         if key is None:

@@ -15,10 +15,15 @@ would be quadratic): about log2(turns) + 2 renders, whatever the conversation's 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specchat.backend.errors import RequestError
 from specchat.backend.inputs import shown
+from specchat.backend.tool_calls import prepare, syntax_of
+
+if TYPE_CHECKING:
+    from specchat.backend.api import GenerationRequest
+    from specchat.backend.engine.parts import Conversation
 
 _ROLES = ("system", "user", "assistant", "tool")
 
@@ -113,3 +118,38 @@ def fit_to_context(
         "longer seen by the model."
     )
     return ids, dropped, notice
+
+
+def prompt_ids(
+    tokenizer, pair_name: str, context_length: int, request: GenerationRequest, conv: Conversation | None, budget: int
+) -> tuple[list[int], str | None]:
+    """A request's prompt as token ids, at most ``budget`` of them (older messages left out where they do not fit,
+    unless the request keeps them all), and a notice of what was left out."""
+    if request.prompt_ids is not None:
+        ids = [int(t) for t in request.prompt_ids]
+        if not ids:
+            raise RequestError("the prompt is empty: give at least one token")
+        if len(ids) > budget:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens but the context allows {budget}; "
+                "shorten it or raise the pair's context_length"
+            )
+        return ids, None
+    if not request.messages:
+        raise RequestError("the request has no messages: type something to send")
+    messages = validate_messages(request.messages)
+    messages, tools = prepare(messages, request.tools, syntax_of(getattr(tokenizer, "chat_template", None)))
+    if request.keep_all_messages:
+        ids = render(tokenizer, messages, tools)
+        if len(ids) > budget:
+            raise RequestError(
+                f"the messages come to {len(ids)} tokens; the context holds {budget} for the prompt "
+                f"(pair {pair_name!r}, context_length {context_length}): send fewer or shorter messages"
+            )
+        return ids, None
+    ids, dropped, notice = fit_to_context(
+        tokenizer, messages, budget=budget, already_dropped=conv.dropped if conv else 0
+    )
+    if conv is not None:
+        conv.dropped = dropped
+    return ids, notice

@@ -3,17 +3,14 @@
 flags, ABI handling and ninja build), cached, checked before every load, and loaded into this process.
 
 Contract:
-- :func:`ensure(progress)` makes the library usable in this process and returns None, or returns the one-line
-  reason it is not (the line the UI, ``specchat generate`` and ``specchat serve`` print; it names the build log
-  where one exists). In order: ``SPECCHAT_NATIVE=0`` turns it off; a library already loaded is used; a cached
-  library is loaded only after its bytes match the sha256 its build recorded (``native_cache.py``; nothing of
-  it is loaded before); a mismatch (truncated, corrupted, foreign), or a load that fails, discards it and
-  builds it once more; a failure noted for this key (same sources, flags, torch and compiler) is not retried
-  (:func:`rebuild` does, as ``specchat doctor --rebuild-native``); no compiler or no ninja is a reason.
-- A build runs in the foreground in a child process (``python -m specchat.backend.kernels.native_build build
+- What a process does with the library (loading it, building it in the foreground or the background, retrying
+  a failed build on a back-off) is ``native_library.Library``'s; this module says how a build is made, where,
+  and whether one can run here (:func:`unavailable`: ``SPECCHAT_NATIVE=0``, no compiler, no ninja).
+- A build runs in a child process (``python -m specchat.backend.kernels.native_build build
   FOLDER``) that takes the build lock, compiles into the key's folder with warnings on (``-Wall -Wextra``; the
-  sources build without any), loads the result once to check it, and installs it with its sha256. Progress is
-  reported as "compiling the CPU kernels for this machine, once" with ninja's step count. A child killed
+  sources build without any), loads the result once to check it, and installs it with its sha256 (a failure
+  is noted with :func:`identity`: the specchat version and compiler). Progress is reported as "compiling the
+  CPU kernels for this machine, once" with ninja's step count. A child killed
   mid-build blocks nothing (``native_cache.CacheFolder.take_lock``); a parent killed mid-build leaves the child
   to finish for the next start. Several processes starting at once compile once: the others wait for the lock.
 - The cache folder is ``paths.cache_dir()/native/<key>`` (``SPECCHAT_NATIVE_CACHE`` replaces
@@ -26,11 +23,9 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -154,15 +149,15 @@ def build_in(folder: CacheFolder, compile_step: Callable[[CacheFolder], Path] = 
         print(f"{holder} is building the library already", flush=True)
         return BUSY_EXIT
     try:
-        folder.clear_failure()
         try:
             built = compile_step(folder)
             digest = folder.install(built)
         except BaseException as error:  # noqa: BLE001 - any failure is noted for the parent and later starts
             reason = " ".join(str(error).split())[-600:] or type(error).__name__
-            folder.note_failure(f"the build failed: {reason}")
+            folder.note_failure(f"the build failed: {reason}", identity())
             print(f"build failed: {reason}", flush=True)
             return 1
+        folder.clear_failure()
         print(f"built {folder.library} (sha256 {digest})", flush=True)
         return 0
     finally:
@@ -177,165 +172,12 @@ def main(argv: Sequence[str]) -> int:
     return build_in(CacheFolder(Path(argv[1])))
 
 
-# -- the parent: ensure / rebuild ---------------------------------------------------------------------------
+def identity() -> str:
+    """The specchat version and compiler a build ran with (a failed build is retried at once when it changes)."""
+    from specchat import __version__
 
-
-class Library:
-    """One library's cache folder, how to build it, and how to load and check it (``native.py`` holds the
-    process's instance; tests make their own with a fast builder)."""
-
-    def __init__(
-        self,
-        folder: CacheFolder,
-        command: list[str],
-        *,
-        load: Callable[[Path], None],
-        env: dict[str, str] | None = None,
-        timeout_s: float = BUILD_TIMEOUT_S,
-    ) -> None:
-        self.folder, self.command, self.load_into_process, self.env = folder, command, load, env
-        self.timeout_s = timeout_s
-        self.loaded = False
-        self.built_s: float | None = None  # how long this process's build took (None: none ran)
-        self.notes: list[str] = []  # what happened (discarded a damaged library, rebuilt, ...), for doctor
-
-    def _why(self, what: str) -> str:
-        return f"{what} (log: {self.folder.log})"
-
-    def _failed(self, failure: str) -> str:
-        return self._why(f"{failure}; `specchat doctor --rebuild-native` tries again")
-
-    def ensure(self, progress: Progress | None = None, *, retries: int = 1) -> str | None:
-        """None once loaded; else the one-line reason (see the module docstring)."""
-        if self.loaded:
-            return None
-        try:
-            return self._ensure(progress, retries)
-        except OSError as error:  # a cache folder that cannot be written or read: say where
-            where = f" {error.filename}" if error.filename else ""
-            return self._why(f"the cache folder cannot be used ({error.strerror or error}{where})")
-
-    def _ensure(self, progress: Progress | None, retries: int) -> str | None:
-        for attempt in range(retries + 1):
-            damaged = self.folder.verified()
-            if damaged is not None and damaged != "not built yet":
-                self.notes.append(f"discarded the cached library: {damaged}")
-                self.folder.discard()
-            if not self.folder.library.exists():
-                failed = self.folder.failure()
-                if failed is not None:
-                    return self._failed(failed)
-                failed = self.build(progress)
-                if failed is not None:
-                    return failed
-                damaged = self.folder.verified()
-                if damaged is not None:
-                    self.folder.discard()
-                    return self._why(f"the library just built does not check out: {damaged}")
-            try:
-                self.load_into_process(self.folder.library)
-            except Exception as error:  # noqa: BLE001 - a library that does not load is rebuilt once
-                reason = " ".join(str(error).split())[:300] or type(error).__name__
-                self.notes.append(f"the cached library did not load ({reason})")
-                self.folder.discard()
-                if attempt == retries:
-                    self.folder.note_failure(f"the library built but does not load: {reason}")
-                    return self._failed(f"the library built but does not load: {reason}")
-                continue
-            self.loaded = True
-            return None
-        return self._why("the library could not be made usable")
-
-    def build(self, progress: Progress | None) -> str | None:
-        """Run the builder in the foreground (or wait for another process's); None when it installed a library."""
-        started = time.monotonic()
-        deadline = started + self.timeout_s
-        while True:
-            holder = self.folder.holder()
-            if holder is None:
-                break
-            if progress is not None:
-                progress(f"{COMPILING} (another specchat process, {holder}, is at it)", None)  # one step: no counter
-            if time.monotonic() > deadline:
-                return self._why(f"another process ({holder}) has been building it for {self.timeout_s:.0f} s")
-            time.sleep(0.5)
-            if self.folder.verified() is None:
-                return None
-        self.folder.folder.mkdir(parents=True, exist_ok=True)
-        self.notes.append("built the library")
-        with open(self.folder.log, "wb") as log:
-            child = subprocess.Popen(
-                [*self.command, str(self.folder.folder)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,  # Ctrl+C in the terminal leaves it to finish for the next start
-            )
-        status = self._follow(child, started, deadline, progress)
-        self.built_s = time.monotonic() - started
-        if status == BUSY_EXIT:  # another process took the lock first: wait for its library
-            return self.build(progress) if self.folder.verified() is not None else None
-        if status != 0 or self.folder.verified() is not None:
-            if status is None:
-                return self._failed(f"the build took longer than {self.timeout_s:.0f} s and was stopped")
-            if self.folder.failure() is None:  # the builder died before it could say why (a crash, a signal)
-                self.folder.note_failure(f"the build stopped with status {status}: {_last_error(self.folder.log)}")
-            return self._failed(self.folder.failure() or f"the build exited with status {status}")
-        return None
-
-    def _follow(
-        self, child: subprocess.Popen[bytes], started: float, deadline: float, progress: Progress | None
-    ) -> int | None:
-        """Wait for the builder, reporting ninja's steps; its exit status, or None when stopped at the deadline."""
-        while True:
-            try:
-                return child.wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
-            if time.monotonic() > deadline:
-                os.killpg(child.pid, 9)
-                child.wait()
-                self.folder.note_failure(f"the build took longer than {self.timeout_s:.0f} s")
-                return None
-            if progress is not None:
-                step = _last_step(self.folder.log)
-                where = f", step {step[0]} of {step[1]}" if step else ""
-                progress(f"{COMPILING}: {time.monotonic() - started:.0f} s{where}", step[0] / step[1] if step else None)
-
-    def rebuild(self, progress: Progress | None = None) -> str | None:
-        """Forget this key's library and failure note, and build it again (``specchat doctor
-        --rebuild-native``); None when the new library is loaded."""
-        if self.folder.holder() is not None:
-            return self._why(f"{self.folder.holder()} is building it right now; try again when it has finished")
-        self.folder.wipe()
-        self.notes.append(f"removed {self.folder.folder}")
-        self.loaded = False
-        return self.ensure(progress, retries=0)
-
-
-_STEP = re.compile(rb"^\[(\d+)/(\d+)\]", re.MULTILINE)
-
-
-def _last_step(log: Path) -> tuple[int, int] | None:
-    """The last ``[k/n]`` step ninja printed in the build log."""
-    try:
-        found = _STEP.findall(log.read_bytes()[-20000:])
-    except OSError:
-        return None
-    return (int(found[-1][0]), int(found[-1][1])) if found else None
-
-
-def _last_error(log: Path) -> str:
-    """The last line of the build log that says what went wrong (an error, an exception's text)."""
-    try:
-        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return "no log"
-    for line in reversed(lines):
-        if any(mark in line for mark in ("error", "Error", "what():", "failed")):
-            return " ".join(line.split())[:300]
-    return " ".join(lines[-1].split())[:300] if lines else "no output"
+    cxx = compiler()
+    return f"specchat {__version__}, {cxx or 'no compiler'} {compiler_version(cxx) if cxx else ''}".strip()
 
 
 def builder_env() -> dict[str, str]:

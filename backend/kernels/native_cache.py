@@ -7,8 +7,8 @@ One folder per build key (``native_build.build_key``: sources, flags, torch, com
     <root>/<key>/specchat_native.so          the library, installed by an atomic rename
     <root>/<key>/specchat_native.so.sha256   "<sha256> <size>" of it, written by the build that made it
     <root>/<key>/builder.lock                flock'ed by the process building it, its pid inside
-    <root>/<key>/failed                      why the last build failed (kept until sources, compiler or
-                                             ``specchat doctor --rebuild-native`` change something)
+    <root>/<key>/failed                      why the last build failed, when, by which specchat and compiler,
+                                             and how many times in a row (JSON: :class:`Failure`)
     <root>/<key>/build.log                   the last build's compiler output
     <root>/<key>/build/                      torch.utils.cpp_extension's build folder (ninja, objects, its ``lock``)
 
@@ -22,14 +22,22 @@ Contract:
   included, so a killed build never blocks or spoils a later one.
 - :meth:`CacheFolder.install` moves a freshly built file into place: record first (as a temporary file, then
   renamed), the library last, so a reader never sees a new library without its record.
+- A failed build is retried with a back-off (:meth:`Failure.due`): at once under a new specchat version or
+  another compiler, else 1 hour after the first failure, doubling up to a day.
+- :meth:`CacheFolder.stage` copies the verified library to a name no load in any process used before
+  (``specchat_native.<pid>.<n>.so``; the copy's bytes checked against the record): the dynamic loader keys what
+  it loaded by path, so a library rebuilt after a failed load is never the same path loaded again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
+import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +50,9 @@ except ImportError:  # not POSIX: native_build.unavailable() says the library is
 
 LIBRARY = "specchat_native.so"
 _READ = 1 << 20
+FIRST_RETRY_S = 3600.0  # a failed build is tried again after an hour, then 2, 4, ... hours
+LAST_RETRY_S = 24 * 3600.0  # at most a day apart
+_staged = itertools.count()
 
 
 def sha256_of(path: Path) -> tuple[str, int]:
@@ -52,6 +63,30 @@ def sha256_of(path: Path) -> tuple[str, int]:
             digest.update(chunk)
             size += len(chunk)
     return digest.hexdigest(), size
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed build as ``failed`` records it."""
+
+    reason: str
+    at: float  # when (seconds since the epoch)
+    identity: str  # the specchat version and compiler that failed (native_build.identity)
+    count: int  # failures in a row
+
+    def retry_at(self) -> float:
+        return self.at + min(LAST_RETRY_S, FIRST_RETRY_S * 2.0 ** min(max(self.count - 1, 0), 30))
+
+    def due(self, identity: str, now: float) -> str | None:
+        """Why a new build is due now (another specchat or compiler, or the back-off has passed), or None."""
+        if identity != self.identity:
+            return f"{identity} replaces {self.identity or 'the one that failed'}"
+        if now >= self.retry_at():
+            return f"{self.count} failed build(s), the last {(now - self.at) / 3600:.1f} h ago"
+        return None
+
+    def when_retried(self) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(self.retry_at()))
 
 
 @dataclass(frozen=True)
@@ -118,6 +153,25 @@ class CacheFolder:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
 
+    def stage(self) -> Path:
+        """A copy of the verified library under a name never loaded before (see the module docstring), its bytes
+        checked against the record; the caller loads it and removes it (a mapped library needs no file). Copies
+        left by processes that died before removing theirs are removed. OSError / ValueError when it cannot."""
+        for left in self.folder.glob("specchat_native.*.*.so"):
+            with contextlib.suppress(ValueError, OSError):
+                pid = int(left.name.split(".")[1])
+                if pid != os.getpid() and not _alive(pid):
+                    left.unlink()
+        record = self.recorded()
+        if record is None:
+            raise ValueError(f"{self.record.name} is missing or unreadable")
+        staged = self.folder / f"specchat_native.{os.getpid()}.{next(_staged)}.so"
+        shutil.copyfile(self.library, staged)
+        if sha256_of(staged) != record:
+            staged.unlink()
+            raise ValueError("the copy to load differs from the build's record (the library changed meanwhile)")
+        return staged
+
     def install(self, built: Path) -> str:
         """Copy ``built`` into place with its record (see the module docstring); returns its sha256."""
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -134,15 +188,32 @@ class CacheFolder:
 
     def failure(self) -> str | None:
         """The reason a build of this key failed before, if it did."""
+        record = self.failure_record()
+        return None if record is None else record.reason
+
+    def failure_record(self) -> Failure | None:
+        """The last failure (an older plain-text note counts as one failure, at the file's time)."""
         try:
-            return self.failed.read_text(encoding="utf-8").strip() or "an earlier build failed"
+            text = self.failed.read_text(encoding="utf-8").strip()
+            at = self.failed.stat().st_mtime
         except (OSError, UnicodeDecodeError):
             return None
+        try:
+            data = json.loads(text)
+            return Failure(str(data["reason"]), float(data["at"]), str(data["identity"]), max(int(data["count"]), 1))
+        except (ValueError, KeyError, TypeError):
+            return Failure(text or "an earlier build failed", at, "", 1)
 
-    def note_failure(self, reason: str) -> None:
+    def note_failure(self, reason: str, identity: str, now: float | None = None) -> None:
+        """Record a failure (one more in a row when the last one was by the same specchat and compiler)."""
+        previous = self.failure_record()
+        count = previous.count + 1 if previous is not None and previous.identity == identity else 1
+        data = {"reason": reason, "at": time.time() if now is None else now, "identity": identity, "count": count}
         with contextlib.suppress(OSError):
             self.folder.mkdir(parents=True, exist_ok=True)
-            self.failed.write_text(reason + "\n", encoding="utf-8")
+            partial = self.folder / f".failed.{os.getpid()}.partial"
+            partial.write_text(json.dumps(data) + "\n", encoding="utf-8")
+            os.replace(partial, self.failed)
 
     def clear_failure(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -219,3 +290,13 @@ class CacheFolder:
         """Everything of this key (``specchat doctor --rebuild-native``), except a live builder's lock."""
         if self.holder() is None:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

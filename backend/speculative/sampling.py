@@ -41,6 +41,9 @@ from specchat.backend.limits import GREEDY_TEMPERATURE
 from specchat.backend.speculative.candidates import ranked_candidates
 from specchat.backend.speculative.gumbel import gumbel_noise, reference_gumbel
 
+# Rows of a verification whose noise is drawn at once: ~36 bytes of noise and scores per logit of a row (a
+# 262,144-token vocabulary: 9 MiB a row), so a 32-row pass holds 4 rows' worth, not 32 (memory.DECISION_BYTES).
+PICK_ROWS = 4
 SCORE_MARGIN = 1e-9  # relative to |best score| + T: closer scores are compared again with the reference noise
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -204,6 +207,9 @@ def pick(logits: torch.Tensor, rule: SamplingRule, positions: Sequence[int]) -> 
         )
     if rule.greedy:
         return [int(t) for t in logits.argmax(dim=-1).tolist()]  # ties: the first maximal index, the lowest id
+    if logits.shape[0] > PICK_ROWS:  # every step is a row's own: a few rows at a time bound the noise's memory
+        return [t for i in range(0, len(positions), PICK_ROWS) for t in pick(logits[i : i + PICK_ROWS], rule,
+                                                                             positions[i : i + PICK_ROWS])]  # fmt: skip
     kept = ranked_candidates(logits, temperature=rule.temperature, top_k=rule.top_k, top_p=rule.top_p)
     if kept is None:
         return _gumbel_max(logits, torch.arange(logits.shape[1], device=logits.device)[None], None, rule, positions)

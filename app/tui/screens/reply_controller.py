@@ -238,6 +238,12 @@ class ReplyController(Widget):
                 reply.shown_at = now
                 self._adapt_intervals(now)
                 await reply.view.show_pending()
+            line = getattr(self._host.engine, "start_line", None)  # the path may change between replies
+            if self._views.stats.set_path(line):
+                if str(line).startswith("CPU native"):
+                    self.notify(f"Now running on {line}", title="CPU kernels ready", timeout=10)
+                else:
+                    self.notify(f"Now running on {line}", title="Slower path", severity="warning", timeout=10)
             self._views.stats.show_live(delta.live, streaming=delta.outcome is None)
             if delta.outcome is None:
                 self._show_prefill(reply)

@@ -249,6 +249,7 @@ class StatsBar(Horizontal):
         super().__init__(**kwargs)
         self._samples: deque[float] = deque([0.0] * SPARK_SAMPLES, maxlen=SPARK_SAMPLES)
         self.pair_name = ""
+        self.path = ""  # the forward path in a few words (path_label), shown after the pair's name
         self.load: LoadSteps | None = None
         self._ticker: Timer | None = None
 
@@ -317,6 +318,14 @@ class StatsBar(Horizontal):
             text.append(f" · {steps}", style="dim")
         self._set(text)
 
+    def set_path(self, start_line: str | None) -> bool:
+        """Show the path ``start_line`` (``Engine.start_line``) names; True when it changed from a shown one (the
+        CPU kernels built in the background took over)."""
+        label = path_label(start_line)
+        changed = bool(self.path) and label != self.path
+        self.path = label
+        return changed
+
     def show_unloaded(self, note: str) -> None:
         self._stop_loading()
         self._set(Text.assemble(("○ ", "bold red"), note))
@@ -335,6 +344,8 @@ class StatsBar(Horizontal):
         text = Text()
         text.append("● " if streaming else "○ ", style="bold green" if streaming else "dim")
         text.append(self.pair_name, style="bold")
+        if self.path:
+            text.append(f" · {self.path}", style="dim")
         if not streaming and live.prefill is not None and not stats.new_tokens:
             done, total, _ = live.prefill
             text.append(f"  stopped during prefill ({done:,} of {total:,} tokens)", style="dim")
@@ -375,3 +386,11 @@ class StatsBar(Horizontal):
             drafter = stats.drafter if stats.drafter and stats.drafter != "none" else "plain decoding"
             text.append(f"  last reply: {drafter}", style="dim")
         self._set(text, spark)
+
+
+def path_label(start_line: str | None) -> str:
+    """A start line in a few words for the bar: "CPU native (avx2)", "CPU int4 Python loop · kernels building"."""
+    if not start_line:
+        return ""
+    label = start_line.split(":")[0].split(",")[0].split(";")[0]
+    return f"{label} · kernels building" if "being built in the background" in start_line else label

@@ -18,15 +18,24 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
   layer's K/V gathered from the paged cache (``2 x kv_heads x head_dim x context x bytes``), and the logits
   rows a pass keeps: :data:`LOGIT_ROWS` (a verification at the largest γ; a prefill chunk keeps one row, the
-  last) x vocab x (``bytes`` for the model's output + :data:`DECISION_BYTES` for the float32 copy, the
-  penalised copy and the Gumbel noise of ``backend/speculative/sampling.py``);
+  last) x vocab x (``bytes`` for the model's output + :data:`DECISION_BYTES` for the float32 copy and the
+  penalised copy), plus the Gumbel noise and scores of ``backend/speculative/sampling.py``, drawn
+  ``sampling.PICK_ROWS`` rows at a time (:data:`NOISE_BYTES` per logit of those rows);
   the native model's pass instead counts its own buffers (:func:`native_scratch_bytes`), which it keeps between
   passes, so a native target and draft add theirs;
 - CUDA graphs (CUDA only, per model; ``backend/kernels/cuda_graphs.py``): the runner's static buffers
   (its shared float32 logits rows, :func:`~specchat.backend.kernels.cuda_graphs.static_bytes`) and the graphs'
   private memory pool, which eager passes cannot reuse: a forward over the largest token bucket (activations,
   attention scores, one layer's gathered K/V, its logits rows);
-- headroom: 8 % of the sum.
+- headroom: 8 % of the sum;
+- runtime (CPU only, not part of ``total``: the process holds it before any model loads, and free memory is
+  what is left beside it): :data:`RUNTIME_BYTES` for Python, torch and specchat's modules, measured, plus the
+  tokenizer at :data:`TOKENIZER_BYTES_PER_TOKEN` per vocabulary entry. :attr:`MemoryEstimate.process` is the
+  whole process: ``total + runtime``, what `specchat models` shows and ``benchmarks/memory_vs_llama.py`` compares
+  with the peak resident memory measured.
+
+The KV term counts every slot of the context; on CPU the cache's pages are reserved as tokens arrive
+(``kv_cache._zeroed``), so a short chat holds less, and a full context about that.
 
 A model whose sizes are not known yet (a hub source not in the cache, without numbers in models.yaml) has no
 estimate: ``MemoryEstimate.known`` is False, ``check_fits`` does not refuse it, and the engine checks again once
@@ -66,10 +75,18 @@ def device_type(device: Device) -> str:
 
 
 HEADROOM = 0.08
+# Resident memory of a specchat process before it loads a model (Python, torch 2.13's CPU build, the engine's
+# modules), measured on the Zen 4 (benchmarks/RESULTS.md, "Memory against llama-server"), and of the tokenizer
+# per vocabulary entry (the ``tokenizers`` BPE tables: 49,152 entries ~15 MiB, 151,936 ~45 MiB).
+RUNTIME_BYTES = 226 * 2**20
+TOKENIZER_BYTES_PER_TOKEN = 320
 LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a prefill chunk keeps one)
-# Per logit of a kept row, beyond the model's output: float32 copy (4), penalised copy (4), Gumbel noise: the
-# int64 hash and its scratch (16), the float64 noise (8) and the float64 scores (8).
-DECISION_BYTES = 40
+# Per logit of a kept row, beyond the model's output: float32 copy (4), penalised copy (4); per logit of the rows
+# whose noise is drawn at once (sampling.PICK_ROWS): the int64 hash and its scratch (16), the float64 noise (8)
+# and the float64 scores (8).
+DECISION_BYTES = 8
+NOISE_BYTES = 32
+PICK_ROWS = 4  # sampling.PICK_ROWS (not imported: this module is read without the sampling code)
 NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + float32 absmax per 64-weight block (no double quant)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -85,15 +102,22 @@ class MemoryEstimate:
     headroom: int
     total: int  # bytes, the sum of all the above
     known: bool = True  # False: a model's sizes are not known yet (the numbers above are then meaningless)
+    runtime: int = 0  # CPU: the process before any model (Python, torch, tokenizer); not in ``total``
+
+    @property
+    def process(self) -> int:
+        """The whole process: what loading adds (``total``) and what it holds before (``runtime``)."""
+        return self.total + self.runtime
 
     def describe(self, context_length: int) -> str:
         """One line naming each term, for messages and `specchat models`."""
+        runtime = f", runtime {format_bytes(self.runtime)} (Python, torch, tokenizer)" if self.runtime else ""
         return (
             f"target weights {format_bytes(self.target_weights)}, draft weights "
             f"{format_bytes(self.draft_weights)}, KV caches {format_bytes(self.target_kv + self.draft_kv)} "
             f"for {context_length} tokens, scratch {format_bytes(self.scratch)}"
             f"{f', CUDA graphs {format_bytes(self.graphs)}' if self.graphs else ''}, 8% headroom "
-            f"{format_bytes(self.headroom)}"
+            f"{format_bytes(self.headroom)}{runtime}"
         )
 
 
@@ -205,7 +229,8 @@ def native_scratch_bytes(spec: ModelSpec, context_length: int) -> int:
     floats = tokens * (4 * hidden + 2 * q_width + 2 * kv_width + 3 * inter)
     quantised = tokens * (hidden + inter) * 2  # int8 values and their per-block scales, generously
     rotary = 2 * 2 * context_length * spec.head_dim * 4
-    return floats * 4 + quantised + rotary + LOGIT_ROWS * spec.vocab_size * (4 + DECISION_BYTES)
+    logits = LOGIT_ROWS * spec.vocab_size * (4 + DECISION_BYTES) + PICK_ROWS * spec.vocab_size * NOISE_BYTES
+    return floats * 4 + quantised + rotary + logits
 
 
 def _stored_16bit(spec: ModelSpec) -> bool:
@@ -264,7 +289,9 @@ def scratch_bytes(spec: ModelSpec, device: Device, context_length: int) -> int:
     if as_stored(spec, device):
         return native_scratch_bytes(spec, context_length)
     tokens = min(context_length, PREFILL_CHUNK)
-    return _forward_bytes(spec, device, context_length, tokens, LOGIT_ROWS, dtype_bytes(spec, device) + DECISION_BYTES)
+    noise = PICK_ROWS * spec.vocab_size * NOISE_BYTES
+    per_logit = dtype_bytes(spec, device) + DECISION_BYTES
+    return _forward_bytes(spec, device, context_length, tokens, LOGIT_ROWS, per_logit) + noise
 
 
 def graph_bytes(spec: ModelSpec, device: Device, context_length: int) -> int:
@@ -276,6 +303,11 @@ def graph_bytes(spec: ModelSpec, device: Device, context_length: int) -> int:
     nb = DEFAULT_TOKEN_BUCKETS[-1]
     pool = _forward_bytes(spec, device, context_length, nb, nb, dtype_bytes(spec, device))
     return static_bytes(spec.vocab_size, context_length) + pool
+
+
+def runtime_bytes(spec: ModelSpec) -> int:
+    """What a CPU process holds before loading ``spec``'s weights: the runtime and the tokenizer."""
+    return RUNTIME_BYTES + spec.vocab_size * TOKENIZER_BYTES_PER_TOKEN
 
 
 def estimate_pair(pair: PairConfig, device: Device, context_length: int | None = None) -> MemoryEstimate:
@@ -305,6 +337,7 @@ def estimate_pair(pair: PairConfig, device: Device, context_length: int | None =
         headroom=headroom,
         total=subtotal + headroom,
         known=known,
+        runtime=runtime_bytes(target) if device_type(device) == "cpu" else 0,
     )
 
 

@@ -5,9 +5,11 @@ Contract:
 - :func:`native_reason(spec, device, attn_implementation)` is None when the native model will run this spec
   (CPU, the paged attention asked for, a GGUF or packaged source of an architecture in
   ``gguf_arch.ARCHS``, or a local / hub safetensors checkpoint with ``quantization: none``) and
-  the library is usable (``kernels.native.ensure``, which builds it on a machine's first use, reporting to
-  ``progress``); "" where it is not in question (CUDA, a model loaded outside the engine); else why not, in
-  one line (the caller falls back and says so).
+  the library is usable (``kernels.native.ensure``, which builds it on a machine's first use: in the background
+  unless ``SPECCHAT_NATIVE_BUILD=wait``, the reason then starting with ``native_library.BUILDING``, and the
+  engine swaps the native model in between replies once it is ready: ``engine/upgrade.py``); "" where it is
+  not in question (CUDA, a model loaded outside the engine); else why not, in one line (the caller falls back
+  and says so).
 - :func:`from_gguf(gguf, config)` / :func:`from_safetensors(folder, config)` return a :class:`NativeCausalLM`
   whose weights are QWeights holding the stored blocks (one copy each: the file's pages are not kept, nor any
   float copy); llama.cpp's permuted q/k rows of llama-architecture files are put back in transformers' order
@@ -17,11 +19,14 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from specchat.backend.errors import ModelLoadError
@@ -107,8 +112,12 @@ def native_reason(
             kind = None  # the loader reports an unreadable file as it always did
         if kind not in ARCHS:
             return f"the native model does not read {kind!r} GGUF files yet (it reads {', '.join(ARCHS)})"
-    why = native.ensure(progress)
-    return None if why is None else f"the CPU kernels are unavailable: {why}"
+    why = native.ensure(progress, wait=not native.background_builds())
+    if why is None:
+        return None
+    if native.building():  # the model runs a path that needs no compiler until then (engine/upgrade.py)
+        return f"{why}; they take over between replies when ready"
+    return f"the CPU kernels are unavailable: {why}"
 
 
 def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, progress: Progress | None,
@@ -236,7 +245,24 @@ def _gguf_weight(fill: _Fill, tensor: gguf_file.GgufTensor, order: torch.Tensor 
     if order is not None:
         raw = raw[order]  # whole rows of blocks: the file's values, in transformers' row order
     fill.count(tensor.type_name, raw.numel())
-    return qweight(raw, tensor.ggml_type, rows, cols)
+    made = qweight(raw, tensor.ggml_type, rows, cols)
+    _release(tensor)
+    return made
+
+
+def _release(tensor: gguf_file.GgufTensor) -> None:
+    """Take the file's pages that ``tensor`` was copied from out of this process (they stay in the page cache, and
+    are read again if touched): the peak while loading is the copies, not the copies plus the file."""
+    mapping = tensor.raw.base
+    while mapping is not None and not isinstance(mapping, mmap.mmap):
+        mapping = mapping.obj if isinstance(mapping, memoryview) else getattr(mapping, "base", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.raw.ctypes.data - np.frombuffer(mapping, dtype=np.uint8).ctypes.data
+    first = start // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(start + tensor.raw.nbytes, len(mapping))
+    with contextlib.suppress(OSError, ValueError):
+        mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def from_gguf(gguf: GgufFile, config: Any) -> NativeCausalLM:

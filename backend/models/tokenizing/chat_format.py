@@ -37,11 +37,16 @@ def stop_ids(tokenizer: Any, generation_config: Mapping[str, Any]) -> frozenset[
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: any of them
         template = "\n".join(str(t) for t in template.values())
-    if isinstance(template, str) and template:
-        vocab = tokenizer.get_vocab()
-        for token in END_OF_TURN:
-            if token in template and token in vocab:
-                ids.add(int(vocab[token]))
+    named = [token for token in END_OF_TURN if isinstance(template, str) and token in template]
+    if named:
+        # The light tokenizer looks one token up; a vocabulary dict of a 150k-entry tokenizer is ~38 MiB at once.
+        find = getattr(tokenizer, "token_to_id", None)
+        if not callable(find):
+            find = tokenizer.get_vocab().get
+        for token in named:
+            found = find(token)
+            if found is not None:
+                ids.add(int(found))
     return frozenset(ids)
 
 

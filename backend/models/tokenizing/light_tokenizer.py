@@ -15,7 +15,8 @@ the engine asks of a tokenizer the way transformers' ``TokenizersBackend`` (tran
   its ``tojson``, ``raise_exception``, ``strftime_now``), given the messages, ``tools``/``documents`` None, the
   generation flag and the named special tokens; the text is then encoded without special tokens (a dict with
   ``input_ids`` unless ``return_dict=False``, as transformers 5 returns);
-- ``len(tok)``, ``get_vocab()``, ``bos/eos/pad/unk_token(_id)``, ``chat_template``.
+- ``len(tok)``, ``get_vocab()``, ``token_to_id(token)`` (one entry of it), ``bos/eos/pad/unk_token(_id)``,
+  ``chat_template``.
 
 Only plain chat messages (role and content strings) are rendered: anything else (a template call with
 other arguments, messages with other fields) is refused with a clear error rather than rendered
@@ -141,6 +142,11 @@ class LightTokenizer:
 
     def get_vocab(self) -> dict[str, int]:
         return self._backend.get_vocab(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        """One entry of :meth:`get_vocab` without building the whole dict (added tokens included)."""
+        found = self._backend.token_to_id(token)
+        return None if found is None else int(found)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)

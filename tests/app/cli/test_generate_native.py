@@ -5,8 +5,12 @@ the fallback and the one-line reason naming the build log, and the reply still c
 from __future__ import annotations
 
 import json
+import sys
+import time
+from pathlib import Path
 
 import pytest
+from native_libraries import fake_library
 
 from specchat.app.cli.main import main
 from specchat.backend.kernels import native, native_build
@@ -54,9 +58,38 @@ def test_a_noted_failed_build_falls_back_naming_the_log(capsys, monkeypatch, tmp
         pytest.skip(native_build.unavailable())
     monkeypatch.setenv("SPECCHAT_NATIVE_CACHE", str(tmp_path / "native"))
     folder = native_build.folder_for(native_build.compiler())
-    folder.note_failure("the build failed: c++: error: something broke")
+    folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
     record, err = _generate(capsys)
     (line,) = [line for line in err.splitlines() if "runs on" in line]
     assert "CPU int4 Python loop: the CPU kernels are unavailable: the build failed: c++: error: something" in line
-    assert "specchat doctor --rebuild-native" in line and str(folder.log) in line
+    assert "specchat doctor --rebuild-native" in line and str(folder.log) in line and "tried again after" in line
     assert record["text"]
+
+
+def test_a_first_start_replies_while_the_kernels_build_in_the_background(capsys, monkeypatch, tmp_path):
+    """No library yet: the reply comes on the int4 path at once, the line says the kernels are being built."""
+    if native_build.unavailable() is not None:
+        pytest.skip(native_build.unavailable())
+    monkeypatch.setenv("SPECCHAT_NATIVE_BUILD", "background")
+    fake = fake_library(tmp_path, Path(sys.executable), "sleep", FAKE_SLEEP="30")  # a build that takes a while
+    monkeypatch.setattr(native, "_library", fake)
+    started = time.monotonic()
+    record, err = _generate(capsys)
+    (line,) = [line for line in err.splitlines() if "runs on" in line]
+    assert line.startswith("specchat: smollm2-135m runs on CPU int4 Python loop: the CPU kernels are being built in")
+    assert "take over between replies" in line and str(fake.folder.log) in line
+    assert record["text"] and time.monotonic() - started < 25 and fake.child is not None
+    fake.child.kill()
+    fake.child.wait()
+
+
+def test_doctor_names_a_failed_build_and_when_a_start_tries_again(capsys, monkeypatch, tmp_path):
+    if native_build.unavailable() is not None:
+        pytest.skip(native_build.unavailable())
+    monkeypatch.setenv("SPECCHAT_NATIVE_CACHE", str(tmp_path / "native"))
+    folder = native_build.folder_for(native_build.compiler())
+    folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
+    folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "something broke" in out and "2 failed build(s) in a row" in out and "tries again after" in out

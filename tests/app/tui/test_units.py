@@ -384,3 +384,18 @@ def test_load_steps_time_each_step():
     ]
     assert steps.total() == 2.5 and steps.step_elapsed() == 0.5
     assert short_step("Reading the tokenizer from model.gguf (first start only)") == "Reading the tokenizer"
+
+
+def test_the_stats_bar_names_the_path_in_a_few_words():
+    from specchat.app.tui.widgets.stats_bar import path_label
+
+    assert path_label("CPU native (avx2), Q4_1, Q8_0 as stored") == "CPU native (avx2)"
+    building = (
+        "CPU int4 Python loop: the CPU kernels are being built in the background (3 s) (log: /x/build.log); "
+        "they take over between replies when ready"
+    )
+    assert path_label(building) == "CPU int4 Python loop · kernels building"
+    assert (
+        path_label("CPU int4 Python loop: the CPU kernels are unavailable: no C++ compiler") == "CPU int4 Python loop"
+    )
+    assert path_label(None) == path_label("") == ""

@@ -9,7 +9,6 @@ tests/backend/kernels/test_native_model.py and the slow tests run the real build
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
@@ -19,55 +18,19 @@ import time
 from pathlib import Path
 
 import pytest
+from native_libraries import BUILDER, fake_library
 
-from specchat.backend.kernels import native, native_build
+from specchat.backend.kernels import native, native_build, native_library
 from specchat.backend.kernels.native_cache import CacheFolder
 
-BUILDER = Path(__file__).resolve().parents[2] / "support" / "fake_native_builder.py"
-_C = """
-#include <stdio.h>
-__attribute__((constructor)) static void mark(void) {
-  FILE* f = fopen("%s", "a");
-  if (f) { fputs("%s\\n", f); fclose(f); }
-}
-int specchat_fake_%s(void) { return 1; }
-"""
-
-
-def _compile(folder: Path, name: str, marks: Path) -> Path:
-    source, out = folder / f"{name}.c", folder / f"{name}.so"
-    source.write_text(_C % (marks, name, name))
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler to make the test libraries")
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(source)], check=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    """(good library, foreign library, file their constructors append their names to)."""
-    folder = tmp_path_factory.mktemp("fake-libraries")
-    marks = folder / "loaded.txt"
-    return _compile(folder, "good", marks), _compile(folder, "foreign", marks), marks
-
-
-def _library(root: Path, good: Path, mode: str = "ok", **env) -> native_build.Library:
-    environment = {**os.environ, "FAKE_LIBRARY": str(good), "FAKE_BUILD": mode, **env}
-    return native_build.Library(
-        CacheFolder(root / "key"),
-        [sys.executable, str(BUILDER)],
-        load=lambda path: ctypes.CDLL(str(path)),
-        env=environment,
-        timeout_s=60,
-    )
+_library = fake_library  # the fixture `libraries` (conftest.py) makes what it copies
 
 
 def _marks(marks: Path) -> list[str]:
     return marks.read_text().split() if marks.exists() else []
 
 
-def _installed(root: Path, good: Path) -> native_build.Library:
+def _installed(root: Path, good: Path) -> native_library.Library:
     """A library built and installed, not loaded: the damage below rewrites files in place, and a library this
     process had mapped would then crash it (as it would any process running it: why installs use a rename)."""
     lib = _library(root, good)

@@ -58,7 +58,10 @@ TEMPLATE = """{% set ns = namespace(n=0) %}{{ bos_token }}
 
 def _same(light: LightTokenizer, theirs, chats=CHATS) -> None:
     assert len(light) == len(theirs)
-    assert light.get_vocab() == theirs.get_vocab()
+    vocab = theirs.get_vocab()
+    assert light.get_vocab() == vocab
+    for token in [*list(vocab)[:50], "<|im_end|>", "<end_of_turn>", "not a token at all"]:
+        assert light.token_to_id(token) == vocab.get(token), token
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
         assert getattr(light, name) == getattr(theirs, name), name
     assert light.chat_template == theirs.chat_template
@@ -218,3 +221,21 @@ def test_the_default_starts_without_importing_transformers():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split("\n")[-2] == "LightTokenizer False", out.stdout + out.stderr
+
+
+def test_stop_ids_look_tokens_up_one_by_one():
+    """The end-of-turn ids are found with token_to_id where the tokenizer has it, never by building the whole
+    vocabulary dict (~38 MiB at once for a 152k-entry tokenizer, at the load's peak)."""
+    from specchat.backend.models.tokenizing.chat_format import stop_ids
+
+    class Light:
+        eos_token_id = 2
+        chat_template = "{{ '<|im_end|>' }} {{ '<end_of_turn>' }}"
+
+        def token_to_id(self, token):
+            return {"<|im_end|>": 7}.get(token)
+
+        def get_vocab(self):
+            raise AssertionError("the whole vocabulary was built")
+
+    assert stop_ids(Light(), {}) == frozenset({2, 7})

@@ -101,7 +101,8 @@ def test_estimate_counts_the_logits_rows_and_the_cuda_graphs():
     assert static_bytes(s.vocab_size, qwen.context_length) >= DEFAULT_TOKEN_BUCKETS[-1] * s.vocab_size * 4
     subtotal = gpu.target_weights + gpu.draft_weights + gpu.target_kv + gpu.draft_kv + gpu.scratch + gpu.graphs
     assert gpu.total == subtotal + gpu.headroom and "CUDA graphs" in gpu.describe(qwen.context_length)
-    rows = memory.LOGIT_ROWS * s.vocab_size * (2 + memory.DECISION_BYTES)  # bf16 output + decision scratch
+    rows = memory.LOGIT_ROWS * s.vocab_size * (2 + memory.DECISION_BYTES)  # bf16 output + decision copies
+    rows += memory.PICK_ROWS * s.vocab_size * memory.NOISE_BYTES  # the noise of the rows drawn at once
     assert memory.LOGIT_ROWS == MAX_GAMMA + 1 and gpu.scratch >= rows
     assert memory.scratch_bytes(s, CUDA, qwen.context_length) - rows == memory.scratch_bytes(
         dataclasses.replace(s, vocab_size=0), CUDA, qwen.context_length

@@ -146,3 +146,25 @@ def test_the_default_on_the_native_path_stays_within_its_estimate(native_ready):
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     assert numbers["path"] == "cpu-native"
     assert numbers["weights"] <= numbers["growth"] <= numbers["total"], numbers
+
+
+def test_the_noise_term_follows_the_rows_sampling_draws_at_once():
+    from specchat.backend.speculative import sampling
+
+    assert memory.PICK_ROWS == sampling.PICK_ROWS
+
+
+def test_the_whole_process_counts_the_runtime_and_the_tokenizer():
+    """`specchat models` shows the whole process (what benchmarks/memory_vs_llama.py compares with the measured
+    peak): the model's terms plus the runtime (Python, torch) and the tokenizer by vocabulary size; CPU only, and
+    not in ``total`` (free memory is what is left beside the running process)."""
+    pair = load_pairs()[DEFAULT_PAIR]
+    estimate = memory.estimate_pair(pair, CPU)
+    assert estimate.runtime == memory.RUNTIME_BYTES + pair.target.vocab_size * memory.TOKENIZER_BYTES_PER_TOKEN
+    assert estimate.process == estimate.total + estimate.runtime
+    assert "runtime" in estimate.describe(pair.context_length)
+    larger = dataclasses.replace(pair.target, vocab_size=4 * pair.target.vocab_size)
+    assert memory.runtime_bytes(larger) - memory.runtime_bytes(pair.target) == (
+        3 * pair.target.vocab_size * memory.TOKENIZER_BYTES_PER_TOKEN
+    )
+    assert memory.estimate_pair(pair, torch.device("cuda")).runtime == 0

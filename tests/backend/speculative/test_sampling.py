@@ -212,3 +212,26 @@ def test_seen_ids_follow_a_growing_sequence_and_rebuild_when_it_changes() -> Non
     assert 11 in seen and seen.tensor().tolist() == [5, 6, 9, 11]
     seen.sync([7, 8])  # another sequence: rebuilt
     assert seen.tensor().tolist() == [7, 8] and 5 not in seen
+
+
+def test_a_pass_of_many_rows_picks_what_each_row_alone_picks():
+    """pick draws the noise a few rows at a time (PICK_ROWS, to bound its memory): the tokens are those of each row
+    picked on its own, and those of all rows at once, for every filter."""
+    import torch
+
+    from specchat.backend.speculative import sampling
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(19, 500, generator=generator) * 3
+    positions = list(range(40, 59))
+    for top_k, top_p in ((None, None), (50, None), (None, 0.9), (20, 0.8)):
+        rule = sampling.SamplingRule(temperature=0.8, top_k=top_k, top_p=top_p, seed=11)
+        alone = [sampling.pick(logits[i : i + 1], rule, [p])[0] for i, p in enumerate(positions)]
+        assert sampling.pick(logits, rule, positions) == alone
+        kept = sampling.ranked_candidates(logits, temperature=0.8, top_k=top_k, top_p=top_p)
+        if kept is None:  # all rows at once, as before the rows were drawn in groups
+            ids = torch.arange(500)[None]
+            together = sampling._gumbel_max(logits, ids, None, rule, positions)
+        else:
+            together = sampling._gumbel_max(logits.gather(1, kept[0]), kept[0], kept[1], rule, positions)
+        assert together == alone
