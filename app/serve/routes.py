@@ -7,14 +7,11 @@ ends, from its RequestStats), ``GET /health``; any other path or method is a JSO
 OpenAI-style JSON object (app/serve/boundary.py), never a traceback; a bug is answered 500 and logged once.
 
 Contract of one chat request: the API key (when set) is checked first (401); the body is read within
-``config.body_timeout_s`` (408) up to ``limits.max_body_bytes`` (413, told by ``Content-Length`` before
-reading, or counted while reading a chunked body); then checked (boundary.py); then queued (429 when the
-queue is full). Nothing is written until the engine's first event: an error the engine raises for the request
-(a prompt longer than the context) is a JSON 400. The handler waits on the event loop, never in a thread: the
-owner's worker calls ``notify`` after each event of a stream, and only at the end of a non-streaming reply. A
-client that goes away (its connection closed or reset, or it stopped reading: app/serve/protocol.py) cancels its
-job, waiting or running; a half-closed client is not gone. Each request fills its access-log entry
-(app/serve/access.py).
+``config.body_timeout_s`` (408) up to ``limits.max_body_bytes`` (413, from ``Content-Length`` or counted); then
+checked (boundary.py); then queued (429 when full). Nothing is written until the engine's first event: an error
+the engine raises for the request is a JSON 400. The handler waits on the event loop, never in a thread (the
+owner calls ``notify`` after each event). A client that goes away (app/serve/protocol.py) cancels its job,
+waiting or running; a half-closed client is not gone. Each request fills its access-log entry (access.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The decoding engine: prefill -> propose -> verify -> commit/rollback -> yield, over the paged KV cache.
+"""The decoding engine: a loaded pair, its drafters and policies, conversations and caches.
 
 Contract: :meth:`Engine.generate` is a generator yielding one :class:`StepEvent` per target forward pass
 (the first after prefill). The engine has one owner at a time: a second ``generate`` waits on a lock until
-the first has ended; cancellation (``cancel.set()``) is cooperative and takes effect between steps. The
-engine knows only token ids; models are transformers modules running the paged attention of
-``attention.py``. Plain decoding is the same loop with γ = 0.
-
-Each step feeds ``[pending] + draft`` (the last sampled token, whose K/V is not yet cached, and up to γ
-drafted tokens) in one target pass, verifies the draft, commits the accepted prefix and drops the rest by
-moving the sequence's length pointer (whole blocks past it go back to the pool, nothing is copied).
+the first has ended (many replies at once: ``batch.py``); cancellation (``cancel.set()``) is cooperative and
+takes effect between steps. A reply's steps are ``request.py``'s: plan, one target pass, finish.
 """
 
 from __future__ import annotations
