@@ -63,9 +63,11 @@ def _origin(spec: Any) -> str:
     return "; ".join(named)
 
 
-def _model_lines(label: str, spec: Any, context: int | None, width: int) -> list[str]:
-    quant = f", quantization {spec.quantization}" if spec.quantization != "none" else ""
-    lines = _fold(label, f"{spec.source}{quant}", width)
+def _model_lines(label: str, spec: Any, context: int | None, width: int, device: Any) -> list[str]:
+    from specchat.backend.models.facts import forward_path
+
+    lines = _fold(label, spec.source, width)
+    lines += _fold("runs", forward_path.describe(spec, device), width)
     if not spec.sizes_known and set(dict(spec.origins).values()) == {"unknown"}:
         lines += _fold("", "sizes: unknown until its files are downloaded (read from them then)", width)
         return lines
@@ -142,10 +144,10 @@ def _pair_block(pair: Any, default: str, device: Any, free: int, width: int, mea
     lines = textwrap.wrap(head, width=width, subsequent_indent="    ")
     if pair.description:
         lines += _fold("", pair.description, width)
-    lines += _model_lines("target", target, pair.context_length, width)
+    lines += _model_lines("target", target, pair.context_length, width, device)
     draft = pair.draft if pair.drafter == "draft-model" else None
     if draft is not None:
-        lines += _model_lines("draft", draft, None, width)
+        lines += _model_lines("draft", draft, None, width, device)
     if estimate.known:
         basis = f"weights: target {weights_basis(target, device)}"
         basis += f"; draft {weights_basis(draft, device)}" if draft is not None else ""

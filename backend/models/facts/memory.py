@@ -171,12 +171,12 @@ def as_stored(spec: ModelSpec, device: Device) -> bool:
     if spec.architecture not in FAMILIES or (spec.kind not in GGUF_KINDS and spec.quantization != "none"):
         return False
     return (
-        _native_unavailable(os.environ.get("CXX"), os.environ.get("PATH"), os.environ.get(native_build.SWITCH)) is None
+        native_unavailable(os.environ.get("CXX"), os.environ.get("PATH"), os.environ.get(native_build.SWITCH)) is None
     )
 
 
 @functools.lru_cache(maxsize=8)
-def _native_unavailable(cxx: str | None, path: str | None, switch: str | None) -> str | None:  # noqa: ARG001 - the key
+def native_unavailable(cxx: str | None, path: str | None, switch: str | None) -> str | None:  # noqa: ARG001 - the key
     """``native_build.unavailable()`` once per environment that decides it: it searches PATH for a compiler and
     ninja, and a listing of 1,000 pairs asks four times a pair."""
     from specchat.backend.kernels import native_build
