@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import torch
+
+from specchat.backend.bench.llama_server import LlamaServer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 256
@@ -45,22 +44,11 @@ def _text() -> str:
 def _llama_hidden(bin_dir: Path, gguf: Path, ids: list[int], threads: int, port: int, cache_type: str) -> torch.Tensor:
     """[n, hidden] float32: llama.cpp's final-norm output at every position of ``ids``."""
     n = len(ids)
-    env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
-    command = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-               "-c", str(n + 16), "-b", str(n + 16), "-ub", str(n + 16), "--embeddings", "--pooling", "none",
-               "--port", str(port), "-np", "1", "-ctk", cache_type, "-ctv", cache_type]  # fmt: skip
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    extra = ["-b", str(n + 16), "-ub", str(n + 16), "--embeddings", "--pooling", "none", "-ctk", cache_type,
+             "-ctv", cache_type]  # fmt: skip
+    server = LlamaServer(bin_dir / "llama-server", gguf, spec_type=None, threads=threads, context_length=n + 16,
+                         startup_s=300, port=port, extra=extra)  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("llama-server did not come up") from None
-                time.sleep(0.5)
         body = json.dumps({"content": ids, "embd_normalize": -1}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/embedding", data=body, headers={"Content-Type": "application/json"}
@@ -68,8 +56,7 @@ def _llama_hidden(bin_dir: Path, gguf: Path, ids: list[int], threads: int, port:
         with urllib.request.urlopen(request, timeout=1800) as answer:
             reply = json.loads(answer.read())
     finally:
-        server.terminate()
-        server.wait()
+        server.close()
     rows = reply[0]["embedding"] if isinstance(reply, list) else reply["embedding"]
     return torch.tensor(rows, dtype=torch.float32)
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
+
+from specchat.backend.bench.llama_server import LlamaServer
 
 CHILD = """
 import json, sys
@@ -91,21 +91,9 @@ def specchat(gguf: Path, context: int, prompt: Path, threads: int, tokens: int) 
 
 
 def llama_server(bin_dir: Path, gguf: Path, context: int, prompt: Path, threads: int, tokens: int, port: int) -> dict:
-    env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
-    command = [str(bin_dir / "llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-               "-c", str(context), "--port", str(port), "-np", "1"]  # fmt: skip
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = LlamaServer(bin_dir / "llama-server", gguf, spec_type=None, threads=threads, context_length=context,
+                         startup_s=300, port=port)  # fmt: skip
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit("llama-server did not come up") from None
-                time.sleep(0.5)
         body = {"messages": [{"role": "user", "content": prompt.read_text()}], "max_tokens": tokens, "temperature": 0}
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -115,14 +103,14 @@ def llama_server(bin_dir: Path, gguf: Path, context: int, prompt: Path, threads:
         with urllib.request.urlopen(request, timeout=1200) as answer:
             reply = json.loads(answer.read())
         fields = {}
-        for line in Path(f"/proc/{server.pid}/status").read_text().splitlines():
+        assert server.process is not None
+        for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
             if line.startswith(("VmRSS", "VmHWM")):
                 key, value = line.split(":")
                 fields[key] = int(value.split()[0]) * 1024
         return {"end": fields["VmRSS"], "peak": fields["VmHWM"], "prompt_tokens": reply["usage"]["prompt_tokens"]}
     finally:
-        server.terminate()
-        server.wait()
+        server.close()
 
 
 def main() -> int:

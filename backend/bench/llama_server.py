@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,8 @@ def free_port() -> int:
 
 
 class LlamaServer:
-    """One llama-server process (see the module docstring); ``spec_type`` None: plain decoding."""
+    """One llama-server process (see the module docstring); ``spec_type`` None: plain decoding; ``extra``: more of
+    llama-server's arguments (the benchmarks': embeddings, batch sizes, cache types)."""
 
     def __init__(
         self,
@@ -95,28 +97,33 @@ class LlamaServer:
         context_length: int,
         startup_s: float = STARTUP_S,
         port: int | None = None,
+        extra: Sequence[str] = (),
     ) -> None:
         self.binary, self.gguf, self.spec_type = binary, gguf, spec_type
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [
-            str(binary),
-            "-m",
-            str(gguf),
-            "-t",
-            str(threads),
-            "-tb",
-            str(threads),
-            "-c",
-            str(context_length),
-            "-np",
-            "1",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--no-webui",
-        ] + (["--spec-type", spec_type] if spec_type else [])
+        self.command = (
+            [
+                str(binary),
+                "-m",
+                str(gguf),
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "-c",
+                str(context_length),
+                "-np",
+                "1",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--no-webui",
+            ]
+            + (["--spec-type", spec_type] if spec_type else [])
+            + list(extra)
+        )
         self._log = tempfile.NamedTemporaryFile(prefix="specchat-llama-server-", suffix=".log", delete=False)
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent), env.get("LD_LIBRARY_PATH")]))
