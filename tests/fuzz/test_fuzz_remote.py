@@ -13,13 +13,12 @@ import re
 import time
 
 import pytest
-from faulty_server import STALLS, Conn, chunk, faulty_server, response, sse, stream
+from faulty_server import STALLS, Conn, chunk, faulty_server, response, sse, stream, timed_reply
 from hypothesis import strategies as st
 from reliability import FUZZED, READINGS, fuzz
 from serve_fixtures import remote_pair
 
 from specchat.backend.api import GenerationRequest, SamplingParams
-from specchat.backend.errors import RemoteError
 from specchat.backend.remote.client import RemoteEngine
 
 KEY, PASSWORD, TOKEN = "sk-fuzz-7f3a9c1e5b", "pw-fuzz-2468", "tk-fuzz-1357"
@@ -122,16 +121,7 @@ def test_hostile_servers_end_in_time_without_secrets_or_escapes(faulty, tmp_path
 
     def run(behaviour: object) -> None:
         faulty.behaviour = behaviour
-        engine = RemoteEngine(pair)
-        start = time.monotonic()
-        events, error = [], ""
-        try:
-            events = list(engine.generate(request))
-        except RemoteError as exc:
-            error = str(exc)
-        finally:
-            engine.close()
-        took = time.monotonic() - start
+        events, error, took = timed_reply(RemoteEngine(pair), request)
         counts["behaviours"] += 1
         counts["late"] += took > DEADLINE_S + MARGIN_S
         shown = _shown(events, error)

@@ -222,3 +222,19 @@ STALLS = {
     "head trickled a byte at a time": (_trickled_head, "no_progress", False),
     "tokens past the deadline": (_tokens_forever, "deadline", True),
 }
+
+
+def timed_reply(engine, request) -> tuple[list, str, float]:
+    """A remote engine's reply to ``request`` (then the engine closed): its events, the RemoteError's text ("" when
+    none) and the seconds it took."""
+    from specchat.backend.errors import RemoteError
+
+    start = time.monotonic()
+    events, error = [], ""
+    try:
+        events = list(engine.generate(request))
+    except RemoteError as exc:
+        error = str(exc)
+    finally:
+        engine.close()
+    return events, error, time.monotonic() - start

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from faulty_server import SSE, STALLS, Conn, chunk, faulty_server, response, sse
+from faulty_server import SSE, STALLS, Conn, chunk, faulty_server, response, sse, timed_reply
 from serve_fixtures import remote_pair
 
 from specchat.backend.api import GenerationRequest, SamplingParams
@@ -33,16 +33,7 @@ def test_every_stall_ends_within_its_deadline_naming_the_server(faulty, tmp_path
     request = GenerationRequest(
         messages=[{"role": "user", "content": "hi"}], sampling=SamplingParams(max_new_tokens=10_000)
     )
-    engine = RemoteEngine(pair)
-    start = time.monotonic()
-    events, error = [], ""
-    try:
-        events = list(engine.generate(request))
-    except RemoteError as exc:
-        error = str(exc)
-    finally:
-        engine.close()
-    took = time.monotonic() - start
+    events, error, took = timed_reply(RemoteEngine(pair), request)
     limit = NO_PROGRESS_S if which == "no_progress" else DEADLINE_S
     assert took < limit + 1.0, (name, took)
     message = error or (events[-1].message or "")
