@@ -9,30 +9,16 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-from engine_fixtures import tiny_loaded, tiny_pair, tiny_tokenizer
-from tiny_models import build_tiny
+from engine_fixtures import tiny_loaded, tiny_pair
+from native_fixtures import tiny_native_loaded
 
 from specchat.backend.api import GenerationRequest, SamplingParams, StepEvent
 from specchat.backend.engine.batch import BatchScheduler
 from specchat.backend.engine.engine import Engine
-from specchat.backend.models.catalog.config import load_pairs
-from specchat.backend.models.loading.native_loading import from_safetensors
-from specchat.backend.models.loading.pair import LoadedModel
 
 
 def native_engine(folder: Path, *, parallel: int = 4, draft: bool = False, context_length: int = 256) -> Engine:
-    model = build_tiny("llama")
-    model.save_pretrained(folder / "target")
-    native = from_safetensors(folder / "target", model.config)
-    loaded = LoadedModel(
-        model=native,
-        tokenizer=tiny_tokenizer(),
-        spec=load_pairs()["smollm2-135m"].target,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        generation_config={"eos_token_id": 2},
-    )
+    loaded = tiny_native_loaded(folder)
     # A draft of another seed: it agrees with the target sometimes, as a real one does.
     draft_model = tiny_loaded("llama", seed=1) if draft else None
     pair = tiny_pair(drafter="draft-model" if draft else "prompt-lookup", context_length=context_length)

@@ -54,3 +54,23 @@ def one_by_one(loaded: NativeCausalLM, seq, ids) -> torch.Tensor:
         seq.commit(1)
     seq.truncate(start)
     return torch.cat(rows)
+
+
+def tiny_native_loaded(folder: Path):
+    """A tiny random llama checkpoint saved under ``folder`` and loaded for the native model, as the engine loads
+    one (the embedded default's spec, float32 on the CPU, eos id 2)."""
+    from engine_fixtures import tiny_tokenizer
+
+    from specchat.backend.models.catalog.config import load_pairs
+    from specchat.backend.models.loading.pair import LoadedModel
+
+    model = build_tiny("llama")
+    model.save_pretrained(folder / "target")
+    return LoadedModel(
+        model=from_safetensors(folder / "target", model.config),
+        tokenizer=tiny_tokenizer(),
+        spec=load_pairs()["smollm2-135m"].target,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        generation_config={"eos_token_id": 2},
+    )

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import tiny_pair, tiny_tokenizer
-from native_fixtures import native_ready  # noqa: F401  (a fixture)
+from engine_fixtures import tiny_pair
+from native_fixtures import native_ready, tiny_native_loaded  # noqa: F401  (native_ready: a fixture)
 from tiny_heads import eagle3_config, eagle3_head
 from tiny_models import build_tiny, one_thread  # noqa: F401  (one_thread: autouse)
 
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import Engine
-from specchat.backend.models.catalog.config import load_pairs
 from specchat.backend.models.loading.head_loading import LoadedHead
-from specchat.backend.models.loading.native_loading import from_safetensors
-from specchat.backend.models.loading.pair import LoadedModel
 from specchat.backend.training import data
 
 # The tiny targets have two layers: the stream entering layer 1, and the final norm's output (transformers'
@@ -33,17 +30,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=40)
 
 
 def _native_engine(tmp_path, drafter: str) -> Engine:
-    model = build_tiny("llama")
-    model.save_pretrained(tmp_path / "target")
-    native = from_safetensors(tmp_path / "target", model.config)
-    loaded = LoadedModel(
-        model=native,
-        tokenizer=tiny_tokenizer(),
-        spec=load_pairs()["smollm2-135m"].target,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        generation_config={"eos_token_id": 2},
-    )
+    loaded = tiny_native_loaded(tmp_path)
     engine = Engine(loaded, None, tiny_pair(drafter=drafter), head=None)
     engine.eos_ids = frozenset()  # a random tiny model says EOS often: run every reply to its limit
     assert engine.runner.native is not None, "the tiny target must run on the native model"
