@@ -25,7 +25,7 @@ from specchat.backend.engine.prompting import prompt_ids
 from specchat.backend.engine.request import RequestState
 from specchat.backend.engine.resolve import resolve_sampling
 from specchat.backend.engine.runner import ModelRunner
-from specchat.backend.engine.threads import ThreadGovernor
+from specchat.backend.engine.threads import ThreadGovernor, in_a_thread_of_its_own
 from specchat.backend.errors import RequestError
 from specchat.backend.kv import attention
 from specchat.backend.kv.kv_cache import PagedKVCache, common_prefix_len, kv_bytes_per_token
@@ -353,6 +353,7 @@ class Engine:
                 self.reply_memory.remember(state.context[len(state.prompt) :])
 
 
+@in_a_thread_of_its_own
 def load_engine(
     pair: PairConfig,
     *,

@@ -26,16 +26,21 @@ readings are unavailable (not Linux), where the process started with one thread 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from specchat.backend.kernels import switched_off
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +163,34 @@ def _ticks_per_second() -> float:
         return float(os.sysconf("SC_CLK_TCK"))
     except (AttributeError, ValueError, OSError):
         return 100.0
+
+
+def in_a_thread_of_its_own(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` run in a thread that ends when it returns (its result or its exception handed back to the caller).
+
+    Why: OpenMP keeps a pool of compute threads for every thread that has run a parallel region, for that thread's
+    life; once two pools exist on a machine with as many cores as one pool's threads, libgomp stops its threads
+    spinning between regions and a pass of the native model takes more than twice as long (benchmarks/RESULTS.md,
+    "Passes in a second thread"). Loading runs torch's parallel
+    regions; passes run later in another thread (serve's owner, the batch scheduler, the UI's worker). Loading in a
+    thread of its own frees its pool when it ends, so the thread that runs the passes has the only one.
+    """
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        box: dict[str, Any] = {}
+
+        def body() -> None:
+            try:
+                box["result"] = fn(*args, **kwargs)
+            except BaseException as error:  # noqa: BLE001 - handed to the caller, which raises it
+                box["error"] = error
+
+        thread = threading.Thread(target=body, name=f"specchat-{fn.__name__}", daemon=True)
+        thread.start()
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    return run

@@ -186,3 +186,27 @@ def test_the_engine_consults_the_governor_before_every_pass():
         torch.set_num_threads(before)
     steps = sum(1 for e in events if e.token_ids and not e.is_prefill)
     assert len(seen) == steps + 1 and set(seen) == {1}  # the prefill's chunk and each step
+
+
+def test_loading_runs_in_a_thread_of_its_own_that_ends():
+    """load_engine runs in a thread that ends when it returns (its OpenMP pool with it: threads.py), handing back
+    the result or the exception."""
+    import threading
+
+    from specchat.backend.engine.engine import load_engine
+    from specchat.backend.engine.threads import in_a_thread_of_its_own
+
+    seen: list[threading.Thread] = []
+
+    @in_a_thread_of_its_own
+    def work(value: int) -> int:
+        seen.append(threading.current_thread())
+        if value < 0:
+            raise ValueError("negative")
+        return value * 2
+
+    assert work(21) == 42
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(ValueError, match="negative"):
+        work(-1)
+    assert getattr(load_engine, "__wrapped__", None) is not None  # load_engine runs so
