@@ -65,8 +65,11 @@ def _origin(spec: Any) -> str:
 
 def _model_lines(label: str, spec: Any, context: int | None, width: int, device: Any) -> list[str]:
     from specchat.backend.models.facts import forward_path
+    from specchat.backend.models.facts.memory import as_stored
 
-    lines = _fold(label, spec.source, width)
+    # The quantization field names what the fallback path does; where the native model runs it, it is not in play.
+    quant = f", quantization {spec.quantization}" if spec.quantization != "none" and not as_stored(spec, device) else ""
+    lines = _fold(label, f"{spec.source}{quant}", width)
     lines += _fold("runs", forward_path.describe(spec, device), width)
     if not spec.sizes_known and set(dict(spec.origins).values()) == {"unknown"}:
         lines += _fold("", "sizes: unknown until its files are downloaded (read from them then)", width)
