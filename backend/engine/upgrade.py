@@ -20,7 +20,7 @@ order): seeded replay is exact within one path (``docs/determinism.md``).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -32,8 +32,20 @@ from specchat.backend.models.facts.memory import free_memory, native_scratch_byt
 from specchat.backend.models.loading.native_loading import native_reason
 from specchat.backend.models.loading.pair import LoadedModel, _load_weights, gguf_path
 
-if TYPE_CHECKING:
-    from specchat.backend.engine.engine import Engine
+
+class Swappable(Protocol):
+    """What :func:`between_replies` uses of the engine (typed here, not imported: engine.py imports this module)."""
+
+    target: LoadedModel
+    draft: LoadedModel | None
+    context_length: int
+    pair: Any
+
+    @property
+    def start_line(self) -> str: ...
+
+    def use_models(self, target: LoadedModel, draft: LoadedModel | None) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +55,7 @@ def waiting(loaded: LoadedModel | None) -> bool:
     return loaded is not None and (loaded.native_reason or "").startswith(BUILDING)
 
 
-def between_replies(engine: Engine) -> str | None:
+def between_replies(engine: Swappable) -> str | None:
     """See the module docstring."""
     models = [m for m in (engine.target, engine.draft) if m is not None and waiting(m)]
     if not models:
