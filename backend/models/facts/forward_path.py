@@ -10,7 +10,8 @@ import os
 
 from specchat.backend.kernels.native_types import FAMILIES
 from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec
-from specchat.backend.models.facts.memory import Device, as_stored, device_type, native_unavailable
+from specchat.backend.models.facts import memory
+from specchat.backend.models.facts.memory import Device, as_stored, device_type
 
 # The architectures the compact int4 loop covers (backend/kernels/compact.py's ARCHITECTURES; not imported: that
 # module imports torch, which a listing does not need).
@@ -26,7 +27,7 @@ def describe(spec: ModelSpec, device: Device) -> str:
         return f"transformers' forward on {kind}"
     if as_stored(spec, device):
         return f"CPU native kernels, the file's blocks as stored; until a first start has built them, {_fallback(spec)}"
-    why = native_unavailable(os.environ.get("CXX"), os.environ.get("PATH"), os.environ.get("SPECCHAT_NATIVE"))
+    why = memory.native_unavailable_here()
     return f"{_fallback(spec)}: " + (f"the CPU kernels cannot run, {why}" if why is not None else _not_covered(spec))
 
 

@@ -163,16 +163,20 @@ def as_stored(spec: ModelSpec, device: Device) -> bool:
     ``quantization``, or a safetensors checkpoint with ``quantization: none``; kernels that can be built here and
     are not turned off with ``SPECCHAT_NATIVE=0``). Its weights are then the files' own blocks
     (:func:`native_weight_bytes`), its KV cache :func:`kv_dtype_bytes`, its scratch :func:`native_scratch_bytes`."""
-    from specchat.backend.kernels import native_build
     from specchat.backend.kernels.native_types import FAMILIES
 
     if device_type(device) != "cpu" or spec.quantization in ("nf4", "int8") or spec.trust_remote_code:
         return False
     if spec.architecture not in FAMILIES or (spec.kind not in GGUF_KINDS and spec.quantization != "none"):
         return False
-    return (
-        native_unavailable(os.environ.get("CXX"), os.environ.get("PATH"), os.environ.get(native_build.SWITCH)) is None
-    )
+    return native_unavailable_here() is None
+
+
+def native_unavailable_here() -> str | None:
+    """:func:`native_unavailable` for this process's environment (its compiler, PATH and switch)."""
+    from specchat.backend.kernels import native_build
+
+    return native_unavailable(os.environ.get("CXX"), os.environ.get("PATH"), os.environ.get(native_build.SWITCH))
 
 
 @functools.lru_cache(maxsize=8)
