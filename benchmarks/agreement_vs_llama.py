@@ -15,6 +15,10 @@ specchat's tokenizer and cut to ``--tokens``; llama-server is given the same ids
 
     python benchmarks/agreement_vs_llama.py --packaged [--tokens 4096]
     python benchmarks/agreement_vs_llama.py --gguf FILE
+    python benchmarks/agreement_vs_llama.py --gguf FILE-Q8_0 --against FILE-F16   # llama.cpp against itself
+
+Besides KL and agreement it reports the fraction of all positions whose top-two gap is under 0.1 and the mean
+top-1 probability, so a reader can judge how many positions were near ties to begin with.
 
 llama.cpp binaries: ``--llama-bin`` (default ~/.cache/llama.cpp-bin/src/build/bin; LD_LIBRARY_PATH is set to it).
 """
@@ -61,34 +65,60 @@ def _llama_hidden(bin_dir: Path, gguf: Path, ids: list[int], threads: int, port:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def _specchat(engine, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden [n, hidden], log-probabilities [n, vocab]) of specchat's native pass over ``ids``."""
+def _specchat(engine, ids: list[int]):
+    """(final-norm states [CHUNK, hidden], log-probabilities [CHUNK, vocab]) of specchat's native pass over
+    ``ids``, chunk by chunk (a 262k vocabulary's log-probabilities of 4,096 rows would be 4 GiB)."""
     native = engine.runner.native
     layers = native.arch.layers
     seq = engine.runner.cache.new_sequence()
-    hidden, logprobs = [], []
-    for start in range(0, len(ids), CHUNK):
-        part = torch.tensor(ids[start : start + CHUNK], dtype=torch.long)
-        logits, taps = native.forward(seq, part, part.numel(), None, [layers])
-        seq.commit(part.numel())
-        hidden.append(taps[0])
-        logprobs.append(torch.log_softmax(logits.float(), dim=-1))
-    seq.free()
-    return torch.cat(hidden), torch.cat(logprobs)
+    try:
+        for start in range(0, len(ids), CHUNK):
+            part = torch.tensor(ids[start : start + CHUNK], dtype=torch.long)
+            logits, taps = native.forward(seq, part, part.numel(), None, [layers])
+            seq.commit(part.numel())
+            yield taps[0], torch.log_softmax(logits.float(), dim=-1)
+    finally:
+        seq.free()
 
 
 def _head(engine, hidden: torch.Tensor) -> torch.Tensor:
     """Log-probabilities of ``hidden`` [n, hidden] through specchat's output layer (and final soft-cap)."""
     native = engine.runner.native
     weight = native.head_weight if native.head_weight is not None else native.embed_weight
-    out = []
-    for start in range(0, hidden.shape[0], CHUNK):
-        logits = weight.matmul(hidden[start : start + CHUNK].contiguous())
-        cap = float(native.arch.final_softcap)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        out.append(torch.log_softmax(logits, dim=-1))
-    return torch.cat(out)
+    logits = weight.matmul(hidden.contiguous())
+    cap = float(native.arch.final_softcap)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _compare(reference: torch.Tensor, other: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per position of one chunk: KL(reference || other), top-1 agreement, the reference's top-two gap and
+    top-1 probability."""
+    probs = reference.exp()
+    top2 = probs.topk(2, dim=-1).values
+    return {
+        "kl": (probs * (reference - other)).sum(-1).clamp_min(0),
+        "agree": reference.argmax(-1) == other.argmax(-1),
+        "gap": top2[:, 0] - top2[:, 1],
+        "top1": top2[:, 0],
+    }
+
+
+def _report(rows: dict[str, torch.Tensor]) -> dict[str, object]:
+    kl, agree, gap = rows["kl"], rows["agree"], rows["gap"]
+    n = kl.numel()
+    gaps = gap[~agree]
+    return {
+        "positions": n,
+        "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
+        "mean_kl_by_quarter": [float(kl[i * n // 4 : (i + 1) * n // 4].mean()) for i in range(4)],
+        "top1_agreement": float(agree.float().mean()), "disagreements": int((~agree).sum()),
+        "disagreement_gaps_max": float(gaps.max()) if gaps.numel() else None,
+        "disagreements_at_gap_under_0.1": int((gaps < 0.1).sum()),
+        "positions_at_gap_under_0.1": float((gap < 0.1).float().mean()),
+        "mean_top1_probability": float(rows["top1"].mean()),
+    }  # fmt: skip
 
 
 def main() -> int:
@@ -97,6 +127,9 @@ def main() -> int:
     source.add_argument("--gguf", type=Path)
     source.add_argument("--packaged", action="store_true")
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--against", type=Path, default=None, help="llama.cpp on this file (e.g. the F16 the "
+                        "--gguf file was quantised from) as the reference instead of specchat: the KL a "
+                        "quantisation costs in llama.cpp itself, both through --gguf's output layer")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8937)
     parser.add_argument("--cache-type", default="f16", help="llama.cpp's KV cache type (f16, its default; bf16, f32)")
@@ -118,27 +151,30 @@ def main() -> int:
     ids = engine.tokenizer.encode(_text(), add_special_tokens=False)[: args.tokens]
     if len(ids) < args.tokens:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than --tokens {args.tokens}")
-    hidden, ours = _specchat(engine, ids)
     theirs_hidden = _llama_hidden(args.llama_bin, gguf, ids, args.threads, args.port, args.cache_type)
+    summary: dict[str, object] = {"file": gguf.name, "llama_cache": args.cache_type,
+                                  "architecture": engine.runner.native.arch.family}  # fmt: skip
+    rows: list[dict[str, torch.Tensor]] = []
+    if args.against is not None:  # llama.cpp against itself: the --against file's states as the reference
+        summary["reference"] = f"llama.cpp on {args.against.name}"
+        ref_hidden = _llama_hidden(args.llama_bin, args.against, ids, args.threads, args.port, args.cache_type)
+        for start in range(0, len(ids), CHUNK):
+            part = slice(start, start + CHUNK)
+            rows.append(_compare(_head(engine, ref_hidden[part]), _head(engine, theirs_hidden[part])))
+        hidden = ref_hidden
+    else:
+        summary["reference"] = "llama.cpp"
+        ours_hidden = []
+        for start, (chunk_hidden, ours) in zip(range(0, len(ids), CHUNK), _specchat(engine, ids)):
+            ours_hidden.append(chunk_hidden)
+            rows.append(_compare(_head(engine, theirs_hidden[start : start + CHUNK]), ours))
+        hidden = torch.cat(ours_hidden)
     if theirs_hidden.shape != hidden.shape:
-        raise SystemExit(f"llama-server returned {tuple(theirs_hidden.shape)}, specchat {tuple(hidden.shape)}")
-    theirs = _head(engine, theirs_hidden)
-    kl = (theirs.exp() * (theirs - ours)).sum(-1).clamp_min(0)  # KL(llama.cpp || specchat) per position
-    top_ours, top_theirs = ours.argmax(-1), theirs.argmax(-1)
-    agree = top_ours == top_theirs
-    probs = theirs.exp().topk(2, dim=-1).values
-    gaps = (probs[:, 0] - probs[:, 1])[~agree]
+        raise SystemExit(f"llama-server returned {tuple(theirs_hidden.shape)}, the reference {tuple(hidden.shape)}")
+    summary.update(_report({key: torch.cat([row[key] for row in rows]) for key in rows[0]}))
     relative = ((hidden - theirs_hidden).norm(dim=-1) / theirs_hidden.norm(dim=-1)).median()
-    quarters = [float(kl[i * len(ids) // 4 : (i + 1) * len(ids) // 4].mean()) for i in range(4)]
-    print(json.dumps({
-        "file": gguf.name, "llama_cache": args.cache_type, "architecture": engine.runner.native.arch.family,
-        "positions": len(ids),
-        "mean_kl": float(kl.mean()), "max_kl": float(kl.max()), "mean_kl_by_quarter": quarters,
-        "top1_agreement": float(agree.float().mean()), "disagreements": int((~agree).sum()),
-        "disagreement_gaps_max": float(gaps.max()) if gaps.numel() else None,
-        "disagreements_at_gap_under_0.1": int((gaps < 0.1).sum()),
-        "median_relative_hidden_difference": float(relative),
-    }))  # fmt: skip
+    summary["median_relative_hidden_difference"] = float(relative)
+    print(json.dumps(summary))
     return 0
 
 

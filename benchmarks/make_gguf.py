@@ -24,6 +24,12 @@ through every layer; norms are 1. Types:
     python benchmarks/make_gguf.py --arch qwen2 --type f16 --out /tmp/bench-qwen2-f16.gguf
     python benchmarks/make_gguf.py --arch qwen2 --type q8_0 --vocab 151936 --out /tmp/bench-qwen2-152k-q8_0.gguf
     llama-quantize /tmp/bench-qwen2-f16.gguf /tmp/bench-qwen2-q4_k_m.gguf Q4_K_M
+
+``--shape NAME`` writes one architecture's real layer shapes, norms and metadata in F16 with weights scaled for
+peaked next-token distributions (``gguf_archs.py``: llama3-1b, mistral-7b, qwen2-0.5b, qwen3-0.6b, gemma2-2b,
+gemma3-270m, phi3-mini), ``--layers`` cutting the depth:
+
+    python benchmarks/make_gguf.py --shape gemma3-270m --out /tmp/archs/gemma3-f16.gguf
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf_archs import SHAPES, write_shape  # this folder is on sys.path when the script runs
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 2048, 5632, 22, 32, 4, 49152
 HEAD_DIM = HIDDEN // HEADS
@@ -211,10 +218,14 @@ def write(kind: str, out: Path, tokenizer_gguf: Path, seed: int = 0) -> None:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
-    parser.add_argument("--type", choices=("q4_0", "q4_k_m", "f16", "q8_0"), required=True,
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="an architecture's real shapes, "
+                        "in F16 (see gguf_archs.py); --arch and --type are then ignored")  # fmt: skip
+    parser.add_argument("--layers", type=int, default=None, help="--shape: keep this many layers")
+    parser.add_argument("--window", type=int, default=None, help="--shape: the sliding window (0: none)")
+    parser.add_argument("--type", choices=("q4_0", "q4_k_m", "f16", "q8_0"), default=None,
                         help="llama: q4_0 or q4_k_m; qwen2: f16 (quantise it with llama-quantize) or q8_0")  # fmt: skip
-    parser.add_argument("--vocab", type=int, default=VOCAB, help="qwen2: the vocabulary (151936: Qwen2.5's own; "
-                        "the tokenizer is padded to it)")  # fmt: skip
+    parser.add_argument("--vocab", type=int, default=None, help="qwen2, --shape: the vocabulary (151936: Qwen2.5's "
+                        "own; the tokenizer is padded to it; --shape: default the shape's own)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="the file to write (under /tmp: ~0.6-0.7 GB)")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a GGUF to copy the tokenizer from "
                         "(default: the embedded model's)")  # fmt: skip
@@ -224,10 +235,16 @@ def main(argv: list[str]) -> int:
         from specchat.backend.models.loading.pair import packaged_gguf_path
 
         source = packaged_gguf_path()
+    if args.shape is not None:
+        write_shape(args.shape, args.out, source, layers=args.layers, vocab=args.vocab, window=args.window)
+        print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB)")
+        return 0
+    if args.type is None:
+        parser.error("--type is required without --shape")
     if (args.arch == "qwen2") != (args.type in ("f16", "q8_0")):
         parser.error("--arch qwen2 writes --type f16 or q8_0; --arch llama writes q4_0 or q4_k_m")
     if args.arch == "qwen2":
-        write_qwen2(args.out, source, vocab=args.vocab, kind=args.type)
+        write_qwen2(args.out, source, vocab=args.vocab or VOCAB, kind=args.type)
     else:
         write(args.type, args.out, source)
     print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB)")
