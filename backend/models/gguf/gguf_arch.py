@@ -290,8 +290,11 @@ def _phi3(
             "short_factor": [_decimal(f) for f in longrope[1]],
             "rope_theta": config["rope_parameters"]["rope_theta"],
         }
-    window = meta.int("attention.sliding_window", 0)
-    config["sliding_window"] = window or None  # convert writes 0 for "none" (Phi-4)
+    # The stated window is read (its kind checked) but not applied: llama.cpp runs every Phi layer on full
+    # attention (its PR 13676: no field says which layers slide, and Phi-3.5-MoE's window is its context), so a
+    # file agrees with llama.cpp's reading of it past the window (Phi-3-mini-4k states 2,047).
+    meta.int("attention.sliding_window", 0)
+    config["sliding_window"] = None
     config["original_max_position_embeddings"] = meta.int(
         "rope.scaling.original_context_length", config["max_position_embeddings"]
     )

@@ -25,6 +25,7 @@ from specchat.backend.models.gguf.gguf_arch import (
 )
 from specchat.backend.models.gguf.gguf_file import dequantize, read_gguf
 from specchat.backend.models.gguf.gguf_tensors import hf_state_dict, roles_of, tensor_map
+from specchat.backend.models.loading.native_arch import architecture
 
 # The fields that decide a model's forward and its stops (a config's to_dict() also holds bookkeeping).
 _FIELDS = (
@@ -186,9 +187,27 @@ def test_phi3_longrope_from_its_factor_tensors() -> None:
         "rope_theta": 10000.0,
         "partial_rotary_factor": 1.0,
     }
-    assert read["original_max_position_embeddings"] == 4096 and read["sliding_window"] == 262144
+    assert read["original_max_position_embeddings"] == 4096 and read["sliding_window"] is None
     config = AutoConfig.for_model(**read)
     assert config.rope_parameters["rope_type"] == "longrope"
+
+
+def test_phi3_window_is_ignored_as_llama_cpp_does() -> None:
+    # Phi-3-mini-4k's GGUF states a window of 2,047; llama.cpp runs every layer on full attention (its PR 13676),
+    # and agreeing with llama.cpp on the same file is what a GGUF user compares: past position 2,047 a window
+    # made the two part (benchmarks/RESULTS.md, "Agreement with llama.cpp per architecture").
+    meta = {
+        "general.architecture": "phi3",
+        "phi3.block_count": 2,
+        "phi3.context_length": 4096,
+        "phi3.embedding_length": 256,
+        "phi3.feed_forward_length": 512,
+        "phi3.attention.head_count": 4,
+        "phi3.rope.dimension_count": 64,
+        "phi3.attention.sliding_window": 2047,
+    }
+    config = AutoConfig.for_model(**config_from_gguf(meta, {"token_embd.weight": (10, 256)}))
+    assert architecture(config).windows == (None, None)
 
 
 def test_gemma_27b_scales_queries_by_hidden_over_heads() -> None:
