@@ -10,7 +10,10 @@ first token p50, per-stream tok/s p50 / p95 (a reply's tokens over its time from
 and the policy's crossover table (batch tok/s with speculation on, off, and as the policy chose).
 
     python benchmarks/batch_serve.py --concurrency 1 2 4 8 16 --requests 2 --max-tokens 96 \\
-        [--llama-bin ~/.cache/llama.cpp-bin/src/build/bin] [--threads 2] [--json out.json]
+        [--llama-bin ~/.cache/llama.cpp-bin/src/build/bin] [--threads 2] [--json out.json] [--gguf FILE]
+
+``--gguf FILE`` serves that file on both sides instead of the embedded default (a pair written to a temporary
+models.yaml, context 4096; e.g. the 1B file of ``benchmarks/make_gguf.py --type q4_0``).
 
 Modes (one server per kind; `specchat serve --parallel 16` serves every batch mode, the request's ``specchat`` field
 choosing the drafter and γ): ``serve-1`` (`--parallel 1`, prompt lookup, γ auto: one at a time, the others queue),
@@ -29,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,6 +41,7 @@ import httpx
 
 DATA = Path(__file__).resolve().parents[1] / "backend" / "bench" / "data"
 SLOTS = 16
+MODEL = "smollm2-135m"  # the served pair (--gguf: "bench-gguf"; llama-server takes any name)
 
 
 def prompts() -> list[list[dict]]:
@@ -69,12 +74,12 @@ def wait_up(url: str, proc: subprocess.Popen, what: str) -> None:
     raise SystemExit(f"{what} did not come up")
 
 
-def specchat_server(parallel: int, threads: int) -> tuple[subprocess.Popen, str]:
+def specchat_server(parallel: int, threads: int, pair: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     # No prefix cache: every mode sends the same prompts, and a later mode would read the earlier one's.
     command = ["specchat", "serve", "--port", str(port), "--parallel", str(parallel), "--queue", "64", "--log", "off",
-               "--prefix-cache-mb", "0"]  # fmt: skip
+               "--prefix-cache-mb", "0", *pair]  # fmt: skip
     proc = subprocess.Popen(command, env=env, stderr=open(f"/tmp/specchat-serve-{parallel}.log", "w"))  # noqa: SIM115
     wait_up(f"http://127.0.0.1:{port}/health", proc, "specchat serve")
     return proc, f"http://127.0.0.1:{port}/v1"
@@ -97,7 +102,7 @@ def llama_server(bin_dir: Path, gguf: str, threads: int, ngram: bool) -> tuple[s
 
 
 def one_reply(url: str, messages: list[dict], max_tokens: int, spec: dict | None) -> dict:
-    body: dict = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body: dict = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                   "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if spec is not None:
         body["specchat"] = spec
@@ -160,11 +165,23 @@ def main() -> int:
                         help="the concurrencies llama-server runs at (default: all)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--gguf", type=Path, default=None, help="serve this GGUF (default: the embedded model's)")
     args = parser.parse_args()
-    gguf = subprocess.run(
-        [sys.executable, "-c", "from specchat.backend.models.catalog.config import load_pairs; "
-         "print(load_pairs()['smollm2-135m'].target.facts_file)"], capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    pair: list[str] = []
+    if args.gguf is not None:
+        gguf = str(args.gguf.resolve())
+        models = Path(tempfile.mkdtemp(prefix="batch-serve-")) / "models.yaml"
+        models.write_text(
+            f"pairs:\n  - name: bench-gguf\n    target:\n      source: {gguf}\n    context_length: 4096\n"
+        )
+        pair = ["--models", str(models), "--pair", "bench-gguf"]
+        global MODEL
+        MODEL = "bench-gguf"
+    else:
+        gguf = subprocess.run(
+            [sys.executable, "-c", "from specchat.backend.models.catalog.config import load_pairs; "
+             "print(load_pairs()['smollm2-135m'].target.facts_file)"], capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
     specs = {
         "serve-1": {"drafter": "prompt-lookup"},
         "batch-policy": {"drafter": "prompt-lookup"},
@@ -175,9 +192,9 @@ def main() -> int:
     servers: dict[str, tuple[subprocess.Popen, str] | None] = {}
     try:
         if "serve-1" in modes:
-            servers["serve-1"] = specchat_server(1, args.threads)
+            servers["serve-1"] = specchat_server(1, args.threads, pair)
         if any(m.startswith("batch") for m in modes):
-            servers["batch"] = specchat_server(SLOTS, args.threads)
+            servers["batch"] = specchat_server(SLOTS, args.threads, pair)
         if args.llama_bin is not None:
             for mode in ("llama", "llama-ngram"):
                 if mode in modes:
