@@ -328,6 +328,8 @@ void attend_rows(bool vector, const Pools<T>& pools, const RowKeys* rows, int64_
   rows_scalar(pools, rows, n, kv_heads, rep, scoring, q, q_stride, out, out_stride);
 }
 
+template void attend_rows<Half>(bool, const Pools<Half>&, const RowKeys*, int64_t, int64_t, int64_t, Scoring,
+                                const float*, int64_t, float*, int64_t, std::vector<float>&);
 template void attend_rows<uint16_t>(bool, const Pools<uint16_t>&, const RowKeys*, int64_t, int64_t, int64_t, Scoring,
                                     const float*, int64_t, float*, int64_t, std::vector<float>&);
 template void attend_rows<float>(bool, const Pools<float>&, const RowKeys*, int64_t, int64_t, int64_t, Scoring,

@@ -12,7 +12,7 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   untied output head) stay in the compute dtype, as bitsandbytes leaves them unquantised; ``int4-torch`` /
   ``int8-torch`` as :func:`_torch_quantized_bytes` says (activations and KV cache in bfloat16);
 - KV cache: ``layers x 2 x kv_heads x head_dim x bytes x context_length`` (bytes: the compute dtype's; the native
-  model's cache is bfloat16 for a GGUF: :func:`kv_dtype_bytes`);
+  model's cache is float16 for a GGUF: :func:`kv_dtype_bytes`);
 - scratch (the larger of the two models, which run one after the other): activations of one forward over
   :data:`specchat.backend.limits.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
   attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
@@ -211,7 +211,7 @@ def _ggml_block(name: str) -> tuple[int, int] | None:
 
 
 def kv_dtype_bytes(spec: ModelSpec, device: Device) -> int:
-    """Bytes per cached K/V value: the native model keeps a GGUF's cache in bfloat16 and a checkpoint's in its
+    """Bytes per cached K/V value: the native model keeps a GGUF's cache in float16 and a checkpoint's in its
     dtype (bfloat16, else float32), as ``native_loading.load`` chooses; other paths the compute dtype."""
     if as_stored(spec, device):
         return 2 if spec.kind in GGUF_KINDS or spec.dtype == "bfloat16" else 4
