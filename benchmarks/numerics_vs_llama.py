@@ -10,7 +10,7 @@ the first side's file) in float32. So llama.cpp can be set against itself (flash
 types, a Q8_0 file against the F16 one) to show how far two valid computations of the same file part.
 
     python benchmarks/numerics_vs_llama.py --tokens 4096 llama:F16.gguf llama:Q8_0.gguf specchat:Q8_0.gguf
-    python benchmarks/numerics_vs_llama.py --cache-speed --packaged [--context 2048] [--rounds 3]
+    python benchmarks/numerics_vs_llama.py --cache-speed --packaged [--context 2048] [--rounds 3] [--caches f16 bf16]
 
 ``--cache-speed`` decodes ``--steps`` one-token passes after ``--context`` ids with each cache type in turn
 (``--rounds`` interleaved rounds, median ms per token): what the cache's element type costs the attention.
@@ -121,10 +121,10 @@ def _compare(engine, first: torch.Tensor, second: torch.Tensor) -> dict[str, obj
     }  # fmt: skip
 
 
-def _cache_speed(gguf: Path, ids: list[int], steps: int, rounds: int) -> dict[str, float]:
+def _cache_speed(gguf: Path, ids: list[int], caches: list[str], steps: int, rounds: int) -> dict[str, float]:
     """Median ms per one-token pass after ``ids``, per cache type, rounds interleaved."""
-    engines = {name: _engine(gguf, len(ids) + steps, name) for name in CACHES}
-    times: dict[str, list[float]] = {name: [] for name in CACHES}
+    engines = {name: _engine(gguf, len(ids) + steps, name) for name in caches}
+    times: dict[str, list[float]] = {name: [] for name in caches}
     for _ in range(rounds):
         for name, engine in engines.items():
             native, seq = engine.runner.native, engine.runner.cache.new_sequence()
@@ -155,6 +155,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--caches", nargs="+", choices=sorted(CACHES), default=["f16", "bf16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.cache_speed:
@@ -163,7 +164,7 @@ def main() -> int:
         gguf = packaged_gguf_path() if args.packaged else Path(args.sides[0].split(":")[1])
         ids = _engine(gguf, 64).tokenizer.encode(_text(), add_special_tokens=False)[: args.context]
         print(json.dumps({"file": gguf.name, "context": len(ids), "ms_per_token": _cache_speed(
-            gguf, ids, args.steps, args.rounds)}))  # fmt: skip
+            gguf, ids, args.caches, args.steps, args.rounds)}))  # fmt: skip
         return 0
     if len(args.sides) < 2:
         parser.error("give at least two sides")
