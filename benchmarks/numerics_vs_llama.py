@@ -13,7 +13,8 @@ types, a Q8_0 file against the F16 one) to show how far two valid computations o
     python benchmarks/numerics_vs_llama.py --cache-speed --packaged [--context 2048] [--rounds 3] [--caches f16 bf16]
 
 ``--cache-speed`` decodes ``--steps`` one-token passes after ``--context`` ids with each cache type in turn
-(``--rounds`` interleaved rounds, median ms per token): what the cache's element type costs the attention.
+(``--rounds`` interleaved rounds, CPU ms per token of this process, best with ``--threads 1`` on a shared
+machine): what the cache's element type costs the attention.
 """
 
 from __future__ import annotations
@@ -121,25 +122,26 @@ def _compare(engine, first: torch.Tensor, second: torch.Tensor) -> dict[str, obj
     }  # fmt: skip
 
 
-def _cache_speed(gguf: Path, ids: list[int], caches: list[str], steps: int, rounds: int) -> dict[str, float]:
-    """Median ms per one-token pass after ``ids``, per cache type, rounds interleaved."""
+def _cache_speed(gguf: Path, ids: list[int], caches: list[str], steps: int, rounds: int) -> dict[str, list[float]]:
+    """ms per one-token pass after ``ids``, per cache type and round; rounds interleaved, the order rotating."""
     engines = {name: _engine(gguf, len(ids) + steps, name) for name in caches}
     times: dict[str, list[float]] = {name: [] for name in caches}
-    for _ in range(rounds):
-        for name, engine in engines.items():
+    for turn in range(rounds):
+        for name in caches[turn % len(caches) :] + caches[: turn % len(caches)]:
+            engine = engines[name]
             native, seq = engine.runner.native, engine.runner.cache.new_sequence()
             for start in range(0, len(ids), CHUNK):
                 part = torch.tensor(ids[start : start + CHUNK], dtype=torch.long)
                 native.forward(seq, part, 1)
                 seq.commit(part.numel())
             token = torch.tensor(ids[-1:], dtype=torch.long)
-            began = time.perf_counter()
+            began = time.process_time()  # this process's CPU time: other processes' load counts less than in wall time
             for _ in range(steps):
                 native.forward(seq, token, 1)
                 seq.commit(1)
-            times[name].append((time.perf_counter() - began) * 1000 / steps)
+            times[name].append((time.process_time() - began) * 1000 / steps)
             seq.free()
-    return {name: statistics.median(values) for name, values in times.items()}
+    return times
 
 
 def main() -> int:
@@ -163,8 +165,14 @@ def main() -> int:
 
         gguf = packaged_gguf_path() if args.packaged else Path(args.sides[0].split(":")[1])
         ids = _engine(gguf, 64).tokenizer.encode(_text(), add_special_tokens=False)[: args.context]
-        print(json.dumps({"file": gguf.name, "context": len(ids), "ms_per_token": _cache_speed(
-            gguf, ids, args.caches, args.steps, args.rounds)}))  # fmt: skip
+        times = _cache_speed(gguf, ids, args.caches, args.steps, args.rounds)
+        first = times[args.caches[0]]
+        print(json.dumps({
+            "file": gguf.name, "context": len(ids), "ms_per_token": times,
+            "median_ms": {name: statistics.median(values) for name, values in times.items()},
+            f"median_ratio_to_{args.caches[0]}": {
+                name: statistics.median(v / f for v, f in zip(values, first)) for name, values in times.items()},
+        }))  # fmt: skip
         return 0
     if len(args.sides) < 2:
         parser.error("give at least two sides")
