@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from specchat.backend.errors import InsufficientMemoryError
-from specchat.backend.limits import MAX_GAMMA, PREFILL_CHUNK
+from specchat.backend.limits import MAX_GAMMA, NATIVE_PREFILL_CHUNK, PREFILL_CHUNK
 from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.catalog.model_spec import GGUF_KINDS
 
@@ -87,6 +87,7 @@ LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a
 DECISION_BYTES = 8
 NOISE_BYTES = 32
 PICK_ROWS = 4  # sampling.PICK_ROWS (not imported: this module is read without the sampling code)
+SCORE_BUDGET = 1 << 21  # float32 attention scores the native pass holds at most (csrc/attention_pass.cpp: kBudget)
 NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + float32 absmax per 64-weight block (no double quant)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -219,12 +220,13 @@ def kv_dtype_bytes(spec: ModelSpec, device: Device) -> int:
 
 
 def native_scratch_bytes(spec: ModelSpec, context_length: int) -> int:
-    """The native pass's buffers over one prefill chunk (``csrc/model_forward.cpp``: float32 residual, normed
-    input, q/k/v, attention output, o, gate/up, activation and down rows; int8 copies of the activations its
-    kernels read), the rotary tables for every slot (cos and sin, float32, two bases at most) and the kept
-    logits rows with the decision's copies. The MLP width comes from the parameter count (per layer: attention
-    ``hidden x (q + 2 kv + o)`` plus ``3 x hidden x intermediate``)."""
-    tokens = min(context_length, PREFILL_CHUNK)
+    """The native pass's buffers over one prefill chunk of :data:`NATIVE_PREFILL_CHUNK` rows
+    (``csrc/model_forward.cpp``: float32 residual, normed input, q/k/v, attention output, o, gate/up, activation
+    and down rows; int8 copies of the activations its kernels read), its attention scores (a group of rows over
+    their keys, at most :data:`SCORE_BUDGET` floats), the rotary tables for every slot (cos and sin, float32, two
+    bases at most) and the kept logits rows with the decision's copies. The MLP width comes from the parameter
+    count (per layer: attention ``hidden x (q + 2 kv + o)`` plus ``3 x hidden x intermediate``)."""
+    tokens = min(context_length, NATIVE_PREFILL_CHUNK)
     hidden, kv_width = spec.hidden_size, spec.num_kv_heads * spec.head_dim
     q_width = max(hidden // max(spec.head_dim, 1), spec.num_kv_heads) * spec.head_dim
     embeddings = spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2)
@@ -232,9 +234,10 @@ def native_scratch_bytes(spec: ModelSpec, context_length: int) -> int:
     inter = max((per_layer - hidden * (2 * q_width + 2 * kv_width)) // (3 * max(hidden, 1)), hidden)
     floats = tokens * (4 * hidden + 2 * q_width + 2 * kv_width + 3 * inter)
     quantised = tokens * (hidden + inter) * 2  # int8 values and their per-block scales, generously
+    scores = min(SCORE_BUDGET, tokens * (q_width // max(spec.head_dim, 1)) * (context_length + 1)) * 4
     rotary = 2 * 2 * context_length * spec.head_dim * 4
     logits = LOGIT_ROWS * spec.vocab_size * (4 + DECISION_BYTES) + PICK_ROWS * spec.vocab_size * NOISE_BYTES
-    return floats * 4 + quantised + rotary + logits
+    return floats * 4 + quantised + scores + rotary + logits
 
 
 def _stored_16bit(spec: ModelSpec) -> bool:
