@@ -9,8 +9,11 @@ aggregate tok/s (completion tokens of all clients / wall time from the first req
 first token p50, per-stream tok/s p50 / p95 (a reply's tokens over its time from the first token to the last),
 and the policy's crossover table (batch tok/s with speculation on, off, and as the policy chose).
 
-    python benchmarks/batch_serve.py --concurrency 1 2 4 8 16 --requests 2 --max-tokens 96 \\
-        [--llama-bin ~/.cache/llama.cpp-bin/src/build/bin] [--threads 2] [--json out.json]
+    python benchmarks/batch_serve.py --concurrency 1 2 4 8 16 --requests 2 --max-tokens 96 [--rounds 2] \\
+        [--llama-bin ~/.cache/llama.cpp-bin/src/build/bin] [--threads 2] [--json out.json] [--gguf FILE]
+
+``--gguf FILE`` serves that file on both sides instead of the embedded default (a pair written to a temporary
+models.yaml, context 4096; e.g. the 1B file of ``benchmarks/make_gguf.py --type q4_0``).
 
 Modes (one server per kind; `specchat serve --parallel 16` serves every batch mode, the request's ``specchat`` field
 choosing the drafter and γ): ``serve-1`` (`--parallel 1`, prompt lookup, γ auto: one at a time, the others queue),
@@ -29,6 +32,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -37,6 +41,7 @@ import httpx
 
 DATA = Path(__file__).resolve().parents[1] / "backend" / "bench" / "data"
 SLOTS = 16
+MODEL = "smollm2-135m"  # the served pair (--gguf: "bench-gguf"; llama-server takes any name)
 
 
 def prompts() -> list[list[dict]]:
@@ -69,12 +74,12 @@ def wait_up(url: str, proc: subprocess.Popen, what: str) -> None:
     raise SystemExit(f"{what} did not come up")
 
 
-def specchat_server(parallel: int, threads: int) -> tuple[subprocess.Popen, str]:
+def specchat_server(parallel: int, threads: int, pair: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     # No prefix cache: every mode sends the same prompts, and a later mode would read the earlier one's.
     command = ["specchat", "serve", "--port", str(port), "--parallel", str(parallel), "--queue", "64", "--log", "off",
-               "--prefix-cache-mb", "0"]  # fmt: skip
+               "--prefix-cache-mb", "0", *pair]  # fmt: skip
     proc = subprocess.Popen(command, env=env, stderr=open(f"/tmp/specchat-serve-{parallel}.log", "w"))  # noqa: SIM115
     wait_up(f"http://127.0.0.1:{port}/health", proc, "specchat serve")
     return proc, f"http://127.0.0.1:{port}/v1"
@@ -97,7 +102,7 @@ def llama_server(bin_dir: Path, gguf: str, threads: int, ngram: bool) -> tuple[s
 
 
 def one_reply(url: str, messages: list[dict], max_tokens: int, spec: dict | None) -> dict:
-    body: dict = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body: dict = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                   "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if spec is not None:
         body["specchat"] = spec
@@ -136,15 +141,22 @@ def run_mode(url: str, clients: int, requests: int, max_tokens: int, spec: dict 
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    rates = sorted(r["tokens"] / max(r["end"] - r["first"], 1e-9) for r in results)
+    return {"replies": results, "wall_s": time.perf_counter() - t0}
+
+
+def summary(runs: list[dict]) -> dict:
+    """One mode at one concurrency over its rounds: tokens and wall time summed, percentiles over every reply."""
+    replies = [r for run in runs for r in run["replies"]]
+    wall = sum(run["wall_s"] for run in runs)
+    rates = sorted(r["tokens"] / max(r["end"] - r["first"], 1e-9) for r in replies)
     return {
-        "aggregate_tok_s": sum(r["tokens"] for r in results) / wall,
-        "ttft_p50_s": statistics.median(r["first"] - r["start"] for r in results),
+        "aggregate_tok_s": sum(r["tokens"] for r in replies) / wall,
+        "ttft_p50_s": statistics.median(r["first"] - r["start"] for r in replies),
         "stream_tok_s_p50": statistics.median(rates),
         "stream_tok_s_p95": rates[min(len(rates) - 1, int(0.95 * len(rates)))],
-        "tokens": sum(r["tokens"] for r in results),
+        "tokens": sum(r["tokens"] for r in replies),
         "wall_s": wall,
+        "rounds": [sum(r["tokens"] for r in run["replies"]) / run["wall_s"] for run in runs],
     }
 
 
@@ -160,11 +172,24 @@ def main() -> int:
                         help="the concurrencies llama-server runs at (default: all)")  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds per concurrency (summed)")
+    parser.add_argument("--gguf", type=Path, default=None, help="serve this GGUF (default: the embedded model's)")
     args = parser.parse_args()
-    gguf = subprocess.run(
-        [sys.executable, "-c", "from specchat.backend.models.catalog.config import load_pairs; "
-         "print(load_pairs()['smollm2-135m'].target.facts_file)"], capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+    pair: list[str] = []
+    if args.gguf is not None:
+        gguf = str(args.gguf.resolve())
+        models = Path(tempfile.mkdtemp(prefix="batch-serve-")) / "models.yaml"
+        models.write_text(
+            f"pairs:\n  - name: bench-gguf\n    target:\n      source: {gguf}\n    context_length: 4096\n"
+        )
+        pair = ["--models", str(models), "--pair", "bench-gguf"]
+        global MODEL
+        MODEL = "bench-gguf"
+    else:
+        gguf = subprocess.run(
+            [sys.executable, "-c", "from specchat.backend.models.catalog.config import load_pairs; "
+             "print(load_pairs()['smollm2-135m'].target.facts_file)"], capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
     specs = {
         "serve-1": {"drafter": "prompt-lookup"},
         "batch-policy": {"drafter": "prompt-lookup"},
@@ -175,29 +200,38 @@ def main() -> int:
     servers: dict[str, tuple[subprocess.Popen, str] | None] = {}
     try:
         if "serve-1" in modes:
-            servers["serve-1"] = specchat_server(1, args.threads)
+            servers["serve-1"] = specchat_server(1, args.threads, pair)
         if any(m.startswith("batch") for m in modes):
-            servers["batch"] = specchat_server(SLOTS, args.threads)
+            servers["batch"] = specchat_server(SLOTS, args.threads, pair)
         if args.llama_bin is not None:
             for mode in ("llama", "llama-ngram"):
                 if mode in modes:
                     servers[mode] = llama_server(args.llama_bin, gguf, args.threads, mode == "llama-ngram")
         table: dict[str, dict[int, dict]] = {}
+        runs: dict[tuple[str, int], list[dict]] = {}
         for turn, clients in enumerate(args.concurrency):
             # Interleaved: every mode at this concurrency, then the next; the order rotates so no mode is always
             # first (llama-server keeps its slots' prompts, a cache of its own per mode's server).
-            for mode in modes[turn % len(modes) :] + modes[: turn % len(modes)]:
-                server = servers.get("batch" if mode.startswith("batch") else mode)
-                if server is None:
+            for rnd in range(args.rounds):
+                shift = (turn + rnd) % len(modes)
+                for mode in modes[shift:] + modes[:shift]:
+                    server = servers.get("batch" if mode.startswith("batch") else mode)
+                    if server is None:
+                        continue
+                    if mode.startswith("llama") and args.llama_concurrency and clients not in args.llama_concurrency:
+                        continue
+                    run_mode(server[1], 1, 1, 8, specs.get(mode))  # warm: first-request costs out of the figures
+                    runs.setdefault((mode, clients), []).append(
+                        run_mode(server[1], clients, args.requests, args.max_tokens, specs.get(mode))
+                    )
+            for mode in modes:
+                if (mode, clients) not in runs:
                     continue
-                if mode.startswith("llama") and args.llama_concurrency and clients not in args.llama_concurrency:
-                    continue
-                run_mode(server[1], 1, 1, 8, specs.get(mode))  # warm: first-request costs out of the figures
-                got = run_mode(server[1], clients, args.requests, args.max_tokens, specs.get(mode))
-                table.setdefault(mode, {})[clients] = got
+                got = table.setdefault(mode, {})[clients] = summary(runs[(mode, clients)])
                 print(f"{mode:13s} c={clients:2d}  {got['aggregate_tok_s']:7.1f} tok/s  TTFT p50 "
                       f"{got['ttft_p50_s'] * 1000:7.0f} ms  stream p50 {got['stream_tok_s_p50']:6.1f} p95 "
-                      f"{got['stream_tok_s_p95']:6.1f} tok/s  ({got['tokens']} tokens)", flush=True)  # fmt: skip
+                      f"{got['stream_tok_s_p95']:6.1f} tok/s  ({got['tokens']} tokens; rounds "
+                      f"{' '.join(f'{x:.1f}' for x in got['rounds'])})", flush=True)  # fmt: skip
     finally:
         for server in servers.values():
             if server is not None:

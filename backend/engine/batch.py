@@ -8,8 +8,8 @@ the engine's own request loop (``Engine._generate``, ``RequestState``) with draf
 only its target passes are shared, on the CPU native model row for row as they are alone (docs/batching.md).
 
 How: each stream's loop runs in a greenlet whose runner (:class:`_LaneRunner`) hands every target pass to the
-scheduler and waits; when every active stream waits on a pass, the scheduler runs one pass over all their rows
-(``ModelRunner.forward_batch``) and resumes each stream with its rows' logits. The schedule of a pass:
+scheduler and waits; when all wait, one pass runs over all their rows (``ModelRunner.forward_batch``) and each
+stream resumes with its rows' logits. The schedule of a pass:
 - every decoding stream's rows (its pending token and drafts), whole;
 - then one prefill (the stream admitted first) for the rest of ``prefill_budget`` rows, at least
   ``MIN_PIECE``: a long prompt is read in pieces across passes (native model only; other paths prefill whole),
@@ -112,8 +112,7 @@ class BatchScheduler:
         self._pass_end: float | None = None
         self.active: list[_Stream] = []
         self._waiting: deque[_Stream] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
+        self._cond, self._closed = threading.Condition(), False
         self._thread: threading.Thread | None = None
         self._since_allocation = 0
         self._members: tuple[tuple[int, bool], ...] = ()
@@ -286,11 +285,14 @@ class BatchScheduler:
     def _calibrate(self) -> None:
         """T(R) for a few row counts, measured once on a scratch sequence (the allocation's first figures)."""
         seq = self.runner.cache.new_sequence()
+        threads = self.engine.threads
         try:
             ids = torch.arange(16, 80, dtype=torch.long)
             self.runner.forward_batch([PassPart(seq, ids, 1)])
             seq.commit(64)
             for rows in (1, 2, 4, 8, 16, 32, 1, 2, 4, 8, 16, 32):
+                if threads is not None:
+                    threads.step()  # as between any two passes: fewer threads while other programs are busy
                 t0 = time.perf_counter()
                 self.runner.forward_batch([PassPart(seq, ids[:rows], rows)])
                 self.cost.observe(rows, time.perf_counter() - t0)

@@ -9,14 +9,18 @@ if the tokens it is expected to add are worth the time it adds to everyone's pas
 paying, so speculation shrinks and switches off as streams join, and comes back as they leave.
 
 - :class:`PassCost`: T(R), a running median of the measured passes at each row count R (the batch's own passes,
-  and a calibration at start when given one), linear between measured R and by the last slope beyond them;
+  and a calibration at start when given one), made non-decreasing in R (a weighted isotonic fit over the
+  medians, weights their samples: one slow pass while another program held a core must not make 8 rows look
+  dearer than 9 and steer the allocation), linear between measured R and by the last slope beyond them;
   before any measurement, the prior shape T(R) = T(1) · (1 + 0.5 · (R − 1)).
 - :func:`allocate`: the γ of each stream maximising that ratio, greedily: from every γ at its floor (0, or 1 for
   a stream's first drafted steps, whose acceptance is not known yet), the one change of one
   stream's γ that raises the ratio most, until none does. E_i[N](γ) is the stream's policy's own estimate
   (per-position acceptance); a paused policy offers no drafts.
 - :class:`BatchPolicy`: a stream's GammaPolicy in a batch: ``cap`` (set before each pass; None while the stream
-  is alone) bounds its γ, and a pass shared with other streams does not count as its own pass time.
+  is alone) is its γ while it shares passes (the allocation weighed its acceptance against the batch's pass cost;
+  its own lone-stream choice, S(γ) over its own pass times, does not apply to a shared pass), 0 while paused; a
+  pass shared with other streams does not count as its own pass time.
 """
 
 from __future__ import annotations
@@ -36,16 +40,34 @@ class PassCost:
     def __init__(self) -> None:
         self._t: dict[int, _Median] = {}
         self._memo: dict[int, float] = {}  # time() by rows until the next observation (allocate asks often)
+        self._fit: dict[int, float] | None = None  # the monotone curve until the next observation
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows >= 1 and seconds > 0.0:
             self._t.setdefault(rows, _Median()).add(seconds)
             self._memo.clear()
+            self._fit = None
 
     def curve(self) -> dict[int, float]:
         """The measured medians, by rows."""
         known = dict(self._t)  # a copy first: /metrics reads it from another thread while passes add to it
         return {r: m.value for r, m in sorted(known.items())}
+
+    def monotone(self) -> dict[int, float]:
+        """The medians made non-decreasing in rows: pool adjacent violators, each median weighted by its samples."""
+        if self._fit is None:
+            known = dict(self._t)
+            blocks: list[list[float]] = []  # [value, weight, rows in the block]
+            for rows in sorted(known):
+                median = known[rows]
+                blocks.append([median.value, float(len(median.samples) or 1), 1.0])
+                while len(blocks) >= 2 and blocks[-2][0] > blocks[-1][0]:
+                    v2, w2, n2 = blocks.pop()
+                    v1, w1, n1 = blocks.pop()
+                    blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+            values = [v for v, _, n in blocks for _ in range(int(n))]
+            self._fit = dict(zip(sorted(known), values, strict=True))
+        return self._fit
 
     def time(self, rows: int) -> float:
         if (memo := self._memo.get(rows)) is None:
@@ -53,25 +75,25 @@ class PassCost:
         return memo
 
     def _estimate(self, rows: int) -> float:
-        known = self._t
+        known = self.monotone()
         if rows in known:
-            return known[rows].value
+            return known[rows]
         if not known:
             return 1.0 + PRIOR_SLOPE * (rows - 1)
         below = [r for r in known if r < rows]
         above = [r for r in known if r > rows]
         if below and above:
             lo, hi = max(below), min(above)
-            t_lo, t_hi = known[lo].value, known[hi].value
+            t_lo, t_hi = known[lo], known[hi]
             return t_lo + (t_hi - t_lo) * (rows - lo) / (hi - lo)
         ordered = sorted(known)
         if len(ordered) >= 2:  # beyond the measured rows: the slope of the nearest two, at least 0
             a, b = (ordered[-2], ordered[-1]) if below else (ordered[0], ordered[1])
-            slope = max((known[b].value - known[a].value) / (b - a), 0.0)
+            slope = max((known[b] - known[a]) / (b - a), 0.0)
             edge = ordered[-1] if below else ordered[0]
-            return max(known[edge].value + slope * (rows - edge), 1e-9)
+            return max(known[edge] + slope * (rows - edge), 1e-9)
         only = ordered[0]
-        return known[only].value * (1.0 + PRIOR_SLOPE * (rows - 1)) / (1.0 + PRIOR_SLOPE * (only - 1))
+        return known[only] * (1.0 + PRIOR_SLOPE * (rows - 1)) / (1.0 + PRIOR_SLOPE * (only - 1))
 
 
 @dataclass(frozen=True)
@@ -137,17 +159,18 @@ class BatchPolicy(GammaPolicy):
     def learn_costs(self, cost: PassCost) -> None:
         """Start from the batch's measured pass times (a pass over n rows alone costs what the batch's over n
         rows did), so a stream alone chooses γ from the first step as a lone request with a warm engine does."""
-        for rows, seconds in cost.curve().items():
+        for rows, seconds in cost.monotone().items():
             self._target.setdefault(rows, _Median()).add(seconds)
         self._refit()
         self._speedup_cache = None
 
     def choose(self) -> int:
+        own = super().choose()  # alone its choice; in a batch it still moves its state (a paused policy's probe)
         if self.cap is None:
-            return super().choose()
-        if self.cap == 0:
+            return own
+        if self.state is PolicyState.PAUSED:
             return 0
-        return min(super().choose(), self.cap)
+        return self.cap
 
     def observe(
         self, *, gamma: int, accepted: int, draft_s: float, verify_s: float, proposed: int, tried: int | None = None

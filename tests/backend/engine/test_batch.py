@@ -225,3 +225,21 @@ def test_a_new_stream_drafts_one_token_until_its_acceptance_is_known():
     for _ in range(fresh.warmup_steps):
         fresh.observe(gamma=3, proposed=3, accepted=0, draft_s=0.0, verify_s=0.0)
     assert fresh.offer(8, 1.0).floor == 0
+
+
+def test_the_calibration_lets_the_thread_governor_step_between_its_passes(native_ready, tmp_path):  # noqa: F811
+    """On a busy machine two threads stall at every barrier (backend/engine/threads.py): the batch's first passes,
+    its calibration, must give the governor its readings as every other pass does."""
+    engine = native_engine(tmp_path, parallel=2)
+    steps: list[int] = []
+
+    class Governor:
+        def step(self) -> int:
+            steps.append(1)
+            return 1
+
+    engine.threads = Governor()  # type: ignore[assignment]
+    scheduler = BatchScheduler(engine, 2)
+    scheduler._calibrate()
+    assert len(steps) >= 12
+    assert scheduler.cost.curve()
