@@ -31,7 +31,8 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
 - runtime (CPU only, not part of ``total``: the process holds it before any model loads, and free memory is
   what is left beside it): :data:`RUNTIME_BYTES` for Python, torch and specchat's modules, measured, plus the
   tokenizer at :data:`TOKENIZER_BYTES_PER_TOKEN` per vocabulary entry. :attr:`MemoryEstimate.process` is the
-  whole process: ``total + runtime``, what `specchat models` shows and ``benchmarks/memory_vs_llama.py`` compares
+  whole process: ``total - headroom + runtime`` (the headroom is the fit check's margin, not memory the process
+  holds), what `specchat models` shows and ``benchmarks/memory_vs_llama.py`` compares
   with the peak resident memory measured.
 
 The KV term counts every slot of the context; on CPU the cache's pages are reserved as tokens arrive
@@ -75,11 +76,12 @@ def device_type(device: Device) -> str:
 
 
 HEADROOM = 0.08
-# Resident memory of a specchat process before it loads a model (Python, torch 2.13's CPU build, the engine's
-# modules), measured on the Zen 4 (benchmarks/RESULTS.md, "Memory against llama-server"), and of the tokenizer
-# per vocabulary entry (the ``tokenizers`` BPE tables: 49,152 entries ~15 MiB, 151,936 ~45 MiB).
-RUNTIME_BYTES = 226 * 2**20
-TOKENIZER_BYTES_PER_TOKEN = 320
+# Resident memory of a specchat process besides the model's terms (Python, torch 2.13's CPU build and the engine's
+# modules: ~230 MiB before loading; the native library and what loading leaves: ~17 MiB), and of the tokenizer per
+# vocabulary entry (the ``tokenizers`` BPE tables), fitted to the loaded process of a 49,152- and a 151,936-entry
+# file on the Zen 4 (benchmarks/RESULTS.md, "Memory to llama.cpp's level").
+RUNTIME_BYTES = 246 * 2**20
+TOKENIZER_BYTES_PER_TOKEN = 290
 LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a prefill chunk keeps one)
 # Per logit of a kept row, beyond the model's output: float32 copy (4), penalised copy (4); per logit of the rows
 # whose noise is drawn at once (sampling.PICK_ROWS): the int64 hash and its scratch (16), the float64 noise (8)
@@ -107,8 +109,9 @@ class MemoryEstimate:
 
     @property
     def process(self) -> int:
-        """The whole process: what loading adds (``total``) and what it holds before (``runtime``)."""
-        return self.total + self.runtime
+        """The whole process: what loading adds (``total`` less the fit check's headroom) and what it holds before
+        (``runtime``)."""
+        return self.total - self.headroom + self.runtime
 
     def describe(self, context_length: int) -> str:
         """One line naming each term, for messages and `specchat models`."""
