@@ -39,6 +39,10 @@ KV_BLOCK_SIZE = 16  # tokens per KV cache block (the paged cache's unit of alloc
 # Zen 4 with the embedded default: benchmarks/RESULTS.md, "Continuous batching").
 DEFAULT_PARALLEL = 8
 PREFILL_CHUNK = 512  # prompt tokens per prefill pass: bounds the attention scratch of long prompts
+# The CPU native model's: its pass buffers (activations, MLP rows, attention scores) are sized by the rows of a pass
+# and kept between passes, and its prefill took the same CPU time in passes of 64 rows as of 128 or 512
+# (benchmarks/RESULTS.md, "Memory to llama.cpp's level").
+NATIVE_PREFILL_CHUNK = 64
 MIN_CONTEXT, MAX_CONTEXT = 64, 1 << 20  # a pair's context_length
 # A pair's context_length when models.yaml gives none: this, or less where the target model states a shorter one.
 DEFAULT_CONTEXT = 8192

@@ -10,6 +10,8 @@ runtime: Python, torch), after loading, and after the reply.
     python benchmarks/memory_vs_llama.py --packaged [--context 8192] [--fill 7000]
     python benchmarks/memory_vs_llama.py --gguf /tmp/bench-qwen2-152k-q8_0.gguf
     python benchmarks/memory_vs_llama.py --packaged --skip-llama       # specchat's side only
+    # a full context with sampled verification of 32 rows (the estimate's case):
+    python benchmarks/memory_vs_llama.py --gguf FILE --fill 8000 --drafter prompt-lookup --gamma 31 --temperature 0.8
 
 llama.cpp binaries: ``--llama-bin`` (default ~/.cache/llama.cpp-bin/src/build/bin; LD_LIBRARY_PATH is set to it).
 """
@@ -46,8 +48,11 @@ runtime = status()["VmRSS"]
 engine = load_engine(pair)
 loaded = status()["VmRSS"]
 prompt = open(sys.argv[2]).read()
+drafter, gamma, temperature = sys.argv[5], sys.argv[6], float(sys.argv[7])
+gamma = int(gamma) if gamma.isdigit() else gamma
+sampling = SamplingParams(temperature=temperature, max_new_tokens=int(sys.argv[4]), seed=0)
 request = GenerationRequest(messages=[{"role": "user", "content": prompt}], keep_all_messages=True,
-                            sampling=SamplingParams(temperature=0, max_new_tokens=int(sys.argv[4])), drafter="none")
+                            sampling=sampling, drafter=drafter, gamma=gamma)
 tokens = 0
 for event in engine.generate(request):
     tokens += len(event.token_ids)
@@ -74,13 +79,25 @@ def _text(words: int) -> str:
     return " ".join(rng.choice(vocabulary) for _ in range(words))
 
 
-def specchat(gguf: Path, context: int, prompt: Path, threads: int, tokens: int) -> dict:
+def specchat(gguf: Path, context: int, prompt: Path, threads: int, tokens: int, drafter: str = "none",
+             gamma: str = "auto", temperature: float = 0.0) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
         pairs = Path(folder) / "models.yaml"
         pairs.write_text(f"pairs:\n  - name: bench\n    target:\n      source: {gguf}\n    drafter: none\n"
                          f"    context_length: {context}\n")  # fmt: skip
         done = subprocess.run(
-            [sys.executable, "-c", CHILD, str(pairs), str(prompt), str(threads), str(tokens)],
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                str(pairs),
+                str(prompt),
+                str(threads),
+                str(tokens),
+                drafter,
+                gamma,
+                str(temperature),
+            ],  # fmt: skip
             capture_output=True,
             text=True,
             check=False,
@@ -124,6 +141,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8931)
     parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--drafter", default="none", help="specchat's drafter (llama-server runs without one)")
+    parser.add_argument("--gamma", default="auto", help="drafted tokens per step (with --drafter)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="with a seed: sampled verification's buffers")
     parser.add_argument("--llama-bin", type=Path, default=Path.home() / ".cache/llama.cpp-bin/src/build/bin")
     args = parser.parse_args()
     if args.packaged:
@@ -135,7 +155,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         prompt = Path(folder) / "prompt.txt"
         prompt.write_text(_text(args.fill or int(args.context * 0.6)))
-        ours = specchat(gguf, args.context, prompt, args.threads, args.tokens)
+        ours = specchat(gguf, args.context, prompt, args.threads, args.tokens, args.drafter, args.gamma,
+                        args.temperature)  # fmt: skip
         mib = 2**20
         line = {
             "file": gguf.name,
@@ -144,6 +165,7 @@ def main() -> int:
             "specchat_runtime_mib": round(ours["runtime"] / mib),
             "specchat_loaded_mib": round(ours["loaded"] / mib),
             "prompt_tokens": ours["prompt_tokens"],
+            "drafter": args.drafter,
             "estimate_mib": {k: round(v / mib) for k, v in ours["estimate"].items()},
         }
         line["estimate_vs_peak"] = round(ours["estimate"]["process"] / ours["peak"], 3)

@@ -51,13 +51,12 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
 
 
 class Engine:
-    """Target (+ optional draft model) with their paged caches, for one process.
-
-    ``target`` and ``draft`` are loaded models; each gets a :class:`ModelRunner` (paged attention, its cache,
-    the device's fast path). ``kv_tokens`` sizes each pool (default: the pair's context length plus room for
-    one verification step). ``prefix_cache_bytes``: the K/V memory the target's pool holds on top of that for
-    prompts kept across requests (``GenerationRequest.prefix_cache``; `specchat serve`); 0 keeps none.
-    ``parallel``: the streams a batch (backend/engine/batch.py) may run at once; the pools hold that many.
+    """Target (+ optional draft model) with their paged caches, for one process. ``target`` and ``draft`` are
+    loaded models; each gets a :class:`ModelRunner` (paged attention, its cache, the device's fast path).
+    ``kv_tokens`` sizes each pool (default: the pair's context length plus room for one verification step).
+    ``prefix_cache_bytes``: the K/V memory the target's pool holds on top of that for prompts kept across requests
+    (``GenerationRequest.prefix_cache``; `specchat serve`); 0 keeps none. ``parallel``: the streams a batch
+    (backend/engine/batch.py) may run at once; the pools hold that many.
     """
 
     def __init__(
@@ -114,6 +113,7 @@ class Engine:
                 self.draft_runner.cache,
                 vocab_limit=self.vocab_limit,
                 eos_token_ids=self.eos_ids,
+                prefill_chunk=self.draft_runner.prefill_chunk,
             )
         # Measured costs and acceptance outlive a request: the next reply starts from what was learned.
         self.policies: dict[str, GammaPolicy] = {n: GammaPolicy(max_gamma=MAX_GAMMA) for n in self.drafters}

@@ -32,7 +32,7 @@ from specchat.backend.engine.resolve import Sampling
 from specchat.backend.engine.target_pass import TargetPasses
 from specchat.backend.errors import KVCacheFullError
 from specchat.backend.kv.attention import PassCancelled
-from specchat.backend.limits import PREFILL_CHUNK, Gamma
+from specchat.backend.limits import Gamma
 from specchat.backend.speculative.constraint import JUMP_FORWARD, Constraint, plan_draft
 from specchat.backend.speculative.drafters.prediction import PredictionDrafter
 from specchat.backend.speculative.request_stats import SpecStats
@@ -147,7 +147,8 @@ class RequestState:
         t0 = time.perf_counter()
         todo = self.prompt[len(conv.cached) :]
         logits = None
-        for start in range(0, len(todo), PREFILL_CHUNK):
+        step = self.target.runner.prefill_chunk
+        for start in range(0, len(todo), step):
             if prefill_progress:  # not a step: no tokens, no statistics (backend/api.py, StepEvent)
                 yield StepEvent.empty(PolicyState.OFF, self.drafter_used, prefill_tokens=len(todo), prefill_done=start)
             if self.cancel.is_set():  # the last progress event before a cancel says how much of the prompt was read
@@ -155,7 +156,7 @@ class RequestState:
                 return
             if self.target.threads is not None:
                 self.target.threads.step()
-            chunk = todo[start : start + PREFILL_CHUNK]
+            chunk = todo[start : start + step]
             try:  # a prefill pass can take seconds on a busy CPU: Esc stops it between two layers
                 logits = self.passes.raw_logits(chunk, keep=1, cancel=self.cancel)  # only the last chunk's row is used
             except PassCancelled:

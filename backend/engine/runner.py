@@ -48,7 +48,7 @@ from specchat.backend.kernels.native_model import NativeModel, PassPart
 from specchat.backend.kv import attention
 from specchat.backend.kv.block_pool import KVCacheUsageError
 from specchat.backend.kv.kv_cache import PagedKVCache, Sequence
-from specchat.backend.limits import KV_BLOCK_SIZE, MAX_GAMMA
+from specchat.backend.limits import KV_BLOCK_SIZE, MAX_GAMMA, NATIVE_PREFILL_CHUNK, PREFILL_CHUNK
 from specchat.backend.models.facts.memory import format_bytes, free_memory
 from specchat.backend.models.loading.native_loading import NativeCausalLM
 from specchat.backend.models.loading.pair import LoadedModel
@@ -136,6 +136,11 @@ class ModelRunner:
         the compact forward's row-wise attention (and its C++ layers) take ``compact.ROWWISE_ROWS``; the CUDA
         graphs' largest bucket and the eager paths are held to ``MAX_GAMMA + 1`` (what they are tested at)."""
         return compact.ROWWISE_ROWS if self.path == "cpu-compact" else MAX_GAMMA + 1
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per prefill pass on this path (``limits.NATIVE_PREFILL_CHUNK`` on the native model)."""
+        return NATIVE_PREFILL_CHUNK if self.path == "cpu-native" else PREFILL_CHUNK
 
     def forward(
         self,

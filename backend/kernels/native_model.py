@@ -8,8 +8,8 @@ Contract:
   embedding) and :meth:`NativeModel.set_layer_weight` (``q k v qkv o gate up gate_up down``), each a
   :func:`qweight` (the file's blocks, or float weights, as stored); vectors with :meth:`set_final_norm` and
   :meth:`set_layer_vector` (``attn_norm ffn_norm post_attn_norm post_ffn_norm q_norm k_norm q_bias k_bias
-  v_bias``). :meth:`bind` attaches a ``PagedKVCache`` (bfloat16 or float32 pools), makes the rotary tables for
-  as many positions as it has slots, and checks the whole model (a clear error names what is missing).
+  v_bias``). :meth:`bind` attaches a ``PagedKVCache`` (float16, bfloat16 or float32 pools), makes the rotary
+  tables for as many positions as it has slots, and checks the whole model (a clear error names what is missing).
 - :meth:`forward(seq, ids, logits_to_keep, parents=None, taps=())` reserves ``len(ids)`` slots of ``seq`` (no
   commit), runs one pass and returns ``(logits [logits_to_keep, vocab] float32, [one [n, hidden] float32 tensor
   per tap])``. ``parents`` (a tree of drafts after the pending token ``ids[0]``, ``parents[i]`` draft i's

@@ -1,13 +1,14 @@
-// Attention's building blocks, read straight from the cache pools (bfloat16 or float32), for the native model:
-// which keys a row sees (RowKeys) and where they are (Pools), the scalar row-by-row version (row_scalar: scores in
-// key order, std::exp), and the vector pieces the pass in attention_pass.h is made of (load8, exp8, the softmax's
-// numerators). attention_pass.h states the arithmetic per row and why it does not depend on the pass around it.
+// Attention's building blocks, read straight from the cache pools (float16, bfloat16 or float32), for the native
+// model: which keys a row sees (RowKeys) and where they are (Pools), the scalar row-by-row version (row_scalar:
+// scores in key order, std::exp), and the vector pieces the pass in attention_pass.h is made of (load8, exp8, the
+// softmax's numerators). attention_pass.h states the arithmetic per row and why it does not depend on the pass
+// around it.
 //
 // Each row is computed from its query and its keys and values in their order (a chain's run of positions, or a
 // tree node's prefix and ancestors) only. So a verification pass gives every token exactly the one-token pass's
 // result (tests/backend/kernels/test_native_model.py, test_attention_rows.py), which is what lets verification
 // keep a draft only when it equals the target's own token. Both versions differ from ATen's softmax(q·kᵀ)·v in
-// the last bits only; with AVX2 and FMA missing (or off x86) the scalar version runs.
+// the last bits only; with AVX2, FMA or F16C missing (or off x86) the scalar version runs.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "qgemm_layout.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -39,7 +42,7 @@ struct RowKeys {
 };
 
 // One layer's cache pools: position p is in slot map[p], or read_start + p when the sequence's blocks are one
-// consecutive run (map == nullptr). T: the pools' element, uint16_t (bfloat16 bits) or float.
+// consecutive run (map == nullptr). T: the pools' element, Half (float16 bits), uint16_t (bfloat16 bits) or float.
 template <class T>
 struct Pools {
   const T* k = nullptr;  // the K pool of one layer, [kv_heads, slots, d]
@@ -51,6 +54,13 @@ struct Pools {
   const T* key(int64_t head, int64_t position) const { return k + (head * slots + slot(position)) * d; }
   const T* value(int64_t head, int64_t position) const { return v + (head * slots + slot(position)) * d; }
 };
+
+// A float16 value's bits (IEEE binary16), the pools' element where the cache is float16 (a GGUF's, as llama.cpp's).
+struct Half {
+  uint16_t bits;
+};
+
+inline float widen(Half h) { return specchat::detail::half_to_float(h.bits); }  // exact, as F16C's vcvtph2ps
 
 inline float widen(uint16_t bits) {  // bfloat16 -> float32 (exact)
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -69,7 +79,7 @@ struct Scoring {
   float cap = 0.0f;    // logit soft cap; 0: none
 };
 
-// The portable version, one row at a time (scalar sums in key order, std::exp): runs where AVX2 and FMA do not,
+// The portable version, one row at a time (scalar sums in key order, std::exp): runs where AVX2, FMA or F16C do not,
 // and differs from the vector version (attention_pass.h) in the last bits. q [rep, d], out [rep rows of out_stride];
 // scratch holds rep · keys.count() floats.
 template <class T>
@@ -102,7 +112,11 @@ void row_scalar(const float* q, int64_t rep, const Pools<T>& pools, const RowKey
 }
 
 #ifdef SPECCHAT_X86
-#define SPECCHAT_AVX2 __attribute__((target("avx2,fma")))
+#define SPECCHAT_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+SPECCHAT_AVX2 inline __m256 load8(const Half* p) {  // 8 float16 -> float32 (exact)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 SPECCHAT_AVX2 inline __m256 load8(const uint16_t* p) {  // 8 bfloat16 -> float32 (exact)
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -161,12 +175,13 @@ SPECCHAT_AVX2 inline float softmax_numerators(float* e, int64_t n) {
 }
 
 inline bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return has;
 }
 #endif
 
-// Whether the vector version runs for this head size on this CPU (else row_scalar).
+// Whether the vector version runs for this head size on this CPU (else row_scalar); every AVX2 CPU has F16C.
 inline bool vector_ok(int64_t d) {
 #ifdef SPECCHAT_X86
   return cpu_has_avx2_fma() && d % 8 == 0;

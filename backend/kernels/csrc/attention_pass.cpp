@@ -21,7 +21,7 @@ constexpr int64_t kScoreTiles = 8;             // tiles per scoring work item
 constexpr int64_t kSumKeys = 64;               // values per block of the weighted sums
 constexpr int64_t kSumWidth = 32;              // output elements per weighted-sum work item (64 bfloat16 bytes)
 constexpr int64_t kSumRows = 8;                // rows per weighted-sum work item
-constexpr int64_t kBudget = int64_t{1} << 23;  // floats of scores a group of rows may hold (32 MiB)
+constexpr int64_t kBudget = int64_t{1} << 21;  // floats of scores a group of rows may hold (8 MiB, kept between passes)
 constexpr int64_t kHeadSplitWork = 2048;       // (row, head, key) scores below which threads split KV heads
 // How far ahead the loops ask for keys and values: at long contexts the pools come from memory, not the caches
 // (a row's first load of a key or value otherwise stalls the loop for the memory's latency).
@@ -328,6 +328,8 @@ void attend_rows(bool vector, const Pools<T>& pools, const RowKeys* rows, int64_
   rows_scalar(pools, rows, n, kv_heads, rep, scoring, q, q_stride, out, out_stride);
 }
 
+template void attend_rows<Half>(bool, const Pools<Half>&, const RowKeys*, int64_t, int64_t, int64_t, Scoring,
+                                const float*, int64_t, float*, int64_t, std::vector<float>&);
 template void attend_rows<uint16_t>(bool, const Pools<uint16_t>&, const RowKeys*, int64_t, int64_t, int64_t, Scoring,
                                     const float*, int64_t, float*, int64_t, std::vector<float>&);
 template void attend_rows<float>(bool, const Pools<float>&, const RowKeys*, int64_t, int64_t, int64_t, Scoring,

@@ -1,7 +1,7 @@
 // Attention of every row of one pass, for one layer (attention_pass.cpp): the rows share the reading of the keys
 // and values they have in common, and each row's arithmetic stays its own.
 //
-// Per row and query head (the vector version; attention.h's row_scalar runs without AVX2 and FMA):
+// Per row and query head (the vector version; attention.h's row_scalar runs without AVX2, FMA, F16C):
 //   score_j = (q · k_j) · scale: 8 lanes, lane l the fused multiply-adds q[8c + l] · k_j[8c + l] in order of c,
 //     then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); with a soft cap c (gemma2), tanh(score_j / c) · c.
 //   e_j = exp(score_j − max score) (attention.h's exp8), total = Σ_j e_j in 8 lanes by j mod 8, then lanes_sum.
@@ -28,6 +28,8 @@ void attend_rows(bool vector, const Pools<T>& pools, const RowKeys* rows, int64_
                  Scoring scoring, const float* q, int64_t q_stride, float* out, int64_t out_stride,
                  std::vector<float>& work);
 
+extern template void attend_rows<Half>(bool, const Pools<Half>&, const RowKeys*, int64_t, int64_t, int64_t, Scoring,
+                                       const float*, int64_t, float*, int64_t, std::vector<float>&);
 extern template void attend_rows<uint16_t>(bool, const Pools<uint16_t>&, const RowKeys*, int64_t, int64_t, int64_t,
                                            Scoring, const float*, int64_t, float*, int64_t, std::vector<float>&);
 extern template void attend_rows<float>(bool, const Pools<float>&, const RowKeys*, int64_t, int64_t, int64_t, Scoring,

@@ -152,8 +152,8 @@ void NativeModel::bind_cache(const at::Tensor& k, const at::Tensor& v) {
               "NativeModel.bind_cache: K and V pools must be contiguous CPU [layers, kv_heads, slots, head_dim] "
               "tensors alike, got ",
               k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat, "NativeModel.bind_cache: pools of ",
-              k.scalar_type(), " (bfloat16 or float32 only)");
+  TORCH_CHECK(k.scalar_type() == at::kHalf || k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat,
+              "NativeModel.bind_cache: pools of ", k.scalar_type(), " (float16, bfloat16 or float32 only)");
   k_pool = k;
   v_pool = v;
   finished = false;

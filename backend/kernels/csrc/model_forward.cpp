@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <chrono>
@@ -68,6 +69,12 @@ T to_pool(float x);
 template <>
 c10::BFloat16 to_pool(float x) {
   return c10::BFloat16(x);  // round to nearest even, as ATen converts
+}
+template <>
+specchat_attention::Half to_pool(float x) {
+  // round to nearest even, as llama.cpp's f16 cache stores K and V; beyond float16's range, its largest value
+  // rather than an infinity (whose attention would be NaN)
+  return specchat_attention::Half{c10::Half(std::isnan(x) ? x : std::min(65504.0f, std::max(-65504.0f, x))).x};
 }
 template <>
 float to_pool(float x) {
@@ -162,7 +169,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::run(const at::Tenso
       if (taps[t] == after) tapped[t] = at::from_blob(hp, {n, hidden}, at::kFloat).clone();
     }
   };
-  const bool bf16 = k_pool.scalar_type() == at::kBFloat16;
+  const at::ScalarType pool_type = k_pool.scalar_type();
   const bool vector = specchat_attention::vector_ok(d);
   // (segment, window) -> each row's key positions
   std::map<std::pair<size_t, int64_t>, std::vector<std::vector<int64_t>>> tree_cache;
@@ -275,7 +282,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> NativeModel::run(const at::Tenso
                                           scores);
         }
       };
-      if (bf16) {
+      if (pool_type == at::kHalf) {
+        auto* kp = reinterpret_cast<specchat_attention::Half*>(k_pool.mutable_data_ptr<c10::Half>());
+        auto* vp = reinterpret_cast<specchat_attention::Half*>(v_pool.mutable_data_ptr<c10::Half>());
+        write(kp, vp);
+        attend(static_cast<const specchat_attention::Half*>(kp), static_cast<const specchat_attention::Half*>(vp));
+      } else if (pool_type == at::kBFloat16) {
         auto* kp = reinterpret_cast<uint16_t*>(k_pool.mutable_data_ptr<c10::BFloat16>());
         auto* vp = reinterpret_cast<uint16_t*>(v_pool.mutable_data_ptr<c10::BFloat16>());
         write(reinterpret_cast<c10::BFloat16*>(kp), reinterpret_cast<c10::BFloat16*>(vp));

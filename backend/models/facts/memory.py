@@ -12,7 +12,7 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
   untied output head) stay in the compute dtype, as bitsandbytes leaves them unquantised; ``int4-torch`` /
   ``int8-torch`` as :func:`_torch_quantized_bytes` says (activations and KV cache in bfloat16);
 - KV cache: ``layers x 2 x kv_heads x head_dim x bytes x context_length`` (bytes: the compute dtype's; the native
-  model's cache is bfloat16 for a GGUF: :func:`kv_dtype_bytes`);
+  model's cache is float16 for a GGUF: :func:`kv_dtype_bytes`);
 - scratch (the larger of the two models, which run one after the other): activations of one forward over
   :data:`specchat.backend.limits.PREFILL_CHUNK` tokens (``tokens x hidden x 16 x bytes``; MLP intermediate ~4 x hidden),
   attention scores if materialised (``heads x tokens x context x 4``: SDPA's math path with a mask), one
@@ -31,7 +31,8 @@ Estimate (bytes), per model (target, and the draft when the drafter is draft-mod
 - runtime (CPU only, not part of ``total``: the process holds it before any model loads, and free memory is
   what is left beside it): :data:`RUNTIME_BYTES` for Python, torch and specchat's modules, measured, plus the
   tokenizer at :data:`TOKENIZER_BYTES_PER_TOKEN` per vocabulary entry. :attr:`MemoryEstimate.process` is the
-  whole process: ``total + runtime``, what `specchat models` shows and ``benchmarks/memory_vs_llama.py`` compares
+  whole process: ``total - headroom + runtime`` (the headroom is the fit check's margin, not memory the process
+  holds), what `specchat models` shows and ``benchmarks/memory_vs_llama.py`` compares
   with the peak resident memory measured.
 
 The KV term counts every slot of the context; on CPU the cache's pages are reserved as tokens arrive
@@ -58,7 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 from specchat.backend.errors import InsufficientMemoryError
-from specchat.backend.limits import MAX_GAMMA, PREFILL_CHUNK
+from specchat.backend.limits import MAX_GAMMA, NATIVE_PREFILL_CHUNK, PREFILL_CHUNK
 from specchat.backend.models.catalog.config import TORCH_QUANTIZATIONS, ModelSpec, PairConfig
 from specchat.backend.models.catalog.model_spec import GGUF_KINDS
 
@@ -75,11 +76,12 @@ def device_type(device: Device) -> str:
 
 
 HEADROOM = 0.08
-# Resident memory of a specchat process before it loads a model (Python, torch 2.13's CPU build, the engine's
-# modules), measured on the Zen 4 (benchmarks/RESULTS.md, "Memory against llama-server"), and of the tokenizer
-# per vocabulary entry (the ``tokenizers`` BPE tables: 49,152 entries ~15 MiB, 151,936 ~45 MiB).
-RUNTIME_BYTES = 226 * 2**20
-TOKENIZER_BYTES_PER_TOKEN = 320
+# Resident memory of a specchat process besides the model's terms (Python, torch 2.13's CPU build and the engine's
+# modules: ~230 MiB before loading; the native library and what loading leaves: ~17 MiB), and of the tokenizer per
+# vocabulary entry (the ``tokenizers`` BPE tables), fitted to the loaded process of a 49,152- and a 151,936-entry
+# file on the Zen 4 (benchmarks/RESULTS.md, "Memory to llama.cpp's level").
+RUNTIME_BYTES = 246 * 2**20
+TOKENIZER_BYTES_PER_TOKEN = 290
 LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a prefill chunk keeps one)
 # Per logit of a kept row, beyond the model's output: float32 copy (4), penalised copy (4); per logit of the rows
 # whose noise is drawn at once (sampling.PICK_ROWS): the int64 hash and its scratch (16), the float64 noise (8)
@@ -87,6 +89,7 @@ LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a
 DECISION_BYTES = 8
 NOISE_BYTES = 32
 PICK_ROWS = 4  # sampling.PICK_ROWS (not imported: this module is read without the sampling code)
+SCORE_BUDGET = 1 << 21  # float32 attention scores the native pass holds at most (csrc/attention_pass.cpp: kBudget)
 NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64  # 4-bit code + float32 absmax per 64-weight block (no double quant)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -106,8 +109,9 @@ class MemoryEstimate:
 
     @property
     def process(self) -> int:
-        """The whole process: what loading adds (``total``) and what it holds before (``runtime``)."""
-        return self.total + self.runtime
+        """The whole process: what loading adds (``total`` less the fit check's headroom) and what it holds before
+        (``runtime``)."""
+        return self.total - self.headroom + self.runtime
 
     def describe(self, context_length: int) -> str:
         """One line naming each term, for messages and `specchat models`."""
@@ -211,7 +215,7 @@ def _ggml_block(name: str) -> tuple[int, int] | None:
 
 
 def kv_dtype_bytes(spec: ModelSpec, device: Device) -> int:
-    """Bytes per cached K/V value: the native model keeps a GGUF's cache in bfloat16 and a checkpoint's in its
+    """Bytes per cached K/V value: the native model keeps a GGUF's cache in float16 and a checkpoint's in its
     dtype (bfloat16, else float32), as ``native_loading.load`` chooses; other paths the compute dtype."""
     if as_stored(spec, device):
         return 2 if spec.kind in GGUF_KINDS or spec.dtype == "bfloat16" else 4
@@ -219,12 +223,13 @@ def kv_dtype_bytes(spec: ModelSpec, device: Device) -> int:
 
 
 def native_scratch_bytes(spec: ModelSpec, context_length: int) -> int:
-    """The native pass's buffers over one prefill chunk (``csrc/model_forward.cpp``: float32 residual, normed
-    input, q/k/v, attention output, o, gate/up, activation and down rows; int8 copies of the activations its
-    kernels read), the rotary tables for every slot (cos and sin, float32, two bases at most) and the kept
-    logits rows with the decision's copies. The MLP width comes from the parameter count (per layer: attention
-    ``hidden x (q + 2 kv + o)`` plus ``3 x hidden x intermediate``)."""
-    tokens = min(context_length, PREFILL_CHUNK)
+    """The native pass's buffers over one prefill chunk of :data:`NATIVE_PREFILL_CHUNK` rows
+    (``csrc/model_forward.cpp``: float32 residual, normed input, q/k/v, attention output, o, gate/up, activation
+    and down rows; int8 copies of the activations its kernels read), its attention scores (a group of rows over
+    their keys, at most :data:`SCORE_BUDGET` floats), the rotary tables for every slot (cos and sin, float32, two
+    bases at most) and the kept logits rows with the decision's copies. The MLP width comes from the parameter
+    count (per layer: attention ``hidden x (q + 2 kv + o)`` plus ``3 x hidden x intermediate``)."""
+    tokens = min(context_length, NATIVE_PREFILL_CHUNK)
     hidden, kv_width = spec.hidden_size, spec.num_kv_heads * spec.head_dim
     q_width = max(hidden // max(spec.head_dim, 1), spec.num_kv_heads) * spec.head_dim
     embeddings = spec.vocab_size * hidden * (1 if spec.tie_word_embeddings else 2)
@@ -232,9 +237,10 @@ def native_scratch_bytes(spec: ModelSpec, context_length: int) -> int:
     inter = max((per_layer - hidden * (2 * q_width + 2 * kv_width)) // (3 * max(hidden, 1)), hidden)
     floats = tokens * (4 * hidden + 2 * q_width + 2 * kv_width + 3 * inter)
     quantised = tokens * (hidden + inter) * 2  # int8 values and their per-block scales, generously
+    scores = min(SCORE_BUDGET, tokens * (q_width // max(spec.head_dim, 1)) * (context_length + 1)) * 4
     rotary = 2 * 2 * context_length * spec.head_dim * 4
     logits = LOGIT_ROWS * spec.vocab_size * (4 + DECISION_BYTES) + PICK_ROWS * spec.vocab_size * NOISE_BYTES
-    return floats * 4 + quantised + rotary + logits
+    return floats * 4 + quantised + scores + rotary + logits
 
 
 def _stored_16bit(spec: ModelSpec) -> bool:

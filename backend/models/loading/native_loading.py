@@ -148,7 +148,8 @@ def load(folder: Path, spec: ModelSpec, device: torch.device, tokenizer: Any, pr
                 config = AutoConfig.for_model(**values)
             model = from_gguf(parsed, config)
             del parsed  # the file's map goes: every weight is a QWeight's own copy now
-            dtype = torch.bfloat16
+            # the KV cache in float16, as llama.cpp's default: 3 more mantissa bits than bfloat16 at the same size
+            dtype = torch.float16
         else:
             config = _transformers_config(folder, spec)
             architecture(config)  # before any weight is read

@@ -100,3 +100,20 @@ def test_taps_come_with_the_logits(engine):
         assert torch.isfinite(again.hidden).all()
     finally:
         seq.free()
+
+
+def test_a_long_prompt_reads_in_native_chunks_with_the_logits_of_one_pass(engine, monkeypatch):
+    """The native model prefills NATIVE_PREFILL_CHUNK rows a pass (its buffers are sized by them): the prompt's last
+    row, and the greedy reply after it, are bit for bit what one pass over the whole prompt gives."""
+    from specchat.backend.engine import runner as runner_module
+    from specchat.backend.limits import NATIVE_PREFILL_CHUNK
+
+    assert engine.runner.prefill_chunk == NATIVE_PREFILL_CHUNK
+    words = " ".join(f"item {i} of the list, then" for i in range(90))
+    messages = [{"role": "user", "content": f"Repeat the last item: {words}"}]
+    greedy = SamplingParams(temperature=0, max_new_tokens=12)
+    chunked, last = _ids(engine, messages, sampling=greedy, drafter="none")
+    assert last is not None and last.stats.prompt_tokens > 3 * NATIVE_PREFILL_CHUNK
+    monkeypatch.setattr(runner_module, "NATIVE_PREFILL_CHUNK", 4096)  # the whole prompt in one pass
+    whole, _ = _ids(engine, messages, sampling=greedy, drafter="none")
+    assert chunked == whole

@@ -41,11 +41,47 @@ def test_bfloat16_cache_stays_close(family, native_ready, tmp_path):  # noqa: F8
     assert float((logits - expected).abs().max()) < 0.05 * float(expected.std())
 
 
+# head_dim 12 is not a multiple of 8: the portable attention (attention.h's row_scalar) runs instead of the vector one
+@pytest.mark.parametrize("family,shape", [("llama", {}), ("gemma2", {}), ("llama", {"head_dim": 12})])
+def test_float16_cache_is_closer_than_bfloat16(family, shape, native_ready, tmp_path):  # noqa: F811
+    """A GGUF's cache is float16, as llama.cpp's: its K and V round to 11 significant bits, bfloat16's to 8."""
+    errors = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        model, loaded, cache = tiny_native(family, tmp_path / str(dtype), dtype=dtype, **shape)
+        logits, _ = run(loaded, cache.new_sequence(), random_ids(30, seed=2))
+        with torch.no_grad():
+            expected = model(torch.tensor([random_ids(30, seed=2)])).logits[0]
+        errors[dtype] = float((logits - expected).abs().max())
+    assert errors[torch.float16] < errors[torch.bfloat16] / 3
+
+
+def test_float16_cache_holds_each_value_rounded_to_nearest_even(native_ready, tmp_path):  # noqa: F811
+    """The first layer's K and V (the same float32 values whatever the cache) stored as torch rounds them."""
+    ids = random_ids(40, seed=5)
+    pools = {}
+    for dtype in (torch.float16, torch.float32):
+        _, loaded, cache = tiny_native("llama", tmp_path / str(dtype), dtype=dtype, **SMOLLM_ATTENTION)
+        seq = cache.new_sequence()
+        run(loaded, seq, ids)
+        slots = torch.tensor([seq.slot(p) for p in range(len(ids))])
+        pools[dtype] = (cache.k[0][:, slots], cache.v[0][:, slots])
+    for half, wide in zip(pools[torch.float16], pools[torch.float32]):
+        assert torch.equal(half.view(torch.int16), wide.to(torch.float16).view(torch.int16))
+
+
 @pytest.mark.parametrize(
     "family,shape",
-    [("llama", {}), ("llama", SMOLLM_ATTENTION), ("mistral", {}), ("qwen2", {}), ("gemma2", {}), ("phi3", {})],
+    [
+        ("llama", {}),
+        ("llama", SMOLLM_ATTENTION),
+        ("llama", {"head_dim": 12}),
+        ("mistral", {}),
+        ("qwen2", {}),
+        ("gemma2", {}),
+        ("phi3", {}),
+    ],
 )
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_rows_equal_one_token_passes(family, shape, dtype, native_ready, tmp_path):  # noqa: F811
     _, loaded, cache = tiny_native(family, tmp_path, dtype=dtype, **shape)
     ids = random_ids(100, seed=3)
