@@ -45,11 +45,11 @@ def _text() -> str:
     )
 
 
-def _llama_hidden(bin_dir: Path, gguf: Path, ids: list[int], threads: int, port: int, cache_type: str) -> torch.Tensor:
-    """[n, hidden] float32: llama.cpp's final-norm output at every position of ``ids``."""
+def llama_hidden(bin_dir: Path, gguf: Path, ids: list[int], threads: int, port: int, flags: list[str]) -> torch.Tensor:
+    """[n, hidden] float32: llama.cpp's final-norm output at every position of ``ids`` (llama-server started with
+    ``flags`` besides the embedding ones; benchmarks/numerics_vs_llama.py passes its own)."""
     n = len(ids)
-    extra = ["-b", str(n + 16), "-ub", str(n + 16), "--embeddings", "--pooling", "none", "-ctk", cache_type,
-             "-ctv", cache_type]  # fmt: skip
+    extra = ["-b", str(n + 16), "-ub", str(n + 16), "--embeddings", "--pooling", "none", *flags]
     server = LlamaServer(bin_dir / "llama-server", gguf, spec_type=None, threads=threads, context_length=n + 16,
                          startup_s=300, port=port, extra=extra)  # fmt: skip
     try:
@@ -151,13 +151,14 @@ def main() -> int:
     ids = engine.tokenizer.encode(_text(), add_special_tokens=False)[: args.tokens]
     if len(ids) < args.tokens:
         raise SystemExit(f"the text has {len(ids)} tokens, fewer than --tokens {args.tokens}")
-    theirs_hidden = _llama_hidden(args.llama_bin, gguf, ids, args.threads, args.port, args.cache_type)
+    cache = ["-ctk", args.cache_type, "-ctv", args.cache_type]
+    theirs_hidden = llama_hidden(args.llama_bin, gguf, ids, args.threads, args.port, cache)
     summary: dict[str, object] = {"file": gguf.name, "llama_cache": args.cache_type,
                                   "architecture": engine.runner.native.arch.family}  # fmt: skip
     rows: list[dict[str, torch.Tensor]] = []
     if args.against is not None:  # llama.cpp against itself: the --against file's states as the reference
         summary["reference"] = f"llama.cpp on {args.against.name}"
-        ref_hidden = _llama_hidden(args.llama_bin, args.against, ids, args.threads, args.port, args.cache_type)
+        ref_hidden = llama_hidden(args.llama_bin, args.against, ids, args.threads, args.port, cache)
         for start in range(0, len(ids), CHUNK):
             part = slice(start, start + CHUNK)
             rows.append(_compare(_head(engine, ref_hidden[part]), _head(engine, theirs_hidden[part])))

@@ -32,6 +32,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from specchat.backend.models.gguf.gguf_arch import llama3_factors
+
 LOGIT_STD = float(os.environ.get("ARCHS_LOGIT_STD", 7.0))  # the logits' spread across the vocabulary
 SCORE_STD = float(os.environ.get("ARCHS_SCORE_STD", 1.5))  # the attention scores' spread
 UPDATE = float(os.environ.get("ARCHS_UPDATE", 0.5))  # each block's update (rms)
@@ -83,20 +85,9 @@ LLAMA3_ROPE = {
 
 
 def llama3_rope_freqs(theta: float, head_dim: int) -> np.ndarray:
-    """The divisor of each rotary frequency, as convert_hf_to_gguf writes ``rope_freqs`` for Llama 3.x."""
-    factor, low, high = LLAMA3_ROPE["factor"], LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"]
-    original = LLAMA3_ROPE["original_max_position_embeddings"]
-    out = []
-    for i in range(head_dim // 2):
-        wavelength = 2 * math.pi * theta ** (2 * i / head_dim)
-        if wavelength < original / high:
-            out.append(1.0)
-        elif wavelength > original / low:
-            out.append(factor)
-        else:
-            smooth = (original / wavelength - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+    """The divisor of each rotary frequency, as convert_hf_to_gguf writes ``rope_freqs`` for Llama 3.x (specchat's
+    own reading of that scaling: the file then states what the loader would compute)."""
+    return np.array(llama3_factors({**LLAMA3_ROPE, "rope_theta": theta}, head_dim), dtype=np.float32)
 
 
 def write_shape(

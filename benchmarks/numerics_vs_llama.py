@@ -25,12 +25,10 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
-
-from specchat.backend.bench.llama_server import LlamaServer
+from agreement_vs_llama import llama_hidden  # this folder is on sys.path when the script runs
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 256
@@ -77,24 +75,6 @@ def _specchat(gguf: Path, cache: str, ids: list[int]) -> torch.Tensor:
         hidden.append(taps[0])
     seq.free()
     return torch.cat(hidden)
-
-
-def _llama(bin_dir: Path, gguf: Path, flags: list[str], ids: list[int], port: int) -> torch.Tensor:
-    n = len(ids)
-    extra = ["-b", str(n + 16), "-ub", str(n + 16), "--embeddings", "--pooling", "none", *flags]
-    server = LlamaServer(bin_dir / "llama-server", gguf, spec_type=None, threads=torch.get_num_threads(),
-                         context_length=n + 16, startup_s=300, port=port, extra=extra)  # fmt: skip
-    try:
-        body = json.dumps({"content": ids, "embd_normalize": -1}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/embedding", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=1800) as answer:
-            reply = json.loads(answer.read())
-    finally:
-        server.close()
-    rows = reply[0]["embedding"] if isinstance(reply, list) else reply["embedding"]
-    return torch.tensor(rows, dtype=torch.float32)
 
 
 def _logprobs(engine, hidden: torch.Tensor) -> torch.Tensor:
@@ -192,7 +172,7 @@ def main() -> int:
     states = []
     for kind, file, option in parsed:
         if kind == "llama":
-            states.append(_llama(args.llama_bin, file, option.split(), ids, args.port))
+            states.append(llama_hidden(args.llama_bin, file, ids, torch.get_num_threads(), args.port, option.split()))
         else:
             states.append(_specchat(file, option or "f16", ids))
         print(f"# {kind}:{file.name}:{option} done", file=sys.stderr, flush=True)
