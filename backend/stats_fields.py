@@ -26,17 +26,8 @@ JSON_STATS_FIELDS = (
     "rejected_prediction_tokens",
 )
 
-# RequestStats' number fields that may be None (JSON null) when read back (``RequestStats.from_dict``).
-OPTIONAL_NUMBERS = {
-    "ttft_s",
-    "tok_s",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "tokens_per_step",
-    "alpha_hat",
-    "expected_speedup",
-    "spec_tok_s",
-    "plain_tok_s",
+# The RequestStats fields a remote reply leaves None unless its server reports them (backend/remote/stats.py).
+SERVER_FIELDS = (
     "prefill_s",
     "prefill_tokens",
     "steps",
@@ -49,6 +40,21 @@ OPTIONAL_NUMBERS = {
     "verify_s",
     "overhead_s",
     "last_gamma",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "tokens_per_step",
+    "alpha_hat",
+    "expected_speedup",
+    "spec_tok_s",
+    "plain_tok_s",
+)
+
+# RequestStats' number fields that may be None (JSON null) when read back (``RequestStats.from_dict``): what a
+# remote server may not report, a reply without tokens' rates, a reply without a prediction or a constraint.
+OPTIONAL_NUMBERS = {
+    *SERVER_FIELDS,
+    "ttft_s",
+    "tok_s",
     "accepted_prediction_tokens",
     "rejected_prediction_tokens",
     "mask_s",

@@ -42,29 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from specchat.backend.api import GammaSummary, PolicyState, RequestStats
-
-# The RequestStats fields a remote reply leaves None unless its server reports them.
-SERVER_FIELDS = (
-    "prefill_s",
-    "prefill_tokens",
-    "steps",
-    "spec_paused_steps",
-    "drafted",
-    "accepted",
-    "rejected",
-    "discarded",
-    "draft_s",
-    "verify_s",
-    "overhead_s",
-    "last_gamma",
-    "acceptance_rate",
-    "mean_accepted_length",
-    "tokens_per_step",
-    "alpha_hat",
-    "expected_speedup",
-    "spec_tok_s",
-    "plain_tok_s",
-)
+from specchat.backend.stats_fields import SERVER_FIELDS
 
 
 def _count(value: Any) -> int | None:
