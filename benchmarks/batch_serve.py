@@ -41,7 +41,6 @@ import httpx
 
 DATA = Path(__file__).resolve().parents[1] / "backend" / "bench" / "data"
 SLOTS = 16
-MODEL = "smollm2-135m"  # the served pair (--gguf: "bench-gguf"; llama-server takes any name)
 
 
 def prompts() -> list[list[dict]]:
@@ -101,8 +100,8 @@ def llama_server(bin_dir: Path, gguf: str, threads: int, ngram: bool) -> tuple[s
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
-def one_reply(url: str, messages: list[dict], max_tokens: int, spec: dict | None) -> dict:
-    body: dict = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+def one_reply(url: str, model: str, messages: list[dict], max_tokens: int, spec: dict | None) -> dict:
+    body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                   "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if spec is not None:
         body["specchat"] = spec
@@ -124,14 +123,15 @@ def one_reply(url: str, messages: list[dict], max_tokens: int, spec: dict | None
     return {"start": t0, "first": first or end, "end": end, "tokens": tokens or chunks}
 
 
-def run_mode(url: str, clients: int, requests: int, max_tokens: int, spec: dict | None) -> dict:
+def run_mode(url: str, model: str, clients: int, requests: int, max_tokens: int, spec: dict | None) -> dict:
+    """``model``: the served pair's name (llama-server takes any)."""
     pool = prompts()
     results: list[dict] = []
     lock = threading.Lock()
 
     def client(c: int) -> None:
         for r in range(requests):
-            got = one_reply(url, pool[(c * requests + r) % len(pool)], max_tokens, spec)
+            got = one_reply(url, model, pool[(c * requests + r) % len(pool)], max_tokens, spec)
             with lock:
                 results.append(got)
 
@@ -176,6 +176,7 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, default=None, help="serve this GGUF (default: the embedded model's)")
     args = parser.parse_args()
     pair: list[str] = []
+    model = "bench-gguf" if args.gguf is not None else "smollm2-135m"
     if args.gguf is not None:
         gguf = str(args.gguf.resolve())
         models = Path(tempfile.mkdtemp(prefix="batch-serve-")) / "models.yaml"
@@ -183,8 +184,6 @@ def main() -> int:
             f"pairs:\n  - name: bench-gguf\n    target:\n      source: {gguf}\n    context_length: 4096\n"
         )
         pair = ["--models", str(models), "--pair", "bench-gguf"]
-        global MODEL
-        MODEL = "bench-gguf"
     else:
         gguf = subprocess.run(
             [sys.executable, "-c", "from specchat.backend.models.catalog.config import load_pairs; "
@@ -220,9 +219,9 @@ def main() -> int:
                         continue
                     if mode.startswith("llama") and args.llama_concurrency and clients not in args.llama_concurrency:
                         continue
-                    run_mode(server[1], 1, 1, 8, specs.get(mode))  # warm: first-request costs out of the figures
+                    run_mode(server[1], model, 1, 1, 8, specs.get(mode))  # warm: first-request costs out of the figures
                     runs.setdefault((mode, clients), []).append(
-                        run_mode(server[1], clients, args.requests, args.max_tokens, specs.get(mode))
+                        run_mode(server[1], model, clients, args.requests, args.max_tokens, specs.get(mode))
                     )
             for mode in modes:
                 if (mode, clients) not in runs:
