@@ -53,12 +53,19 @@ def test_no_compiler_falls_back_with_one_line(capsys, monkeypatch):
     assert record["text"] and "Traceback" not in err
 
 
-def test_a_noted_failed_build_falls_back_naming_the_log(capsys, monkeypatch, tmp_path):
+def _failed_builds(monkeypatch, tmp_path, times: int):
+    """A fresh native cache whose folder has noted ``times`` failed builds in a row (skips without a compiler)."""
     if native_build.unavailable() is not None:
         pytest.skip(native_build.unavailable())
     monkeypatch.setenv("SPECCHAT_NATIVE_CACHE", str(tmp_path / "native"))
     folder = native_build.folder_for(native_build.compiler())
-    folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
+    for _ in range(times):
+        folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
+    return folder
+
+
+def test_a_noted_failed_build_falls_back_naming_the_log(capsys, monkeypatch, tmp_path):
+    folder = _failed_builds(monkeypatch, tmp_path, 1)
     record, err = _generate(capsys)
     (line,) = [line for line in err.splitlines() if "runs on" in line]
     assert "CPU int4 Python loop: the CPU kernels are unavailable: the build failed: c++: error: something" in line
@@ -84,12 +91,7 @@ def test_a_first_start_replies_while_the_kernels_build_in_the_background(capsys,
 
 
 def test_doctor_names_a_failed_build_and_when_a_start_tries_again(capsys, monkeypatch, tmp_path):
-    if native_build.unavailable() is not None:
-        pytest.skip(native_build.unavailable())
-    monkeypatch.setenv("SPECCHAT_NATIVE_CACHE", str(tmp_path / "native"))
-    folder = native_build.folder_for(native_build.compiler())
-    folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
-    folder.note_failure("the build failed: c++: error: something broke", native_build.identity())
+    _failed_builds(monkeypatch, tmp_path, 2)
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "something broke" in out and "2 failed build(s) in a row" in out and "tries again after" in out
