@@ -147,7 +147,9 @@ def main() -> int:
     parser.add_argument("--llama-bin", type=Path, default=Path.home() / ".cache/llama.cpp-bin/src/build/bin")
     args = parser.parse_args()
     if args.packaged:
-        from specchat.backend.models.loading.loaded import packaged_gguf_path
+        # spec_facts's lookup, not loaded.py's: this process must not import torch, or the child's torch pages
+        # would be shared with it, which Linux does not page out (backend/engine/heap.py)
+        from specchat.backend.models.facts.spec_facts import packaged_gguf_path
 
         gguf = packaged_gguf_path()
     else:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specchat.backend.engine.heap import release_code_pages
 from specchat.backend.errors import SpecchatError
 from specchat.backend.kernels import native
 from specchat.backend.kernels.native_library import BUILDING
@@ -82,6 +83,7 @@ def between_replies(engine: Swappable) -> str | None:
     target = fresh.get(id(engine.target), engine.target)
     draft = fresh.get(id(engine.draft), engine.draft) if engine.draft is not None else None
     engine.use_models(target, draft)
+    release_code_pages()  # the library's load ran torch's registration code once more
     log.info("%s now runs on %s", engine.pair.name, engine.start_line)
     return engine.start_line
 
