@@ -77,10 +77,11 @@ def device_type(device: Device) -> str:
 
 HEADROOM = 0.08
 # Resident memory of a specchat process besides the model's terms (Python, torch 2.13's CPU build and the engine's
-# modules: ~230 MiB before loading; the native library and what loading leaves: ~17 MiB), and of the tokenizer per
-# vocabulary entry (the ``tokenizers`` BPE tables), fitted to the loaded process of a 49,152- and a 151,936-entry
-# file on the Zen 4 (benchmarks/RESULTS.md, "Memory to llama.cpp's level").
-RUNTIME_BYTES = 246 * 2**20
+# modules, less the start's code pages that engine/heap.py hands back, plus the code a reply runs; the native
+# library and what loading leaves), and of the tokenizer per vocabulary entry (the ``tokenizers`` BPE tables),
+# fitted to the peaks of three files at a full context on the Zen 4 (benchmarks/RESULTS.md, "Memory to llama.cpp's
+# level" and "The libraries' code pages").
+RUNTIME_BYTES = 190 * 2**20
 TOKENIZER_BYTES_PER_TOKEN = 290
 LOGIT_ROWS = MAX_GAMMA + 1  # the rows a verification at the largest γ keeps (a prefill chunk keeps one)
 # Per logit of a kept row, beyond the model's output: float32 copy (4), penalised copy (4); per logit of the rows
