@@ -315,6 +315,9 @@ void attend_rows(bool vector, const Pools<T>& pools, const RowKeys* rows, int64_
       }
       g.stride = (g.end - g.first + kTile - 1) / kTile * kTile;
       const int64_t size = g.count * heads * (g.stride + 1);
+      // Reserved once at the budget: grown pass by pass as the context grows, each larger copy left the last one
+      // as a hole in the allocator's arena (the pages reserved and not yet used are not resident).
+      if (static_cast<int64_t>(work.capacity()) < size) work.reserve(static_cast<size_t>(std::max(size, kBudget)));
       if (static_cast<int64_t>(work.size()) < size) work.resize(static_cast<size_t>(size));
       g.scores = work.data();
       g.totals = g.scores + g.count * heads * g.stride;
