@@ -29,15 +29,17 @@ import threading
 import time
 import weakref
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
 import numpy
 import torch
 
 from specchat.backend.api import ConstraintSpec
 from specchat.backend.constraint_spec import grammar_text
 from specchat.backend.errors import RequestError
+
+if TYPE_CHECKING:  # imported where a grammar is used: a chat with none never holds the grammar engine's ~2 MiB
+    import llguidance
 
 _MINUS_INF = torch.tensor(float("-inf"))
 _tokenizers: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
@@ -58,6 +60,8 @@ def ll_tokenizer(tokenizer: Any, vocab: int, eos_ids: Collection[int]) -> llguid
             backend = copy.copy(backend)  # as llguidance.hf.from_tokenizer: no padding or truncation in its copy
             backend.no_padding()
             backend.no_truncation()
+            import llguidance
+
             try:
                 cached = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=sorted(eos_ids))
             except (ValueError, TypeError) as error:
@@ -71,6 +75,8 @@ class Constraint:
 
     def __init__(self, spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer, vocab: int) -> None:
         self.spec, self.vocab = spec, vocab
+        import llguidance
+
         grammar = grammar_text(spec)
         self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
