@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import linecache
 import re
 import sys
 from collections.abc import Callable
@@ -42,6 +43,7 @@ def settle_heap() -> None:
     reply as a stall of decoding. Frozen objects are still freed by reference counting; only cycles among them wait
     for the next load's unfreeze.
     """
+    linecache.clearcache()  # ~1 MiB of source lines torch's import read for its own introspection; reread on demand
     gc.collect()
     gc.freeze()
     release_code_pages()
