@@ -1,7 +1,7 @@
 """The process's memory around a model load: the cyclic garbage collector (what is long-lived after loading is
 frozen out of it, so a full collection never stalls decoding: :func:`settle_heap`; an earlier load's frozen heap
-is released before the next: :func:`start_heap`), and the libraries' code pages that only the start needed
-(:func:`release_code_pages`)."""
+is released before the next: :func:`start_heap`), the libraries' code pages that only the start needed
+(:func:`release_code_pages`), and glibc's arenas (:func:`one_arena`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import gc
 import linecache
+import platform
 import re
 import sys
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from pathlib import Path
 MADV_PAGEOUT = 21  # linux/mman.h, Linux 5.4+; older kernels answer EINVAL and nothing is released
 # shared libraries only (libtorch_cpu.so, tokenizers.abi3.so, libc.so.6): never a model file a path maps in place
 SHARED_LIBRARY = re.compile(r"\.so(\.[0-9.]+)?$")
+M_ARENA_MAX = -8  # glibc's malloc.h
 
 
 def start_heap() -> None:
@@ -30,6 +32,7 @@ def start_heap() -> None:
     else:
         gc.collect(1)
         gc.freeze()
+        one_arena()
     release_code_pages()
 
 
@@ -94,11 +97,31 @@ def _clean_mappings(smaps: str, library: re.Pattern[str]) -> list[tuple[int, int
     return found
 
 
-def _madvise() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("c")
+def one_arena() -> bool:
+    """Have threads that start allocating from now on share glibc's main malloc arena (``M_ARENA_MAX`` 1); True
+    where it was set (glibc only).
+
+    Each thread that allocates otherwise gets an arena of its own (up to 8 per core), and each keeps the holes its
+    frees leave: the pass thread's beside the main thread's held ~5 MiB more at a full context's peak. The lock
+    they then share costs nothing measurable here: a pass allocates a few buffers, and Python's small objects
+    come from its own pools (``benchmarks/RESULTS.md``, "The libraries' code pages"). Called before the first
+    load, before the engine's threads start; a thread that already has an arena keeps it."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = _libc()
+    return libc is not None and libc.mallopt(M_ARENA_MAX, 1) == 1
+
+
+def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(name, use_errno=True)
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     except OSError:
+        return None
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    libc = _libc()
+    if libc is None:
         return None
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -1,9 +1,10 @@
-"""release_code_pages: which mappings it asks Linux to drop, that a dropped page leaves the resident set and
-reads back, and that torch still runs after."""
+"""engine/heap.py's process memory: release_code_pages (which mappings it asks Linux to drop, that a dropped page
+leaves the resident set and reads back, that torch still runs after) and one_arena (threads share one arena)."""
 
 from __future__ import annotations
 
 import mmap
+import platform
 import re
 import subprocess
 import sys
@@ -98,3 +99,42 @@ def test_torch_runs_the_same_after_its_code_pages_are_released() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["True", "True"]
+
+
+ARENAS = textwrap.dedent(
+    """
+    import ctypes, ctypes.util, os, sys, tempfile, threading
+    from specchat.backend.engine.heap import one_arena
+    if sys.argv[1] == "one":
+        assert one_arena()
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.fopen.restype = ctypes.c_void_p
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    def allocate():
+        for _ in range(64):
+            libc.malloc(4096)  # small blocks: from the thread's arena, not a mapping of their own
+    threads = [threading.Thread(target=allocate) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    path = tempfile.mktemp()
+    handle = libc.fopen(path.encode(), b"w")
+    libc.malloc_info(0, handle)
+    libc.fclose(handle)
+    print(open(path).read().count("<heap nr="))
+    os.unlink(path)
+    """
+)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="M_ARENA_MAX is glibc's")
+def test_one_arena_makes_new_threads_share_the_main_arena() -> None:
+    def arenas(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", ARENAS, mode], capture_output=True, text=True, check=True)
+        return int(done.stdout)
+
+    assert arenas("one") == 1
+    assert arenas("many") > 1  # what glibc does by itself: the test sees the difference
