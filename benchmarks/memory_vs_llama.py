@@ -37,6 +37,8 @@ def status():
             key, value = line.split(":")
             fields[key] = int(value.split()[0]) * 1024
     return fields
+from specchat.backend.engine.heap import one_arena
+one_arena()  # as the specchat command does first
 import torch
 from specchat.backend.api import GenerationRequest, SamplingParams
 from specchat.backend.engine.engine import load_engine

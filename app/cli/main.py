@@ -342,7 +342,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    from specchat.backend.engine.heap import one_arena
     from specchat.backend.errors import SpecchatError
+
+    one_arena()  # before any thread starts: one that allocated first would keep an arena of its own, and hand it on
 
     command: ModuleType  # the subcommand's module: each has run(args) -> int
     try:

@@ -104,8 +104,10 @@ def one_arena() -> bool:
     Each thread that allocates otherwise gets an arena of its own (up to 8 per core), and each keeps the holes its
     frees leave: the pass thread's beside the main thread's held ~5 MiB more at a full context's peak. The lock
     they then share costs nothing measurable here: a pass allocates a few buffers, and Python's small objects
-    come from its own pools (``benchmarks/RESULTS.md``, "The libraries' code pages"). Called before the first
-    load, before the engine's threads start; a thread that already has an arena keeps it."""
+    come from its own pools (``benchmarks/RESULTS.md``, "The libraries' code pages"). The ``specchat`` command
+    calls it first thing, before any thread starts: a thread that allocated earlier keeps an arena of its own, and
+    when it ends glibc hands that arena to the next new thread (the pass thread) before any limit applies. The
+    first load calls it too, for other programs that load an engine."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return False
     libc = _libc()
