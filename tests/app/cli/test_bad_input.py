@@ -128,9 +128,12 @@ def test_fuzzed_field_values_are_accepted_or_named(tmp_path, field, value):
 
 
 @FUZZ
-# not YAML line breaks in keys
+# not YAML line breaks in keys, nor lone surrogates: no UTF-8 file holds one (PyYAML writes "\ud800" as an escape its
+# own reader refuses: the user gets the syntax error test_bad_models_file_through_the_cli checks)
 @given(
-    key=st.text(st.characters(blacklist_characters="\r\x85\u2028\u2029"), min_size=1, max_size=20),
+    key=st.text(
+        st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\x85\u2028\u2029"), min_size=1, max_size=20
+    ),
     where=st.sampled_from(["pair", "target", "sampling", "top"]),
 )
 def test_unknown_keys_are_named(tmp_path, key, where):
